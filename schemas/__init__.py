@@ -1,0 +1,1 @@
+"""The project's vocabulary: every config section and every artifact manifest (pydantic v2)."""

@@ -1,0 +1,41 @@
+"""Building blocks shared by configs and manifests."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    """Config sections reject unknown keys so a typo is an error, not a silent default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="path relative to the artifact directory, '/' separated")
+    bytes: int
+    sha256: str
+
+
+MANIFEST_SCHEMA_VERSION = 1
+
+
+class Manifest(BaseModel):
+    """What every published artifact says about itself (GUIDE.md: the artifact contract).
+
+    Stage manifests subclass this and add the facts a consumer checks before reading.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = MANIFEST_SCHEMA_VERSION
+    stage: str
+    fingerprint: str
+    upstream: dict[str, str] = Field(default_factory=dict, description="stage -> fingerprint consumed")
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    tool_version: str
+    code_version: str
+    config: dict = Field(default_factory=dict, description="the effective stage config that was fingerprinted")
+    inputs: dict = Field(default_factory=dict, description="input fingerprints (e.g. dataset listing, model identity)")
+    files: list[FileEntry] = Field(default_factory=list)

@@ -1,0 +1,42 @@
+"""Static facts of each model family that configs are checked against.
+
+The adapters in stages/families/ read these same facts, so a config check and the code that runs agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    name: str
+    vae_factor: int
+    patch_size: int
+    latent_channels: int
+    scaling_factor: float
+    shift_factor: float
+    prediction: Literal["epsilon", "v_prediction", "flow_matching"]
+    max_length: int
+
+    @property
+    def alignment(self) -> int:
+        """Smallest pixel multiple a bucket edge may have: one latent patch."""
+        return self.vae_factor * self.patch_size
+
+
+# Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values; a real model's own VAE config wins at run time.
+FAMILY_FACTS: dict[str, FamilyFacts] = {
+    "tiny": FamilyFacts("tiny", 8, 1, 4, 0.18215, 0.0, "epsilon", 16),
+    "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77),
+    "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77),
+    "sd3": FamilyFacts("sd3", 8, 2, 16, 1.5305, 0.0609, "flow_matching", 77),
+    "flux": FamilyFacts("flux", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512),
+}
+
+
+def facts(name: str) -> FamilyFacts:
+    try:
+        return FAMILY_FACTS[name]
+    except KeyError:
+        raise ValueError(f"model.family: unknown family {name!r}; known: {', '.join(FAMILY_FACTS)}") from None

@@ -1,0 +1,122 @@
+"""Scan stage: dataset + bucketing config, per-image records, the scan manifest."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.base import Manifest, Strict
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+# PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.
+PIL_BOMB_LIMIT = 178_956_970
+
+
+class DatasetConfig(Strict):
+    path: str = Field("demo-data", description="folder of images (+ captions); relative paths resolve against workdir")
+    demo: bool = Field(False, description="write the demo's generated dataset to `path` first")
+    caption_extension: str = Field(".txt", description="sidecar caption file extension")
+    recursive: bool = True
+    extensions: list[str] = Field(list(IMAGE_EXTENSIONS), min_length=1,
+                                  description="image file extensions scanned (case-insensitive)")
+    metadata_file: str = Field("metadata.jsonl", description="HF imagefolder captions: one JSON object per line "
+                               "with `file_name` (relative to the metadata file's folder) and a caption field")
+    metadata_caption_field: str | None = Field(None, description="caption field in metadata_file; null = the first "
+                                               "of text, caption, prompt present")
+    empty_caption: Literal["keep", "reject", "filename"] = Field(
+        "keep", description="missing/empty caption: keep it empty (unconditional sample), reject the image, "
+                            "or caption it from its file name")
+    background: tuple[int, int, int] = Field((255, 255, 255), description="RGB that transparent pixels are "
+                                             "composited on")
+    max_image_pixels: int = Field(89_478_485, ge=1, le=PIL_BOMB_LIMIT,
+                                  description="decompression-bomb guard: larger images are rejected unread")
+    duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
+                                                  "reported; `reject` keeps only the first path of each group")
+
+    @model_validator(mode="after")
+    def _extensions(self) -> "DatasetConfig":
+        bad = [e for e in self.extensions if e.lower() not in IMAGE_EXTENSIONS]
+        if bad:
+            raise ValueError(f"dataset.extensions: {bad} not supported; choose from {list(IMAGE_EXTENSIONS)}")
+        if not self.caption_extension.startswith("."):
+            raise ValueError(f"dataset.caption_extension: {self.caption_extension!r} must start with '.', e.g. .txt")
+        return self
+
+
+class BucketConfig(Strict):
+    resolution: float = Field(64, gt=0, description="pixel: shorter edge in px; area: megapixels (1.0 = 1024x1024); "
+                              "pixel_area: edge whose square is the target area")
+    resolution_type: Literal["pixel", "area", "pixel_area"] = "pixel"
+    alignment: int | None = Field(None, ge=1, description="bucket edges are multiples of this; null = the family's "
+                                  "requirement (VAE factor x patch size). Must be a multiple of it.")
+    min_aspect: float = Field(0.25, gt=0, description="width/height below this is clamped (cropped)")
+    max_aspect: float = Field(4.0, gt=0, description="width/height above this is clamped (cropped)")
+    upscale: bool = Field(True, description="allow images smaller than the target to be upscaled to it")
+    min_edge: int = Field(0, ge=0, description="reject images whose shorter edge (px, after EXIF rotation) is below")
+    crop: Literal["center", "random", "corner"] = "center"
+    seed: int = 0
+    small_bucket: Literal["repeat", "drop"] = Field(
+        "repeat", description="a bucket with fewer images than one global batch (train.batch_size x "
+                              "train.processes x gradient accumulation): repeat its images to fill a batch, or drop "
+                              "it (its images are listed in rejected.jsonl)")
+
+    @model_validator(mode="after")
+    def _aspects(self) -> "BucketConfig":
+        if self.min_aspect > self.max_aspect:
+            raise ValueError(f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect ({self.max_aspect})")
+        return self
+
+
+class ImageRecord(BaseModel):
+    """One accepted image, as every later stage sees it. Sizes come from the ONE size function.
+
+    width/height are after EXIF orientation; `load_rgb(path, record)` reproduces exactly that image.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="relative to the dataset root, '/' separated")
+    width: int
+    height: int
+    bucket_width: int
+    bucket_height: int
+    crop: tuple[int, int, int, int] = Field(description="left, top, right, bottom in oriented original pixels; "
+                                            "this region is resized to the bucket (SDXL crop conditioning)")
+    caption: str
+    caption_source: Literal["sidecar", "metadata", "filename", "none"] = "none"
+    sha256: str
+    size_bytes: int
+    mtime_ns: int
+    format: str = ""
+    mode: str = Field("RGB", description="PIL mode of the file")
+    orientation: int = Field(1, ge=1, le=8, description="EXIF orientation applied (1 = none)")
+    conversion: str = Field("", description="how the file's mode becomes RGB, empty when it already is")
+    background: tuple[int, int, int] | None = Field(None, description="RGB transparent pixels are composited on")
+
+
+class Rejected(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    reason: str = Field(description="what is wrong and what to do about it")
+    kind: str = Field("other", description="short category, counted in the manifest's rejected_by_kind")
+
+
+class BucketRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    width: int
+    height: int
+    count: int
+    samples: list[str] = Field(default_factory=list)
+    dropped: bool = Field(False, description="fewer images than one batch with buckets.small_bucket drop")
+
+
+class ScanManifest(Manifest):
+    stage: Literal["scan"] = "scan"
+    alignment: int
+    dataset_root: str
+    accepted: int
+    rejected: int
+    buckets: list[BucketRow]
+    duplicates: list[list[str]] = Field(default_factory=list, description="groups of paths with identical bytes")
+    rejected_by_kind: dict[str, int] = Field(default_factory=dict)
+    conversions: dict[str, int] = Field(default_factory=dict, description="mode conversion -> image count")
+    reopened: int = Field(0, description="image files read in this build (the rest reused the previous scan)")

@@ -1,0 +1,43 @@
+"""Validation stage: prompts, rendering settings, manifest."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.base import Manifest, Strict
+
+
+class ValidationPrompt(Strict):
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+
+
+class ValidateConfig(Strict):
+    prompts: list[ValidationPrompt] = Field(default_factory=lambda: [ValidationPrompt(prompt="a photo")])
+    resolution: float | None = Field(None, gt=0, description="null = buckets.resolution")
+    resolution_type: Literal["pixel", "area", "pixel_area"] | None = Field(None, description="null = buckets'")
+    aspect: float = Field(1.0, gt=0, description="width/height of rendered images")
+    steps: int = Field(20, ge=1, description="sampler steps")
+    guidance_scale: float = Field(4.0, ge=0)
+    learning_check: bool = Field(False, description="demo only: measure class separation in latent space")
+    check_seeds: int = Field(4, ge=1, description="seeds per class for the learning check")
+
+
+class RenderedImage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    width: int
+    height: int
+
+
+class ValidateManifest(Manifest):
+    stage: Literal["validate"] = "validate"
+    images: list[RenderedImage]
+    grid: str
+    class_separation_accuracy: float | None = None
+    untrained_class_separation_accuracy: float | None = None

@@ -1,0 +1,1 @@
+"""Machinery every stage shares: the artifact store, fingerprints, the stage runner, sizes."""

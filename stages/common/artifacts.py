@@ -1,0 +1,183 @@
+"""The artifact store: `<workdir>/artifacts/<stage>/<version>/` published atomically, manifest written last.
+
+A version directory exists only once complete: stages build in `artifacts/<stage>/.<version>.partial/`
+(kept across crashes so a rerun can resume finished blocks) and `os.replace` it into place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import ValidationError
+
+from schemas.base import MANIFEST_SCHEMA_VERSION, FileEntry, Manifest
+from stages.common.hashing import file_sha256
+
+M = TypeVar("M", bound=Manifest)
+
+MANIFEST = "manifest.json"
+FAILURE = ".failed.json"
+# Small files are re-hashed by every consumer; large data files are checked by size (a truncated chunk
+# is caught) unless a full verification is asked for.
+HASH_ON_READ_LIMIT = 4 << 20
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is missing, stale or fails its checks; the message names it and the fixing command."""
+
+
+def fix_hint(stage: str) -> str:
+    return f"run `tuneline stage {stage} --force` (or `tuneline run`) to rebuild it"
+
+
+class ArtifactStore:
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.root = self.workdir / "artifacts"
+
+    # Layout ----------------------------------------------------------------------------------
+    def stage_dir(self, stage: str) -> Path:
+        return self.root / stage
+
+    def version_dir(self, stage: str, version: str) -> Path:
+        return self.stage_dir(stage) / version
+
+    def partial_dir(self, stage: str, version: str) -> Path:
+        return self.stage_dir(stage) / f".{version}.partial"
+
+    def versions(self, stage: str) -> list[Path]:
+        """Published versions, oldest first (by manifest mtime: manifests are written last)."""
+        d = self.stage_dir(stage)
+        if not d.is_dir():
+            return []
+        found = [p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file()]
+        return sorted(found, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name))
+
+    def latest(self, stage: str) -> Path | None:
+        v = self.versions(stage)
+        return v[-1] if v else None
+
+    # Reading ---------------------------------------------------------------------------------
+    def read(self, path: Path, cls: type[M], *, full: bool = False) -> M:
+        """Parse and verify a published version: schema version, stage, fingerprint = directory name, files."""
+        path = Path(path)
+        stage = path.parent.name
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise ArtifactError(f"artifact {path} has no {MANIFEST}: it is not a published version; {fix_hint(stage)}")
+        try:
+            raw = json.loads(mpath.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ArtifactError(f"artifact {path}: {MANIFEST} is not valid JSON ({err}); {fix_hint(stage)}") from None
+        sv = raw.get("schema_version") if isinstance(raw, dict) else None
+        if sv != MANIFEST_SCHEMA_VERSION:
+            raise ArtifactError(f"artifact {path}: manifest schema_version {sv!r} is not one this tuneline knows "
+                                f"({MANIFEST_SCHEMA_VERSION}); {fix_hint(stage)}")
+        try:
+            manifest = cls.model_validate(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(x) for x in first["loc"])
+            raise ArtifactError(f"artifact {path}: manifest field {loc}: {first['msg']}; {fix_hint(stage)}") from None
+        if manifest.stage != stage or manifest.fingerprint != path.name:
+            raise ArtifactError(f"artifact {path}: manifest says stage {manifest.stage!r} version "
+                                f"{manifest.fingerprint!r}, which is not where it lies; {fix_hint(stage)}")
+        self._verify_files(path, manifest, full=full)
+        return manifest
+
+    def _verify_files(self, path: Path, manifest: Manifest, *, full: bool) -> None:
+        stage = manifest.stage
+        for entry in manifest.files:
+            f = safe_join(path, entry.path)
+            if not f.is_file():
+                raise ArtifactError(f"artifact {path}: file {entry.path} is missing; {fix_hint(stage)}")
+            size = f.stat().st_size
+            if size != entry.bytes:
+                raise ArtifactError(f"artifact {path}: file {entry.path} has {size} bytes, the manifest says "
+                                    f"{entry.bytes} (truncated or edited); {fix_hint(stage)}")
+            if (full or size <= HASH_ON_READ_LIMIT) and file_sha256(f) != entry.sha256:
+                raise ArtifactError(f"artifact {path}: file {entry.path} does not match its checksum (edited or "
+                                    f"corrupt); {fix_hint(stage)}")
+
+    # Writing ---------------------------------------------------------------------------------
+    def start(self, stage: str, version: str, *, resume: bool = True) -> Path:
+        """The work-in-progress directory for a version; kept (resumable) unless resume is False."""
+        work = self.partial_dir(stage, version)
+        if work.exists() and not resume:
+            shutil.rmtree(work)
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+
+    def publish(self, work: Path, manifest: M) -> Path:
+        """List every file with size + checksum, write the manifest last, fsync, rename into place."""
+        stage, version = manifest.stage, manifest.fingerprint
+        final = self.version_dir(stage, version)
+        manifest.files = list_files(work)
+        mpath = work / MANIFEST
+        tmp = work / f".{MANIFEST}.tmp"
+        tmp.write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+        _fsync(tmp)
+        os.replace(tmp, mpath)
+        _fsync_dir(work)
+        if final.exists():
+            # Same fingerprint = same content: an earlier (or concurrent) run already published it.
+            shutil.rmtree(work)
+        else:
+            os.replace(work, final)
+            _fsync_dir(final.parent)
+        self.clear_failure(stage)
+        return final
+
+    # Failures --------------------------------------------------------------------------------
+    def record_failure(self, stage: str, version: str | None, error: str, key: str | None = None) -> None:
+        d = self.stage_dir(stage)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"{FAILURE}.tmp"
+        tmp.write_text(json.dumps({"version": version, "key": key, "error": error, "at": time.time()}), encoding="utf-8")
+        os.replace(tmp, d / FAILURE)
+
+    def last_failure(self, stage: str) -> dict | None:
+        f = self.stage_dir(stage) / FAILURE
+        try:
+            return json.loads(f.read_text(encoding="utf-8"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def clear_failure(self, stage: str) -> None:
+        (self.stage_dir(stage) / FAILURE).unlink(missing_ok=True)
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    """Join a path taken from a manifest or caption file, refusing anything that escapes `root`."""
+    p = (root / rel).resolve()
+    if not p.is_relative_to(root.resolve()):
+        raise ArtifactError(f"path {rel!r} in {root} points outside it; refusing to read it")
+    return p
+
+
+def list_files(root: Path) -> list[FileEntry]:
+    out = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name not in (MANIFEST, f".{MANIFEST}.tmp"):
+            rel = p.relative_to(root).as_posix()
+            out.append(FileEntry(path=rel, bytes=p.stat().st_size, sha256=file_sha256(p)))
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems refuse directory fsync; the rename is still atomic
+        pass

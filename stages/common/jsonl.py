@@ -1,0 +1,29 @@
+"""JSON-lines read/write for the small per-image tables artifacts carry."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from pydantic import BaseModel
+
+
+def write_jsonl(path: Path, rows: Iterable[BaseModel | dict]) -> int:
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            data = row.model_dump(mode="json") if isinstance(row, BaseModel) else row
+            f.write(json.dumps(data, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None

@@ -1,0 +1,254 @@
+"""The stage runner: versions, freshness, upstream checks, publish. Pure Python (flows wrap it in Prefect).
+
+A stage's *key* hashes everything it is built from (effective config, code version, input fingerprints,
+upstream versions). Its *version* is the key, except for content-addressed stages (scan), whose version
+hashes what they produced, so touching a file without changing it leaves every downstream stage fresh.
+`.index.json` in the stage directory remembers key -> version.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schemas.base import Manifest
+from schemas.config import PipelineConfig
+from stages.common.artifacts import ArtifactError, ArtifactStore, fix_hint
+from stages.common.hashing import digest
+from stages.common.report import Reporter
+
+TOOL_VERSION = "0.1.0"
+INDEX = ".index.json"
+
+
+class StageFailed(RuntimeError):
+    """A stage could not complete; nothing was published."""
+
+
+@dataclass
+class StageContext:
+    cfg: PipelineConfig
+    reporter: Reporter = field(default_factory=Reporter)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("tuneline"))
+    force: bool = False
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def workdir(self) -> Path:
+        return self.cfg.workdir_path()
+
+    @property
+    def store(self) -> ArtifactStore:
+        return ArtifactStore(self.workdir)
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """Compute-once values shared by stages of one run (model folder, identities)."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    upstream: tuple[str, ...]
+    code_version: str
+    manifest_cls: type[Manifest]
+    config: Callable[[PipelineConfig], dict]
+    inputs: Callable[[StageContext], dict]
+    # build(ctx, work_dir, upstream manifests) -> the stage's own manifest facts
+    build: Callable[[StageContext, Path, dict[str, Manifest]], dict]
+    # check(ctx, upstream manifests): the facts this stage relies on match; raise ArtifactError otherwise
+    check: Callable[[StageContext, dict[str, Manifest]], None] | None = None
+    content_addressed: bool = False
+
+
+@dataclass
+class StageStatus:
+    stage: str
+    state: str  # fresh | stale | missing | failed
+    version: str | None
+    path: str | None
+    reason: str
+    key: str | None = None
+    summary: str = ""
+
+    def as_json(self) -> dict:
+        return {"stage": self.stage, "state": self.state, "version": self.version, "path": self.path,
+                "reason": self.reason}
+
+
+def _read_index(store: ArtifactStore, stage: str) -> dict[str, str]:
+    try:
+        return json.loads((store.stage_dir(stage) / INDEX).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_index(store: ArtifactStore, stage: str, key: str, version: str) -> None:
+    idx = _read_index(store, stage)
+    idx[key] = version
+    d = store.stage_dir(stage)
+    tmp = d / f"{INDEX}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(idx, indent=1), encoding="utf-8")
+    os.replace(tmp, d / INDEX)
+
+
+def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict:
+    return {"stage": sd.name, "code_version": sd.code_version, "config": sd.config(ctx.cfg),
+            "inputs": sd.inputs(ctx), "upstream": upstream}
+
+
+def expected_versions(ctx: StageContext, stages: list[StageDef]) -> dict[str, tuple[str | None, dict | None]]:
+    """Per stage: (the version the current config + inputs map to, or None if unknown; the key parts)."""
+    out: dict[str, tuple[str | None, dict | None]] = {}
+    for sd in stages:
+        ups = {u: out[u][0] for u in sd.upstream}
+        if any(v is None for v in ups.values()):
+            out[sd.name] = (None, None)
+            continue
+        parts = key_parts(ctx, sd, ups)  # type: ignore[arg-type]
+        key = digest(parts)
+        version = _read_index(ctx.store, sd.name).get(key) if sd.content_addressed else key
+        out[sd.name] = (version, parts)
+    return out
+
+
+def _diff(old: Any, new: Any, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new)):
+            out += _diff(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+
+
+def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | None) -> str:
+    try:
+        m = ctx.store.read(latest, sd.manifest_cls)
+    except ArtifactError as err:
+        return str(err)
+    if parts is None:
+        ups = ", ".join(sd.upstream)
+        return f"upstream ({ups}) is not fresh: rebuild it first"
+    changes = []
+    if m.code_version != parts["code_version"]:
+        changes.append(f"code version {m.code_version} -> {parts['code_version']}")
+    changes += [f"config {c}" for c in _diff(m.config, parts["config"], "")]
+    changes += [f"input {c}" for c in _diff(m.inputs, parts["inputs"], "")]
+    changes += [f"upstream {u} changed" for u in sd.upstream if m.upstream.get(u) != parts["upstream"].get(u)]
+    return "; ".join(changes[:6]) or "inputs changed"
+
+
+def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
+    store = ctx.store
+    exp = expected_versions(ctx, stages)
+    rows = []
+    for sd in stages:
+        version, parts = exp[sd.name]
+        fresh_dir = store.version_dir(sd.name, version) if version else None
+        failure = store.last_failure(sd.name)
+        if fresh_dir is not None and (fresh_dir / "manifest.json").is_file():
+            try:
+                m = store.read(fresh_dir, sd.manifest_cls)
+                rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date",
+                                        digest(parts), _summary(m)))
+                continue
+            except ArtifactError as err:
+                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), str(err)))
+                continue
+        if failure is not None and (parts is None or failure.get("key") in (None, digest(parts))):
+            rows.append(StageStatus(sd.name, "failed", failure.get("version"), None,
+                                    f"last attempt failed: {failure.get('error', '?')}"))
+            continue
+        latest = store.latest(sd.name)
+        if latest is None:
+            rows.append(StageStatus(sd.name, "missing", None, None, "never built"))
+            continue
+        rows.append(StageStatus(sd.name, "stale", latest.name, str(latest), stale_reason(ctx, sd, latest, parts)))
+    return rows
+
+
+def _summary(m: Manifest) -> str:
+    facts = m.model_dump(include={"accepted", "rejected", "count", "step"})
+    return ", ".join(f"{k} {v}" for k, v in facts.items())
+
+
+def load_upstream(ctx: StageContext, sd: StageDef, by_name: dict[str, StageDef],
+                  versions: dict[str, str]) -> dict[str, Manifest]:
+    """Read and verify each upstream artifact this stage consumes, or refuse naming it and the fix."""
+    got: dict[str, Manifest] = {}
+    for u in sd.upstream:
+        v = versions.get(u)
+        udef = by_name[u]
+        if v is None or not ctx.store.version_dir(u, v).is_dir():
+            latest = ctx.store.latest(u)
+            what = "missing" if latest is None else f"stale (latest {latest.name} does not match the current config/inputs)"
+            raise ArtifactError(f"stage {sd.name} needs the {u} artifact, which is {what}; "
+                                f"run `tuneline stage {u}` (or `tuneline run`) first")
+        m = ctx.store.read(ctx.store.version_dir(u, v), udef.manifest_cls)
+        got[u] = m
+    return got
+
+
+def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[Path, bool]:
+    """Build `sd` unless a fresh version exists. Returns (artifact dir, built?)."""
+    by_name = {s.name: s for s in stages}
+    chain = _chain(sd, by_name)
+    exp = expected_versions(ctx, chain)
+    version, parts = exp[sd.name]
+    store = ctx.store
+    if parts is None:
+        load_upstream(ctx, sd, by_name, {u: exp[u][0] for u in sd.upstream})  # raises naming the culprit
+        raise ArtifactError(f"stage {sd.name}: upstream is not fresh; run `tuneline run`")
+    key = digest(parts)
+    if version and not ctx.force and (store.version_dir(sd.name, version) / "manifest.json").is_file():
+        try:
+            store.read(store.version_dir(sd.name, version), sd.manifest_cls)
+            ctx.log.info("%s: fresh (%s), skipped", sd.name, version)
+            return store.version_dir(sd.name, version), False
+        except ArtifactError as err:
+            ctx.log.warning("%s: published version fails its checks, rebuilding: %s", sd.name, err)
+    try:
+        upstream = load_upstream(ctx, sd, by_name, parts["upstream"])
+        if sd.check:
+            sd.check(ctx, upstream)
+        work = store.start(sd.name, key)
+        facts = sd.build(ctx, work, upstream)
+        content = facts.pop("content_digest", None)
+        if sd.content_addressed:
+            version = digest({k: v for k, v in parts.items() if k != "inputs"} | {"content": content})
+        else:
+            version = key
+        manifest = sd.manifest_cls(stage=sd.name, fingerprint=version, upstream=parts["upstream"],
+                                   tool_version=TOOL_VERSION, code_version=sd.code_version,
+                                   config=parts["config"], inputs=parts["inputs"], **facts)
+        path = store.publish(work, manifest)
+        _write_index(store, sd.name, key, version)
+        ctx.log.info("%s: published %s", sd.name, path)
+        return path, True
+    except BaseException as err:
+        if not isinstance(err, KeyboardInterrupt):
+            store.record_failure(sd.name, version, f"{type(err).__name__}: {err}", key=key)
+        raise
+
+
+def _chain(sd: StageDef, by_name: dict[str, StageDef]) -> list[StageDef]:
+    """`sd` and everything upstream of it, in pipeline order."""
+    seen: list[StageDef] = []
+
+    def visit(s: StageDef) -> None:
+        for u in s.upstream:
+            visit(by_name[u])
+        if s not in seen:
+            seen.append(s)
+
+    visit(sd)
+    return seen
+
+
+__all__ = ["StageContext", "StageDef", "StageStatus", "StageFailed", "status", "run_stage", "fix_hint"]

@@ -1,0 +1,77 @@
+"""The one interface every model family implements. Generic code calls these; it never tests a family name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from schemas.families import FamilyFacts
+
+
+@dataclass
+class TextEncoders:
+    """Tokenizers + encoders of one family, loaded once and passed back to the adapter."""
+
+    tokenizers: list[Any]
+    encoders: list[torch.nn.Module]
+    max_length: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MicroCond:
+    """Per-sample size facts recorded by the scan (SDXL micro-conditioning reads them; others ignore them)."""
+
+    original_size: tuple[int, int]  # (height, width)
+    crop_top_left: tuple[int, int]  # (top, left) in bucket pixels
+    target_size: tuple[int, int]  # (height, width)
+
+
+class Family(Protocol):
+    facts: FamilyFacts
+
+    # Model folders ---------------------------------------------------------------------------
+    def ensure_model(self, path: str | None, cache_dir: Path) -> Path:
+        """A diffusers folder for this family: `path` (folder, or a single checkpoint converted once into
+        `cache_dir`), or for None the family's tiny random-init flavor built deterministically in `cache_dir`.
+        Raises ValueError naming the missing component / file."""
+
+    def identity(self, model_dir: Path, component: str) -> str:
+        """Stable hash of a component's config + weights ('vae', 'text', 'denoiser')."""
+
+    # Latents ---------------------------------------------------------------------------------
+    def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module: ...
+
+    def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
+        """(scaling_factor, shift_factor) from the VAE's own config, facts as fallback."""
+
+    # Text ------------------------------------------------------------------------------------
+    def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                           max_length: int | None = None) -> TextEncoders: ...
+
+    def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Every tensor the denoiser and the pipeline need for these captions, batch first
+        (e.g. prompt_embeds, pooled_prompt_embeds, attention masks)."""
+
+    # Training --------------------------------------------------------------------------------
+    def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module: ...
+
+    def load_noise_scheduler(self, model_dir: Path) -> Any: ...
+
+    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+        """The denoiser's prediction for scaled latents `noisy` (B, C, H, W); the target kind is
+        facts.prediction."""
+
+    lora_target_modules: tuple[str, ...]
+
+    def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
+        """Write a folder `DiffusionPipeline.from_pretrained(out_dir)` loads: the base components + `denoiser`."""
+
+    # Validation ------------------------------------------------------------------------------
+    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Keyword arguments for the pipeline call from pre-encoded prompt and negative prompt (batch 1 each)."""

@@ -1,0 +1,284 @@
+"""What every diffusers-based family shares: model folders, identities, loading, saving.
+
+A family adapter subclasses `DiffusersFamily` and supplies only what differs: its pipeline class, component names,
+tiny flavor, text encoding, denoiser call and prompt kwargs (see sd15.py for the smallest complete one).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from schemas.families import FamilyFacts
+from stages.families.base import MicroCond, TextEncoders
+from stages.families.singlefile import convert_single_file
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+# Files of a tokenizer folder that change what token ids come out.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "spiece.model",
+                   "special_tokens_map.json")
+_IDENTITY_CACHE: dict[tuple, str] = {}
+
+
+class DiffusersFamily:
+    """Shared implementation of the Family protocol for diffusers pipeline folders."""
+
+    facts: ClassVar[FamilyFacts]
+    denoiser_component: ClassVar[str] = "unet"
+    text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
+    tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer",)
+    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Tensors encode_text returns that the pipeline takes as `<key>=` / `negative_<key>=`.
+    prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
+    # Bump when the tiny flavor's configs or tokenizer change, so stale cached folders are not reused.
+    tiny_revision: ClassVar[str] = "1"
+    tiny_seed: ClassVar[int] = 0
+
+    # ---- subclass hooks ----------------------------------------------------------------------
+    def build_tiny(self, out_dir: Path) -> None:
+        """Write the tiny random-init pipeline folder into `out_dir` (RNG already seeded)."""
+        raise NotImplementedError
+
+    @property
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline class (imported lazily: importing diffusers pipelines costs seconds)."""
+        raise NotImplementedError
+
+    @property
+    def pipeline_class_names(self) -> tuple[str, ...]:
+        """model_index.json `_class_name`s this family accepts: its pipeline and the img2img/inpaint variants
+        that share the same components."""
+        base = self.pipeline_class.__name__.removesuffix("Pipeline")
+        return tuple(f"{base}{v}Pipeline" for v in ("", "Img2Img", "Inpaint"))
+
+    def pipeline_load_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    # ---- model folders -----------------------------------------------------------------------
+    @property
+    def required_components(self) -> tuple[str, ...]:
+        return ("vae", "scheduler", self.denoiser_component, *self.text_components, *self.tokenizer_components)
+
+    def ensure_model(self, path: str | None, cache_dir: Path) -> Path:
+        cache_dir = Path(cache_dir)
+        if path is None:
+            return self._ensure_tiny(cache_dir)
+        p = Path(path).expanduser()
+        if p.is_dir():
+            self.check_folder(p)
+            return p
+        if p.is_file():
+            return convert_single_file(self, p, cache_dir)
+        raise ValueError(f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "
+                         f"of family {self.facts.name!r})")
+
+    def check_folder(self, folder: Path) -> None:
+        """A folder is usable when model_index.json lists every component this family needs and each exists."""
+        index_file = folder / "model_index.json"
+        if not index_file.is_file():
+            raise ValueError(f"model.path: {folder} is not a diffusers pipeline folder (no model_index.json)")
+        index = json.loads(index_file.read_text())
+        cls = index.get("_class_name", "")
+        if cls not in self.pipeline_class_names:
+            raise ValueError(f"model.path: {folder} holds a {cls or 'unknown'} pipeline, not family "
+                             f"{self.facts.name!r} ({' / '.join(self.pipeline_class_names)}); fix model.family "
+                             f"or model.path")
+        for comp in self.required_components:
+            entry = index.get(comp)
+            sub = folder / comp
+            if not entry or entry == [None, None] or not sub.is_dir():
+                raise ValueError(f"model.path: {folder} lacks component {comp!r} needed by family "
+                                 f"{self.facts.name!r} (not in model_index.json or no {comp}/ folder)")
+            if comp in self.tokenizer_components:
+                if not any((sub / f).is_file() for f in TOKENIZER_FILES):
+                    raise ValueError(f"model.path: {folder}: component {comp!r} has no tokenizer files")
+                continue
+            config = "scheduler_config.json" if comp == "scheduler" else "config.json"
+            if not (sub / config).is_file():
+                raise ValueError(f"model.path: {folder}: component {comp!r} has no {config}")
+            if comp != "scheduler" and not _weight_files(sub):
+                raise ValueError(f"model.path: {folder}: component {comp!r} has no weight files")
+
+    def _ensure_tiny(self, cache_dir: Path) -> Path:
+        target = cache_dir / f"{self.facts.name}-tiny-r{self.tiny_revision}"
+        if target.is_dir():
+            self.check_folder(target)  # published only by os.replace, so a present folder is complete
+            return target
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.tiny_seed)
+                self.build_tiny(tmp)
+            self.check_folder(tmp)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if not target.is_dir():  # another process published first: theirs is identical, use it
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    def identity(self, model_dir: Path, component: str) -> str:
+        folders = self._identity_folders(component)
+        files = sorted(f for c in folders for f in _identity_files(Path(model_dir) / c))
+        if not files:
+            raise ValueError(f"{model_dir}: nothing to identify for component {component!r}")
+        key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        if key not in _IDENTITY_CACHE:
+            h = hashlib.sha256()
+            for f in files:
+                h.update(f"{f.parent.name}/{f.name}\0".encode())
+                with open(f, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+            _IDENTITY_CACHE[key] = h.hexdigest()
+        return _IDENTITY_CACHE[key]
+
+    def _identity_folders(self, component: str) -> tuple[str, ...]:
+        # 'text' covers tokenizers too: a different vocabulary changes the embeddings as much as new weights.
+        named = {"vae": ("vae",), "denoiser": (self.denoiser_component,),
+                 "text": (*self.text_components, *self.tokenizer_components)}
+        return named.get(component, (component,))
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype).to(device)
+        return vae.eval().requires_grad_(False)
+
+    def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
+        cfg = vae.config
+        scale = getattr(cfg, "scaling_factor", None)
+        shift = getattr(cfg, "shift_factor", None)
+        return (float(scale) if scale is not None else self.facts.scaling_factor,
+                float(shift) if shift is not None else self.facts.shift_factor)
+
+    def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
+        return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, torch_dtype=dtype).to(device)
+
+    def load_noise_scheduler(self, model_dir: Path) -> Any:
+        """The training noise schedule: DDPM for epsilon/v families, flow-matching Euler for the others; built from
+        the folder's scheduler config either way (the inference scheduler class may differ, e.g. PNDM in SD1.5)."""
+        from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+        cls = FlowMatchEulerDiscreteScheduler if self.facts.prediction == "flow_matching" else DDPMScheduler
+        config = cls.load_config(model_dir, subfolder="scheduler")
+        return cls.from_config(config)
+
+    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
+        pipe = self.pipeline_class.from_pretrained(model_dir, torch_dtype=dtype, **self.pipeline_load_kwargs())
+        pipe = pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                           max_length: int | None = None) -> TextEncoders:
+        types = self.pipeline_class._get_signature_types()
+        toks = [_first_type(types[c]).from_pretrained(model_dir, subfolder=c) for c in self.tokenizer_components]
+        encs = []
+        for comp in self.text_components:
+            enc = _first_type(types[comp]).from_pretrained(model_dir, subfolder=comp, torch_dtype=dtype)
+            encs.append(enc.to(device).eval().requires_grad_(False))
+        length = max_length or self.facts.max_length
+        self.check_max_length(toks, length)
+        return TextEncoders(tokenizers=toks, encoders=encs, max_length=length)
+
+    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
+        """The main (last) tokenizer sets the caption length; refuse lengths its encoder cannot embed."""
+        limit = tokenizers[-1].model_max_length
+        if max_length > limit:
+            raise ValueError(f"text.max_length {max_length} exceeds what family {self.facts.name!r}'s text encoder "
+                             f"accepts ({limit}); lower it or leave it automatic")
+
+    # ---- saving ------------------------------------------------------------------------------
+    def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
+        model_dir, out_dir = Path(model_dir), Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for item in model_dir.iterdir():
+            if item.name == self.denoiser_component or item.name.startswith("."):
+                continue
+            if item.is_dir():
+                shutil.copytree(item, out_dir / item.name, copy_function=_link_or_copy, dirs_exist_ok=True)
+            else:
+                _link_or_copy(item, out_dir / item.name)
+        unwrap(denoiser).save_pretrained(out_dir / self.denoiser_component, safe_serialization=True)
+
+    # ---- validation --------------------------------------------------------------------------
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
+                      ) -> dict[str, Any]:
+        """Pre-encoded prompt and negative prompt as the pipeline's `*_embeds` arguments. An empty/None negative
+        is left out, so the pipeline falls back to its own unconditional input."""
+        kwargs: dict[str, Any] = {k: text[k] for k in self.prompt_keys}
+        if negative:
+            kwargs.update({f"negative_{k}": negative[k] for k in self.prompt_keys})
+        return kwargs
+
+    # ---- shared helpers for subclasses -------------------------------------------------------
+    def micro_time_ids(self, micro: list[MicroCond] | None, latents: torch.Tensor) -> torch.Tensor:
+        """(B, 6) SDXL-style size conditioning; without recorded sizes, the latent size in pixels, no crop."""
+        b, _, h, w = latents.shape
+        if micro is None:
+            px = (h * self.facts.vae_factor, w * self.facts.vae_factor)
+            micro = [MicroCond(px, (0, 0), px)] * b
+        if len(micro) != b:
+            raise ValueError(f"micro-conditioning has {len(micro)} entries for a batch of {b}")
+        rows = [[*m.original_size, *m.crop_top_left, *m.target_size] for m in micro]
+        return torch.tensor(rows, dtype=latents.dtype, device=latents.device)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain diffusers model inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def tokenize(tokenizer: Any, captions: list[str], max_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) padded and truncated to exactly `max_length`."""
+    out = tokenizer(captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    return out.input_ids.to(device), out.attention_mask.to(device)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _first_type(t: Any) -> type:
+    return t[0] if isinstance(t, tuple) else t
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return [f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
+
+
+def _identity_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    named = [folder / n for n in ("config.json", "scheduler_config.json", *TOKENIZER_FILES)]
+    weights = [f for f in _weight_files(folder) if not f.name.endswith(".index.json")]
+    return [f for f in named if f.is_file()] + weights
+
+
+def _link_or_copy(src: Any, dst: Any) -> Any:
+    """Hard-link base weights (GBs for real models) instead of copying; diffusers writes new files rather than
+    modifying weights in place, so sharing inodes is safe. Falls back to a copy across file systems."""
+    dst = Path(dst)
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst

@@ -1,0 +1,31 @@
+"""name → Family adapter. The only place that maps a family name to code."""
+from __future__ import annotations
+
+from functools import cache
+from importlib import import_module
+
+from schemas.families import FAMILY_FACTS
+from stages.families.base import Family
+
+# Imported lazily: each adapter pulls in diffusers pipelines, which take seconds to import.
+_ADAPTERS: dict[str, tuple[str, str]] = {
+    "tiny": ("stages.families.tiny", "TinyFamily"),
+    "sd15": ("stages.families.sd15", "SD15Family"),
+    "sdxl": ("stages.families.sdxl", "SDXLFamily"),
+    "sd3": ("stages.families.sd3", "SD3Family"),
+    "flux": ("stages.families.flux", "FluxFamily"),
+}
+assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
+
+
+@cache
+def get_family(name: str) -> Family:
+    """The adapter for `name`; ValueError naming the known families otherwise."""
+    if name not in _ADAPTERS:
+        raise ValueError(f"model.family: unknown family {name!r}; known: {', '.join(_ADAPTERS)}")
+    module, cls = _ADAPTERS[name]
+    return getattr(import_module(module), cls)()
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(_ADAPTERS)

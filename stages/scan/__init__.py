@@ -1,0 +1,14 @@
+"""Scan stage: list a dataset folder, read image headers, caption and bucket every image.
+
+Content-addressed: its version hashes the records it produced, so touching a file changes nothing downstream.
+"""
+from __future__ import annotations
+
+from schemas.scan import ScanManifest
+from stages.common.stage import StageDef
+from stages.scan.core import CODE_VERSION, build, stage_config, stage_inputs
+
+STAGE = StageDef(name="scan", upstream=(), code_version=CODE_VERSION, manifest_cls=ScanManifest,
+                 config=stage_config, inputs=stage_inputs, build=build, content_addressed=True)
+
+__all__ = ["STAGE"]

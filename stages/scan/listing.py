@@ -1,0 +1,111 @@
+"""Walk a dataset folder without opening any file: what `inputs()` fingerprints and `build()` scans.
+
+Hidden names (starting with '.') are skipped: tool state such as the demo marker or `.ipynb_checkpoints`.
+Symlinks are followed only while they stay inside the dataset root, so a dataset cannot make the scan read
+(and a later stage encode) files from elsewhere on the machine.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.scan import DatasetConfig, Rejected
+from stages.common.hashing import digest
+
+
+@dataclass(frozen=True)
+class Entry:
+    rel: str  # '/'-separated path relative to the dataset root
+    path: Path
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class Listing:
+    root: Path
+    images: list[Entry] = field(default_factory=list)
+    captions: dict[str, Entry] = field(default_factory=dict)
+    metadata: list[Entry] = field(default_factory=list)
+    problems: list[Rejected] = field(default_factory=list)
+
+    def fingerprint(self) -> dict:
+        files = sorted([*self.images, *self.captions.values(), *self.metadata], key=lambda e: e.rel)
+        rows = [(e.rel, e.size, e.mtime_ns) for e in files] + [(p.path, p.reason) for p in self.problems]
+        return {"dataset": str(self.root), "files": len(files), "listing": digest(rows)}
+
+
+def _valid_name(rel: str) -> bool:
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes arrive as surrogates and cannot be written to JSON
+        return False
+    return True
+
+
+class _Walker:
+    def __init__(self, root: Path, cfg: DatasetConfig):
+        self.root = root
+        self.real_root = root.resolve()
+        self.cfg = cfg
+        self.image_exts = {e.lower() for e in cfg.extensions}
+        self.listing = Listing(root)
+        self.seen_dirs: set[Path] = set()
+
+    def reject(self, rel: str, kind: str, reason: str) -> None:
+        if not _valid_name(rel):
+            rel = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        self.listing.problems.append(Rejected(path=rel, kind=kind, reason=reason))
+
+    def walk(self, directory: Path, prefix: str) -> None:
+        real = directory.resolve()
+        if real in self.seen_dirs:  # a symlink loop, or a folder linked twice: scan it once
+            return
+        self.seen_dirs.add(real)
+        with os.scandir(directory) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            if not e.name.startswith("."):
+                self.visit(e, prefix + e.name)
+
+    def visit(self, e: os.DirEntry, rel: str) -> None:
+        if not _valid_name(rel):
+            self.reject(rel, "name", "file name is not valid UTF-8: rename it")
+            return
+        if e.is_symlink():
+            target = Path(e.path).resolve()
+            if not target.is_relative_to(self.real_root):
+                self.reject(rel, "symlink", f"symlink to {target}, outside dataset.path {self.root}: refusing to "
+                                            f"read it; copy the file into the dataset or remove the link")
+                return
+            if not target.exists():
+                self.reject(rel, "symlink", f"broken symlink (target {target} does not exist): fix or remove it")
+                return
+        if e.is_dir():
+            if self.cfg.recursive:
+                self.walk(Path(e.path), rel + "/")
+            return
+        if e.is_file():
+            self.add_file(e, rel)
+
+    def add_file(self, e: os.DirEntry, rel: str) -> None:
+        st = e.stat()
+        entry = Entry(rel, Path(e.path), st.st_size, st.st_mtime_ns)
+        ext = os.path.splitext(e.name)[1].lower()
+        if ext in self.image_exts:
+            self.listing.images.append(entry)
+        elif ext == self.cfg.caption_extension.lower():
+            self.listing.captions[rel] = entry
+        elif e.name == self.cfg.metadata_file:
+            self.listing.metadata.append(entry)
+        else:
+            self.reject(rel, "unsupported", f"not a supported image type ({ext or 'no extension'}); supported: "
+                                            f"{', '.join(sorted(self.image_exts))}: convert it or move it out")
+
+
+def walk(root: Path, cfg: DatasetConfig) -> Listing:
+    """Every image, caption and metadata file under `root` (sizes and mtimes from stat only)."""
+    w = _Walker(Path(root), cfg)
+    w.walk(w.root, "")
+    return w.listing

@@ -1,0 +1,64 @@
+"""Training processes die with their parent (CONTRACT.md "Processes").
+
+torchrun starts workers in their own sessions, so a SIGKILL to the `tuneline` process group does not reach
+them. Each process we start under torchrun watches the pid that started it and exits once it is gone:
+the agent sends itself SIGTERM (torchrun then stops its workers), a worker exits at once.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+PARENT_ENV = "TUNELINE_PARENT_PID"
+
+
+def _set_pdeathsig() -> None:
+    """Linux: also ask the kernel to SIGKILL us when our parent dies (covers the window before the thread runs)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def watch_parent(parent_pid: int, on_orphan: str = "kill", interval: float = 0.2) -> None:
+    """Start a daemon thread that ends this process when `parent_pid` is no longer our parent."""
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                if on_orphan == "term":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)  # give torchrun's handler time to stop its workers, then make sure
+                os._exit(137)
+            time.sleep(interval)
+
+    if os.getppid() != parent_pid:
+        os._exit(137)
+    threading.Thread(target=loop, name="tuneline-parent-watch", daemon=True).start()
+
+
+def agent_main() -> None:
+    """Entry point for the torchrun agent: watch our launcher, then run torchrun as usual."""
+    parent = int(os.environ.get(PARENT_ENV, os.getppid()))
+    _set_pdeathsig()
+    watch_parent(parent, on_orphan="term")
+    os.environ[PARENT_ENV] = str(os.getpid())  # workers watch the agent
+    from torch.distributed.run import main
+
+    main()
+
+
+def worker_guard() -> None:
+    """Called first thing in every training worker."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent:
+        watch_parent(int(parent), on_orphan="kill")
+
+
+if __name__ == "__main__":
+    agent_main()

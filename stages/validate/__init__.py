@@ -1,0 +1,27 @@
+"""Validate stage: render validation prompts (and the demo's learning check) from the trained result."""
+from __future__ import annotations
+
+from schemas.validate import ValidateManifest
+from stages.common.stage import StageDef
+
+CODE_VERSION = "validate-1"
+
+
+def _config(cfg) -> dict:
+    return {"validate": cfg.validate_.model_dump(mode="json"),
+            "buckets": cfg.buckets.model_dump(mode="json", include={"resolution", "resolution_type", "alignment"}),
+            "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
+
+
+def _inputs(ctx) -> dict:
+    return {}
+
+
+def _build(ctx, work, upstream):
+    from stages.validate.core import build
+
+    return build(ctx, work, upstream)
+
+
+STAGE = StageDef(name="validate", upstream=("train", "latents"), code_version=CODE_VERSION,
+                 manifest_cls=ValidateManifest, config=_config, inputs=_inputs, build=_build)

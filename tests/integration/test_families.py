@@ -1,0 +1,211 @@
+"""Every family's tiny flavor end to end through real diffusers/transformers classes: build, load the way users
+load, encode, denoise, save, render. Each tiny model is built once per session."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.families.registry import family_names, get_family
+
+FAMILIES = family_names()
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("family-models")
+
+
+@pytest.fixture(scope="session")
+def built(cache_dir):
+    """family name → its tiny model folder, built on first use and shared by every test."""
+    dirs: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in dirs:
+            dirs[name] = get_family(name).ensure_model(None, cache_dir)
+        return dirs[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def encoders(built):
+    cache: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = get_family(name).load_text_encoders(built(name), torch.float32, CPU)
+        return cache[name]
+
+    return get
+
+
+def _pipe(folder: Path):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_build_is_deterministic_and_reused(name, built, tmp_path):
+    fam = get_family(name)
+    first = built(name)
+    stamp = (first / "model_index.json").stat().st_mtime_ns
+    assert fam.ensure_model(None, first.parent) == first
+    assert (first / "model_index.json").stat().st_mtime_ns == stamp, "a complete folder must be reused, not rebuilt"
+    second = fam.ensure_model(None, tmp_path)
+    for comp in ("vae", "text", "denoiser"):
+        assert fam.identity(first, comp) == fam.identity(second, comp), comp
+    assert len({fam.identity(first, c) for c in ("vae", "text", "denoiser")}) == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp build folder left behind"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_folder_matches_facts(name, built):
+    """The static facts configs are checked against are what the model folder really does."""
+    fam = get_family(name)
+    pipe = _pipe(built(name))
+    assert type(pipe).__name__ == fam.pipeline_class.__name__
+    facts = fam.facts
+    assert 2 ** (len(pipe.vae.config.block_out_channels) - 1) == facts.vae_factor
+    assert pipe.vae.config.latent_channels == facts.latent_channels
+    assert fam.vae_factors(pipe.vae) == pytest.approx((facts.scaling_factor, facts.shift_factor))
+    denoiser = getattr(pipe, fam.denoiser_component)
+    # Flux packs 2x2 outside its patch_size-1 transformer; the others patch inside.
+    packed = denoiser.config.in_channels // facts.latent_channels
+    patch = getattr(denoiser.config, "patch_size", 1) * (2 if packed == 4 else 1)
+    assert patch == facts.patch_size
+    sched = fam.load_noise_scheduler(built(name))
+    kind = "flow_matching" if "FlowMatch" in type(sched).__name__ else sched.config.prediction_type
+    assert kind == facts.prediction
+
+
+def _pipeline_encode(pipe, prompts: list[str], length: int) -> dict[str, torch.Tensor]:
+    """The pipeline's own prompt encoding, as named tensors, for parity with the adapter."""
+    cls = type(pipe).__name__
+    if cls == "StableDiffusionPipeline":
+        pe, _ = pipe.encode_prompt(prompts, CPU, 1, False)
+        return {"prompt_embeds": pe}
+    if cls == "StableDiffusionXLPipeline":
+        pe, _, pooled, _ = pipe.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False)
+    elif cls == "StableDiffusion3Pipeline":
+        pe, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=CPU, do_classifier_free_guidance=False,
+                                              max_sequence_length=length)
+    else:
+        pe, pooled, _ = pipe.encode_prompt(prompts, None, device=CPU, max_sequence_length=length)
+    return {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_encode_text_matches_pipeline(name, built, encoders):
+    fam = get_family(name)
+    enc = encoders(name)
+    assert enc.max_length == fam.facts.max_length
+    prompts = ["a red square", "a blue circle on a yellow background"]
+    mine = fam.encode_text(enc, prompts)
+    pe = mine["prompt_embeds"]
+    assert pe.ndim == 3 and pe.shape[0] == 2 and pe.shape[1] >= fam.facts.max_length
+    assert not torch.equal(pe[0], pe[1]), "different captions must embed differently"
+    ref = _pipeline_encode(_pipe(built(name)), prompts, enc.max_length)
+    for key, value in ref.items():
+        assert mine[key].shape == value.shape, key
+        torch.testing.assert_close(mine[key], value, msg=key)
+    for value in mine.values():
+        assert value.shape[0] == 2
+
+
+def _timesteps(fam, b: int) -> torch.Tensor:
+    if fam.facts.prediction == "flow_matching":
+        return torch.tensor([250.0, 900.0][:b])
+    return torch.tensor([10, 900][:b])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_denoise_forward_backward(name, built, encoders):
+    fam = get_family(name)
+    den = fam.load_denoiser(built(name), torch.float32, CPU)
+    den.train()
+    text = fam.encode_text(encoders(name), ["a red square", "a green circle"])
+    noisy = torch.randn(2, fam.facts.latent_channels, 6, 4, generator=torch.Generator().manual_seed(0))
+    out = fam.denoise(den, noisy, _timesteps(fam, 2), text)
+    assert out.shape == noisy.shape
+    out.float().pow(2).mean().backward()
+    grads = [p.grad for p in den.parameters() if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    with torch.no_grad():
+        swapped = {k: v.flip(0) for k, v in text.items()}
+        other = fam.denoise(den, noisy, _timesteps(fam, 2), swapped)
+    assert not torch.allclose(out.detach(), other), "the prediction must depend on the text"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, tmp_path):
+    fam = get_family(name)
+    base = built(name)
+    den = fam.load_denoiser(base, torch.float32, CPU)
+    with torch.no_grad():
+        first = next(den.parameters())
+        first.add_(0.5)  # stands in for training: the saved folder must carry this denoiser, not the base one
+    out = tmp_path / "final"
+    fam.save_pipeline(base, den, out)
+    for comp in ("vae", "text"):
+        assert fam.identity(out, comp) == fam.identity(base, comp)
+    assert fam.identity(out, "denoiser") != fam.identity(base, "denoiser")
+    pipe = _pipe(out)
+    torch.testing.assert_close(next(getattr(pipe, fam.denoiser_component).parameters()), first)
+    enc = encoders(name)
+    text, negative = fam.encode_text(enc, ["a red square"]), fam.encode_text(enc, ["blurry"])
+    gen = torch.Generator().manual_seed(0)
+    images = pipe(num_inference_steps=1, height=64, width=64, generator=gen, output_type="np",
+                  **fam.prompt_kwargs(text, negative)).images
+    assert images.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(images)).all()
+    plain = pipe(num_inference_steps=1, height=64, width=64, generator=torch.Generator().manual_seed(0),
+                 output_type="np", **fam.prompt_kwargs(text, None)).images
+    assert plain.shape == images.shape
+    assert fam.identity(out, "denoiser") != fam.identity(base, "denoiser")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_save_pretrained_folder_loads_through_ensure_model(name, built, tmp_path):
+    """The path a user's real model takes: a diffusers folder on disk, given as model.path."""
+    fam = get_family(name)
+    user_dir = tmp_path / "user-model"
+    _pipe(built(name)).save_pretrained(user_dir, safe_serialization=True)
+    got = fam.ensure_model(str(user_dir), tmp_path / "cache")
+    assert got == user_dir
+    assert not (tmp_path / "cache").exists(), "a folder model needs no conversion"
+    ref = fam.load_denoiser(built(name), torch.float32, CPU).state_dict()
+    loaded = fam.load_denoiser(got, torch.float32, CPU).state_dict()
+    assert ref.keys() == loaded.keys()
+    assert all(torch.equal(ref[k], loaded[k]) for k in ref)
+    assert fam.load_text_encoders(got, torch.float32, CPU).max_length == fam.facts.max_length
+    assert fam.identity(got, "vae") == fam.identity(got, "vae")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_missing_component_is_named(name, built, tmp_path):
+    fam = get_family(name)
+    broken = tmp_path / "broken"
+    shutil.copytree(built(name), broken)
+    shutil.rmtree(broken / fam.denoiser_component)
+    with pytest.raises(ValueError, match=rf"{broken}.*'{fam.denoiser_component}'"):
+        fam.ensure_model(str(broken), tmp_path / "cache")
+    shutil.copytree(built(name), broken, dirs_exist_ok=True)
+    index = json.loads((broken / "model_index.json").read_text())
+    last_text = fam.text_components[-1]
+    index.pop(last_text)
+    (broken / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"'{last_text}'"):
+        fam.ensure_model(str(broken), tmp_path / "cache")
+
+
+def test_folder_of_another_family_is_refused(built):
+    with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*'sd3'"):
+        get_family("sd3").ensure_model(str(built("sdxl")), built("sdxl").parent)
