@@ -1,12 +1,24 @@
-"""Cross-field config checks that need family facts. Each error names every field involved."""
+"""Cross-field config checks that need family facts. Each problem names every field involved and the fix.
+
+Checks collect problems instead of stopping at the first, so one load reports everything to fix. Single-field
+rules live in the section schemas (e.g. fp8 in schemas/model.py, bfloat16 storage in schemas/text.py).
+"""
 from __future__ import annotations
 
+import math
+import re
 from typing import TYPE_CHECKING
 
-from schemas.families import facts
+from schemas.families import FamilyFacts, facts
 
 if TYPE_CHECKING:
     from schemas.config import PipelineConfig
+
+MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (CONTRACT.md)
+# An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
+MAX_AREA_MEGAPIXELS = 16.0
+# host:port or [ipv6]:port, as torchrun's --rdzv_endpoint takes it.
+ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 def check_config(cfg: "PipelineConfig", source: str) -> None:
@@ -14,10 +26,114 @@ def check_config(cfg: "PipelineConfig", source: str) -> None:
 
     fam = facts(cfg.model.family)
     problems: list[str] = []
-    align = cfg.buckets.alignment
-    if align is not None and align % fam.alignment:
-        problems.append(f"buckets.alignment: {align} is not a multiple of {fam.alignment}, the requirement of "
-                        f"model.family {fam.name} (VAE factor {fam.vae_factor} x patch {fam.patch_size}); "
-                        f"use a multiple of {fam.alignment} or null for automatic")
+    for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
+                  _rendezvous, _prompts):
+        problems += check(cfg, fam)
     if problems:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _alignment_source(cfg: "PipelineConfig", fam: FamilyFacts) -> tuple[int, str]:
+    align = cfg.buckets.alignment
+    if align is not None:
+        return align, f"buckets.alignment {align}"
+    return fam.alignment, f"the alignment of model.family {fam.name}"
+
+
+def _alignment(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    align = cfg.buckets.alignment
+    if align is None or align % fam.alignment == 0:
+        return []
+    return [f"buckets.alignment: {align} is not a multiple of {fam.alignment}, the requirement of model.family "
+            f"{fam.name} (VAE factor {fam.vae_factor} x patch {fam.patch_size}); use a multiple of "
+            f"{fam.alignment} or null for automatic"]
+
+
+def _edge_problem(res: float, rtype: str, align: int, align_src: str, res_key: str, type_key: str) -> str | None:
+    """Why a resolution in its unit cannot be meant as given (None when plausible). The size function rounds any
+    edge up to one alignment unit, so without this a unit mistake would silently train at a tiny size."""
+    if rtype == "area" and res > MAX_AREA_MEGAPIXELS:
+        return (f"{res_key} {res:g} with {type_key} area means {res:g} megapixels (about "
+                f"{math.sqrt(res) * MEGAPIXEL_EDGE:.0f} px square); area takes megapixels (1.0 = 1024x1024): did "
+                f"you mean {type_key} pixel?")
+    edge = math.sqrt(res) * MEGAPIXEL_EDGE if rtype == "area" else res
+    if edge >= align:
+        return None
+    hint = f" did you mean {type_key} area (1.0 = 1024x1024)?" if rtype != "area" and res <= 16 else ""
+    return (f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, smaller than one alignment unit "
+            f"({align} px, {align_src}); raise {res_key}.{hint}")
+
+
+def _bucket_resolution(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    align, src = _alignment_source(cfg, fam)
+    b = cfg.buckets
+    problem = _edge_problem(b.resolution, b.resolution_type, align, src, "buckets.resolution",
+                            "buckets.resolution_type")
+    return [problem] if problem else []
+
+
+def _validate_resolution(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    v, b = cfg.validate_, cfg.buckets
+    if v.resolution is None and v.resolution_type is None:
+        return []  # renders at the buckets' size, checked above
+    if v.resolution is None and v.resolution_type != b.resolution_type:
+        return [f"validate.resolution_type {v.resolution_type} is set but validate.resolution is null, so "
+                f"buckets.resolution {b.resolution:g} (in buckets.resolution_type {b.resolution_type} units) would "
+                f"be read as {v.resolution_type}; set validate.resolution too, or drop validate.resolution_type"]
+    align, src = _alignment_source(cfg, fam)
+    res = v.resolution if v.resolution is not None else b.resolution
+    rtype = v.resolution_type or b.resolution_type
+    type_key = "validate.resolution_type" if v.resolution_type else "buckets.resolution_type"
+    problem = _edge_problem(res, rtype, align, src, "validate.resolution", type_key)
+    return [problem] if problem else []
+
+
+def _text_variants(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    t = cfg.text
+    augmenting = [f for f, on in (("text.shuffle_tags", t.shuffle_tags), ("text.tag_dropout", t.tag_dropout > 0))
+                  if on]
+    if t.caption_variants == 1 and augmenting:
+        # Variants are precomputed (cached, or encoded live from the same list), so one variant means the
+        # augmentation could never be seen.
+        return [f"{' and '.join(augmenting)} need text.caption_variants > 1 (the number of shuffled/dropped "
+                f"variants cached per caption; text.enabled {str(t.enabled).lower()}); set "
+                f"text.caption_variants to e.g. 4, or turn {' and '.join(augmenting)} off"]
+    if t.caption_variants > 1 and not augmenting:
+        return [f"text.caption_variants {t.caption_variants} without text.shuffle_tags or text.tag_dropout makes "
+                f"{t.caption_variants} identical variants; turn one on or set text.caption_variants to 1"]
+    if t.keep_tags and not augmenting:
+        return [f"text.keep_tags {t.keep_tags} has no effect without text.shuffle_tags or text.tag_dropout; "
+                f"set it to 0 or turn one of them on"]
+    return []
+
+
+def _text_length(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    n = cfg.text.max_length
+    if n is None or n <= fam.max_length_limit:
+        return []
+    return [f"text.max_length {n} exceeds the {fam.max_length_limit} tokens the text encoder of model.family "
+            f"{fam.name} can embed; lower text.max_length or set it to null (the family's default, "
+            f"{fam.max_length})"]
+
+
+def _rendezvous(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    t = cfg.train
+    if t.nodes == 1 or not t.rdzv_endpoint:
+        return []  # single node runs standalone; a missing endpoint is TrainConfig's own error
+    m = ENDPOINT.match(t.rdzv_endpoint)
+    if m and 0 < int(m.group(2)) < 65536:
+        return []
+    return [f"train.rdzv_endpoint {t.rdzv_endpoint!r} is not host:port (port 1-65535), which train.nodes "
+            f"{t.nodes} needs for the rendezvous every node joins; e.g. node0.cluster:29500"]
+
+
+def _prompts(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+    v = cfg.validate_
+    if not v.prompts:
+        return ["validate.prompts is empty: the validate stage would render nothing; give at least one prompt"]
+    if not fam.negative_needs_guidance or v.guidance_scale > 1:
+        return []
+    return [f"validate.prompts.{i}.negative_prompt is set but validate.guidance_scale {v.guidance_scale:g} <= 1 "
+            f"turns classifier-free guidance off, so model.family {fam.name} ignores the negative prompt; raise "
+            f"validate.guidance_scale above 1 or remove the negative prompt"
+            for i, p in enumerate(v.prompts) if p.negative_prompt]

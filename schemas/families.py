@@ -18,6 +18,11 @@ class FamilyFacts:
     shift_factor: float
     prediction: Literal["epsilon", "v_prediction", "flow_matching"]
     max_length: int
+    # Longest caption (tokens) the main text encoder embeds: CLIP's position table, or T5's declared 512.
+    max_length_limit: int
+    # Whether a negative prompt only takes effect through classifier-free guidance (guidance_scale > 1).
+    # False where the pipeline applies it by other means (Flux: true CFG at its own scale).
+    negative_needs_guidance: bool = True
 
     @property
     def alignment(self) -> int:
@@ -27,11 +32,12 @@ class FamilyFacts:
 
 # Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values; a real model's own VAE config wins at run time.
 FAMILY_FACTS: dict[str, FamilyFacts] = {
-    "tiny": FamilyFacts("tiny", 8, 1, 4, 0.18215, 0.0, "epsilon", 16),
-    "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77),
-    "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77),
-    "sd3": FamilyFacts("sd3", 8, 2, 16, 1.5305, 0.0609, "flow_matching", 77),
-    "flux": FamilyFacts("flux", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512),
+    "tiny": FamilyFacts("tiny", 8, 1, 4, 0.18215, 0.0, "epsilon", 16, max_length_limit=16),
+    "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77, max_length_limit=77),
+    "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77, max_length_limit=77),
+    "sd3": FamilyFacts("sd3", 8, 2, 16, 1.5305, 0.0609, "flow_matching", 77, max_length_limit=512),
+    "flux": FamilyFacts("flux", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
+                        negative_needs_guidance=False),
 }
 
 

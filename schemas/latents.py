@@ -9,10 +9,15 @@ from schemas.base import Manifest, Strict
 
 
 class LatentsConfig(Strict):
-    batch_size: int = Field(8, ge=1, description="images per VAE forward (always within one bucket)")
+    batch_size: int = Field(8, ge=1, description="images per VAE forward (always within one bucket); does not "
+                            "change the cache, so it is not part of its version")
     dtype: Literal["float16", "float32"] = Field("float16", description="stored dtype (Zarr has no bfloat16)")
-    flip: bool = Field(False, description="also cache the horizontally flipped variant")
-    workers: int = Field(2, ge=0, description="decode/resize worker threads overlapping the VAE")
+    flip: bool = Field(False, description="also cache the horizontally flipped variant of every image")
+    workers: int = Field(2, ge=1, description="decode/resize worker threads overlapping the VAE; does not change "
+                         "the cache")
+    block_rows: int = Field(64, ge=1, le=4096, description="rows per block: the unit of writing, resuming and "
+                            "reading (one Zarr chunk per array); larger blocks read faster and cost more memory "
+                            "in the training reader")
 
 
 class LatentBucket(BaseModel):
@@ -20,20 +25,29 @@ class LatentBucket(BaseModel):
     width: int = Field(description="bucket width in pixels")
     height: int
     shape: tuple[int, int, int] = Field(description="latent (C, H, W) of one image")
-    count: int
+    count: int = Field(description="rows (= cached images) in this bucket's arrays")
     array: str = Field(description="Zarr group path inside the artifact")
 
 
 class LatentsManifest(Manifest):
     stage: Literal["latents"] = "latents"
     family: str
-    vae_identity: str
+    vae_identity: str = Field(description="hash of the VAE's config + weights")
+    vae_dtype: str = Field(description="dtype the VAE ran in")
     vae_factor: int
     latent_channels: int
-    scaling_factor: float
+    scaling_factor: float = Field(description="the denoiser sees (latent - shift_factor) * scaling_factor")
     shift_factor: float
-    dtype: str
+    dtype: str = Field(description="stored dtype of mean and std")
+    flip: bool = Field(description="flip_mean / flip_std arrays hold the horizontally flipped images")
+    block_rows: int = Field(description="rows per block = per Zarr chunk")
+    size_policy: dict = Field(description="resolution, unit, alignment, aspect limits, upscale, crop that made "
+                              "the buckets (the scan recorded the resulting sizes and crops)")
     store: str = "latents.zarr"
     buckets: list[LatentBucket]
     count: int
     rejected: int = 0
+    encoded: int = Field(0, description="images run through the VAE by this build")
+    reused: int = Field(0, description="rows copied from the previous version (same image bytes, bucket, crop, "
+                        "VAE identity, dtypes)")
+    resumed: int = Field(0, description="rows kept from finished blocks of an interrupted build")

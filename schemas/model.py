@@ -3,16 +3,31 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from schemas.base import Strict
 
 FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux"]
+# Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
+# norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
+# denoiser use them. No stage keeps weights in fp8 while computing in bf16, so fp8 is refused up front.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "fp8")
 
 
 class ModelConfig(Strict):
     family: FamilyName = "tiny"
     path: str | None = Field(None, description="local diffusers folder or single checkpoint file; null = the "
                              "family's built-in tiny random-init flavor")
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
+                                                             "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _no_fp8(cls, v: object) -> object:
+        if isinstance(v, str) and v.lower() in FP8_DTYPES:
+            raise ValueError(f"{v} weights cannot be used: torch has no float8 kernels for conv2d, layer/group "
+                             f"norm and softmax, which the VAE, text encoders and denoiser of every family need "
+                             f"(training and encoding would stop with 'not implemented for Float8'); use "
+                             f"bfloat16 on a GPU (half the memory of float32) or float32")
+        return v

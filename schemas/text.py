@@ -3,16 +3,38 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.base import Manifest, Strict
+
+# The adapters pad every caption to exactly max_length tokens (stages/families/common.tokenize), so each
+# field has one shape and the cache is a dense array; recorded so a different padding would change the key.
+PADDING = "max_length"
 
 
 class TextConfig(Strict):
     enabled: bool = Field(True, description="cache embeddings; false = encoders run live in training/validation")
     max_length: int | None = Field(None, ge=1, description="token length; null = the family's default")
-    batch_size: int = Field(32, ge=1)
-    dtype: Literal["float16", "float32"] = "float32"
+    batch_size: int = Field(32, ge=1, description="captions per encoder forward; does not change the cache")
+    dtype: Literal["float16", "float32"] = Field("float32", description="stored dtype of float tensors (Zarr "
+                                                 "has no bfloat16); integer/bool tensors keep their own")
+    caption_variants: int = Field(1, ge=1, le=64, description="K caption variants per caption (variant 0 is the "
+                                  "caption as written); the trainer picks one per sample. >1 needs shuffle_tags "
+                                  "or tag_dropout")
+    shuffle_tags: bool = Field(False, description="variants shuffle the comma-separated tags (needs "
+                               "caption_variants > 1)")
+    tag_dropout: float = Field(0.0, ge=0, lt=1, description="variants drop each tag with this probability, "
+                               "keeping at least one (needs caption_variants > 1)")
+    keep_tags: int = Field(0, ge=0, description="leading tags never shuffled or dropped (e.g. a trigger word)")
+    seed: int = Field(0, description="seed of the variants: same seed, same variants")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _no_bfloat16(cls, v: object) -> object:
+        if v == "bfloat16":
+            raise ValueError("bfloat16 cannot be stored (Zarr has no bfloat16 dtype); use float16 (half the size) "
+                             "or float32 — encoders may still run in bfloat16 through model.dtype")
+        return v
 
 
 class TensorField(BaseModel):
@@ -23,10 +45,17 @@ class TensorField(BaseModel):
 
 class TextManifest(Manifest):
     stage: Literal["text"] = "text"
+    enabled: bool = Field(True, description="false: nothing cached; consumers encode live with these settings")
     family: str
     encoder_identity: str
-    max_length: int
-    fields: dict[str, TensorField]
-    count: int = Field(description="unique captions stored (the empty caption included)")
+    max_length: int = Field(description="tokens every caption is padded/truncated to")
+    padding: str = PADDING
+    variants: int = Field(1, description="variants per caption (caption_variants)")
+    augment: dict = Field(default_factory=dict, description="shuffle_tags, tag_dropout, keep_tags, seed that "
+                          "made the variants (empty when variants is 1)")
+    fields: dict[str, TensorField] = Field(default_factory=dict)
+    count: int = Field(0, description="distinct strings encoded = rows (the empty caption, row 0, included)")
+    captions: int = Field(0, description="distinct dataset captions indexed")
     store: str = "text.zarr"
-    index: str = Field("captions.jsonl", description="row -> caption")
+    index: str = Field("captions.jsonl", description="one line per dataset caption: its variants' rows")
+    strings: str = Field("strings.jsonl", description="row -> the exact string encoded")

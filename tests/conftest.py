@@ -17,3 +17,17 @@ os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(_home, 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """One full `tuneline run` of the built-in demo, shared by every test that inspects its results."""
+    from tests.helpers import tuneline
+
+    workdir = tmp_path_factory.mktemp("demo") / "work"
+    out = tuneline("run", "--workdir", str(workdir))
+    assert out.returncode == 0, f"demo run failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
+    return {"workdir": workdir, "stdout": out.stdout, "stderr": out.stderr}

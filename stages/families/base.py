@@ -62,8 +62,11 @@ class Family(Protocol):
 
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
-        """The denoiser's prediction for scaled latents `noisy` (B, C, H, W); the target kind is
-        facts.prediction."""
+        """The denoiser's prediction for scaled latents `noisy` (B, C, H, W) = (z - shift) * scale, returned in
+        the same shape (the adapter packs/unpacks tokens itself). The target kind is facts.prediction.
+        Timesteps: epsilon/v families take the DDPM schedule's integer steps in [0, 1000); flow-matching families
+        take a float tensor in [0, 1000) with sigma = t / 1000, noisy = (1 - sigma) * x0 + sigma * noise and
+        target = noise - x0 (the adapter converts to its model's own timestep convention)."""
 
     lora_target_modules: tuple[str, ...]
 
@@ -73,5 +76,8 @@ class Family(Protocol):
     # Validation ------------------------------------------------------------------------------
     def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any: ...
 
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Keyword arguments for the pipeline call from pre-encoded prompt and negative prompt (batch 1 each)."""
+    def prompt_kwargs(self, text: dict[str, torch.Tensor],
+                      negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+        """Keyword arguments for the pipeline call from pre-encoded prompt and negative prompt (batch 1 each,
+        both from encode_text). A None/empty negative is left to the pipeline. Pass an encoded negative (e.g. of
+        "") whenever text.max_length differs from the tokenizer's own length, so both have the same length."""

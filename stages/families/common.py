@@ -69,7 +69,7 @@ class DiffusersFamily:
         cache_dir = Path(cache_dir)
         if path is None:
             return self._ensure_tiny(cache_dir)
-        p = Path(path).expanduser()
+        p = Path(path).expanduser().resolve()
         if p.is_dir():
             self.check_folder(p)
             return p
@@ -89,21 +89,25 @@ class DiffusersFamily:
             raise ValueError(f"model.path: {folder} holds a {cls or 'unknown'} pipeline, not family "
                              f"{self.facts.name!r} ({' / '.join(self.pipeline_class_names)}); fix model.family "
                              f"or model.path")
+        missing = [c for c in self.required_components
+                   if not index.get(c) or index[c] == [None, None] or not (folder / c).is_dir()]
+        if missing:
+            raise ValueError(f"model.path: {folder} lacks component {', '.join(map(repr, missing))} needed by "
+                             f"family {self.facts.name!r} (not in model_index.json or no such subfolder)")
         for comp in self.required_components:
-            entry = index.get(comp)
-            sub = folder / comp
-            if not entry or entry == [None, None] or not sub.is_dir():
-                raise ValueError(f"model.path: {folder} lacks component {comp!r} needed by family "
-                                 f"{self.facts.name!r} (not in model_index.json or no {comp}/ folder)")
-            if comp in self.tokenizer_components:
-                if not any((sub / f).is_file() for f in TOKENIZER_FILES):
-                    raise ValueError(f"model.path: {folder}: component {comp!r} has no tokenizer files")
-                continue
-            config = "scheduler_config.json" if comp == "scheduler" else "config.json"
-            if not (sub / config).is_file():
-                raise ValueError(f"model.path: {folder}: component {comp!r} has no {config}")
-            if comp != "scheduler" and not _weight_files(sub):
-                raise ValueError(f"model.path: {folder}: component {comp!r} has no weight files")
+            problem = self._component_problem(folder / comp, comp)
+            if problem:
+                raise ValueError(f"model.path: {folder}: component {comp!r} {problem}")
+
+    def _component_problem(self, sub: Path, comp: str) -> str | None:
+        if comp in self.tokenizer_components:
+            return None if any((sub / f).is_file() for f in TOKENIZER_FILES) else "has no tokenizer files"
+        config = "scheduler_config.json" if comp == "scheduler" else "config.json"
+        if not (sub / config).is_file():
+            return f"has no {config}"
+        if comp != "scheduler" and not _weight_files(sub):
+            return "has no weight files (.safetensors/.bin)"
+        return None
 
     def _ensure_tiny(self, cache_dir: Path) -> Path:
         target = cache_dir / f"{self.facts.name}-tiny-r{self.tiny_revision}"
@@ -208,9 +212,11 @@ class DiffusersFamily:
             if item.name == self.denoiser_component or item.name.startswith("."):
                 continue
             if item.is_dir():
-                shutil.copytree(item, out_dir / item.name, copy_function=_link_or_copy, dirs_exist_ok=True)
+                shutil.copytree(item, out_dir / item.name, copy_function=_copy, dirs_exist_ok=True)
             else:
-                _link_or_copy(item, out_dir / item.name)
+                _copy(item, out_dir / item.name)
+        # A stale denoiser folder could hold shards the new save does not overwrite; start it empty.
+        shutil.rmtree(out_dir / self.denoiser_component, ignore_errors=True)
         unwrap(denoiser).save_pretrained(out_dir / self.denoiser_component, safe_serialization=True)
 
     # ---- validation --------------------------------------------------------------------------
@@ -267,18 +273,10 @@ def _identity_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     named = [folder / n for n in ("config.json", "scheduler_config.json", *TOKENIZER_FILES)]
-    weights = [f for f in _weight_files(folder) if not f.name.endswith(".index.json")]
-    return [f for f in named if f.is_file()] + weights
+    return [f for f in named if f.is_file()] + _weight_files(folder)
 
 
-def _link_or_copy(src: Any, dst: Any) -> Any:
-    """Hard-link base weights (GBs for real models) instead of copying; diffusers writes new files rather than
-    modifying weights in place, so sharing inodes is safe. Falls back to a copy across file systems."""
-    dst = Path(dst)
-    if dst.exists():
-        dst.unlink()
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst
+def _copy(src: Any, dst: Any) -> Any:
+    """A real copy, not a hard link: a later `save_pretrained` over the trained folder truncates files in place
+    and would silently rewrite the base model through a shared inode."""
+    return shutil.copy2(src, dst)

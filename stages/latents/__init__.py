@@ -1,16 +1,35 @@
-"""Latents stage: VAE latent cache in Zarr, built in a single process before any training starts."""
+"""Latents stage: VAE latent cache in Zarr, built in a single process before any training starts.
+
+Its version hashes the stage config, the size policy, the VAE identity (config + weights), the code version
+and the scan version, so a change to any of them makes the cache stale; rows whose content did not change
+are copied from the previous version instead of being encoded again (stages/latents/reuse.py).
+"""
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from schemas.families import facts
 from schemas.latents import LatentsManifest
+from schemas.scan import ScanManifest
 from stages.common import models
+from stages.common.artifacts import ArtifactError
+from stages.common.sizing import size_policy as make_policy
 from stages.common.stage import StageDef
 
-CODE_VERSION = "latents-1"
+CODE_VERSION = "latents-2"
+
+
+def size_policy(cfg) -> dict:
+    """The size policy in force: part of the stage's version and recorded in its manifest."""
+    policy = make_policy(cfg.buckets, facts(cfg.model.family).alignment)
+    return asdict(policy) | {"crop": cfg.buckets.crop, "crop_seed": cfg.buckets.seed}
 
 
 def _config(cfg) -> dict:
-    return {"latents": cfg.latents.model_dump(mode="json", exclude={"workers"}),
-            "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"})}
+    # batch_size and workers change how fast the cache is built, not what it holds.
+    return {"latents": cfg.latents.model_dump(mode="json", exclude={"workers", "batch_size"}),
+            "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"}),
+            "size_policy": size_policy(cfg)}
 
 
 def _inputs(ctx) -> dict:
@@ -23,5 +42,17 @@ def _build(ctx, work, upstream):
     return build(ctx, work, upstream)
 
 
+def _check(ctx, upstream: dict) -> None:
+    """Before loading any weights: every scan bucket must be a whole number of latent pixels."""
+    fam = models.family(ctx.cfg)
+    scan: ScanManifest = upstream["scan"]
+    bad = [f"{b.width}x{b.height}" for b in scan.buckets
+           if b.width % fam.facts.vae_factor or b.height % fam.facts.vae_factor]
+    if bad:
+        raise ArtifactError(f"scan {scan.fingerprint} has buckets {', '.join(bad[:5])} that are not multiples of "
+                            f"the {fam.facts.name} VAE factor {fam.facts.vae_factor}: set buckets.alignment to a "
+                            f"multiple of it (or null) and run `tuneline stage scan`")
+
+
 STAGE = StageDef(name="latents", upstream=("scan",), code_version=CODE_VERSION, manifest_cls=LatentsManifest,
-                 config=_config, inputs=_inputs, build=_build)
+                 config=_config, inputs=_inputs, build=_build, check=_check)

@@ -1,98 +1,125 @@
-"""Latent caching: one process, the family's VAE, batches within a bucket, shapes checked on write."""
+"""Latent caching: one process, the family's VAE, whole blocks per bucket, resumable and incremental.
+
+Spine: read the scan's records -> plan rows per bucket -> per bucket: resume finished blocks, then copy rows
+the previous version already holds and encode the rest (decoding overlaps the VAE) -> index + manifest facts.
+"""
 from __future__ import annotations
 
+import shutil
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import torch
-from PIL import Image
+from tqdm.auto import tqdm
 
-from schemas.scan import ImageRecord, Rejected, ScanManifest
+from schemas.scan import ImageRecord, ScanManifest
 from stages.common import models
-from stages.common.artifacts import safe_join
+from stages.common.artifacts import ArtifactError
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.common.sizing import latent_shape
-from stages.latents import store
-from stages.scan.images import load_rgb
+from stages.latents import size_policy, store
+from stages.latents.encode import Encoder
+from stages.latents.reuse import PreviousRows, row_identity, row_key
+from stages.latents.writer import BucketJob, BucketResult, BucketWriter, Settings, fill
+
+PROGRESS_KEY = "latents-progress"
+PROGRESS_EVERY_S = 1.0  # Prefect progress artifacts are API calls: update at most this often
 
 
-class LatentShapeError(RuntimeError):
-    pass
+class Progress:
+    """A terminal progress bar (when stderr is a terminal) and the reporter's progress artifact."""
+
+    def __init__(self, reporter, total: int):
+        self.reporter, self.total, self.done, self.last = reporter, max(1, total), 0, 0.0
+        self.bar = tqdm(total=total, desc="latents", unit="img", disable=None)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S or self.done >= self.total:
+            self.last = now
+            self.reporter.progress(PROGRESS_KEY, self.done / self.total, f"{self.done}/{self.total} images cached")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def read_records(scan_dir: Path) -> list[ImageRecord]:
     return [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
 
 
-def to_pixels(img: Image.Image, rec: ImageRecord) -> torch.Tensor:
-    """Crop the recorded box and resize to the recorded bucket: (3, H, W) in [-1, 1]."""
-    img = img.crop(rec.crop).resize((rec.bucket_width, rec.bucket_height), Image.Resampling.BICUBIC)
-    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
-    return torch.from_numpy(arr).permute(2, 0, 1)
-
-
-def _prepare(root: Path, rec: ImageRecord) -> torch.Tensor | str:
-    try:
-        return to_pixels(load_rgb(safe_join(root, rec.path)), rec)
-    except (OSError, ValueError, SyntaxError) as err:  # truncated/corrupt files surface only when decoded
-        return f"cannot decode at caching time: {type(err).__name__}: {err}"
-
-
-def check_latents(mean: torch.Tensor, std: torch.Tensor, expected: tuple[int, int, int], paths: list[str]) -> None:
-    for i, path in enumerate(paths):
-        if tuple(mean[i].shape) != expected:
-            raise LatentShapeError(f"latent shape mismatch for image {path}: expected {expected}, "
-                                   f"got {tuple(mean[i].shape)}; its bucket size and the VAE disagree")
-        if not (torch.isfinite(mean[i]).all() and torch.isfinite(std[i]).all()):
-            raise LatentShapeError(f"VAE produced NaN/Inf latents for image {path}: check the image and the "
-                                   f"VAE dtype (model.dtype)")
-
-
-def build(ctx, work: Path, upstream: dict) -> dict:
-    cfg = ctx.cfg
-    scan: ScanManifest = upstream["scan"]
-    records = read_records(models.artifact_dir(ctx, scan))
-    root = Path(scan.dataset_root)
-    fam = models.family(cfg)
-    dev = models.device(cfg)
-    vae = fam.load_vae(models.model_dir(ctx), models.dtype(cfg, dev), dev)
-    scale, shift = fam.vae_factors(vae)
+def plan(records: list[ImageRecord], channels: int, vae_factor: int, identity: dict) -> list[BucketJob]:
+    """One job per bucket, rows sorted by path: the layout depends on the records alone."""
     by_bucket: dict[tuple[int, int], list[ImageRecord]] = defaultdict(list)
     for r in records:
         by_bucket[(r.bucket_width, r.bucket_height)].append(r)
+    jobs = []
+    for (w, h), recs in sorted(by_bucket.items()):
+        recs.sort(key=lambda r: r.path)
+        jobs.append(BucketJob(key=store.bucket_key(w, h), width=w, height=h,
+                              shape=latent_shape(w, h, channels, vae_factor), records=recs,
+                              row_keys=[row_key(r, identity) for r in recs]))
+    return jobs
 
-    index, rejected, buckets, done = [], [], [], 0
-    with ThreadPoolExecutor(max(1, cfg.latents.workers)) as pool:
-        for (bw, bh), recs in sorted(by_bucket.items()):
-            shape = latent_shape(bw, bh, fam.facts.latent_channels, fam.facts.vae_factor)
-            pixels = list(pool.map(lambda r: _prepare(root, r), recs))  # decode overlaps with nothing yet
-            ok = [(r, p) for r, p in zip(recs, pixels) if isinstance(p, torch.Tensor)]
-            rejected += [Rejected(path=r.path, reason=p) for r, p in zip(recs, pixels) if isinstance(p, str)]
-            if not ok:
-                continue
-            group = store.create_bucket(work, bw, bh, shape, len(ok), cfg.latents.dtype)
-            for start in range(0, len(ok), cfg.latents.batch_size):
-                chunk = ok[start:start + cfg.latents.batch_size]
-                x = torch.stack([p for _, p in chunk]).to(dev, vae.dtype)
-                with torch.no_grad():
-                    dist = vae.encode(x).latent_dist
-                mean, std = dist.mean.float().cpu(), dist.std.float().cpu()
-                check_latents(mean, std, shape, [r.path for r, _ in chunk])
-                group["mean"][start:start + len(chunk)] = mean.numpy().astype(cfg.latents.dtype)
-                group["std"][start:start + len(chunk)] = std.numpy().astype(cfg.latents.dtype)
-                done += len(chunk)
-                ctx.reporter.progress("latents-progress", done / max(1, len(records)), f"{done} images encoded")
-            index += [{"path": r.path, "bucket": store.bucket_key(bw, bh), "row": i} for i, (r, _) in enumerate(ok)]
-            buckets.append({"width": bw, "height": bh, "shape": shape, "count": len(ok),
-                            "array": store.bucket_key(bw, bh)})
+
+def build(ctx, work: Path, upstream: dict) -> dict:
+    cfg, lc = ctx.cfg, ctx.cfg.latents
+    scan: ScanManifest = upstream["scan"]
+    records = read_records(models.artifact_dir(ctx, scan))
+    fam, dev = models.family(cfg), models.device(cfg)
+    vae = fam.load_vae(models.model_dir(ctx), models.dtype(cfg, dev), dev)
+    vae_dtype = str(vae.dtype).removeprefix("torch.")
+    identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
+    jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity)
+    if ctx.force:
+        shutil.rmtree(work / store.BLOCKS, ignore_errors=True)  # --force: resume nothing either
+    settings = Settings(root=Path(scan.dataset_root), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
+                        batch_size=lc.batch_size, names=store.array_names(lc.flip))
+    results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
+    return manifest_facts(ctx, work, scan, results, jobs, fam, vae, vae_dtype)
+
+
+def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, total: int) -> list[BucketResult]:
+    previous = PreviousRows.latest(ctx, s.names)
+    copy = previous if previous is not None else (lambda key: None)
+    progress = Progress(ctx.reporter, total)
+    results = []
+    try:
+        with ThreadPoolExecutor(ctx.cfg.latents.workers, thread_name_prefix="latents-decode") as pool:
+            for job in jobs:
+                writer = BucketWriter(s, job)
+                start = writer.resume()
+                progress.advance(start)
+                results.append(fill(writer, start, encoder, copy, pool, progress.advance))
+    finally:
+        progress.close()
+    return results
+
+
+def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResult], jobs: list[BucketJob], fam, vae,
+          vae_dtype: str) -> dict:
+    """Write the index and rejections; the manifest facts a consumer checks before reading."""
+    cfg = ctx.cfg
+    index = [row for r in results for row in r.index]
+    rejected = sorted((x for r in results for x in r.rejected), key=lambda x: x.path)
     write_jsonl(work / store.INDEX, index)
     write_jsonl(work / "rejected.jsonl", rejected)
+    for x in rejected[:20]:
+        ctx.log.warning("latents: rejected %s: %s", x.path, x.reason)
     if not index:
-        raise RuntimeError(f"no image of scan version {scan.fingerprint} could be encoded; see the reasons in "
-                           f"the latents rejected.jsonl and fix the dataset")
-    return {"family": fam.facts.name, "vae_identity": models.identity(ctx, "vae"),
+        raise ArtifactError(f"no image of scan version {scan.fingerprint} could be encoded; see the reasons in "
+                            f"{work / 'rejected.jsonl'} and fix the dataset")
+    buckets = [{"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
+               for j, r in zip(jobs, results) if r.index]
+    scale, shift = fam.vae_factors(vae)
+    counts = {k: sum(getattr(r, k) for r in results) for k in ("encoded", "reused", "resumed")}
+    ctx.log.info("latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
+                 len(index), counts["encoded"], counts["reused"], counts["resumed"], len(rejected))
+    return {"family": fam.facts.name, "vae_identity": models.identity(ctx, "vae"), "vae_dtype": vae_dtype,
             "vae_factor": fam.facts.vae_factor, "latent_channels": fam.facts.latent_channels,
-            "scaling_factor": scale, "shift_factor": shift, "dtype": cfg.latents.dtype,
-            "buckets": buckets, "count": len(index), "rejected": len(rejected)}
+            "scaling_factor": scale, "shift_factor": shift, "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
+            "block_rows": cfg.latents.block_rows, "size_policy": size_policy(cfg), "buckets": buckets,
+            "count": len(index), "rejected": len(rejected), **counts}
+

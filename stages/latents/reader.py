@@ -1,10 +1,21 @@
 """Training reader for the latent cache: bucket-aware batches, block reads, disjoint rank shards.
 
-Every global batch comes from one bucket and holds batch_size x world_size rows; rank r takes slice r.
-The plan depends only on (seed, epoch, bucket counts), so every rank computes the same plan without talking.
+Every global batch comes from one bucket and holds batch_size x world_size rows; rank r takes slice r, so
+ranks never share a row within an epoch (except when a bucket smaller than a global batch is repeated to
+fill it). The plan depends only on (seed, epoch, bucket counts, block size), so every rank computes the same
+plan without talking.
+
+Shuffling is block-aware, so the reader reads each block once per epoch instead of one block per row: the
+blocks of a bucket are permuted, grouped into windows of WINDOW_BLOCKS blocks, and the rows of each window
+are permuted; buckets are interleaved at random but each keeps its own order. A reader therefore holds at
+most 2 x WINDOW_BLOCKS blocks per bucket in memory.
 """
 from __future__ import annotations
 
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +23,12 @@ import numpy as np
 import torch
 
 from schemas.latents import LatentsManifest
+from stages.common.artifacts import fix_hint
 from stages.common.jsonl import read_jsonl
 from stages.latents import store
+
+WINDOW_BLOCKS = 4
+DEFAULT_BLOCK_ROWS = 64  # LatentsConfig.block_rows' default
 
 
 class ReaderError(RuntimeError):
@@ -25,70 +40,180 @@ class Batch:
     bucket: str
     rows: tuple[int, ...]
     paths: tuple[str, ...]
+    flip: tuple[bool, ...] | None = None  # per row: read the flipped variant (needs a cache built with flip)
 
 
-def epoch_plan(counts: dict[str, int], batch_size: int, world_size: int, seed: int,
-               epoch: int) -> list[tuple[str, np.ndarray]]:
+def block_shuffle(n: int, block_rows: int, window: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of range(n): blocks in random order, rows shuffled within each window of blocks."""
+    blocks = rng.permutation(-(-n // block_rows))
+    parts = []
+    for i in range(0, len(blocks), window):
+        rows = np.concatenate([np.arange(b * block_rows, min(n, (b + 1) * block_rows)) for b in blocks[i:i + window]])
+        parts.append(rng.permutation(rows))
+    return np.concatenate(parts)
+
+
+def epoch_plan(counts: dict[str, int], batch_size: int, world_size: int, seed: int, epoch: int, *,
+               block_rows: int = DEFAULT_BLOCK_ROWS, window: int = WINDOW_BLOCKS) -> list[tuple[str, np.ndarray]]:
     """Global batches for one epoch: (bucket, row ids of length batch_size * world_size).
 
-    Rows are shuffled within each bucket; a bucket too small for a global batch is repeated to fill it
-    rather than dropped; the order of batches across buckets is shuffled too.
+    A bucket too small for a global batch is repeated to fill it rather than dropped; a bucket's remainder
+    (fewer rows than a global batch) sits out this epoch, a different remainder each epoch.
     """
     rng = np.random.default_rng([seed, epoch])
     gb = batch_size * world_size
-    plan: list[tuple[str, np.ndarray]] = []
+    per_bucket: dict[str, list[np.ndarray]] = {}
     for bucket in sorted(counts):
         n = counts[bucket]
         if n == 0:
             continue
-        rows = rng.permutation(n)
+        rows = block_shuffle(n, block_rows, window, rng)
         if n < gb:
             rows = np.resize(rows, gb)  # repeats the permutation cyclically
-        usable = len(rows) // gb * gb
-        plan += [(bucket, rows[i:i + gb]) for i in range(0, usable, gb)]
-    order = rng.permutation(len(plan))
-    return [plan[i] for i in order]
+        per_bucket[bucket] = [rows[i:i + gb] for i in range(0, len(rows) // gb * gb, gb)]
+    labels = [b for b, batches in per_bucket.items() for _ in batches]
+    taken = dict.fromkeys(per_bucket, 0)
+    plan = []
+    for i in rng.permutation(len(labels)):  # random interleave; each bucket keeps its block order
+        b = labels[i]
+        plan.append((b, per_bucket[b][taken[b]]))
+        taken[b] += 1
+    return plan
 
 
 class LatentReader:
-    """Reads the cache one bucket block at a time and samples latent = mean + std * eps."""
+    """Reads the cache a block at a time and samples latent = mean + std * eps."""
 
     def __init__(self, artifact_dir: Path, manifest: LatentsManifest):
-        self.dir = Path(artifact_dir)
-        self.manifest = manifest
-        self.paths: dict[str, list[str]] = {b.array: [""] * b.count for b in manifest.buckets}
-        for row in read_jsonl(self.dir / store.INDEX):
-            self.paths[row["bucket"]][row["row"]] = row["path"]
+        self.dir, self.manifest = Path(artifact_dir), manifest
+        self.block_rows = manifest.block_rows
         self.shapes = {b.array: tuple(b.shape) for b in manifest.buckets}
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for b in manifest.buckets:  # check shapes/dtypes against the manifest when opened
-            group = store.open_bucket(self.dir, b.width, b.height)
-            arr = group["mean"]
-            if tuple(arr.shape) != (b.count, *b.shape) or str(arr.dtype) != manifest.dtype:
-                raise ReaderError(f"latent cache {self.dir}: bucket {b.array} holds {tuple(arr.shape)} "
-                                  f"{arr.dtype}, the manifest says {(b.count, *b.shape)} {manifest.dtype}; "
-                                  f"rebuild it with `tuneline stage latents --force`")
+        self.names = store.array_names(manifest.flip)
+        self.paths = self._index()
+        self.arrays = {b.array: self._open(b) for b in manifest.buckets}
+        self._blocks: dict[str, OrderedDict[int, dict[str, np.ndarray]]] = {b: OrderedDict() for b in self.shapes}
+        self._lock = threading.Lock()
+
+    def _fail(self, what: str) -> ReaderError:
+        return ReaderError(f"latent cache {self.dir}: {what}; {fix_hint('latents')}")
+
+    def _index(self) -> dict[str, list[str]]:
+        """Row -> image path per bucket; every row of every bucket exactly once, as the manifest counts."""
+        paths: dict[str, list[str | None]] = {b.array: [None] * b.count for b in self.manifest.buckets}
+        for row in read_jsonl(self.dir / store.INDEX):
+            col = paths.get(row["bucket"])
+            if col is None or not 0 <= row["row"] < len(col) or col[row["row"]] is not None:
+                raise self._fail(f"index row {row} does not fit the manifest's buckets")
+            col[row["row"]] = row["path"]
+        missing = [f"{b} row {col.index(None)}" for b, col in paths.items() if None in col]
+        if missing:
+            raise self._fail(f"index lacks {', '.join(missing[:3])}")
+        return paths  # type: ignore[return-value]
+
+    def _open(self, b) -> dict:
+        arrays = store.open_arrays(self.dir, b.array, self.names)
+        want = ((b.count, *b.shape), (self.block_rows, *b.shape), self.manifest.dtype)
+        for name, arr in arrays.items():
+            got = (tuple(arr.shape), tuple(arr.chunks), str(arr.dtype))
+            if got != want:
+                raise self._fail(f"bucket {b.array} array {name} is {got[0]} {got[2]} in chunks of {got[1][0]} "
+                                 f"rows, the manifest says {want[0]} {want[2]} in chunks of {want[1][0]}")
+        return arrays
 
     def counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.paths.items()}
 
-    def _bucket(self, bucket: str) -> tuple[np.ndarray, np.ndarray]:
-        if bucket not in self._cache:
-            b = next(x for x in self.manifest.buckets if x.array == bucket)
-            group = store.open_bucket(self.dir, b.width, b.height)
-            self._cache[bucket] = store.read_block(group, 0, b.count)
-        return self._cache[bucket]
+    def plan(self, batch_size: int, world_size: int, seed: int, epoch: int) -> list[tuple[str, np.ndarray]]:
+        """epoch_plan with this cache's block size."""
+        return epoch_plan(self.counts(), batch_size, world_size, seed, epoch, block_rows=self.block_rows)
 
-    def batch(self, bucket: str, rows: np.ndarray) -> Batch:
-        return Batch(bucket, tuple(int(r) for r in rows), tuple(self.paths[bucket][int(r)] for r in rows))
+    def batch(self, bucket: str, rows: np.ndarray, flip: Iterable[bool] | None = None) -> Batch:
+        flip = None if flip is None else tuple(bool(f) for f in flip)
+        if flip is not None and any(flip) and not self.manifest.flip:
+            raise self._fail("a flipped batch was asked for but the cache holds no flipped variant "
+                             "(set latents.flip true)")
+        return Batch(bucket, tuple(int(r) for r in rows), tuple(self.paths[bucket][int(r)] for r in rows), flip)
+
+    def _block(self, bucket: str, block: int) -> dict[str, np.ndarray]:
+        cache = self._blocks[bucket]
+        with self._lock:
+            if block in cache:
+                cache.move_to_end(block)
+                return cache[block]
+        start = block * self.block_rows
+        data = store.read_arrays(self.arrays[bucket], start, start + self.block_rows)
+        for name, arr in data.items():  # once per block read: cheap, and it catches a store edited since open
+            if arr.shape[1:] != self.shapes[bucket] or str(arr.dtype) != self.manifest.dtype:
+                raise self._fail(f"bucket {bucket} block {block} of {name} reads as {arr.shape[1:]} {arr.dtype}, "
+                                 f"the manifest says {self.shapes[bucket]} {self.manifest.dtype}")
+        with self._lock:
+            cache[block] = data
+            while len(cache) > 2 * WINDOW_BLOCKS:
+                cache.popitem(last=False)
+        return data
+
+    def gather(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the batch's rows as float32 (B, C, h, w), read a block at a time."""
+        rows = np.asarray(batch.rows, dtype=np.int64)
+        flip = np.zeros(len(rows), bool) if batch.flip is None else np.asarray(batch.flip, dtype=bool)
+        shape, count = self.shapes[batch.bucket], len(self.paths[batch.bucket])
+        if len(flip) != len(rows) or rows.min(initial=0) < 0 or rows.max(initial=0) >= count:
+            raise ReaderError(f"batch of bucket {batch.bucket} asks for rows {list(rows[:8])} (flip "
+                              f"{batch.flip}); the bucket has rows 0..{count - 1}")
+        mean = np.empty((len(rows), *shape), np.float32)
+        std = np.empty_like(mean)
+        blocks = rows // self.block_rows
+        for block in np.unique(blocks):
+            data = self._block(batch.bucket, int(block))
+            for flipped, (m, s) in ((False, store.DIST), (True, store.FLIPPED)):
+                sel = (blocks == block) & (flip == flipped)
+                if sel.any():
+                    offsets = rows[sel] - block * self.block_rows
+                    mean[sel], std[sel] = data[m][offsets], data[s][offsets]
+        return torch.from_numpy(mean), torch.from_numpy(std)
 
     def sample(self, batch: Batch, generator: torch.Generator) -> torch.Tensor:
-        mean, std = self._bucket(batch.bucket)
-        idx = np.asarray(batch.rows)
-        m = torch.from_numpy(mean[idx].astype(np.float32))
-        s = torch.from_numpy(std[idx].astype(np.float32))
-        if tuple(m.shape[1:]) != self.shapes[batch.bucket]:
-            raise ReaderError(f"latent batch from bucket {batch.bucket} has shape {tuple(m.shape[1:])}, expected "
-                              f"{self.shapes[batch.bucket]} (images {batch.paths[:3]})")
-        eps = torch.randn(m.shape, generator=generator)
-        return m + s * eps
+        """mean + std * eps, on the generator's device, with eps drawn from `generator`."""
+        return _draw(*self.gather(batch), generator)
+
+    def prefetch(self, batches: Iterable[Batch], generator: torch.Generator,
+                 depth: int = 2) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """(batch, sample(batch, generator)) for each batch, reading `depth` batches ahead in a thread.
+
+        eps is drawn here, in the caller's thread and order, so the results and the generator's state equal
+        calling sample() batch by batch.
+        """
+        q: queue.Queue = queue.Queue(depth)
+        stop = threading.Event()
+
+        def read() -> None:
+            try:
+                for b in batches:
+                    if stop.is_set():
+                        return
+                    q.put((b, self.gather(b)))
+                q.put(None)
+            except BaseException as err:  # handed to the consumer, which re-raises it
+                q.put(err)
+
+        worker = threading.Thread(target=read, name="latents-prefetch", daemon=True)
+        worker.start()
+        try:
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item[0], _draw(*item[1], generator)
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a reader waiting on a full queue
+                try:
+                    q.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+
+def _draw(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    dev = generator.device
+    mean, std = mean.to(dev, non_blocking=True), std.to(dev, non_blocking=True)
+    eps = torch.randn(mean.shape, generator=generator, device=dev)
+    return torch.addcmul(mean, std, eps)

@@ -1,15 +1,33 @@
-"""Zarr layout of the latent cache.
+"""Zarr layout of the latent cache. The writer, the training reader and validation all go through here.
 
-latents.zarr/
-  <W>x<H>/mean   (N, C, h, w)  latent distribution mean, one row per image
-  <W>x<H>/std    (N, C, h, w)  latent distribution std (training samples mean + std * eps)
-index.jsonl      one row per cached image: {"path", "bucket", "row"}
+    latents.zarr/<W>x<H>/mean        (N, C, h, w)  latent distribution mean, one row per image
+    latents.zarr/<W>x<H>/std         (N, C, h, w)  its std; training samples mean + std * eps every step
+    latents.zarr/<W>x<H>/flip_mean   (N, C, h, w)  the same for the horizontally flipped image (latents.flip)
+    latents.zarr/<W>x<H>/flip_std
+    index.jsonl                      one row per cached image: {"path", "bucket", "row", "key"}
+    blocks/<W>x<H>/<i>.json          one record per finished block: its rows, the images rejected while
+                                     filling it, and a digest of its data
+    rejected.jsonl                   images that passed the scan but could not be decoded at caching time
 
-Arrays are chunked in blocks of rows along N so the reader fetches whole blocks, never single rows
-(PLATFORM.md: single-row Zarr reads are 10x slower than block reads).
+Rows of a bucket are its images sorted by path (rejected ones skipped), so the layout is a pure function of
+the scan records and a resumed build agrees with the interrupted one. `key` identifies a row's content (image
+bytes, bucket, crop, VAE, dtypes): a later build copies rows whose key it needs instead of encoding them.
+
+Chunking follows the access pattern. One chunk = one block of `block_rows` rows of one array, uncompressed:
+- the writer fills a whole block before writing it, so every chunk file has one writer and is written once
+  (Zarr replaces a chunk file atomically; concurrent writers into one chunk or shard lose rows, PLATFORM.md);
+  no sharding, since a shard of several blocks would be rewritten for every block;
+- the block record is written after the block's chunks: a build killed at any point loses at most the block
+  in flight, and a resumed build re-checks each record's digest before trusting it;
+- the training reader reads whole blocks (single-row Zarr reads are 10-20x slower, PLATFORM.md) and keeps a
+  few per bucket in memory; float16 latents barely compress, so compression would only cost read time.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,20 +35,109 @@ import zarr
 
 STORE = "latents.zarr"
 INDEX = "index.jsonl"
-BLOCK_ROWS = 64
+BLOCKS = "blocks"
+DIST = ("mean", "std")
+FLIPPED = ("flip_mean", "flip_std")
 
 
 def bucket_key(width: int, height: int) -> str:
     return f"{width}x{height}"
 
 
-def create_bucket(root: Path, width: int, height: int, shape: tuple[int, int, int], count: int,
-                  dtype: str) -> zarr.Group:
-    group = zarr.open_group(str(root / STORE), mode="a").require_group(bucket_key(width, height))
-    for name in ("mean", "std"):
-        group.create_array(name, shape=(count, *shape), chunks=(min(BLOCK_ROWS, max(count, 1)), *shape),
-                           dtype=dtype, overwrite=True, fill_value=0)
-    return group
+def array_names(flip: bool) -> tuple[str, ...]:
+    return DIST + FLIPPED if flip else DIST
+
+
+def create_arrays(root: Path, bucket: str, shape: tuple[int, int, int], capacity: int, dtype: str,
+                  block_rows: int, names: tuple[str, ...]) -> dict[str, zarr.Array]:
+    """The bucket's arrays, reopened when a resumed build already made them with this exact layout.
+
+    `capacity` is the bucket's image count; rows of images rejected while encoding are trimmed at the end.
+    """
+    group = zarr.open_group(str(root / STORE), mode="a").require_group(bucket)
+    want = ((capacity, *shape), (block_rows, *shape), np.dtype(dtype))
+    out = {}
+    for name in names:
+        if name in group.array_keys():
+            arr = group[name]
+            if (arr.shape, arr.chunks, arr.dtype) == want:
+                out[name] = arr
+                continue
+        out[name] = group.create_array(name, shape=want[0], chunks=want[1], dtype=dtype, compressors=None,
+                                       fill_value=0, overwrite=True, config={"write_empty_chunks": True})
+    return out
+
+
+def write_block(arrays: dict[str, zarr.Array], block: int, data: dict[str, np.ndarray]) -> None:
+    """One whole block per array: a single chunk write each."""
+    for name, arr in arrays.items():
+        start = block * arr.chunks[0]
+        arr[start:start + len(data[name])] = data[name]
+
+
+def read_arrays(arrays: dict[str, zarr.Array], start: int, stop: int) -> dict[str, np.ndarray]:
+    return {name: arr[start:stop] for name, arr in arrays.items()}
+
+
+def block_digest(data: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(data):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(data[name]).tobytes())
+    return h.hexdigest()
+
+
+def trim(arrays: dict[str, zarr.Array], count: int) -> None:
+    for arr in arrays.values():
+        if arr.shape[0] != count:
+            arr.resize((count, *arr.shape[1:]))
+
+
+def drop_bucket(root: Path, bucket: str) -> None:
+    """Remove a bucket none of whose images could be encoded (its arrays may exist from a resumed build).
+
+    Zarr v3 group metadata lists no children (we never consolidate), so removing the folders is enough.
+    """
+    for path in (root / STORE / bucket, root / BLOCKS / bucket):
+        if path.exists():
+            shutil.rmtree(path)
+
+
+# Block records ---------------------------------------------------------------------------------------
+def _record_path(root: Path, bucket: str, block: int) -> Path:
+    return root / BLOCKS / bucket / f"{block:06d}.json"
+
+
+def write_record(root: Path, bucket: str, block: int, record: dict) -> None:
+    path = _record_path(root, bucket, block)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(tmp, path)  # a record is either absent or complete
+
+
+def read_records(root: Path, bucket: str) -> list[dict]:
+    """Finished blocks in order, stopping at the first gap or unreadable record."""
+    out = []
+    while True:
+        try:
+            out.append(json.loads(_record_path(root, bucket, len(out)).read_text(encoding="utf-8")))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return out
+
+
+def drop_records(root: Path, bucket: str, first: int) -> None:
+    """Forget blocks from `first` on (they will be written again)."""
+    folder = root / BLOCKS / bucket
+    for path in folder.glob("*.json") if folder.is_dir() else ():
+        if int(path.stem) >= first:
+            path.unlink()
+
+
+# Reading ---------------------------------------------------------------------------------------------
+def open_arrays(root: Path, bucket: str, names: tuple[str, ...]) -> dict[str, zarr.Array]:
+    group = zarr.open_group(str(root / STORE / bucket), mode="r")
+    return {name: group[name] for name in names}
 
 
 def open_bucket(root: Path, width: int, height: int) -> zarr.Group:
@@ -38,4 +145,5 @@ def open_bucket(root: Path, width: int, height: int) -> zarr.Group:
 
 
 def read_block(group: zarr.Group, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, std) of rows start:stop: whole-block reads for consumers that want plain arrays."""
     return group["mean"][start:stop], group["std"][start:stop]

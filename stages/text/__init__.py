@@ -1,16 +1,31 @@
-"""Text stage: every unique caption (and the empty caption, for caption dropout) encoded once, in Zarr."""
+"""Text stage: every distinct caption string (each variant, and the empty caption for caption dropout) encoded
+once, in Zarr; with text.enabled false an artifact that records how to encode live instead."""
 from __future__ import annotations
 
-from schemas.text import TextManifest
+from schemas.families import facts
+from schemas.text import PADDING, TextManifest
 from stages.common import models
 from stages.common.stage import StageDef
+from stages.text.variants import TagAugment
 
-CODE_VERSION = "text-1"
+CODE_VERSION = "text-2"
+
+
+def effective_max_length(cfg) -> int:
+    """Tokens every caption is padded/truncated to: text.max_length, or the family's default."""
+    return cfg.text.max_length or facts(cfg.model.family).max_length
 
 
 def _config(cfg) -> dict:
-    return {"text": cfg.text.model_dump(mode="json", exclude={"batch_size"}),
-            "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"})}
+    """What the cached tensors depend on. Resolved values (max_length) rather than nulls, so spelling out the
+    default changes nothing; settings without effect (batch size, storage dtype with the cache off, variant
+    settings with one variant) are left out so they never make text and everything downstream stale."""
+    t = cfg.text
+    text = {"enabled": t.enabled, "max_length": effective_max_length(cfg), "padding": PADDING,
+            "caption_variants": t.caption_variants, "augment": TagAugment.from_config(t).as_dict()}
+    if t.enabled:
+        text["dtype"] = t.dtype
+    return {"text": text, "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"})}
 
 
 def _inputs(ctx) -> dict:

@@ -1,20 +1,22 @@
-"""Encode each unique caption once with the family's text encoders and store every tensor it returns."""
+"""Encode each distinct caption string once (every variant, and the empty caption at row 0) and store every
+tensor the family returns."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-import zarr
-
 from schemas.scan import ScanManifest
+from schemas.text import PADDING
 from stages.common import models
 from stages.common.jsonl import read_jsonl, write_jsonl
-from stages.text.store import CAPTIONS, STORE
+from stages.text import effective_max_length
+from stages.text.encode import encode_batches, storage_tensor
+from stages.text.store import INDEX, STORE, STRINGS, ArrayWriter
+from stages.text.variants import TagAugment, index_strings
 
 
 def unique_captions(scan_dir: Path) -> list[str]:
-    """The empty caption first (row 0), then each distinct caption in first-seen order."""
-    seen = {"": None}
+    """Each distinct caption of the scan in first-seen order."""
+    seen: dict[str, None] = {}
     for r in read_jsonl(scan_dir / "images.jsonl"):
         seen.setdefault(r["caption"], None)
     return list(seen)
@@ -23,29 +25,35 @@ def unique_captions(scan_dir: Path) -> list[str]:
 def build(ctx, work: Path, upstream: dict) -> dict:
     cfg = ctx.cfg
     scan: ScanManifest = upstream["scan"]
+    augment = TagAugment.from_config(cfg.text)
     captions = unique_captions(models.artifact_dir(ctx, scan))
     fam = models.family(cfg)
-    dev = models.device(cfg)
-    enc = fam.load_text_encoders(models.model_dir(ctx), models.dtype(cfg, dev), dev, max_length=cfg.text.max_length)
-    group = zarr.open_group(str(work / STORE), mode="w")
-    fields: dict[str, dict] = {}
+    facts = {"enabled": cfg.text.enabled, "family": fam.facts.name, "encoder_identity": models.identity(ctx, "text"),
+             "max_length": effective_max_length(cfg), "padding": PADDING, "variants": augment.variants,
+             "augment": augment.as_dict(), "captions": len(captions)}
+    if not cfg.text.enabled:
+        return facts  # the manifest alone tells consumers how to encode live
+    strings, index = index_strings(captions, augment)
+    fields = write_cache(ctx, work, strings)
+    write_jsonl(work / STRINGS, ({"row": i, "text": s} for i, s in enumerate(strings)))
+    write_jsonl(work / INDEX, ({"caption": c, "rows": rows} for c, rows in index.items()))
+    ctx.log.info("text: %d captions, %d variants each -> %d distinct strings encoded", len(captions),
+                 augment.variants, len(strings))
+    return facts | {"fields": fields, "count": len(strings)}
+
+
+def write_cache(ctx, work: Path, strings: list[str]) -> dict[str, dict]:
+    """Encode `strings` in batches into text.zarr; returns each field's per-row shape and dtype."""
+    import torch
+
+    cfg = ctx.cfg
+    fam, dev = models.family(cfg), models.device(cfg)
+    enc = fam.load_text_encoders(models.model_dir(ctx), models.dtype(cfg, dev), dev,
+                                 max_length=effective_max_length(cfg))
+    float_dtype = getattr(torch, cfg.text.dtype)
+    writer = ArrayWriter(work / STORE, len(strings))
     bs = cfg.text.batch_size
-    for start in range(0, len(captions), bs):
-        with torch.no_grad():
-            out = fam.encode_text(enc, captions[start:start + bs])
-        for name, t in out.items():
-            t = t.detach().to("cpu", torch.float32 if t.is_floating_point() else t.dtype)
-            if t.is_floating_point():
-                t = t.to(getattr(torch, cfg.text.dtype))
-            if name not in group:
-                dt = str(t.dtype).removeprefix("torch.")
-                group.create_array(name, shape=(len(captions), *t.shape[1:]), chunks=(bs, *t.shape[1:]), dtype=dt)
-                fields[name] = {"shape": tuple(t.shape[1:]), "dtype": dt}
-            if tuple(t.shape[1:]) != tuple(fields[name]["shape"]):
-                raise RuntimeError(f"text encoder output {name} changed shape mid-run: {tuple(t.shape[1:])} vs "
-                                   f"{fields[name]['shape']} (caption {captions[start]!r})")
-            group[name][start:start + len(t)] = t.numpy()
-        ctx.reporter.progress("text-progress", min(1.0, (start + bs) / len(captions)), "captions encoded")
-    write_jsonl(work / CAPTIONS, ({"row": i, "caption": c} for i, c in enumerate(captions)))
-    return {"family": fam.facts.name, "encoder_identity": models.identity(ctx, "text"),
-            "max_length": enc.max_length, "fields": fields, "count": len(captions)}
+    for start, out in encode_batches(fam, enc, strings, bs):
+        writer.add({k: storage_tensor(v, float_dtype) for k, v in out.items()})
+        ctx.reporter.progress("text-progress", min(1.0, (start + bs) / len(strings)), "captions encoded")
+    return writer.close()

@@ -71,7 +71,7 @@ def test_tiny_build_is_deterministic_and_reused(name, built, tmp_path):
 def test_folder_matches_facts(name, built):
     """The static facts configs are checked against are what the model folder really does."""
     fam = get_family(name)
-    pipe = _pipe(built(name))
+    pipe = fam.load_pipeline(built(name), torch.float32, CPU)
     assert type(pipe).__name__ == fam.pipeline_class.__name__
     facts = fam.facts
     assert 2 ** (len(pipe.vae.config.block_out_channels) - 1) == facts.vae_factor
@@ -179,7 +179,7 @@ def test_save_pretrained_folder_loads_through_ensure_model(name, built, tmp_path
     user_dir = tmp_path / "user-model"
     _pipe(built(name)).save_pretrained(user_dir, safe_serialization=True)
     got = fam.ensure_model(str(user_dir), tmp_path / "cache")
-    assert got == user_dir
+    assert got == user_dir.resolve()
     assert not (tmp_path / "cache").exists(), "a folder model needs no conversion"
     ref = fam.load_denoiser(built(name), torch.float32, CPU).state_dict()
     loaded = fam.load_denoiser(got, torch.float32, CPU).state_dict()
@@ -209,3 +209,17 @@ def test_missing_component_is_named(name, built, tmp_path):
 def test_folder_of_another_family_is_refused(built):
     with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*'sd3'"):
         get_family("sd3").ensure_model(str(built("sdxl")), built("sdxl").parent)
+
+
+def test_half_precision_denoise_keeps_dtype(built, encoders):
+    fam = get_family("tiny")
+    den = fam.load_denoiser(built("tiny"), torch.bfloat16, CPU)
+    text = fam.encode_text(encoders("tiny"), ["a red square"])  # float32 embeds, cast by the adapter
+    noisy = torch.randn(1, 4, 8, 8, dtype=torch.bfloat16)
+    out = fam.denoise(den, noisy, torch.tensor([500]), text)
+    assert out.dtype == torch.bfloat16 and out.shape == noisy.shape
+
+
+def test_text_length_beyond_encoder_is_refused(built):
+    with pytest.raises(ValueError, match="text.max_length 17 exceeds"):
+        get_family("tiny").load_text_encoders(built("tiny"), torch.float32, CPU, max_length=17)

@@ -1,0 +1,127 @@
+"""Benchmark: the training reader against per-image latent files, on the same latents in one run.
+
+~4,000 latents of SD1.5-at-512px size (4 x 64 x 64 and three nearby aspect buckets) are written three ways:
+our Zarr cache (mean + std, block chunks, written through stages.latents.store), one `torch.save`d `.pt`
+per image (SimpleTuner's layout) and one `.npz` per image (kohya's layout). Each loader then produces the
+same epoch of bucketed batches of 16 as float32 (B, C, h, w) tensors, the way a training step wants them.
+Ours does more work per batch — it stores and reads mean and std and samples mean + std * eps — while the
+per-file layouts store one fixed sample per image (float16, the smaller option for them). Rounds alternate
+between the loaders and the best round of each counts (the machine is shared and noisy).
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
+from stages.common.jsonl import write_jsonl  # noqa: E402
+from stages.latents import store  # noqa: E402
+from stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
+
+BUCKETS = {"512x512": (4, 64, 64), "448x576": (4, 72, 56), "576x448": (4, 56, 72), "640x384": (4, 48, 80)}
+PER_BUCKET = 1000
+BATCH = 16
+BLOCK_ROWS = 64
+ROUNDS = 3
+GOAL_PT, GOAL_NPZ = 3.0, 1.5
+
+
+def write_ours(root: Path, data: dict[str, np.ndarray]) -> LatentReader:
+    index, buckets = [], []
+    for key, mean in data.items():
+        n, shape = len(mean), mean.shape[1:]
+        std = (np.abs(mean) * 0.01 + 1e-3).astype(np.float16)
+        arrays = store.create_arrays(root, key, shape, n, "float16", BLOCK_ROWS, store.DIST)
+        for b in range(0, n, BLOCK_ROWS):
+            store.write_block(arrays, b // BLOCK_ROWS, {"mean": mean[b:b + BLOCK_ROWS], "std": std[b:b + BLOCK_ROWS]})
+        index += [{"path": f"{key}/{i}.png", "bucket": key, "row": i, "key": f"{key}-{i}"} for i in range(n)]
+        w, h = (int(x) for x in key.split("x"))
+        buckets.append(LatentBucket(width=w, height=h, shape=shape, count=n, array=key))
+    write_jsonl(root / store.INDEX, index)
+    manifest = LatentsManifest(fingerprint="bench", tool_version="bench", code_version="bench", family="sd15",
+                               vae_identity="bench", vae_dtype="float32", vae_factor=8, latent_channels=4,
+                               scaling_factor=0.18215, shift_factor=0.0, dtype="float16", flip=False,
+                               block_rows=BLOCK_ROWS, size_policy={}, buckets=buckets,
+                               count=len(index))
+    return LatentReader(root, manifest)
+
+
+def write_files(root: Path, data: dict[str, np.ndarray]) -> None:
+    for key, mean in data.items():
+        (root / "pt" / key).mkdir(parents=True)
+        (root / "npz" / key).mkdir(parents=True)
+        for i, lat in enumerate(mean):
+            torch.save(torch.from_numpy(lat.copy()), root / "pt" / key / f"{i}.pt")
+            np.savez(root / "npz" / key / f"{i}.npz", latents=lat, original_size=np.array([512, 512]),
+                     crop_ltrb=np.array([0, 0, 0, 0]))
+
+
+def run_ours(reader: LatentReader, plan) -> int:
+    gen = torch.Generator().manual_seed(0)
+    batches = (reader.batch(bucket, rows) for bucket, rows in plan)
+    return sum(len(x) for _, x in reader.prefetch(batches, gen))
+
+
+def run_pt(root: Path, plan) -> int:
+    n = 0
+    for bucket, rows in plan:
+        x = torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt") for r in rows]).float()
+        n += len(x)
+    return n
+
+
+def run_npz(root: Path, plan) -> int:
+    n = 0
+    for bucket, rows in plan:
+        arrays = []
+        for r in rows:
+            with np.load(root / "npz" / bucket / f"{r}.npz") as z:
+                arrays.append(z["latents"])
+        n += len(torch.from_numpy(np.stack(arrays)).float())
+    return n
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # every loader runs in the trainer's process; keep BLAS threads out of the race
+    tmp = Path(tempfile.mkdtemp(prefix="tuneline-bench-loader-"))
+    try:
+        rng = np.random.default_rng(0)
+        data = {k: rng.standard_normal((PER_BUCKET, *s), dtype=np.float32).astype(np.float16)
+                for k, s in BUCKETS.items()}
+        reader = write_ours(tmp / "ours", data)
+        write_files(tmp, data)
+        plan = epoch_plan(reader.counts(), BATCH, 1, seed=0, epoch=0, block_rows=BLOCK_ROWS)
+        runs = {"ours": lambda: run_ours(reader, plan), "pt": lambda: run_pt(tmp, plan),
+                "npz": lambda: run_npz(tmp, plan)}
+        best = dict.fromkeys(runs, 0.0)
+        for _ in range(ROUNDS):
+            for name, fn in runs.items():
+                t = time.perf_counter()
+                n = fn()
+                best[name] = max(best[name], n / (time.perf_counter() - t))
+        report(best)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(best: dict[str, float]) -> None:
+    print(f"latents: {sum(len(v) for v in [range(PER_BUCKET)] * len(BUCKETS))} in {len(BUCKETS)} buckets "
+          f"(4x64x64 class, float16), batch {BATCH}, best of {ROUNDS} rounds")
+    print(f"ours (Zarr blocks, prefetch, mean + std * eps): {best['ours']:.0f} samples/s")
+    print(f".pt per image (SimpleTuner): {best['pt']:.0f} samples/s")
+    print(f".npz per image (kohya):      {best['npz']:.0f} samples/s")
+    r_pt, r_npz = best["ours"] / best["pt"], best["ours"] / best["npz"]
+    print(f"RESULT loader_speedup_vs_npz {r_npz:.2f} goal >= {GOAL_NPZ} {'PASS' if r_npz >= GOAL_NPZ else 'FAIL'}")
+    print(f"RESULT loader_speedup_vs_pt {r_pt:.2f} goal >= {GOAL_PT} {'PASS' if r_pt >= GOAL_PT else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Pixels in, checked latent distributions out: the decode side (worker threads) and the VAE side."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from schemas.scan import ImageRecord
+from stages.common.artifacts import safe_join
+from stages.common.hashing import file_sha256
+from stages.latents import store
+from stages.scan.images import load_rgb
+
+# What PIL raises on a file whose header parsed but whose pixel data is broken (truncated, bad zlib stream).
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, zlib.error,
+                 Image.DecompressionBombError)
+
+
+class LatentShapeError(RuntimeError):
+    """The VAE's output for an image does not match what its bucket requires, or is not finite."""
+
+
+def to_pixels(img: Image.Image, rec: ImageRecord) -> torch.Tensor:
+    """Crop the recorded box and resize to the recorded bucket: (3, H, W) float32 in [-1, 1]."""
+    img = img.crop(rec.crop).resize((rec.bucket_width, rec.bucket_height), Image.Resampling.BICUBIC)
+    arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1)
+
+
+def prepare(root: Path, rec: ImageRecord) -> torch.Tensor | str:
+    """The image's pixels, or the reason it cannot be cached (runs in a worker thread; PIL releases the GIL).
+
+    The bytes must still be the ones the scan hashed: a row's cache key is that hash.
+    """
+    path = safe_join(root, rec.path)
+    try:
+        if file_sha256(path) != rec.sha256:
+            return "the file changed since the scan (content hash differs): run `tuneline stage scan` again"
+        return to_pixels(load_rgb(path, rec), rec)
+    except DECODE_ERRORS as err:
+        return f"cannot decode at caching time ({type(err).__name__}: {err}): re-export or remove the file"
+
+
+class Encoder:
+    """The family's VAE on its device; returns every stored array for a batch, checked, in the stored dtype."""
+
+    def __init__(self, vae: torch.nn.Module, device: torch.device, dtype: str, flip: bool):
+        self.vae, self.device, self.dtype, self.flip = vae, device, np.dtype(dtype), flip
+
+    def __call__(self, pixels: list[torch.Tensor], paths: list[str],
+                 expected: tuple[int, int, int]) -> dict[str, np.ndarray]:
+        x = torch.stack(pixels).to(self.device, self.vae.dtype)
+        if self.flip:
+            x = torch.cat([x, x.flip(-1)])  # one forward for both variants
+        with torch.no_grad():
+            dist = self.vae.encode(x).latent_dist
+        n = len(paths)
+        mean, std = dist.mean.float().cpu().numpy(), dist.std.float().cpu().numpy()
+        out = {"mean": mean[:n], "std": std[:n]}
+        if self.flip:
+            out |= {"flip_mean": mean[n:], "flip_std": std[n:]}
+        out = {k: v.astype(self.dtype) for k, v in out.items()}
+        check_latents(out, expected, paths)
+        return out
+
+
+def check_latents(arrays: dict[str, np.ndarray], expected: tuple[int, int, int], paths: list[str]) -> None:
+    """Shape and finiteness of every row, after the cast to the stored dtype (float16 can overflow)."""
+    for name, arr in arrays.items():
+        variant = " (flipped)" if name in store.FLIPPED else ""
+        for i, path in enumerate(paths):
+            if tuple(arr[i].shape) != expected:
+                raise LatentShapeError(f"latent shape mismatch for image {path}{variant}: expected {expected}, "
+                                       f"got {tuple(arr[i].shape)}; its bucket size and the VAE disagree")
+        bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
+        if bad.any():
+            path = paths[int(np.argmax(bad))]
+            raise LatentShapeError(f"the VAE produced NaN/Inf latent {name} for image {path}{variant} (stored as "
+                                   f"{arr.dtype}): check the image, run the VAE in float32 (model.dtype) or "
+                                   f"store float32 (latents.dtype)")

@@ -1,0 +1,79 @@
+"""Incremental builds: rows of the previous published version whose content key matches are copied.
+
+A row's key hashes everything its latents depend on (image bytes, bucket, crop, background, VAE identity,
+VAE and stored dtypes, flip, pixel pipeline version), so a match means encoding would give the same row.
+Only the latest published version is consulted, after the artifact store has verified its files.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from schemas.latents import LatentsManifest
+from schemas.scan import ImageRecord
+from stages.common.artifacts import ArtifactError
+from stages.common.hashing import digest
+from stages.common.jsonl import read_jsonl
+from stages.latents import store
+
+# Bump when to_pixels changes what an image becomes (filter, value range): old rows stop matching.
+PIXELS_VERSION = 1
+# Copies walk the previous version mostly in row order; a few blocks cover the look-ahead of the writer.
+CACHED_BLOCKS = 8
+
+
+def row_identity(vae_identity: str, vae_dtype: str, dtype: str, flip: bool) -> dict:
+    """What every row of a build shares; row_key adds the per-image part."""
+    return {"vae": vae_identity, "vae_dtype": vae_dtype, "dtype": dtype, "flip": flip, "pixels": PIXELS_VERSION}
+
+
+def row_key(rec: ImageRecord, identity: dict) -> str:
+    return digest({"sha256": rec.sha256, "bucket": [rec.bucket_width, rec.bucket_height], "crop": list(rec.crop),
+                   "background": rec.background, **identity}, length=32)
+
+
+class PreviousRows:
+    """Rows of one published version by key, read a whole block at a time."""
+
+    def __init__(self, path: Path, manifest: LatentsManifest, names: tuple[str, ...]):
+        self.dir, self.names, self.block_rows = path, names, manifest.block_rows
+        self.where = {row["key"]: (row["bucket"], row["row"]) for row in read_jsonl(path / store.INDEX)}
+        self.fingerprint = manifest.fingerprint
+        self._arrays: dict[str, dict] = {}
+        self._blocks: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
+
+    @classmethod
+    def latest(cls, ctx, names: tuple[str, ...]) -> PreviousRows | None:
+        path = ctx.store.latest("latents")
+        if path is None or ctx.force:  # --force means: trust nothing already built
+            return None
+        try:
+            manifest = ctx.store.read(path, LatentsManifest)
+        except ArtifactError as err:
+            ctx.log.warning("latents: not reusing %s: %s", path, err)
+            return None
+        if not set(names) <= set(store.array_names(manifest.flip)):
+            return None
+        return cls(path, manifest, names)
+
+    def __call__(self, key: str) -> dict[str, np.ndarray] | None:
+        where = self.where.get(key)
+        if where is None:
+            return None
+        bucket, row = where
+        block, offset = divmod(row, self.block_rows)
+        return {name: arr[offset] for name, arr in self._block(bucket, block).items()}
+
+    def _block(self, bucket: str, block: int) -> dict[str, np.ndarray]:
+        at = (bucket, block)
+        if at not in self._blocks:
+            if bucket not in self._arrays:
+                self._arrays[bucket] = store.open_arrays(self.dir, bucket, self.names)
+            start = block * self.block_rows
+            self._blocks[at] = store.read_arrays(self._arrays[bucket], start, start + self.block_rows)
+            if len(self._blocks) > CACHED_BLOCKS:
+                self._blocks.popitem(last=False)
+        self._blocks.move_to_end(at)
+        return self._blocks[at]
