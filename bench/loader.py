@@ -14,6 +14,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ PER_BUCKET = 1000
 BATCH = 16
 BLOCK_ROWS = 64
 ROUNDS = 3
+WORKERS, DEPTH = 2, 4  # the same for every loader
 GOAL_PT, GOAL_NPZ = 3.0, 1.5
 
 
@@ -65,27 +68,32 @@ def write_files(root: Path, data: dict[str, np.ndarray]) -> None:
 
 
 def run_ours(reader: LatentReader, plan) -> int:
-    gen = torch.Generator().manual_seed(0)
     batches = (reader.batch(bucket, rows) for bucket, rows in plan)
-    return sum(len(x) for _, x in reader.prefetch(batches, gen))
+    return sum(len(x) for _, x in reader.prefetch(batches, seed=0, workers=WORKERS, depth=DEPTH))
 
 
-def run_pt(root: Path, plan) -> int:
+def load_pt(root: Path, bucket: str, rows) -> torch.Tensor:
+    return torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt") for r in rows]).float()
+
+
+def load_npz(root: Path, bucket: str, rows) -> torch.Tensor:
+    arrays = []
+    for r in rows:
+        with np.load(root / "npz" / bucket / f"{r}.npz") as z:
+            arrays.append(z["latents"])
+    return torch.from_numpy(np.stack(arrays)).float()
+
+
+def run_files(load, root: Path, plan) -> int:
+    """The per-file layouts get the same pipelining as ours: WORKERS threads, DEPTH batches ahead."""
     n = 0
-    for bucket, rows in plan:
-        x = torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt") for r in rows]).float()
-        n += len(x)
-    return n
-
-
-def run_npz(root: Path, plan) -> int:
-    n = 0
-    for bucket, rows in plan:
-        arrays = []
-        for r in rows:
-            with np.load(root / "npz" / bucket / f"{r}.npz") as z:
-                arrays.append(z["latents"])
-        n += len(torch.from_numpy(np.stack(arrays)).float())
+    with ThreadPoolExecutor(WORKERS) as pool:
+        pending: deque = deque()
+        for bucket, rows in plan:
+            pending.append(pool.submit(load, root, bucket, rows))
+            if len(pending) >= DEPTH:
+                n += len(pending.popleft().result())
+        n += sum(len(f.result()) for f in pending)
     return n
 
 
@@ -99,8 +107,8 @@ def main() -> None:
         reader = write_ours(tmp / "ours", data)
         write_files(tmp, data)
         plan = epoch_plan(reader.counts(), BATCH, 1, seed=0, epoch=0, block_rows=BLOCK_ROWS)
-        runs = {"ours": lambda: run_ours(reader, plan), "pt": lambda: run_pt(tmp, plan),
-                "npz": lambda: run_npz(tmp, plan)}
+        runs = {"ours": lambda: run_ours(reader, plan), "pt": lambda: run_files(load_pt, tmp, plan),
+                "npz": lambda: run_files(load_npz, tmp, plan)}
         best = dict.fromkeys(runs, 0.0)
         for _ in range(ROUNDS):
             for name, fn in runs.items():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,6 +16,8 @@ from schemas.config import ConfigError, PipelineConfig, example_yaml, load_confi
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Diffusion fine-tuning as Prefect flows.")
 config_app = typer.Typer(no_args_is_help=True, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
+remote_app = typer.Typer(no_args_is_help=True, help="Artifact versions on object storage (ops.remote).")
+app.add_typer(remote_app, name="remote")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config; omitted = the built-in demo")]
 WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", help="overrides the config's workdir")]
@@ -35,10 +38,13 @@ def _load(config: Path | None, workdir: str | None) -> PipelineConfig:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from stages.common.artifacts import ArtifactError
+    from stages.common.lock import StoreLocked
+    from stages.common.remote import RemoteError
     from stages.common.stage import StageFailed
     from stages.train.launch import TrainingFailed
 
-    return (ConfigError, ArtifactError, StageFailed, TrainingFailed, FileNotFoundError, ValueError)
+    return (ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError, FileNotFoundError,
+            ValueError)
 
 
 @app.command()
@@ -91,13 +97,8 @@ def status(config: ConfigArg = None, workdir: WorkdirOpt = None,
     if as_json:
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("stage", "state", "version", "summary", "reason")
-    for r in rows:
-        table.add_row(r.stage, r.state, r.version or "-", r.summary, r.reason)
-    Console().print(table)
+    _print_table(("stage", "state", "version", "summary", "reason"),
+                 [(r.stage, r.state, r.version or "-", r.summary, r.reason) for r in rows])
 
 
 @config_app.command("example")
@@ -110,6 +111,131 @@ def config_example() -> None:
 def config_schema() -> None:
     """Print the config's JSON schema."""
     sys.stdout.write(json.dumps(PipelineConfig.model_json_schema(by_alias=True), indent=2) + "\n")
+
+
+@app.command()
+def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
+           pool: Annotated[Optional[str], typer.Option("--pool", help="work pool; default ops.work_pool")] = None
+           ) -> None:
+    """Register one Prefect deployment per stage plus the pipeline (CONFIG = their default parameters)."""
+    cfg = _load(config, workdir)
+    from flows.deploy import deploy as register
+
+    try:
+        deployed = register(cfg, pool)
+    except _user_errors() as err:
+        _fail(str(err))
+    for d in deployed:
+        typer.echo(f"{d.name}  pool {d.pool}" + (f"  schedule {d.schedule}" if d.schedule else ""))
+    pools = sorted({d.pool for d in deployed})
+    typer.echo(f"start a worker: {'; '.join(f'tuneline worker --pool {p}' for p in pools)}", err=True)
+
+
+@app.command()
+def worker(pool: Annotated[str, typer.Option("--pool", help="work pool to serve")] = "tuneline",
+           limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="flow runs at once")] = None) -> None:
+    """Start a Prefect process worker for the pool (created if missing)."""
+    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
+    os.execv(sys.executable, cmd + (["--limit", str(limit)] if limit else []))
+
+
+@app.command()
+def lineage(config: ConfigArg = None, workdir: WorkdirOpt = None,
+            as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False) -> None:
+    """Every published version: stage, version, upstream versions, created, fresh for this config."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    cfg = _load(config, workdir)
+    from flows.ops import lineage_rows
+
+    try:
+        rows = lineage_rows(cfg)
+    except _user_errors() as err:
+        _fail(str(err))
+    if as_json:
+        sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
+        return
+    _print_table(("stage", "version", "fresh", "upstream", "created_at"),
+                 [(r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(), r.created_at) for r in rows])
+
+
+@app.command()
+def gc(config: ConfigArg = None, workdir: WorkdirOpt = None,
+       keep: Annotated[Optional[int], typer.Option("--keep", min=0, help="versions kept per stage; "
+                                                   "default ops.keep_versions")] = None,
+       dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would go")] = False,
+       partial: Annotated[bool, typer.Option("--partial", help="also delete interrupted work in progress "
+                                             "(loses resumability)")] = False) -> None:
+    """Delete old versions: keep the newest K per stage and everything fresh or used by a fresh version."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    cfg = _load(config, workdir)
+    from flows.ops import gc as collect
+
+    try:
+        p, freed = collect(cfg, cfg.ops.keep_versions if keep is None else keep, dry_run=dry_run, partial=partial)
+    except _user_errors() as err:
+        _fail(str(err))
+    verb = "would remove" if dry_run else "removed"
+    for path in p.remove:
+        typer.echo(f"{verb} {path}")
+    for path, why in p.keep.items():
+        typer.echo(f"kept {path} ({why})")
+    for path in p.partial:
+        typer.echo(f"{verb if partial else 'left'} work in progress {path}")
+    typer.echo(f"{verb} {len(p.remove)} versions" + ("" if dry_run else f", freed {freed / 1e6:.1f} MB"))
+
+
+@remote_app.command("push")
+def remote_push(config: ConfigArg = None, workdir: WorkdirOpt = None,
+                stages: Annotated[Optional[list[str]], typer.Option("--stage", help="repeatable; default all")] = None
+                ) -> None:
+    """Upload each stage's fresh version to ops.remote (versions already there are skipped)."""
+    cfg = _load(config, workdir)
+    from flows.ops import push
+
+    try:
+        for url in push(cfg, stages):
+            typer.echo(f"pushed {url}")
+    except _user_errors() as err:
+        _fail(str(err))
+
+
+@remote_app.command("pull")
+def remote_pull(stage_name: Annotated[str, typer.Argument(metavar="STAGE")], version: str,
+                config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
+    """Download one version from ops.remote into the workdir, checking every file's checksum."""
+    cfg = _load(config, workdir)
+    from flows.ops import pull
+
+    try:
+        typer.echo(pull(cfg, stage_name, version))
+    except _user_errors() as err:
+        _fail(str(err))
+
+
+@remote_app.command("ls")
+def remote_ls(config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
+    """Published versions on ops.remote: stage, version, URL (tab-separated)."""
+    cfg = _load(config, workdir)
+    from flows.ops import remote
+    from stages.pipeline import STAGE_NAMES
+
+    try:
+        r = remote(cfg)
+        for s in STAGE_NAMES:
+            for v in r.versions(s):
+                typer.echo(f"{s}\t{v}\t{r.version_url(s, v)}")
+    except _user_errors() as err:
+        _fail(str(err))
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*header)
+    for r in rows:
+        table.add_row(*map(str, r))
+    Console().print(table)
 
 
 def main() -> None:

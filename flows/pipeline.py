@@ -1,8 +1,15 @@
-"""The pipeline flow: each stage as a child flow run, in order; fresh stages are skipped inside each."""
+"""The pipeline flow: each stage as a child flow run, in order; fresh stages are skipped inside each.
+
+Stages run as subflows inside this flow run's process, not as deployment runs: a pipeline waiting on stage
+runs that need a free worker slot would deadlock a worker started with `--limit 1` (PLATFORM.md). Each stage
+is still its own flow run, so a failed one shows (and is retried) on its own.
+"""
 from __future__ import annotations
 
 from prefect import flow
 
+from flows import ops, visibility
+from flows.reporter import PrefectReporter
 from flows.stage_flows import STAGE_FLOWS
 from schemas.config import PipelineConfig
 from stages.pipeline import STAGE_NAMES
@@ -11,4 +18,7 @@ from stages.pipeline import STAGE_NAMES
 @flow(name="tuneline-pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig, force: bool = False) -> dict[str, str]:
     """scan -> latents -> text -> train -> validate. `force` rebuilds every stage."""
-    return {name: STAGE_FLOWS[name](config=config, force=force) for name in STAGE_NAMES}
+    paths = {name: STAGE_FLOWS[name](config=config, force=force) for name in STAGE_NAMES}
+    PrefectReporter().table("lineage", visibility.lineage_table(ops.lineage_rows(config)),
+                            "every published version: stage, version, fresh, upstream versions, created")
+    return paths

@@ -45,3 +45,12 @@ class PrefectReporter(Reporter):
             create_markdown_artifact(text, key=_key(key), description=description)
         except Exception as err:
             log.debug("markdown artifact %s not written: %s", key, err)
+
+    def image(self, key: str, url: str, description: str = "") -> None:
+        """The UI shows an image artifact by URL: only for URLs a browser reaches (not local paths)."""
+        from prefect.artifacts import create_image_artifact
+
+        try:
+            create_image_artifact(url, key=_key(key), description=description)
+        except Exception as err:
+            log.debug("image artifact %s not written: %s", key, err)

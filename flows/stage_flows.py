@@ -1,12 +1,21 @@
-"""One Prefect flow per stage: a failed stage is retried as its own flow run (UI or `prefect flow-run retry`)."""
+"""One Prefect flow per stage: a failed stage is retried as its own flow run (UI or `prefect flow-run retry`).
+
+A retried run rebuilds only what is not fresh: upstream artifacts published before the failure are reused.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
+from pathlib import Path
 
 from prefect import flow
 
+from flows import visibility
+from flows.limits import train_slot
 from flows.reporter import PrefectReporter
+from schemas.checks import check_config
 from schemas.config import PipelineConfig
+from stages.common.lock import store_lock
 from stages.common.stage import StageContext, run_stage
 from stages.pipeline import PIPELINE, stage
 
@@ -14,14 +23,37 @@ log = logging.getLogger("tuneline")
 
 
 def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
-    ctx = StageContext(config, reporter=PrefectReporter(), log=log, force=force)
-    if name == "scan" and config.dataset.demo:
-        from stages.scan.demo import write_demo_dataset
+    # Flow parameters from the UI/API are validated by pydantic only; the family-aware checks run here.
+    check_config(config, "(flow parameters)")
+    reporter = PrefectReporter()
+    ctx = StageContext(config, reporter=reporter, log=log, force=force)
+    # Slot before lock: a run waiting for a training slot must not block other stages' access to the store.
+    slot = train_slot(config.ops.train_concurrency) if name == "train" else contextlib.nullcontext()
+    with slot, store_lock(config.workdir_path(), timeout=config.ops.lock_timeout, purpose=_purpose(name)):
+        if name == "scan" and config.dataset.demo:
+            from stages.scan.demo import write_demo_dataset
 
-        write_demo_dataset(config.resolve(config.dataset.path))
-    path, built = run_stage(ctx, stage(name), PIPELINE)
-    log.info("%s: %s %s", name, "published" if built else "fresh, skipped:", path)
+            write_demo_dataset(config.resolve(config.dataset.path))
+        path, built = run_stage(ctx, stage(name), PIPELINE)
+    if config.ops.remote:
+        _push(config, name, path)
+    visibility.report_stage(reporter, config, name, path, built)
     return str(path)
+
+
+def _purpose(name: str) -> str:
+    from prefect.runtime import flow_run
+
+    return f"stage {name}, flow run {flow_run.name or flow_run.id or '?'}"
+
+
+def _push(config: PipelineConfig, name: str, path: Path) -> None:
+    from stages.common.artifacts import ArtifactStore
+    from stages.common.remote import Remote
+
+    remote = Remote(config.ops.remote, config.ops.remote_options)
+    if remote.push(ArtifactStore(config.workdir_path()), name, path.name):
+        log.info("%s: pushed %s", name, remote.version_url(name, path.name))
 
 
 @flow(name="tuneline-scan", log_prints=True)
@@ -44,7 +76,7 @@ def text_flow(config: PipelineConfig, force: bool = False) -> str:
 
 @flow(name="tuneline-train", log_prints=True)
 def train_flow(config: PipelineConfig, force: bool = False) -> str:
-    """DDP training via torchrun, reading only the caches."""
+    """DDP training via torchrun, reading only the caches (one global `tuneline-train` slot)."""
     return run_one("train", config, force)
 
 

@@ -21,26 +21,26 @@ MAX_AREA_MEGAPIXELS = 16.0
 ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
-def check_config(cfg: "PipelineConfig", source: str) -> None:
+def check_config(cfg: PipelineConfig, source: str) -> None:
     from schemas.config import ConfigError
 
     fam = facts(cfg.model.family)
     problems: list[str] = []
     for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
-                  _rendezvous, _prompts):
+                  _rendezvous, _training_mode, _prompts):
         problems += check(cfg, fam)
     if problems:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _alignment_source(cfg: "PipelineConfig", fam: FamilyFacts) -> tuple[int, str]:
+def _alignment_source(cfg: PipelineConfig, fam: FamilyFacts) -> tuple[int, str]:
     align = cfg.buckets.alignment
     if align is not None:
         return align, f"buckets.alignment {align}"
     return fam.alignment, f"the alignment of model.family {fam.name}"
 
 
-def _alignment(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _alignment(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     align = cfg.buckets.alignment
     if align is None or align % fam.alignment == 0:
         return []
@@ -49,30 +49,32 @@ def _alignment(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
             f"{fam.alignment} or null for automatic"]
 
 
-def _edge_problem(res: float, rtype: str, align: int, align_src: str, res_key: str, type_key: str) -> str | None:
-    """Why a resolution in its unit cannot be meant as given (None when plausible). The size function rounds any
-    edge up to one alignment unit, so without this a unit mistake would silently train at a tiny size."""
+def _edge_problem(res: float, rtype: str, align: int, align_src: str, res_key: str, type_key: str,
+                  unit_key: str) -> str | None:
+    """Why a resolution in its unit cannot be meant as given (None when plausible); `type_key` is the field the
+    unit comes from, `unit_key` the one to change. The size function rounds any edge up to one alignment unit,
+    so without this a unit mistake would silently train or render at a tiny size."""
     if rtype == "area" and res > MAX_AREA_MEGAPIXELS:
         return (f"{res_key} {res:g} with {type_key} area means {res:g} megapixels (about "
                 f"{math.sqrt(res) * MEGAPIXEL_EDGE:.0f} px square); area takes megapixels (1.0 = 1024x1024): did "
-                f"you mean {type_key} pixel?")
+                f"you mean {unit_key} pixel?")
     edge = math.sqrt(res) * MEGAPIXEL_EDGE if rtype == "area" else res
     if edge >= align:
         return None
-    hint = f" did you mean {type_key} area (1.0 = 1024x1024)?" if rtype != "area" and res <= 16 else ""
+    hint = f" Did you mean {unit_key} area (1.0 = 1024x1024)?" if rtype != "area" and res <= 16 else ""
     return (f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, smaller than one alignment unit "
             f"({align} px, {align_src}); raise {res_key}.{hint}")
 
 
-def _bucket_resolution(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _bucket_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     align, src = _alignment_source(cfg, fam)
     b = cfg.buckets
     problem = _edge_problem(b.resolution, b.resolution_type, align, src, "buckets.resolution",
-                            "buckets.resolution_type")
+                            "buckets.resolution_type", "buckets.resolution_type")
     return [problem] if problem else []
 
 
-def _validate_resolution(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _validate_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     v, b = cfg.validate_, cfg.buckets
     if v.resolution is None and v.resolution_type is None:
         return []  # renders at the buckets' size, checked above
@@ -84,18 +86,19 @@ def _validate_resolution(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
     res = v.resolution if v.resolution is not None else b.resolution
     rtype = v.resolution_type or b.resolution_type
     type_key = "validate.resolution_type" if v.resolution_type else "buckets.resolution_type"
-    problem = _edge_problem(res, rtype, align, src, "validate.resolution", type_key)
+    problem = _edge_problem(res, rtype, align, src, "validate.resolution", type_key, "validate.resolution_type")
     return [problem] if problem else []
 
 
-def _text_variants(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _text_variants(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     t = cfg.text
     augmenting = [f for f, on in (("text.shuffle_tags", t.shuffle_tags), ("text.tag_dropout", t.tag_dropout > 0))
                   if on]
     if t.caption_variants == 1 and augmenting:
         # Variants are precomputed (cached, or encoded live from the same list), so one variant means the
         # augmentation could never be seen.
-        return [f"{' and '.join(augmenting)} need text.caption_variants > 1 (the number of shuffled/dropped "
+        verb = "need" if len(augmenting) > 1 else "needs"
+        return [f"{' and '.join(augmenting)} {verb} text.caption_variants > 1 (the number of shuffled/dropped "
                 f"variants cached per caption; text.enabled {str(t.enabled).lower()}); set "
                 f"text.caption_variants to e.g. 4, or turn {' and '.join(augmenting)} off"]
     if t.caption_variants > 1 and not augmenting:
@@ -107,7 +110,7 @@ def _text_variants(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
     return []
 
 
-def _text_length(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _text_length(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     n = cfg.text.max_length
     if n is None or n <= fam.max_length_limit:
         return []
@@ -116,7 +119,7 @@ def _text_length(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
             f"{fam.max_length})"]
 
 
-def _rendezvous(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _rendezvous(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     t = cfg.train
     if t.nodes == 1 or not t.rdzv_endpoint:
         return []  # single node runs standalone; a missing endpoint is TrainConfig's own error
@@ -127,7 +130,20 @@ def _rendezvous(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
             f"{t.nodes} needs for the rendezvous every node joins; e.g. node0.cluster:29500"]
 
 
-def _prompts(cfg: "PipelineConfig", fam: FamilyFacts) -> list[str]:
+def _training_mode(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    t, problems = cfg.train, []
+    if t.mixed_precision in ("bf16", "fp16") and cfg.model.device == "cpu":
+        # The trainer refuses this too, but only after scan, latents and text have run.
+        problems.append(f"train.mixed_precision {t.mixed_precision} needs a CUDA device and model.device is cpu, "
+                        f"where training runs in float32; set train.mixed_precision to auto or no, or model.device "
+                        f"to cuda/auto")
+    if t.lora_alpha is not None and t.mode != "lora":
+        problems.append(f"train.lora_alpha {t.lora_alpha:g} has no effect with train.mode {t.mode}; set "
+                        f"train.mode lora or train.lora_alpha null")
+    return problems
+
+
+def _prompts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     v = cfg.validate_
     if not v.prompts:
         return ["validate.prompts is empty: the validate stage would render nothing; give at least one prompt"]

@@ -9,6 +9,7 @@ from pydantic import Field, ValidationError, model_validator
 from schemas.base import Strict
 from schemas.latents import LatentsConfig
 from schemas.model import ModelConfig
+from schemas.ops import OpsConfig
 from schemas.scan import BucketConfig, DatasetConfig
 from schemas.text import TextConfig
 from schemas.train import TrainConfig
@@ -30,6 +31,7 @@ class PipelineConfig(Strict):
     text: TextConfig = Field(default_factory=TextConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    ops: OpsConfig = Field(default_factory=OpsConfig, description="deployments, schedule, lock, gc, remote store")
 
     model_config = Strict.model_config | {"populate_by_name": True}
 

@@ -1,7 +1,7 @@
 """Scan stage: dataset + bucketing config, per-image records, the scan manifest."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -10,6 +10,7 @@ from schemas.base import Manifest, Strict
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.
 PIL_BOMB_LIMIT = 178_956_970
+Channel = Annotated[int, Field(ge=0, le=255)]
 
 
 class DatasetConfig(Strict):
@@ -26,8 +27,8 @@ class DatasetConfig(Strict):
     empty_caption: Literal["keep", "reject", "filename"] = Field(
         "keep", description="missing/empty caption: keep it empty (unconditional sample), reject the image, "
                             "or caption it from its file name")
-    background: tuple[int, int, int] = Field((255, 255, 255), description="RGB that transparent pixels are "
-                                             "composited on")
+    background: tuple[Channel, Channel, Channel] = Field(
+        (255, 255, 255), description="RGB (0-255) that transparent pixels are composited on")
     max_image_pixels: int = Field(89_478_485, ge=1, le=PIL_BOMB_LIMIT,
                                   description="decompression-bomb guard: larger images are rejected unread")
     duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
@@ -63,7 +64,8 @@ class BucketConfig(Strict):
     @model_validator(mode="after")
     def _aspects(self) -> "BucketConfig":
         if self.min_aspect > self.max_aspect:
-            raise ValueError(f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect ({self.max_aspect})")
+            raise ValueError(f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect "
+                             f"({self.max_aspect})")
         return self
 
 

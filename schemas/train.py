@@ -10,15 +10,36 @@ from schemas.base import Manifest, Strict
 
 class TrainConfig(Strict):
     steps: int = Field(300, ge=1, description="optimizer steps for this run")
-    batch_size: int = Field(8, ge=1, description="samples per process per step")
+    batch_size: int = Field(8, ge=1, description="samples per process per micro-batch")
+    grad_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step (each from one bucket)")
     learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="after warmup: keep the "
+                                                                 "rate, or decay it to 0 at the last step")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 (shrinks to a quarter of `steps`)")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm; null = no clipping")
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = Field(8, ge=1)
-    processes: int = Field(2, ge=1, description="DDP processes per node (torchrun --nproc_per_node)")
+    lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator; null = lora_rank (scale 1)")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="autocast on CUDA (fp16 adds a gradient scaler); auto = bf16 where the GPU supports it, "
+                            "else fp16; CPU always trains in float32 (auto/no only)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    ema: bool = Field(False, description="keep an exponential moving average of the trained weights; final/ holds it")
+    ema_decay: float = Field(0.999, gt=0, lt=1)
+    loss_weighting: Literal["none", "min_snr"] = Field("none", description="min_snr: Min-SNR-gamma weights")
+    min_snr_gamma: float = Field(5.0, gt=0)
+    noise_offset: float = Field(0.0, ge=0, description="add offset * N(0,1) per sample and channel to the noise")
     seed: int = 0
     caption_dropout: float = Field(0.1, ge=0, lt=1, description="probability of training on the empty caption")
-    checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`)")
+    checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`); the "
+                                  "last step is always checkpointed")
+    keep_checkpoints: int = Field(2, ge=1, description="keep the last K checkpoints")
+    resume: str | None = Field(None, description="latest = the newest checkpoint of this run (an error if there is "
+                               "none); a path = that checkpoint directory; null = start from the base model")
+    validate_every: int = Field(0, ge=0, description="render the validation prompts every N steps during training "
+                                "(rank 0; shrinks to fit `steps`); 0 = off")
+    processes: int = Field(2, ge=1, description="DDP processes per node (torchrun --nproc_per_node)")
     threads_per_process: int = Field(1, ge=1, description="OMP_NUM_THREADS for each training process")
     nodes: int = Field(1, ge=1, description="torchrun --nnodes; >1 needs rdzv_endpoint")
     node_rank: int = Field(0, ge=0)
@@ -31,11 +52,24 @@ class TrainConfig(Strict):
             raise ValueError("train.nodes > 1 needs train.rdzv_endpoint (host:port reachable from every node)")
         if self.node_rank >= self.nodes:
             raise ValueError(f"train.node_rank {self.node_rank} must be < train.nodes {self.nodes}")
+        if self.resume is not None and not self.resume.strip():
+            raise ValueError("train.resume: use latest, a checkpoint directory, or null")
         return self
 
+    # Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits).
     def effective_checkpoint_every(self) -> int:
-        """Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits)."""
         return min(self.checkpoint_every, self.steps)
+
+    def effective_warmup(self) -> int:
+        return min(self.warmup_steps, self.steps // 4)
+
+    def effective_validate_every(self) -> int:
+        return min(self.validate_every, self.steps)
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """The name the scan stage's global-batch rule reads."""
+        return self.grad_accumulation
 
 
 class TrainManifest(Manifest):
@@ -44,6 +78,12 @@ class TrainManifest(Manifest):
     mode: str
     step: int
     world_size: int
+    global_batch: int = Field(description="samples per optimizer step: batch_size x processes x accumulation")
     final: str = Field("final", description="diffusers pipeline folder (full) or LoRA weights folder")
-    checkpoint: str
-    losses: list[float] = Field(default_factory=list, description="mean loss per logged step")
+    ema: bool = False
+    checkpoint: str = Field(description="the last checkpoint directory")
+    checkpoints: list[str] = Field(default_factory=list, description="checkpoint directories kept")
+    samples: list[str] = Field(default_factory=list, description="in-training validation grids")
+    loss_curve: str = "loss.png"
+    resumed_from: str | None = None
+    losses: list[float] = Field(default_factory=list, description="loss per step (at most 500 points, averaged)")

@@ -23,6 +23,8 @@ class ValidateConfig(Strict):
     guidance_scale: float = Field(4.0, ge=0)
     learning_check: bool = Field(False, description="demo only: measure class separation in latent space")
     check_seeds: int = Field(4, ge=1, description="seeds per class for the learning check")
+    check_steps: int = Field(10, ge=1, description="sampler steps for the learning check (it compares latent "
+                             "channel means, which settle in fewer steps than a picture)")
 
 
 class RenderedImage(BaseModel):
@@ -39,5 +41,6 @@ class ValidateManifest(Manifest):
     stage: Literal["validate"] = "validate"
     images: list[RenderedImage]
     grid: str
+    loss_curve: str | None = Field(None, description="the training loss curve, drawn from the train artifact")
     class_separation_accuracy: float | None = None
     untrained_class_separation_accuracy: float | None = None

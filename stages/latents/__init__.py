@@ -6,7 +6,7 @@ are copied from the previous version instead of being encoded again (stages/late
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 
 from schemas.families import facts
 from schemas.latents import LatentsManifest
@@ -22,7 +22,9 @@ CODE_VERSION = "latents-2"
 def size_policy(cfg) -> dict:
     """The size policy in force: part of the stage's version and recorded in its manifest."""
     policy = make_policy(cfg.buckets, facts(cfg.model.family).alignment)
-    return asdict(policy) | {"crop": cfg.buckets.crop, "crop_seed": cfg.buckets.seed}
+    # Float fields as floats: a default of 64 and a YAML value of 64.0 must give one version.
+    out = {f.name: float(v) if f.type == "float" else v for f in fields(policy) for v in [getattr(policy, f.name)]}
+    return out | {"crop": cfg.buckets.crop, "crop_seed": cfg.buckets.seed}
 
 
 def _config(cfg) -> dict:

@@ -12,10 +12,10 @@ most 2 x WINDOW_BLOCKS blocks per bucket in memory.
 """
 from __future__ import annotations
 
-import queue
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +114,9 @@ class LatentReader:
         arrays = store.open_arrays(self.dir, b.array, self.names)
         want = ((b.count, *b.shape), (self.block_rows, *b.shape), self.manifest.dtype)
         for name, arr in arrays.items():
+            problem = store.raw_layout_problem(arr)
+            if problem:
+                raise self._fail(f"bucket {b.array} array {name} cannot be read block-wise: {problem}")
             got = (tuple(arr.shape), tuple(arr.chunks), str(arr.dtype))
             if got != want:
                 raise self._fail(f"bucket {b.array} array {name} is {got[0]} {got[2]} in chunks of {got[1][0]} "
@@ -140,8 +143,10 @@ class LatentReader:
             if block in cache:
                 cache.move_to_end(block)
                 return cache[block]
-        start = block * self.block_rows
-        data = store.read_arrays(self.arrays[bucket], start, start + self.block_rows)
+        try:
+            data = {name: store.read_chunk(arr, block) for name, arr in self.arrays[bucket].items()}
+        except (OSError, ValueError) as err:
+            raise self._fail(f"bucket {bucket} block {block}: {err}") from None
         for name, arr in data.items():  # once per block read: cheap, and it catches a store edited since open
             if arr.shape[1:] != self.shapes[bucket] or str(arr.dtype) != self.manifest.dtype:
                 raise self._fail(f"bucket {bucket} block {block} of {name} reads as {arr.shape[1:]} {arr.dtype}, "
@@ -153,67 +158,60 @@ class LatentReader:
         return data
 
     def gather(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of the batch's rows as float32 (B, C, h, w), read a block at a time."""
+        """(mean, std) of the batch's rows, (B, C, h, w) in the stored dtype, read a block at a time."""
         rows = np.asarray(batch.rows, dtype=np.int64)
         flip = np.zeros(len(rows), bool) if batch.flip is None else np.asarray(batch.flip, dtype=bool)
         shape, count = self.shapes[batch.bucket], len(self.paths[batch.bucket])
         if len(flip) != len(rows) or rows.min(initial=0) < 0 or rows.max(initial=0) >= count:
             raise ReaderError(f"batch of bucket {batch.bucket} asks for rows {list(rows[:8])} (flip "
                               f"{batch.flip}); the bucket has rows 0..{count - 1}")
-        mean = np.empty((len(rows), *shape), np.float32)
+        mean = np.empty((len(rows), *shape), self.manifest.dtype)
         std = np.empty_like(mean)
         blocks = rows // self.block_rows
         for block in np.unique(blocks):
             data = self._block(batch.bucket, int(block))
             for flipped, (m, s) in ((False, store.DIST), (True, store.FLIPPED)):
-                sel = (blocks == block) & (flip == flipped)
-                if sel.any():
-                    offsets = rows[sel] - block * self.block_rows
-                    mean[sel], std[sel] = data[m][offsets], data[s][offsets]
+                at = np.flatnonzero((blocks == block) & (flip == flipped))
+                if len(at):
+                    offsets = rows[at] - block * self.block_rows
+                    mean[at], std[at] = data[m][offsets], data[s][offsets]
         return torch.from_numpy(mean), torch.from_numpy(std)
 
     def sample(self, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         """mean + std * eps, on the generator's device, with eps drawn from `generator`."""
         return _draw(*self.gather(batch), generator)
 
-    def prefetch(self, batches: Iterable[Batch], generator: torch.Generator,
-                 depth: int = 2) -> Iterator[tuple[Batch, torch.Tensor]]:
-        """(batch, sample(batch, generator)) for each batch, reading `depth` batches ahead in a thread.
+    def prefetch(self, batches: Iterable[Batch], seed: int, *, workers: int = 2,
+                 depth: int = 4) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """(batch, latents) for each batch, read and sampled `depth` batches ahead by `workers` threads.
 
-        eps is drawn here, in the caller's thread and order, so the results and the generator's state equal
-        calling sample() batch by batch.
+        eps of the i-th batch comes from a generator seeded with (seed, i), so the result does not depend on
+        thread timing and a run resumed at batch i reproduces it; pass a seed that differs per epoch and
+        rank. Reads and torch ops release the GIL, so the threads overlap with each other and the caller.
         """
-        q: queue.Queue = queue.Queue(depth)
-        stop = threading.Event()
-
-        def read() -> None:
-            try:
-                for b in batches:
-                    if stop.is_set():
-                        return
-                    q.put((b, self.gather(b)))
-                q.put(None)
-            except BaseException as err:  # handed to the consumer, which re-raises it
-                q.put(err)
-
-        worker = threading.Thread(target=read, name="latents-prefetch", daemon=True)
-        worker.start()
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="latents-read")
+        pending: deque[Future] = deque()
         try:
-            while (item := q.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item[0], _draw(*item[1], generator)
+            for i, b in enumerate(batches):
+                pending.append(pool.submit(self._sample_nth, b, seed, i))
+                if len(pending) >= depth:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
         finally:
-            stop.set()
-            while worker.is_alive():  # unblock a reader waiting on a full queue
-                try:
-                    q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _sample_nth(self, batch: Batch, seed: int, i: int) -> tuple[Batch, torch.Tensor]:
+        state = np.random.SeedSequence([seed, i]).generate_state(1, np.uint64)[0]
+        return batch, self.sample(batch, torch.Generator().manual_seed(int(state) >> 1))
 
 
 def _draw(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """float32 mean + std * eps on the generator's device.
+
+    In place on eps with the stored (float16) operands: no float32 copies of mean and std are made, which
+    on a CPU costs about as much as drawing eps.
+    """
     dev = generator.device
-    mean, std = mean.to(dev, non_blocking=True), std.to(dev, non_blocking=True)
     eps = torch.randn(mean.shape, generator=generator, device=dev)
-    return torch.addcmul(mean, std, eps)
+    return eps.mul_(std.to(dev, non_blocking=True)).add_(mean.to(dev, non_blocking=True))

@@ -45,7 +45,8 @@ class Captions:
         self.metadata: dict[str, str] = {}
         for entry in sorted(listing.metadata, key=lambda e: e.rel):
             try:
-                raw = entry.path.read_bytes()
+                with open(entry.path, "rb") as f:
+                    raw = f.read()
             except OSError as err:
                 self._problem(entry.rel, f"cannot read it ({err.strerror}): check its permissions")
                 continue
@@ -85,12 +86,13 @@ class Captions:
         self.metadata[target] = row[field]
 
     def _sidecar(self, rel: str) -> str | None:
-        key = posixpath.splitext(rel)[0] + self.cfg.caption_extension
-        entry = self.listing.captions.get(key)
+        entry = self.listing.captions.get(posixpath.splitext(rel)[0])
         if entry is None:
             return None
+        key = entry.rel
         try:
-            raw = entry.path.read_bytes()
+            with open(entry.path, "rb") as f:
+                raw = f.read()
         except OSError as err:
             raise CaptionError(f"caption file {key} cannot be read ({err.strerror}): check its permissions") from None
         return _decode(raw, key)

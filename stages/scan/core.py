@@ -8,20 +8,22 @@ from pathlib import Path
 
 from schemas.config import PipelineConfig
 from schemas.families import facts
-from schemas.scan import ImageRecord, Rejected, ScanManifest
-from stages.common.artifacts import ArtifactError
+from schemas.scan import ImageRecord, Rejected
 from stages.common.hashing import digest
 from stages.common.jsonl import read_jsonl, write_jsonl
+from stages.common.stage import StageFailed
 from stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from stages.scan import buckets as bk
 from stages.scan import images
 from stages.scan.captions import CaptionError, Captions
-from stages.scan.listing import Entry, walk
+from stages.scan.listing import Entry, Listing, walk
 
 CODE_VERSION = "2"
-PROBES = "probes.jsonl"  # header facts per file, so the next scan reopens only what changed
+LISTING_KEY = "scan-listing"
 # Hashing releases the GIL and header parsing is short, so a few threads keep the disk busy.
 WORKERS = min(8, 2 * (os.cpu_count() or 1))
+CHUNK = 64
+REPORT_ROWS = 500  # rejected files listed in the Prefect markdown artifact; rejected.jsonl has them all
 
 
 def dataset_root(cfg: PipelineConfig) -> Path:
@@ -45,22 +47,41 @@ def stage_inputs(ctx) -> dict:
     root = dataset_root(ctx.cfg)
     if not root.is_dir():
         return {"dataset": str(root), "missing": True}
-    return walk(root, ctx.cfg.dataset).fingerprint()
+    listing = walk(root, ctx.cfg.dataset)
+    # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
+    # and a large folder is walked once per run, not twice.
+    ctx.cache[LISTING_KEY] = listing
+    return listing.fingerprint()
 
 
-def previous_probes(ctx, root: Path) -> dict[str, images.Probe]:
-    """Probes of the latest published scan of this same folder and code (anything else: scan cold)."""
-    latest = ctx.store.latest("scan")
-    if latest is None or not (latest / PROBES).is_file():
+def _listing(ctx, root: Path) -> Listing:
+    listing = ctx.cache.pop(LISTING_KEY, None)
+    return listing if listing is not None and listing.root == root else walk(root, ctx.cfg.dataset)
+
+
+def _cache_path(ctx, root: Path) -> Path:
+    # Lives beside the versions, not in one: a rescan that finds identical content publishes nothing new,
+    # yet its fresh mtimes must still be remembered or every later scan would reread those files.
+    return ctx.store.stage_dir("scan") / f".probes-{digest([str(root), CODE_VERSION])}.jsonl"
+
+
+def load_probe_cache(ctx, root: Path) -> dict[str, images.Probe]:
+    """Probes from the last scan of this folder by this code; anything unreadable means a cold scan."""
+    path = _cache_path(ctx, root)
+    if not path.is_file():
         return {}
     try:
-        m = ctx.store.read(latest, ScanManifest)
-        if m.dataset_root != str(root) or m.code_version != CODE_VERSION:
-            return {}
-        return {row["path"]: images.Probe(**row) for row in read_jsonl(latest / PROBES)}
-    except (ArtifactError, ValueError, TypeError, KeyError) as err:
-        ctx.log.warning("scan: not reusing %s (%s); every file is read", latest, err)
+        return {row["path"]: images.Probe(**row) for row in read_jsonl(path)}
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        ctx.log.warning("scan: ignoring the probe cache %s (%s); every file is read", path, err)
         return {}
+
+
+def save_probe_cache(ctx, root: Path, probes: list[images.Probe]) -> None:
+    path = _cache_path(ctx, root)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    write_jsonl(tmp, [p.as_json() for p in probes])
+    os.replace(tmp, path)  # atomic: a killed scan leaves the previous cache, never half of one
 
 
 def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> tuple[list[images.Probe], int]:
@@ -73,14 +94,17 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
             done[e.rel] = p
         else:
             todo.append(e)
-    every = max(1, len(todo) // 20)
+    chunks = [todo[i:i + CHUNK] for i in range(0, len(todo), CHUNK)]  # one future per file costs more than a probe
     with ThreadPoolExecutor(WORKERS) as pool:
-        results = pool.map(lambda e: images.probe_file(e.path, e.rel, e.size, e.mtime_ns), todo)
-        for i, probe in enumerate(results, 1):
-            done[probe.path] = probe
-            if i % every == 0 or i == len(todo):
-                ctx.reporter.progress("scan-progress", i / len(todo), f"{i}/{len(todo)} changed images read")
+        for n, probes in enumerate(pool.map(_probe_chunk, chunks), 1):
+            done.update((p.path, p) for p in probes)
+            ctx.reporter.progress("scan-progress", n / len(chunks), f"{min(n * CHUNK, len(todo))}/{len(todo)} "
+                                                                   f"new or changed images read")
     return [done[e.rel] for e in entries], len(todo)
+
+
+def _probe_chunk(entries: list[Entry]) -> list[images.Probe]:
+    return [images.probe_file(e.path, e.rel, e.size, e.mtime_ns) for e in entries]
 
 
 def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg: PipelineConfig
@@ -110,11 +134,11 @@ def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg
                        background=cfg.dataset.background if probe.transparent else None)
 
 
-def _records(ctx, root: Path, work: Path) -> tuple[list[ImageRecord], list[Rejected], int]:
+def _records(ctx, root: Path) -> tuple[list[ImageRecord], list[Rejected], int]:
     cfg = ctx.cfg
-    listing = walk(root, cfg.dataset)
-    probes, reopened = probe_all(ctx, listing.images, previous_probes(ctx, root))
-    write_jsonl(work / PROBES, [p.as_json() for p in probes])
+    listing = _listing(ctx, root)
+    probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, root))
+    save_probe_cache(ctx, root, probes)
     captions = Captions(listing, cfg.dataset)
     policy = size_policy(cfg.buckets, alignment(cfg))
     records, rejected = [], [*listing.problems, *captions.problems]
@@ -124,20 +148,20 @@ def _records(ctx, root: Path, work: Path) -> tuple[list[ImageRecord], list[Rejec
     return records, rejected, reopened
 
 
-def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> ArtifactError:
+def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> StageFailed:
     kinds = ", ".join(f"{k} {n}" for k, n in Counter(r.kind for r in rejected).most_common())
     examples = "; ".join(f"{r.path}: {r.reason}" for r in rejected[:3])
-    return ArtifactError(f"scan of dataset.path {root}: {err}. Rejected: {kinds or 'none'}. {examples} "
-                         f"(every reason: {work / 'rejected.jsonl'})")
+    return StageFailed(f"scan of dataset.path {root}: {err}. Rejected: {kinds or 'none'}. {examples} "
+                       f"(every reason: {work / 'rejected.jsonl'})")
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
     cfg = ctx.cfg
     root = dataset_root(cfg)
     if not root.is_dir():
-        raise ArtifactError(f"dataset.path {root} is not a folder: point dataset.path at your images "
-                            f"(relative paths resolve against the workdir) or set dataset.demo true")
-    records, rejected, reopened = _records(ctx, root, work)
+        raise StageFailed(f"dataset.path {root} is not a folder: point dataset.path at your images "
+                          f"(relative paths resolve against the workdir) or set dataset.demo true")
+    records, rejected, reopened = _records(ctx, root)
     groups = bk.duplicate_groups(records)
     if cfg.dataset.duplicates == "reject":
         records, dups = bk.reject_duplicates(records, groups)
@@ -153,21 +177,32 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     rejected = sorted(rejected + dropped, key=lambda r: r.path)
     write_jsonl(work / "images.jsonl", records)
     write_jsonl(work / "rejected.jsonl", rejected)
-    _report(ctx, root, rows, plan, rejected, reopened, len(records))
+    _report(ctx, root, rows, plan, rejected, reopened, len(records), groups)
     consumed = [r.model_dump(mode="json", exclude={"mtime_ns"}) for r in records]
     return {"alignment": alignment(cfg), "dataset_root": str(root), "accepted": len(records),
             "rejected": len(rejected), "buckets": rows, "duplicates": groups,
             "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
             "conversions": bk.conversions(records), "reopened": reopened,
-            "content_digest": digest({"records": consumed, "rejected": [r.model_dump() for r in rejected]})}
+            # The root is content too: later stages read the images from it, and a moved dataset must not map
+            # to an older version whose manifest points at the old place.
+            "content_digest": digest({"root": str(root), "records": consumed,
+                                      "rejected": [r.model_dump() for r in rejected]})}
 
 
-def _report(ctx, root: Path, rows, plan, rejected: list[Rejected], reopened: int, accepted: int) -> None:
+def _report(ctx, root: Path, rows, plan, rejected: list[Rejected], reopened: int, accepted: int,
+            duplicates: list[list[str]]) -> None:
     ctx.reporter.table("scan-buckets", bk.table(rows, plan),
                        f"{accepted} images in {len(rows)} buckets from {root} ({reopened} files read)")
     ctx.log.info("scan: %d accepted, %d rejected, %d buckets, %d files read", accepted, len(rejected), len(rows),
                  reopened)
+    if rejected:
+        rows = [f"| {r.path} | {r.kind} | {r.reason} |".replace("\n", " ") for r in rejected[:REPORT_ROWS]]
+        more = [f"\n... and {len(rejected) - REPORT_ROWS} more in rejected.jsonl"] if len(rejected) > REPORT_ROWS else []
+        ctx.reporter.markdown("scan-rejected", "\n".join(["| file | kind | reason |", "|---|---|---|", *rows, *more]),
+                              f"{len(rejected)} files rejected from {root}")
     for r in rejected[:20]:
         ctx.log.warning("scan: rejected %s: %s", r.path, r.reason)
     if len(rejected) > 20:
         ctx.log.warning("scan: ... and %d more rejected (see rejected.jsonl)", len(rejected) - 20)
+    for group in duplicates[:20]:
+        ctx.log.warning("scan: identical content: %s", ", ".join(group))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from schemas.config import ConfigError
 from schemas.demo import DEMO_COLORS, DEMO_SHAPES
 
 # Bump when the generated content changes: an older demo folder is then regenerated, never mixed.
@@ -69,7 +70,7 @@ def write_demo_dataset(root: Path) -> None:
         return
     if root.exists():
         if not (root / MARKER).is_file() and any(root.iterdir()):
-            raise FileExistsError(f"dataset.path {root} exists and is not a tuneline demo dataset; with "
+            raise ConfigError(f"dataset.path {root} exists and is not a tuneline demo dataset; with "
                                   f"dataset.demo true it must be empty or missing: point dataset.path elsewhere "
                                   f"or set dataset.demo false to scan it as it is")
         shutil.rmtree(root)  # an empty folder, or an older demo version: ours to replace

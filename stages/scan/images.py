@@ -7,9 +7,7 @@ so the latents stage sees the image the scan measured.
 from __future__ import annotations
 
 import hashlib
-import io
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,8 @@ from PIL import Image, UnidentifiedImageError
 
 from schemas.scan import ImageRecord
 
-ALLOWED_FORMATS = {"JPEG", "MPO", "PNG", "WEBP", "BMP", "DIB", "TIFF", "GIF"}
+# Only these parsers ever see a dataset's bytes: fewer exotic decoders exposed to arbitrary files.
+FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # JPEG also opens MPO (camera JPEGs)
 SIXTEEN_BIT_GRAY = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 # EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose does).
 TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
@@ -27,10 +26,13 @@ TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 
 # because some writers append padding or trailers after them.
 END_MARKERS = {"JPEG": b"\xff\xd9", "MPO": b"\xff\xd9", "PNG": b"IEND"}
 TAIL = 4096
+# File signatures, to tell a corrupt image (PIL says only "cannot identify") from a file that is no image.
+MAGIC = ((b"\x89PNG", "PNG"), (b"\xff\xd8", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"),
+         (b"MM\x00*", "TIFF"), (b"RIFF", "WebP"))
 
 
 class UnsupportedMode(ValueError):
-    pass
+    """A pixel layout with no faithful RGB conversion (float, signed or 32-bit samples)."""
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,17 @@ class Probe:
     kind: str = ""
 
     def as_json(self) -> dict:
-        return asdict(self)
+        return dict(self.__dict__)  # dataclasses.asdict deep-copies: a tenth of a cold scan's time
 
 
 def header_orientation(im: Image.Image) -> int:
     """EXIF orientation from what the header parse already read (never decodes pixels)."""
     if im.format == "PNG" and "exif" not in im.info:
         return 1  # PIL would decode the whole PNG looking for a late eXIf chunk
-    value = im.getexif().get(0x0112, 1)
+    try:
+        value = im.getexif().get(0x0112, 1)
+    except (OSError, SyntaxError, ValueError, KeyError, IndexError, TypeError):
+        return 1  # a mangled EXIF block (common from phone editors) must not cost a good image
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
@@ -73,8 +78,8 @@ def conversion_of(im: Image.Image) -> tuple[str, bool]:
     """(how this mode becomes RGB, whether transparent pixels are composited). Raises UnsupportedMode."""
     mode = im.mode
     if mode == "F" or mode.startswith("I;32") or mode in ("I;16S", "I;16BS"):
-        raise UnsupportedMode(f"pixel mode {mode} (float or signed samples) is not supported: convert the image "
-                         f"to 8- or 16-bit RGB or grayscale")
+        raise UnsupportedMode(f"pixel mode {mode} (float or signed samples) is not supported: convert the "
+                              f"image to 8- or 16-bit RGB or grayscale")
     if im.has_transparency_data:
         return f"{mode}->RGB over background", True
     if mode in SIXTEEN_BIT_GRAY:
@@ -100,19 +105,15 @@ def to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
-def _open(data: bytes) -> Image.Image:
-    with warnings.catch_warnings():
-        # Our own pixel limit (dataset.max_image_pixels) decides; PIL still raises beyond its hard limit.
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        return Image.open(io.BytesIO(data))
-
-
-def _header(base: Probe, data: bytes) -> Probe:
-    im = _open(data)
-    if im.format not in ALLOWED_FORMATS:
-        return _fail(base, "unsupported", f"{im.format} files are not supported: convert it to PNG or JPEG")
+def _header(base: Probe, f) -> Probe:
+    """Header facts from an open file; the caller has hashed it and left it positioned at its end."""
+    size = f.tell()
+    f.seek(max(0, size - TAIL))
+    tail = f.read()
+    f.seek(0)
+    im = Image.open(f, formats=FORMATS)  # PIL refuses bombs beyond twice its limit; our limit is applied later
     marker = END_MARKERS.get(im.format)
-    if marker and marker not in data[-TAIL:]:
+    if marker and marker not in tail:
         return _fail(base, "truncated", f"truncated {im.format} (its end marker is missing, e.g. an interrupted "
                                         f"copy): re-copy or re-export the file")
     orientation = header_orientation(im)
@@ -120,34 +121,53 @@ def _header(base: Probe, data: bytes) -> Probe:
     if orientation >= 5:  # 5-8 swap the axes
         w, h = h, w
     note, transparent = conversion_of(im)
-    return Probe(**{**asdict(base), "format": im.format, "mode": im.mode, "width": w, "height": h,
-                    "orientation": orientation, "conversion": note, "transparent": transparent})
+    return replace(base, format=im.format, mode=im.mode, width=w, height=h, orientation=orientation,
+                   conversion=note, transparent=transparent)
 
 
 def _fail(base: Probe, kind: str, reason: str) -> Probe:
-    return Probe(**{**asdict(base), "error": reason, "kind": kind})
+    return replace(base, error=reason, kind=kind)
 
 
-def probe_file(path: Path, rel: str, size_bytes: int, mtime_ns: int) -> Probe:
-    """Read one file once: content hash + header facts, or the reason it cannot be used."""
+def _unidentified(base: Probe, f) -> Probe:
+    f.seek(0)
+    head = f.read(12)
+    fmt = next((name for magic, name in MAGIC if head.startswith(magic)), None)
+    if fmt:
+        return _fail(base, "unreadable", f"corrupt {fmt} header (the file starts like a {fmt} but cannot be "
+                                         f"parsed): re-export or remove it")
+    return _fail(base, "not-image", "not an image: its content matches none of JPEG, PNG, WebP, BMP, TIFF, GIF; "
+                                    "remove it or re-export it in one of them")
+
+
+def probe_file(path: str | Path, rel: str, size_bytes: int, mtime_ns: int) -> Probe:
+    """Read one file once: content hash + header facts, or the reason it cannot be used.
+
+    The hash streams through a small buffer, so a 500 MB TIFF costs no 500 MB of memory.
+    """
     base = Probe(rel, size_bytes, mtime_ns)
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")
     except OSError as err:
         return _fail(base, "unreadable", f"cannot read the file ({err.strerror or err}): check its permissions")
-    if not data:
-        return _fail(base, "empty-file", "zero-byte file (an interrupted copy?): re-copy or remove it")
-    base = Probe(rel, len(data), mtime_ns, sha256=hashlib.sha256(data).hexdigest())
-    try:
-        return _header(base, data)
-    except Image.DecompressionBombError as err:
-        return _fail(base, "bomb", f"decompression-bomb guard: {err}")
-    except UnidentifiedImageError:
-        return _fail(base, "not-image", "not an image (content matches no supported format): remove or re-export it")
-    except UnsupportedMode as err:
-        return _fail(base, "mode", str(err))
-    except (OSError, SyntaxError, EOFError, IndexError, KeyError, ValueError) as err:  # PIL's header parsers raise these
-        return _fail(base, "unreadable", f"unreadable image header ({type(err).__name__}: {err}): re-export it")
+    with f:
+        try:
+            sha = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as err:
+            return _fail(base, "unreadable", f"cannot read the file ({err.strerror or err}): a disk or network error")
+        if f.tell() == 0:
+            return _fail(base, "empty-file", "zero-byte file (an interrupted copy?): re-copy or remove it")
+        base = replace(base, size_bytes=f.tell(), sha256=sha)
+        try:
+            return _header(base, f)
+        except Image.DecompressionBombError as err:
+            return _fail(base, "bomb", f"decompression-bomb guard: {err}")
+        except UnidentifiedImageError:
+            return _unidentified(base, f)
+        except UnsupportedMode as err:
+            return _fail(base, "mode", str(err))
+        except (OSError, SyntaxError, EOFError, IndexError, KeyError, ValueError) as err:  # PIL's parsers raise these
+            return _fail(base, "unreadable", f"unreadable image header ({type(err).__name__}: {err}): re-export it")
 
 
 def load_rgb(path: Path, record: ImageRecord | None = None, *,

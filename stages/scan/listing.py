@@ -17,7 +17,7 @@ from stages.common.hashing import digest
 @dataclass(frozen=True)
 class Entry:
     rel: str  # '/'-separated path relative to the dataset root
-    path: Path
+    path: str  # str, not Path: a listing builds one per file and pathlib is slow at that scale
     size: int
     mtime_ns: int
 
@@ -26,7 +26,7 @@ class Entry:
 class Listing:
     root: Path
     images: list[Entry] = field(default_factory=list)
-    captions: dict[str, Entry] = field(default_factory=dict)
+    captions: dict[str, Entry] = field(default_factory=dict)  # by path without extension: "a/b" for a/b.TXT
     metadata: list[Entry] = field(default_factory=list)
     problems: list[Rejected] = field(default_factory=list)
 
@@ -63,8 +63,13 @@ class _Walker:
         if real in self.seen_dirs:  # a symlink loop, or a folder linked twice: scan it once
             return
         self.seen_dirs.add(real)
-        with os.scandir(directory) as it:
-            entries = sorted(it, key=lambda e: e.name)
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as err:  # one unreadable folder must not stop the scan of the rest
+            self.reject(prefix.rstrip("/") or ".", "unreadable", f"cannot list the folder ({err.strerror}): "
+                                                                 f"check its permissions")
+            return
         for e in entries:
             if not e.name.startswith("."):
                 self.visit(e, prefix + e.name)
@@ -88,15 +93,21 @@ class _Walker:
             return
         if e.is_file():
             self.add_file(e, rel)
+        else:  # opening a FIFO or device would hang or read forever
+            self.reject(rel, "special", "not a regular file (a pipe, socket or device): remove it from the dataset")
 
     def add_file(self, e: os.DirEntry, rel: str) -> None:
-        st = e.stat()
-        entry = Entry(rel, Path(e.path), st.st_size, st.st_mtime_ns)
+        try:
+            st = e.stat()
+        except OSError as err:  # deleted or made unreadable while we walked
+            self.reject(rel, "unreadable", f"cannot stat the file ({err.strerror}): check it still exists")
+            return
+        entry = Entry(rel, e.path, st.st_size, st.st_mtime_ns)
         ext = os.path.splitext(e.name)[1].lower()
         if ext in self.image_exts:
             self.listing.images.append(entry)
         elif ext == self.cfg.caption_extension.lower():
-            self.listing.captions[rel] = entry
+            self.listing.captions[os.path.splitext(rel)[0]] = entry
         elif e.name == self.cfg.metadata_file:
             self.listing.metadata.append(entry)
         else:

@@ -28,7 +28,7 @@ def encode_prompts(fam: Family, enc: TextEncoders | Callable[[], TextEncoders], 
     `enc` may be a zero-argument loader: it is called only when some prompt is not in `cache`. `cache` is a
     .safetensors file of earlier encodings; entries count only under the same `key` (say the encoder identity,
     max length and dtype), new prompts are added and the file is replaced atomically. Tensors come back on the
-    encoders' device, or on the CPU when read from the file; pipelines move them."""
+    encoders' device, or on the CPU when read from the file: `batch_of` puts them on one device."""
     wanted = list(dict.fromkeys(prompts))
     have = load_prompts(cache, key) if cache is not None else {}
     todo = [p for p in wanted if p not in have]
@@ -39,6 +39,11 @@ def encode_prompts(fam: Family, enc: TextEncoders | Callable[[], TextEncoders], 
         if cache is not None:
             save_prompts(cache, key, have)
     return {p: have[p] for p in wanted}
+
+
+def batch_of(encoded: Encoded, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of `prompts`, in order, as one batch on `device` (one pipeline call's prompts or negatives)."""
+    return {k: torch.cat([encoded[p][k].to(device) for p in prompts]) for k in encoded[prompts[0]]}
 
 
 def save_prompts(path: Path, key: str, encoded: Encoded) -> None:

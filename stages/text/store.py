@@ -28,8 +28,8 @@ MEMORY_LIMIT = 2 << 30
 
 
 class ArrayWriter:
-    """Writes batches of encoder output row by row into one Zarr array per field, a whole chunk at a time
-    (one writer per chunk: Zarr has no transaction across partial chunk writes)."""
+    """Writes batches of encoder output into one Zarr array per field, buffered so every chunk is written once,
+    whole (a partial chunk write is a read-modify-write of the entire chunk)."""
 
     def __init__(self, path: Path, rows: int):
         self.group = zarr.open_group(str(path), mode="w")

@@ -20,12 +20,12 @@ class TagAugment:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, text_cfg) -> "TagAugment":
+    def from_config(cls, text_cfg) -> TagAugment:
         t = text_cfg
         return cls(t.caption_variants, t.shuffle_tags, t.tag_dropout, t.keep_tags, t.seed)
 
     @classmethod
-    def from_manifest(cls, manifest) -> "TagAugment":
+    def from_manifest(cls, manifest) -> TagAugment:
         """What a text artifact recorded (its `variants` and `augment`)."""
         return cls(variants=manifest.variants, **manifest.augment)
 

@@ -4,21 +4,32 @@ from __future__ import annotations
 from schemas.train import TrainManifest
 from stages.common import models
 from stages.common.artifacts import ArtifactError
+from stages.common.hashing import file_sha256
 from stages.common.stage import StageDef
 
-CODE_VERSION = "train-1"
+CODE_VERSION = "train-2"
+
+
+# What changes where, how fast, or how observably a run computes, but not the weights it reaches: left out of the
+# fingerprint, so changing them (or resuming with `latest`) keeps a run's partial directory and its checkpoints.
+NOT_FINGERPRINTED = {"threads_per_process", "node_rank", "rdzv_endpoint", "rdzv_id", "resume", "checkpoint_every",
+                     "keep_checkpoints", "validate_every"}
 
 
 def _config(cfg) -> dict:
-    # World size sets the global batch, so `processes` and `nodes` are fingerprinted; thread counts and
-    # rendezvous addresses change where and how fast it runs, not what it computes.
-    train = cfg.train.model_dump(mode="json", exclude={"threads_per_process", "node_rank", "rdzv_endpoint",
-                                                       "rdzv_id"})
-    return {"train": train, "model": cfg.model.model_dump(mode="json", include={"family", "path"})}
+    # World size sets the global batch, so `processes` and `nodes` are fingerprinted.
+    train = cfg.train.model_dump(mode="json", exclude=NOT_FINGERPRINTED)
+    return {"train": train, "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"})}
 
 
 def _inputs(ctx) -> dict:
-    return {"denoiser": models.identity(ctx, "denoiser")}
+    out = {"denoiser": models.identity(ctx, "denoiser")}
+    resume = ctx.cfg.train.resume
+    if resume not in (None, "latest"):
+        # Continuing from another run's checkpoint makes a different result than this run's own history.
+        state = ctx.cfg.resolve(resume) / "state.json"
+        out["resume"] = file_sha256(state) if state.is_file() else f"missing: {state}"
+    return out
 
 
 def _check(ctx, upstream) -> None:

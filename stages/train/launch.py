@@ -3,28 +3,47 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from stages.common import models
+from stages.train import checkpoint as ckpt
+from stages.train.hooks import CHECKPOINTS
 from stages.train.procwatch import PARENT_ENV
+from stages.train.worker import ERROR, RESULT
 
-RESULT = "result.json"
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 
 
 class TrainingFailed(RuntimeError):
     pass
 
 
-def write_spec(ctx, work: Path, upstream: dict) -> Path:
+def resume_target(ctx, work: Path) -> Path | None:
+    """Resolve train.resume before any process starts (a missing target is an error, never a fresh start).
+    A fresh start clears the checkpoints an earlier attempt of this same run left behind, so "keep the last K"
+    and "latest" only ever see this attempt's."""
+    root = work / CHECKPOINTS
+    target = ckpt.resolve(ctx.cfg.train.resume, root, ctx.workdir)
+    if target is None:
+        n = ckpt.clear(root)
+        if n:
+            ctx.log.warning("train: starting from the base model (train.resume is null); removed %d checkpoint(s) "
+                            "of an interrupted earlier attempt; set train.resume: latest to continue one instead", n)
+    return target
+
+
+def write_spec(ctx, work: Path, upstream: dict, resume: Path | None) -> Path:
     """Everything a worker needs, by path: each rank re-reads and re-verifies the same manifests."""
     spec = {
         "config": ctx.cfg.dump(),
         "model_dir": str(models.model_dir(ctx)),
         "out_dir": str(work),
         "upstream": {name: str(models.artifact_dir(ctx, m)) for name, m in upstream.items()},
+        "resume": str(resume) if resume else None,
     }
     path = work / "spec.json"
     path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
@@ -60,6 +79,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
             line = line.rstrip()
             tail = (tail + [line])[-30:]
             ctx.log.info("%s", line)
+            report_progress(ctx, line)
         rc = proc.wait()
     except BaseException:
         proc.send_signal(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
@@ -69,12 +89,36 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
             proc.kill()
         raise
     if rc != 0:
-        raise TrainingFailed(f"training exited with code {rc}; last output:\n" + "\n".join(tail[-12:]))
+        raise TrainingFailed(failure_message(cwd, rc, tail))
+
+
+def report_progress(ctx, line: str) -> None:
+    m = STEP_LINE.match(line)
+    if m:
+        step, total = int(m.group(1)), int(m.group(2))
+        ctx.reporter.progress("train-progress", step / total, f"step {step}/{total}")
+
+
+def failure_message(work: Path, rc: int, tail: list[str]) -> str:
+    """The worker's own explanation when it left one (NaN loss, bad checkpoint), else the output's tail."""
+    try:
+        msg = json.loads((work / ERROR).read_text(encoding="utf-8"))["error"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return f"training exited with code {rc}; last output:\n" + "\n".join(tail[-12:])
+    found = ckpt.listed(work / CHECKPOINTS)
+    if found:
+        msg += (f". Training stopped; the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): fix the "
+                f"cause, then set train.resume: latest to continue from it")
+    else:
+        msg += ". Training stopped before its first checkpoint"
+    return msg
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
-    (work / RESULT).unlink(missing_ok=True)
-    spec = write_spec(ctx, work, upstream)
+    for name in (RESULT, ERROR):
+        (work / name).unlink(missing_ok=True)
+    resume = resume_target(ctx, work)
+    spec = write_spec(ctx, work, upstream, resume)
     run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
     result_path = work / RESULT
     if not result_path.is_file():
@@ -82,4 +126,16 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     result = json.loads(result_path.read_text(encoding="utf-8"))
     result_path.unlink()
     spec.unlink()
+    report(ctx, work, result)
     return result
+
+
+def report(ctx, work: Path, result: dict) -> None:
+    """A Prefect markdown artifact linking what training wrote, at the path it is about to be published under."""
+    published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
+    rows = [("final", f"{result['mode']} weights"), (result["loss_curve"], "loss curve"),
+            *[(c, "checkpoint") for c in result["checkpoints"]], *[(s, "validation grid") for s in result["samples"]]]
+    table = "\n".join(f"| [{name}]({(published / name).as_uri()}) | {what} |" for name, what in rows)
+    ctx.reporter.markdown("train-outputs", f"Trained {result['family']} ({result['mode']}) for {result['step']} steps"
+                          f" on {result['world_size']} process(es).\n\n| file | what |\n|---|---|\n{table}",
+                          "training outputs")

@@ -1,7 +1,17 @@
-"""Training objectives as small pure functions: noising and the target each prediction type learns."""
+"""Training objectives as small pure functions: noising, the target each prediction type learns, loss weights."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Noised:
+    noisy: torch.Tensor
+    timesteps: torch.Tensor
+    target: torch.Tensor
+    snr: torch.Tensor  # per-sample signal-to-noise ratio (alpha^2 / sigma^2), for loss weighting
 
 
 def scale_latents(x: torch.Tensor, scaling: float, shift: float) -> torch.Tensor:
@@ -9,9 +19,19 @@ def scale_latents(x: torch.Tensor, scaling: float, shift: float) -> torch.Tensor
     return (x - shift) * scaling
 
 
+def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator) -> torch.Tensor:
+    """Noise offset: a per-sample, per-channel constant added to the noise, so the model can learn to shift an
+    image's overall brightness (plain Gaussian noise never changes the mean of a large image much)."""
+    if offset <= 0:
+        return noise
+    b, c = noise.shape[:2]
+    shift = torch.randn((b, c, *([1] * (noise.dim() - 2))), generator=generator)
+    return noise + offset * shift
+
+
 def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, prediction: str, scheduler,
-                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(noisy latents, timesteps, target) for one batch.
+                     generator: torch.Generator) -> Noised:
+    """Noise one batch and name what the model must predict.
 
     epsilon / v_prediction: DDPM timesteps in [0, T) and the scheduler's own noising.
     flow_matching: sigma ~ U(0, 1), x_t = (1 - sigma) x0 + sigma noise, target = noise - x0, and the
@@ -21,12 +41,41 @@ def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, prediction: str, sch
     if prediction == "flow_matching":
         sigma = torch.rand(b, generator=generator)
         s = sigma.view(b, *([1] * (x0.dim() - 1)))
-        return (1 - s) * x0 + s * noise, sigma * 1000.0, noise - x0
+        snr = ((1 - sigma) / sigma.clamp_min(1e-6)) ** 2
+        return Noised((1 - s) * x0 + s * noise, sigma * 1000.0, noise - x0, snr)
     steps = scheduler.config.num_train_timesteps
     t = torch.randint(0, steps, (b,), generator=generator)
     noisy = scheduler.add_noise(x0, noise, t)
+    alpha_bar = scheduler.alphas_cumprod[t].float()
+    snr = alpha_bar / (1 - alpha_bar)
     if prediction == "epsilon":
-        return noisy, t, noise
+        return Noised(noisy, t, noise, snr)
     if prediction == "v_prediction":
-        return noisy, t, scheduler.get_velocity(x0, noise, t)
+        return Noised(noisy, t, scheduler.get_velocity(x0, noise, t), snr)
     raise ValueError(f"unknown prediction type {prediction!r}")
+
+
+def loss_weights(snr: torch.Tensor, prediction: str, weighting: str, gamma: float) -> torch.Tensor:
+    """Per-sample loss weights.
+
+    min_snr (Hang et al. 2023): weight the equivalent x0-loss by min(SNR, gamma), expressed for the target the
+    model learns: epsilon -> min(snr, g) / snr; v -> min(snr, g) / (snr + 1); flow matching (x0 error = sigma *
+    velocity error, snr = ((1 - sigma) / sigma)^2) -> sigma^2 * min(snr, g).
+    """
+    if weighting == "none":
+        return torch.ones_like(snr)
+    if weighting != "min_snr":
+        raise ValueError(f"unknown loss weighting {weighting!r}")
+    clipped = snr.clamp(max=gamma)
+    if prediction == "epsilon":
+        return clipped / snr.clamp_min(1e-8)
+    if prediction == "v_prediction":
+        return clipped / (snr + 1)
+    sigma_sq = 1 / (1 + snr.sqrt()) ** 2  # sigma from snr = ((1 - sigma) / sigma)^2
+    return sigma_sq * clipped
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Mean over each sample's elements, then the weighted mean over the batch (float32 whatever autocast did)."""
+    per_sample = ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+    return (per_sample * weights.to(per_sample.device)).mean()

@@ -1,4 +1,4 @@
-"""One DDP training process (started by torchrun). Spine: setup -> fit -> save.
+"""One DDP training process (started by torchrun). Spine: setup -> resume -> fit -> finish.
 
 Run as `python -m stages.train.worker SPEC.json` under torchrun; the stage's launcher does that.
 Training only reads the caches; it never encodes images or text.
@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from schemas.config import parse_config
 from schemas.latents import LatentsManifest
@@ -23,12 +21,20 @@ from schemas.scan import ImageRecord, ScanManifest
 from schemas.text import TextManifest
 from stages.common.artifacts import ArtifactStore
 from stages.common.jsonl import read_jsonl, write_jsonl
-from stages.families.base import MicroCond
 from stages.families.registry import get_family
-from stages.latents.reader import LatentReader, epoch_plan
+from stages.latents.reader import LatentReader
 from stages.text.store import TextCache
-from stages.train.objective import noisy_and_target, scale_latents
+from stages.train.checkpoint import CheckpointError
+from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
+from stages.train.loop import Data, NonFiniteLoss, Trainer
+from stages.train.model import save_final
+from stages.train.plan import micro_batches
 from stages.train.procwatch import worker_guard
+from stages.validate.plots import loss_curve
+
+RESULT = "result.json"
+ERROR = "error.json"  # rank 0's one-line explanation of a failure the user can act on
+MANIFEST_POINTS = 500
 
 
 @dataclass
@@ -40,18 +46,8 @@ class Run:
     family: object
     model_dir: Path
     out: Path
-    reader: LatentReader
-    text: TextCache
-    records: dict[str, ImageRecord]
-    scaling: float
-    shift: float
-
-
-def micro_cond(rec: ImageRecord) -> MicroCond:
-    left, top, right, _ = rec.crop
-    scale = rec.bucket_width / max(1, right - left)
-    return MicroCond(original_size=(rec.height, rec.width), crop_top_left=(round(top * scale), round(left * scale)),
-                     target_size=(rec.bucket_height, rec.bucket_width))
+    data: Data
+    resume: Path | None
 
 
 def setup(spec: dict) -> Run:
@@ -70,74 +66,60 @@ def setup(spec: dict) -> Run:
     scan_dir = store.version_dir("scan", lat.upstream["scan"])
     store.read(scan_dir, ScanManifest)
     records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")}
+    data = Data(reader=LatentReader(up["latents"], lat), text=TextCache(up["text"], list(txt.fields)),
+                records=records, scaling=lat.scaling_factor, shift=lat.shift_factor)
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=get_family(cfg.model.family),
-               model_dir=Path(spec["model_dir"]), out=Path(spec["out_dir"]),
-               reader=LatentReader(up["latents"], lat), text=TextCache(up["text"], list(txt.fields)),
-               records=records, scaling=lat.scaling_factor, shift=lat.shift_factor)
+               model_dir=Path(spec["model_dir"]), out=Path(spec["out_dir"]), data=data,
+               resume=Path(spec["resume"]) if spec.get("resume") else None)
 
 
-def fit(run: Run) -> tuple[torch.nn.Module, list[float]]:
+def fit(run: Run) -> Trainer:
     t = run.cfg.train
-    fam = run.family
-    torch.manual_seed(t.seed)  # identical initial weights on every rank before DDP broadcasts anyway
-    denoiser = fam.load_denoiser(run.model_dir, torch.float32, run.device).train()
-    model = DDP(denoiser, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
-                            weight_decay=t.weight_decay)
-    scheduler = fam.load_noise_scheduler(run.model_dir)
-    gen = torch.Generator().manual_seed(t.seed * 1000 + run.rank)  # per-rank noise, reproducible
-    losses: list[float] = []
-    step, epoch = 0, 0
-    while step < t.steps:
-        for bucket, rows in epoch_plan(run.reader.counts(), t.batch_size, run.world, t.seed, epoch):
-            batch = run.reader.batch(bucket, rows[run.rank * t.batch_size:(run.rank + 1) * t.batch_size])
-            loss = train_step(run, model, opt, scheduler, batch, gen)
-            step += 1
-            losses.append(loss)
-            if run.rank == 0 and (step % 10 == 0 or step == t.steps):
-                print(f"step {step}/{t.steps} loss {sum(losses[-10:]) / len(losses[-10:]):.4f}", flush=True)
-            if step >= t.steps:
-                break
-        epoch += 1
-    return denoiser, losses
+    trainer = Trainer(run.cfg, run.family, run.model_dir, run.data, run.rank, run.world, run.device)
+    if run.resume is not None:
+        trainer.restore(run.resume)
+        if run.rank == 0:
+            print(f"resumed from {run.resume} at step {trainer.step}", flush=True)
+    hooks = Hooks(run, trainer)
+    reader = run.data.reader
+    stream = micro_batches(lambda epoch: reader.plan(t.batch_size, run.world, t.seed, epoch), t.batch_size,
+                           run.rank, trainer.position)
+    while trainer.step < t.steps:
+        micro = [next(stream) for _ in range(t.grad_accumulation)]
+        hooks.before_step(micro)
+        trainer.train_step(micro)
+        hooks.after_step()
+    return trainer
 
 
-def train_step(run: Run, model, opt, scheduler, batch, gen: torch.Generator) -> float:
-    t, fam = run.cfg.train, run.family
-    x0 = scale_latents(run.reader.sample(batch, gen), run.scaling, run.shift)
-    captions = [run.records[p].caption for p in batch.paths]
-    drop = torch.rand(len(captions), generator=gen) < t.caption_dropout
-    captions = ["" if d else c for c, d in zip(captions, drop.tolist())]  # the cached empty caption
-    cond = {k: v.to(run.device, torch.float32 if v.is_floating_point() else v.dtype)
-            for k, v in run.text.get(captions).items()}
-    noise = torch.randn(x0.shape, generator=gen)
-    noisy, timesteps, target = noisy_and_target(x0, noise, fam.facts.prediction, scheduler, gen)
-    pred = fam.denoise(model, noisy.to(run.device), timesteps.to(run.device), cond,
-                       micro=[micro_cond(run.records[p]) for p in batch.paths])
-    loss = torch.nn.functional.mse_loss(pred.float(), target.to(run.device).float())
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss.item()} at batch of images {list(batch.paths)[:4]}")
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
-def save(run: Run, denoiser: torch.nn.Module, losses: list[float]) -> None:
-    """Rank 0 writes; the others wait so nobody exits before the result exists."""
+def finish(run: Run, trainer: Trainer) -> None:
+    """Rank 0 writes final/ (the EMA weights when kept), the loss table and curve, and the result the launcher
+    turns into the manifest; the others wait so nobody exits before it exists."""
     if run.rank == 0:
-        step = run.cfg.train.steps
-        ckpt = run.out / "checkpoints" / f"step-{step:07d}"
-        ckpt.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in denoiser.state_dict().items()}
-        save_file(state, str(ckpt / "denoiser.safetensors"))
-        run.family.save_pipeline(run.model_dir, denoiser, run.out / "final")
-        write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(losses)))
-        result = {"family": run.family.facts.name, "mode": run.cfg.train.mode, "step": step,
-                  "world_size": run.world, "checkpoint": str(ckpt.relative_to(run.out)),
-                  "losses": [round(v, 6) for v in losses]}
-        (run.out / "result.json").write_text(json.dumps(result), encoding="utf-8")
+        t = run.cfg.train
+        if trainer.ema is not None:
+            trainer.ema.copy_to(trainer.params)
+        save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final")
+        write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
+        loss_curve(trainer.losses).save(run.out / LOSS_PNG)
+        kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
+        samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
+        result = {"family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
+                  "global_batch": t.batch_size * run.world * t.grad_accumulation, "ema": t.ema,
+                  "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
+                  "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
+                  "resumed_from": str(run.resume) if run.resume else None,
+                  "losses": downsample(trainer.losses, MANIFEST_POINTS)}
+        (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
+
+
+def downsample(values: list[float], points: int) -> list[float]:
+    """At most `points` values, each the mean of a run of consecutive steps."""
+    if len(values) <= points:
+        return [round(v, 6) for v in values]
+    per = -(-len(values) // points)
+    return [round(sum(values[i:i + per]) / len(values[i:i + per]), 6) for i in range(0, len(values), per)]
 
 
 def main(argv: list[str]) -> None:
@@ -145,8 +127,13 @@ def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     run = setup(spec)
     try:
-        denoiser, losses = fit(run)
-        save(run, denoiser, losses)
+        finish(run, fit(run))
+    except (NonFiniteLoss, CheckpointError, ValueError) as err:
+        # Every rank reaches the same verdict (losses are all-gathered, checkpoints read alike); rank 0 reports it.
+        if run.rank == 0:
+            (run.out / ERROR).write_text(json.dumps({"error": str(err)}), encoding="utf-8")
+        print(f"training stopped: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         dist.destroy_process_group()
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from schemas.validate import ValidateManifest
+from stages.common.artifacts import ArtifactError
 from stages.common.stage import StageDef
 
-CODE_VERSION = "validate-1"
+CODE_VERSION = "validate-2"
 
 
 def _config(cfg) -> dict:
@@ -17,6 +18,16 @@ def _inputs(ctx) -> dict:
     return {}
 
 
+def _check(ctx, upstream) -> None:
+    train, lat = upstream["train"], upstream["latents"]
+    if train.family != ctx.cfg.model.family:
+        raise ArtifactError(f"train {train.fingerprint} holds a {train.family} model, model.family is "
+                            f"{ctx.cfg.model.family}; run `tuneline stage train --force`")
+    if train.upstream.get("latents") != lat.fingerprint:
+        raise ArtifactError(f"train {train.fingerprint} was trained on latents {train.upstream.get('latents')}, not "
+                            f"{lat.fingerprint} that the learning check would compare with; run `tuneline run`")
+
+
 def _build(ctx, work, upstream):
     from stages.validate.core import build
 
@@ -24,4 +35,5 @@ def _build(ctx, work, upstream):
 
 
 STAGE = StageDef(name="validate", upstream=("train", "latents"), code_version=CODE_VERSION,
-                 manifest_cls=ValidateManifest, config=_config, inputs=_inputs, build=_build)
+                 manifest_cls=ValidateManifest, config=_config, inputs=_inputs, build=_build,
+                 check=_check)

@@ -1,87 +1,96 @@
-"""Render validation images from the trained result with one renderer for every family."""
+"""Render the validation prompts from the trained result with the one renderer every family uses."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from PIL import Image
-
-from schemas.families import facts as family_facts
 from schemas.validate import RenderedImage
 from stages.common import models
-from stages.common.sizing import render_size
-from stages.validate.learning import learning_check
+from stages.common.jsonl import read_jsonl
+from stages.validate.learning import class_means, learning_check
+from stages.validate.plots import loss_curve
+from stages.validate.render import Renderer, Sample, grid, render_size_for
 
 
-class Renderer:
-    """A loaded pipeline + live text encoders; prompts are encoded through the family adapter."""
-
-    def __init__(self, fam, model_dir: Path, device: torch.device, dtype: torch.dtype):
-        self.fam, self.device = fam, device
-        self.pipe = fam.load_pipeline(model_dir, dtype, device)
-        self.pipe.set_progress_bar_config(disable=True)
-        self.enc = fam.load_text_encoders(model_dir, dtype, device)
-
-    def __call__(self, prompt: str, negative: str, seed: int, width: int, height: int, steps: int,
-                 guidance: float, output_type: str = "pil"):
-        with torch.no_grad():
-            text = self.fam.encode_text(self.enc, [prompt])
-            neg = self.fam.encode_text(self.enc, [negative])
-            # The generator lives on the device of the latents it feeds, seeded per prompt.
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            out = self.pipe(**self.fam.prompt_kwargs(text, neg), width=width, height=height,
-                            num_inference_steps=steps, guidance_scale=guidance, generator=gen,
-                            output_type=output_type)
-        return out.images
+def trained_renderer(ctx, upstream: dict) -> Renderer:
+    """full: the published pipeline folder; lora: the base pipeline with the LoRA weights loaded, as a user would."""
+    cfg = ctx.cfg
+    dev = models.device(cfg)
+    final = models.artifact_dir(ctx, upstream["train"]) / upstream["train"].final
+    if upstream["train"].mode == "lora":
+        return Renderer.load(models.family(cfg), models.model_dir(ctx), dev, models.dtype(cfg, dev), lora=final)
+    return Renderer.load(models.family(cfg), final, dev, models.dtype(cfg, dev))
 
 
-def grid(images: list[Image.Image], cols: int = 4) -> Image.Image:
-    cols = max(1, min(cols, len(images)))
-    rows = (len(images) + cols - 1) // cols
-    w = max(i.width for i in images)
-    h = max(i.height for i in images)
-    canvas = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
-    for n, img in enumerate(images):
-        canvas.paste(img, ((n % cols) * w, (n // cols) * h))
-    return canvas
+def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
+    v = ctx.cfg.validate_
+    width, height = render_size_for(ctx.cfg)
+    samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+    images = renderer.render(samples, width, height, v.steps, v.guidance_scale)
+    rendered = []
+    for i, (s, img) in enumerate(zip(samples, images)):
+        name = f"{i:03d}-seed{s.seed}.png"
+        img.save(work / name)
+        rendered.append(RenderedImage(file=name, prompt=s.prompt, negative_prompt=s.negative_prompt, seed=s.seed,
+                                      width=img.width, height=img.height))
+    grid(images).save(work / "grid.png")
+    return rendered
 
 
-def render_size_for(cfg, aspect: float | None = None) -> tuple[int, int]:
-    """Pixel or area units, converted and aligned by the same function the scan uses."""
-    v, b = cfg.validate_, cfg.buckets
-    align = b.alignment or family_facts(cfg.model.family).alignment
-    return render_size(v.resolution or b.resolution, v.resolution_type or b.resolution_type, align,
-                       v.aspect if aspect is None else aspect)
+def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
+    """The demo's class-separation accuracy for the trained and the untrained model, same seeds and settings."""
+    cfg, lat = ctx.cfg, upstream["latents"]
+    dev = models.device(cfg)
+    width, height = render_size_for(cfg, aspect=1.0)
+    shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
+    scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
+    try:
+        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape)
+    except ValueError as err:
+        ctx.log.warning("learning check skipped: %s", err)
+        return {}
+    trained_acc = learning_check(trained, means, cfg, (width, height))
+    if trained_acc is None:
+        ctx.log.warning("learning check skipped: the %s pipeline's latents are not (C, H, W) like the cache",
+                        cfg.model.family)
+        return {}
+    ctx.reporter.progress("validate-progress", 0.75, "learning check: trained model done")
+    base = Renderer.load(models.family(cfg), models.model_dir(ctx), dev, models.dtype(cfg, dev))
+    facts = {"class_separation_accuracy": trained_acc,
+             "untrained_class_separation_accuracy": learning_check(base, means, cfg, (width, height))}
+    ctx.log.info("learning check: trained %.2f, untrained %.2f", facts["class_separation_accuracy"],
+                 facts["untrained_class_separation_accuracy"])
+    return facts
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
-    cfg, v = ctx.cfg, ctx.cfg.validate_
-    fam = models.family(cfg)
-    dev = models.device(cfg)
-    dt = models.dtype(cfg, dev)
-    final = models.artifact_dir(ctx, upstream["train"]) / "final"
-    renderer = Renderer(fam, final, dev, dt)
-    width, height = render_size_for(cfg)
-    rendered, pictures = [], []
-    for i, p in enumerate(v.prompts):
-        img = renderer(p.prompt, p.negative_prompt, p.seed, width, height, v.steps, v.guidance_scale)[0]
-        name = f"{i:03d}-seed{p.seed}.png"
-        img.save(work / name)
-        pictures.append(img)
-        rendered.append(RenderedImage(file=name, prompt=p.prompt, negative_prompt=p.negative_prompt, seed=p.seed,
-                                      width=img.width, height=img.height))
-        ctx.reporter.progress("validate-progress", (i + 1) / len(v.prompts), f"{i + 1} prompts rendered")
-    grid(pictures).save(work / "grid.png")
-    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"}
+    v = ctx.cfg.validate_
+    renderer = trained_renderer(ctx, upstream)
+    ctx.reporter.progress("validate-progress", 0.1, "pipeline loaded")
+    rendered = render_prompts(ctx, renderer, work)
+    ctx.reporter.progress("validate-progress", 0.5, f"{len(rendered)} prompts rendered")
+    train_dir = models.artifact_dir(ctx, upstream["train"])
+    losses = [row["loss"] for row in read_jsonl(train_dir / "losses.jsonl")]
+    loss_curve(losses, f"training loss ({len(losses)} steps)").save(work / "loss.png")
+    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png", "loss_curve": "loss.png"}
     if v.learning_check:
-        base = Renderer(fam, models.model_dir(ctx), dev, dt)
-        latents_dir = models.artifact_dir(ctx, upstream["latents"])
-        square = render_size_for(cfg, aspect=1.0)
-        facts["class_separation_accuracy"] = learning_check(renderer, latents_dir, upstream["latents"], cfg, square)
-        facts["untrained_class_separation_accuracy"] = learning_check(base, latents_dir, upstream["latents"], cfg, square)
-        ctx.log.info("learning check: trained %.2f, untrained %.2f", facts["class_separation_accuracy"],
-                     facts["untrained_class_separation_accuracy"])
-    rows = "\n".join(f"| {r.file} | {r.prompt} | {r.negative_prompt} | {r.seed} |" for r in rendered)
-    ctx.reporter.markdown("validate-images", f"Rendered into `{work.name}`\n\n| file | prompt | negative | seed |\n"
-                          f"|---|---|---|---|\n{rows}", "validation images")
+        facts |= check_learning(ctx, renderer, upstream)
+    ctx.reporter.progress("validate-progress", 1.0, "done")
+    report(ctx, work, rendered, facts)
     return facts
+
+
+def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict) -> None:
+    """Markdown table linking every file at the path the artifact is about to be published under."""
+    published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
+
+    def link(name: str) -> str:
+        return f"[{name}]({(published / name).as_uri()})"
+
+    rows = "\n".join(f"| {link(r.file)} | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |"
+                     for r in rendered)
+    text = (f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
+            f"Grid: {link(facts['grid'])} · loss curve: {link(facts['loss_curve'])}")
+    if "class_separation_accuracy" in facts:
+        text += (f"\n\nLearning check: class separation accuracy {facts['class_separation_accuracy']:.2f} trained, "
+                 f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / 4:.2f})")
+    ctx.reporter.markdown("validate-images", text, "validation images")

@@ -1,0 +1,81 @@
+"""`tuneline deploy`: one deployment per stage plus the pipeline, on a work pool (a process pool by default).
+
+Entrypoints are module paths (`flows.stage_flows.train_flow`): the worker imports the installed tuneline,
+so no code storage or image is needed for a process pool, and a container image with tuneline installed
+serves a Kubernetes pool the same way. The config becomes every deployment's default `config` parameter
+(a typed form in the UI), with its workdir made absolute because a worker runs flows in a temporary folder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.config import PipelineConfig
+
+TAGS = ["tuneline"]
+# Stages that want the accelerator (ops.gpu_pool); scan only reads image headers.
+GPU_STAGES = ("latents", "text", "train", "validate")
+
+
+@dataclass
+class Deployed:
+    name: str  # flow/deployment, as `prefect deployment run` takes it
+    pool: str
+    schedule: str
+
+
+def deployment_name(stage: str) -> str:
+    return f"tuneline-{stage}"
+
+
+def deploy(cfg: PipelineConfig, pool: str | None = None) -> list[Deployed]:
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows.limits import ensure_train_limit
+    from flows.pipeline import pipeline_flow
+    from flows.stage_flows import STAGE_FLOWS
+
+    cfg = cfg.model_copy(update={"workdir": str(cfg.workdir_path())})
+    params = {"config": cfg.dump()}
+    cpu_pool = pool or cfg.ops.work_pool
+    gpu_pool = cfg.ops.gpu_pool or cpu_pool
+    ensure_train_limit(cfg.ops.train_concurrency, update=True)
+    out = []
+    # The pipeline runs every stage in its own process, so it needs the accelerator whenever a stage does.
+    for name, fl in [("pipeline", pipeline_flow), *STAGE_FLOWS.items()]:
+        target = cpu_pool if name == "scan" else gpu_pool
+        ensure_pool(target)
+        schedules = _schedules(cfg) if name == "pipeline" else []
+        d = fl.to_deployment(name=deployment_name(name), parameters=params, work_pool_name=target, tags=TAGS,
+                             schedules=schedules, entrypoint_type=EntrypointType.MODULE_PATH,
+                             concurrency_limit=cfg.ops.train_concurrency if name == "train" else None,
+                             description=fl.description)
+        d.apply()
+        cron = (cfg.ops.schedule.cron or "") if name == "pipeline" else ""
+        out.append(Deployed(f"{fl.name}/{d.name}", target, cron))
+    return out
+
+
+def _schedules(cfg: PipelineConfig) -> list:
+    from prefect.schedules import Cron
+
+    s = cfg.ops.schedule
+    # An empty list (not None) clears a schedule an earlier deploy registered.
+    return [Cron(s.cron, timezone=s.timezone, active=s.active)] if s.cron else []
+
+
+def ensure_pool(name: str) -> None:
+    """Create a process work pool when none has this name; an existing pool (any type) is used as is."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+        except ObjectNotFound:
+            template = ProcessWorker.get_default_base_job_template()
+            try:
+                client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+            except ObjectAlreadyExists:
+                pass

@@ -1,0 +1,80 @@
+"""Housekeeping: keep the newest K published versions per stage, and always what the current config uses.
+
+Protected, whatever K: every fresh version and, transitively, every version a protected one was built from
+(a fresh downstream never loses its upstream). A removed version is first renamed to a dot-name, which is
+not a published version (CONTRACT.md), then deleted: a gc killed halfway never leaves a half-deleted
+directory that still looks published. Callers hold the store lock, so no stage is writing meanwhile.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.common.artifacts import ArtifactStore
+from stages.common.lineage import read_version
+
+TRASH_SUFFIX = ".gc"
+
+
+@dataclass
+class GcPlan:
+    keep: dict[Path, str] = field(default_factory=dict)  # path -> why it is kept
+    remove: list[Path] = field(default_factory=list)
+    partial: list[Path] = field(default_factory=list)  # work in progress of interrupted runs
+    trash: list[Path] = field(default_factory=list)  # left by a gc that was killed: always deleted
+
+
+def protected(store: ArtifactStore, fresh: dict[str, str | None]) -> dict[tuple[str, str], str]:
+    """(stage, version) -> reason, for the fresh versions and everything upstream of them."""
+    out: dict[tuple[str, str], str] = {}
+    todo = [(s, v, "fresh") for s, v in fresh.items() if v]
+    while todo:
+        stage, version, why = todo.pop()
+        if (stage, version) in out:
+            continue
+        out[(stage, version)] = why
+        path = store.version_dir(stage, version)
+        if path.is_dir():
+            todo += [(s, u, f"used by fresh {stage} {version}") for s, u in read_version(path).upstream.items()]
+    return out
+
+
+def plan(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None], keep: int) -> GcPlan:
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, got {keep}")
+    guard = protected(store, fresh)
+    out = GcPlan()
+    for stage in stages:
+        versions = store.versions(stage)  # oldest first
+        newest = set(versions[len(versions) - keep:]) if keep else set()
+        for path in versions:
+            why = guard.get((stage, path.name)) or ("among the newest kept" if path in newest else None)
+            if why:
+                out.keep[path] = why
+            else:
+                out.remove.append(path)
+        d = store.stage_dir(stage)
+        hidden = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith(".")) if d.is_dir() else []
+        out.trash += [p for p in hidden if p.name.endswith(TRASH_SUFFIX)]
+        out.partial += [p for p in hidden if not p.name.endswith(TRASH_SUFFIX)]
+    return out
+
+
+def collect(p: GcPlan, *, partial: bool = False) -> int:
+    """Delete what the plan removes (and interrupted work in progress if asked); returns bytes freed."""
+    freed = 0
+    for path in p.trash:
+        freed += tree_bytes(path)
+        shutil.rmtree(path)
+    for path in p.remove + (p.partial if partial else []):
+        freed += tree_bytes(path)
+        trash = path.with_name(f"{'' if path.name.startswith('.') else '.'}{path.name}{TRASH_SUFFIX}")
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+    return freed
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

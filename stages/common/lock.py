@@ -1,0 +1,117 @@
+"""One writer at a time on a workdir's artifact store: `flock` on `<workdir>/.tuneline.lock`.
+
+A flock belongs to the open file, so the kernel drops it when its holder exits however it dies (SIGKILL
+included): the lock never outlives its process and needs no stale-lock cleanup. The file's text names the
+holder (pid, host, purpose) only for the refusal message; the flock is the truth. The lock is re-entrant
+within one thread (the pipeline runs stage flows inside its own process) and exclusive between threads.
+Files opened by Python are not inherited by child processes (PEP 446), so torchrun workers never hold it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+LOCK_NAME = ".tuneline.lock"
+POLL_SECONDS = 0.2
+
+log = logging.getLogger("tuneline")
+
+
+class StoreLocked(RuntimeError):
+    """Another process holds the artifact store's lock past the wait timeout."""
+
+
+class _Held:
+    def __init__(self) -> None:
+        self.thread_lock = threading.RLock()
+        self.fd: int | None = None
+        self.depth = 0
+
+
+_held: dict[str, _Held] = {}
+_registry_guard = threading.Lock()
+
+
+def lock_path(workdir: Path) -> Path:
+    return Path(workdir) / LOCK_NAME
+
+
+def holder(workdir: Path) -> dict:
+    """Who wrote the lock file last: the holder while it is locked (empty dict if unreadable)."""
+    try:
+        return json.loads(lock_path(workdir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def describe_holder(info: dict) -> str:
+    if not info:
+        return "another process (its pid was not recorded yet)"
+    since = datetime.fromtimestamp(info.get("since", 0), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"pid {info.get('pid')} on {info.get('host')} ({info.get('purpose')}, since {since})"
+
+
+@contextmanager
+def store_lock(workdir: Path, *, timeout: float, purpose: str) -> Iterator[None]:
+    """Hold the store's lock for the block; wait up to `timeout` seconds for another holder, then refuse."""
+    path = lock_path(workdir)
+    with _registry_guard:
+        held = _held.setdefault(str(path.resolve()), _Held())
+    deadline = time.monotonic() + timeout
+    if not held.thread_lock.acquire(timeout=max(timeout, 0)):
+        raise StoreLocked(_refusal(workdir, timeout))
+    try:
+        if held.depth == 0:
+            held.fd = _acquire(path, workdir, deadline, timeout, purpose)
+        held.depth += 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+            if held.depth == 0 and held.fd is not None:
+                os.close(held.fd)  # closing the file releases the flock
+                held.fd = None
+    finally:
+        held.thread_lock.release()
+
+
+def _acquire(path: Path, workdir: Path, deadline: float, timeout: float, purpose: str) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise StoreLocked(_refusal(workdir, timeout))
+        if not waited:
+            log.info("artifact store %s is locked by %s; waiting up to %.0f s", workdir,
+                     describe_holder(holder(workdir)), timeout)
+            waited = True
+        time.sleep(POLL_SECONDS)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": purpose, "since": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    return fd
+
+
+def _refusal(workdir: Path, timeout: float) -> str:
+    return (f"the artifact store in {workdir} is in use by {describe_holder(holder(workdir))}; waited "
+            f"{timeout:.0f} s. Let that run finish (or stop it: the lock is released when its process exits), "
+            f"or raise ops.lock_timeout to wait longer")

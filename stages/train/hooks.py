@@ -1,0 +1,91 @@
+"""What happens between optimizer steps: progress lines, checkpoints, in-training validation, the sampling trace.
+
+Only rank 0 writes files (the trace, a debugging aid switched on by an environment variable, is per rank).
+"""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from stages.common.models import DTYPES
+from stages.train import checkpoint as ckpt
+from stages.train.loop import Trainer
+from stages.train.plan import MicroBatch
+from stages.validate.plots import loss_curve
+from stages.validate.render import Renderer, Sample, grid, render_size_for
+
+TRACE_ENV = "TUNELINE_TRAIN_TRACE"  # a directory: each rank appends the images of every micro-batch it trains
+LOG_EVERY = 10
+CHECKPOINTS = "checkpoints"
+SAMPLES = "samples"
+LOSS_PNG = "loss.png"
+
+
+class Hooks:
+    def __init__(self, run, trainer: Trainer):
+        self.run, self.trainer, self.t = run, trainer, run.cfg.train
+        self.renderer: Renderer | None = None
+        trace_dir = os.environ.get(TRACE_ENV)
+        self.trace = Path(trace_dir) / f"trace-rank{run.rank}.jsonl" if trace_dir else None
+
+    @property
+    def writer(self) -> bool:
+        return self.run.rank == 0
+
+    def before_step(self, micro: list[MicroBatch]) -> None:
+        if self.trace is None:
+            return
+        step = self.trainer.step + 1
+        with open(self.trace, "a", encoding="utf-8") as f:
+            for m, mb in enumerate(micro):
+                paths = self.run.data.reader.batch(mb.bucket, mb.rows).paths
+                f.write(json.dumps({"step": step, "micro": m, "bucket": mb.bucket, "paths": list(paths)}) + "\n")
+
+    def after_step(self) -> None:
+        step, t = self.trainer.step, self.t
+        last = step == t.steps
+        if self.writer and (step % LOG_EVERY == 0 or last):
+            recent = self.trainer.losses[-LOG_EVERY:]
+            lr = self.trainer.opt.param_groups[0]["lr"]
+            print(f"step {step}/{t.steps} loss {sum(recent) / len(recent):.4f} lr {lr:.3g}", flush=True)
+        every = t.effective_validate_every()
+        if every and (step % every == 0 or last):
+            self.validate()
+        if step % t.effective_checkpoint_every() == 0 or last:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        if not self.writer:
+            return
+        root = self.run.out / CHECKPOINTS
+        path = ckpt.save(root, self.trainer.step, self.trainer.checkpoint_tensors(), self.trainer.checkpoint_state())
+        ckpt.prune(root, self.t.keep_checkpoints)
+        loss_curve(self.trainer.losses).save(self.run.out / LOSS_PNG)
+        print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)
+
+    def validate(self) -> None:
+        """Render the validation prompts with the live (or EMA) weights into samples/step-N.png."""
+        if not self.writer:
+            return
+        tr, cfg = self.trainer, self.run.cfg
+        if self.renderer is None:
+            # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it.
+            dtype = DTYPES[cfg.model.dtype] if tr.autocast else torch.float32
+            self.renderer = Renderer.load(tr.fam, self.run.model_dir, tr.device, dtype, denoiser=tr.denoiser,
+                                          autocast=tr.autocast)
+        v = cfg.validate_
+        samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+        tr.denoiser.eval()
+        try:
+            with tr.ema.applied(tr.params) if tr.ema is not None else nullcontext():
+                images = self.renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
+        finally:
+            tr.denoiser.train()
+        out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
+        out.parent.mkdir(exist_ok=True)
+        grid(images).save(out)
+        print(f"validation grid {out.relative_to(self.run.out)}", flush=True)

@@ -1,0 +1,185 @@
+"""One optimizer step at a time: micro-batches (gradient accumulation), autocast, loss weighting, clipping, EMA.
+
+The Trainer holds no file paths and writes nothing; the worker around it decides what to save and when, and the
+benchmark drives the same class in-process.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from schemas.scan import ImageRecord
+from stages.common.models import DTYPES
+from stages.families.base import MicroCond
+from stages.latents.reader import LatentReader
+from stages.text.store import TextCache
+from stages.train import checkpoint as ckpt
+from stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
+from stages.train.objective import loss_weights, noisy_and_target, offset_noise, scale_latents, weighted_mse
+from stages.train.plan import MicroBatch, Position, shard, step_seed
+from stages.train.schedule import EMA, lr_at
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss went NaN/Inf: training stops without stepping, so the last checkpoint stays the last good one."""
+
+
+@dataclass
+class Data:
+    """What training reads: the caches (never the images or the encoders)."""
+
+    reader: LatentReader
+    text: TextCache
+    records: dict[str, ImageRecord]
+    scaling: float
+    shift: float
+
+
+def micro_cond(rec: ImageRecord) -> MicroCond:
+    """SDXL-style size conditioning from the scan's record: original size, crop corner in bucket pixels, bucket."""
+    left, top, right, _ = rec.crop
+    scale = rec.bucket_width / max(1, right - left)
+    return MicroCond(original_size=(rec.height, rec.width), crop_top_left=(round(top * scale), round(left * scale)),
+                     target_size=(rec.bucket_height, rec.bucket_width))
+
+
+class Trainer:
+    def __init__(self, cfg, fam, model_dir: Path, data: Data, rank: int, world: int, device: torch.device):
+        self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
+        self.rank, self.world, self.device = rank, world, device
+        self.autocast = autocast_dtype(self.t.mixed_precision, device)
+        base = torch.float32 if device.type == "cpu" else DTYPES[cfg.model.dtype]
+        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device)
+        self.names = list(self.params)
+        distributed = dist.is_available() and dist.is_initialized() and world > 1
+        self.model = DDP(self.denoiser, device_ids=[device.index] if device.type == "cuda" else None) \
+            if distributed else self.denoiser
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=self.t.learning_rate,
+                                     weight_decay=self.t.weight_decay)
+        self.scaler = grad_scaler(self.autocast)
+        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
+        self.noise_scheduler = fam.load_noise_scheduler(model_dir)
+        self.step, self.position, self.losses = 0, Position(), []
+
+    # ---- one step ----------------------------------------------------------------------------
+    def train_step(self, micro: list[MicroBatch]) -> float:
+        """Accumulate gradients over `micro`, check every rank's loss, step. Returns the mean loss."""
+        last = len(micro) - 1
+        local = [self.micro_step(mb, self.step * len(micro) + m, sync=m == last) for m, mb in enumerate(micro)]
+        losses = self.gather(torch.stack(local))
+        if not torch.isfinite(losses).all():
+            raise NonFiniteLoss(self.describe_nonfinite(losses, micro))
+        self.optimizer_step()
+        self.position = micro[-1].after
+        self.losses.append(float(losses.mean()))
+        return self.losses[-1]
+
+    def micro_step(self, mb: MicroBatch, micro_index: int, sync: bool) -> torch.Tensor:
+        t, data = self.t, self.data
+        seed = step_seed(t.seed, self.rank, micro_index)
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)  # dropout layers, if the denoiser has any
+        batch = data.reader.batch(mb.bucket, mb.rows)
+        x0 = scale_latents(data.reader.sample(batch, gen), data.scaling, data.shift)
+        cond = self.conditioning(batch.paths, gen)
+        noise = offset_noise(torch.randn(x0.shape, generator=gen), t.noise_offset, gen)
+        nz = noisy_and_target(x0, noise, self.fam.facts.prediction, self.noise_scheduler, gen)
+        weights = loss_weights(nz.snr, self.fam.facts.prediction, t.loss_weighting, t.min_snr_gamma)
+        no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not sync else nullcontext()
+        amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
+        with no_sync:
+            with amp:
+                pred = self.fam.denoise(self.model, nz.noisy.to(self.device), nz.timesteps.to(self.device), cond,
+                                        micro=[micro_cond(data.records[p]) for p in batch.paths])
+            loss = weighted_mse(pred, nz.target.to(self.device), weights)
+            self.scaler.scale(loss / t.grad_accumulation).backward()
+        return loss.detach()
+
+    def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """Cached text tensors for the batch's captions; caption dropout reads the cached empty caption."""
+        captions = [self.data.records[p].caption for p in paths]
+        drop = torch.rand(len(captions), generator=gen) < self.t.caption_dropout
+        captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+        return {k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype)
+                for k, v in self.data.text.get(captions).items()}
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(world, micro-batches) losses, identical on every rank, so all ranks agree on stopping."""
+        if not isinstance(self.model, DDP):
+            return local.float().cpu().unsqueeze(0)
+        every = torch.zeros(self.world, len(local), device=local.device)
+        every[self.rank] = local.float()
+        dist.all_reduce(every)
+        return every.cpu()
+
+    def optimizer_step(self) -> None:
+        t = self.t
+        lr = lr_at(self.step, t.learning_rate, t.lr_schedule, t.effective_warmup(), t.steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        if t.max_grad_norm:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.params, self.step)
+        self.step += 1
+
+    def describe_nonfinite(self, losses: torch.Tensor, micro: list[MicroBatch]) -> str:
+        rank, m = (int(i) for i in (~torch.isfinite(losses)).nonzero()[0])
+        mb = micro[m]
+        rows = shard(mb.global_rows, rank, self.t.batch_size)
+        paths = self.data.reader.batch(mb.bucket, rows).paths
+        return (f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket "
+                f"{mb.bucket}); the batch's images: {', '.join(paths)}")
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        opt_tensors, _ = ckpt.optimizer_tensors(self.opt, self.names)
+        out = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
+        if self.ema is not None:
+            out["ema"] = self.ema.shadow
+        return out
+
+    def checkpoint_state(self) -> dict:
+        t = self.t
+        _, opt_meta = ckpt.optimizer_tensors(self.opt, self.names)
+        return {"position": self.position.as_json(), "losses": self.losses, "world_size": self.world,
+                "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
+                "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
+                "lr": self.opt.param_groups[0]["lr"], "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
+                "rng": "derived per micro-batch from (seed, rank, micro-batch index): see stages.train.plan"}
+
+    def restore(self, path: Path) -> None:
+        """Continue from a checkpoint: weights, optimizer, grad scaler, EMA, step, sampler position, losses."""
+        state, tensors = ckpt.load(path)
+        self.check_compatible(path, state, set(tensors.get("trainable", {})))
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(tensors["trainable"][n])
+        ckpt.restore_optimizer(self.opt, self.names, tensors.get("optimizer", {}), state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            self.ema.shadow = {n: v.to(self.device) for n, v in tensors.get("ema", tensors["trainable"]).items()}
+        self.step, self.position, self.losses = state["step"], Position(**state["position"]), list(state["losses"])
+
+    def check_compatible(self, path: Path, state: dict, names: set[str]) -> None:
+        t = self.t
+        mine = {"mode": t.mode, "family": self.fam.facts.name, "world_size": self.world, "batch_size": t.batch_size,
+                "grad_accumulation": t.grad_accumulation}
+        differ = [f"{k} {state.get(k)!r} (now {v!r})" for k, v in mine.items() if state.get(k) != v]
+        if names != set(self.names):
+            differ.append(f"{len(names)} trained tensors that do not match this model's {len(self.names)}")
+        if state.get("step", 0) > t.steps:
+            differ.append(f"step {state.get('step')} beyond train.steps {t.steps}")
+        if differ:
+            raise ckpt.CheckpointError(f"checkpoint {path} cannot continue this run: it has " + "; ".join(differ)
+                                       + "; resume with the settings it was made with, or set train.resume to null")

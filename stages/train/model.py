@@ -1,0 +1,98 @@
+"""The trained model: full fine-tune or LoRA (peft), precision, gradient checkpointing, and the `final/` output.
+
+Everything here goes through the family adapter or diffusers' own folder format (model_index.json), never a
+family name, so every family trains the same way.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from schemas.train import TrainConfig
+from stages.families.common import unwrap
+
+
+def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain float32. CPU always trains in float32: half-precision convolutions
+    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32."""
+    if device.type != "cuda":
+        if mixed in ("bf16", "fp16"):
+            raise ValueError(f"train.mixed_precision {mixed} needs a CUDA device; this run is on {device.type}, "
+                             f"where training is float32: set train.mixed_precision to auto or no")
+        return None
+    if mixed == "no":
+        return None
+    if mixed == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
+
+
+def grad_scaler(dtype: torch.dtype | None) -> torch.amp.GradScaler:
+    """fp16 gradients underflow without loss scaling; bf16 and float32 need none (a disabled scaler is a no-op)."""
+    return torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+
+
+def lora_config(t: TrainConfig, target_modules: tuple[str, ...]):
+    from peft import LoraConfig
+
+    return LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha or t.lora_rank, init_lora_weights=True,
+                      target_modules=list(target_modules))
+
+
+def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
+    """(denoiser ready to train, its trainable parameters by name).
+
+    Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
+    `base_dtype` to save memory, the adapter weights in float32.
+    """
+    torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
+    if t.mode == "full":
+        den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
+    else:
+        den = fam.load_denoiser(model_dir, base_dtype, device).requires_grad_(False)
+        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        for p in den.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    if t.gradient_checkpointing:
+        if not getattr(den, "_supports_gradient_checkpointing", False):
+            raise ValueError(f"train.gradient_checkpointing: {type(den).__name__} does not support it; set it false")
+        den.enable_gradient_checkpointing()
+    den.train()
+    trainable = {n: p for n, p in den.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError(f"train.mode {t.mode}: no trainable parameters (LoRA target modules "
+                         f"{fam.lora_target_modules} not found in {type(den).__name__}?)")
+    return den, trainable
+
+
+def denoiser_component(model_dir: Path, denoiser: torch.nn.Module) -> tuple[str, str]:
+    """(pipeline class name, component name of the denoiser) from the folder's model_index.json."""
+    index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+    cls = type(unwrap(denoiser)).__name__
+    for name, entry in index.items():
+        if isinstance(entry, list) and len(entry) == 2 and entry[1] == cls:
+            return index["_class_name"], name
+    raise ValueError(f"{model_dir}/model_index.json lists no {cls} component")
+
+
+def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, out: Path) -> None:
+    """`final/`: a pipeline folder for DiffusionPipeline.from_pretrained (full), or LoRA weights that the base
+    pipeline's load_lora_weights reads (lora), in diffusers' own layout for the denoiser's component."""
+    if t.mode == "full":
+        fam.save_pipeline(model_dir, unwrap(denoiser), out)
+        return
+    import diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    pipe_name, comp = denoiser_component(model_dir, denoiser)
+    layers = {k: v.detach().to("cpu", torch.float32).contiguous()
+              for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()}
+    meta = lora_config(t, fam.lora_target_modules).to_dict()
+    meta["target_modules"] = sorted(meta["target_modules"])
+    out.mkdir(parents=True, exist_ok=True)
+    getattr(diffusers, pipe_name).save_lora_weights(out, **{f"{comp}_lora_layers": layers,
+                                                            f"{comp}_lora_adapter_metadata": meta})

@@ -1,0 +1,104 @@
+"""The one renderer every family uses: the validation stage, the learning check and in-training validation.
+
+Prompts are encoded through the family adapter and handed to the pipeline as embeddings (the adapter also says
+which keyword arguments carry them and the negative prompt); seeds become per-sample generators on the device of
+the tensors they feed. Several prompts render in one pipeline call.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from schemas.families import facts as family_facts
+from stages.common.sizing import render_size
+from stages.families.common import unwrap
+
+MAX_BATCH = 16  # samples per pipeline call (x2 with classifier-free guidance)
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: str
+    negative_prompt: str
+    seed: int
+
+
+class Renderer:
+    """A loaded pipeline + live text encoders. Build it with `Renderer.load`."""
+
+    def __init__(self, fam, pipe, encoders, device: torch.device, autocast: torch.dtype | None = None):
+        self.fam, self.pipe, self.enc, self.device, self.autocast = fam, pipe, encoders, device, autocast
+
+    @classmethod
+    def load(cls, fam, model_dir: Path, device: torch.device, dtype: torch.dtype, *, lora: Path | None = None,
+             denoiser: torch.nn.Module | None = None, autocast: torch.dtype | None = None) -> "Renderer":
+        """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
+        in place of the folder's own."""
+        pipe = fam.load_pipeline(model_dir, dtype, device)
+        if lora is not None:
+            pipe.load_lora_weights(lora)
+        if denoiser is not None:
+            swap_denoiser(pipe, unwrap(denoiser))
+        pipe.set_progress_bar_config(disable=True)
+        return cls(fam, pipe, fam.load_text_encoders(model_dir, dtype, device), device, autocast)
+
+    def render(self, samples: Sequence[Sample], width: int, height: int, steps: int, guidance: float,
+               output_type: str = "pil") -> list:
+        """One output per sample, in order (PIL images, or latent tensors for output_type='latent')."""
+        out: list = [None] * len(samples)
+        # A sample without a negative prompt lets the pipeline use its own unconditional input, so those and the
+        # ones with a negative render in separate calls (mixing them would change what "no negative" means).
+        groups = [[i for i, s in enumerate(samples) if bool(s.negative_prompt) == neg] for neg in (False, True)]
+        for group in groups:
+            for start in range(0, len(group), MAX_BATCH):
+                idx = group[start:start + MAX_BATCH]
+                for i, result in zip(idx, self._call([samples[i] for i in idx], width, height, steps, guidance,
+                                                     output_type)):
+                    out[i] = result
+        return out
+
+    def _call(self, batch: list[Sample], width: int, height: int, steps: int, guidance: float,
+              output_type: str) -> list:
+        amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
+        with torch.no_grad(), amp:
+            text = self.fam.encode_text(self.enc, [s.prompt for s in batch])
+            neg = self.fam.encode_text(self.enc, [s.negative_prompt for s in batch]) if batch[0].negative_prompt \
+                else None
+            gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
+            images = self.pipe(**self.fam.prompt_kwargs(text, neg), width=width, height=height,
+                               num_inference_steps=steps, guidance_scale=guidance, generator=gens,
+                               output_type=output_type).images
+        return list(images)
+
+
+def swap_denoiser(pipe, denoiser: torch.nn.Module) -> None:
+    """Put a live denoiser in the pipeline slot holding a model of the same class (no family names needed)."""
+    for name, component in pipe.components.items():
+        if type(component) is type(denoiser):
+            pipe.register_modules(**{name: denoiser})
+            return
+    raise ValueError(f"the pipeline has no {type(denoiser).__name__} component to replace")
+
+
+def grid(images: list[Image.Image], cols: int = 4) -> Image.Image:
+    cols = max(1, min(cols, len(images)))
+    rows = (len(images) + cols - 1) // cols
+    w = max(i.width for i in images)
+    h = max(i.height for i in images)
+    canvas = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
+    for n, img in enumerate(images):
+        canvas.paste(img, ((n % cols) * w, (n // cols) * h))
+    return canvas
+
+
+def render_size_for(cfg, aspect: float | None = None) -> tuple[int, int]:
+    """Pixel or area units, converted and aligned by the same function the scan uses."""
+    v, b = cfg.validate_, cfg.buckets
+    align = b.alignment or family_facts(cfg.model.family).alignment
+    return render_size(v.resolution or b.resolution, v.resolution_type or b.resolution_type, align,
+                       v.aspect if aspect is None else aspect)

@@ -1,0 +1,175 @@
+"""The cache layout and the block writer, with a stand-in encoder: resume, rejects, reuse, checks."""
+from __future__ import annotations
+
+import hashlib
+import io
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from PIL import Image
+
+from schemas.scan import ImageRecord
+from stages.latents import store
+from stages.latents.encode import LatentShapeError, check_latents
+from stages.latents.reuse import row_identity, row_key
+from stages.latents.writer import BucketJob, BucketWriter, Settings, fill
+
+SHAPE = (4, 2, 2)
+IDENTITY = row_identity("vae", "float32", "float16", False)
+
+
+def corrupt_png(size=(16, 16)) -> bytes:
+    """A PNG whose header and end marker are fine but whose pixel stream is not (the scan accepts it)."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    at = data.find(b"IDAT") + 20
+    data[at:at + 40] = bytes(b ^ 0x5A for b in data[at:at + 40])
+    return bytes(data)
+
+
+def make_job(root: Path, n: int, bad: tuple[int, ...] = ()) -> BucketJob:
+    records = []
+    for i in range(n):
+        path = root / f"img{i:02d}.png"
+        if i in bad:
+            path.write_bytes(corrupt_png())
+        else:
+            Image.new("RGB", (16, 16), (i * 9 % 256, 40, 200)).save(path)
+        records.append(ImageRecord(path=path.name, width=16, height=16, bucket_width=16, bucket_height=16,
+                                   crop=(0, 0, 16, 16), caption="", sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                   size_bytes=path.stat().st_size, mtime_ns=0))
+    return BucketJob(key="16x16", width=16, height=16, shape=SHAPE, records=records,
+                     row_keys=[row_key(r, IDENTITY) for r in records])
+
+
+class FakeEncoder:
+    """Deterministic per image, counts the images it encodes; can fail after a number of batches."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.calls, self.images, self.fail_after = 0, 0, fail_after
+
+    def __call__(self, pixels, paths, expected):
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise KeyboardInterrupt("killed")
+        self.calls += 1
+        self.images += len(paths)
+        mean = np.stack([np.full(expected, float(p.mean()), np.float16) for p in pixels])
+        return {"mean": mean, "std": np.abs(mean) * np.float16(0.1) + np.float16(0.01)}
+
+
+def run(tmp: Path, job: BucketJob, encoder, copy=lambda key: None):
+    s = Settings(root=tmp, work=tmp / "work", dtype="float16", block_rows=4, batch_size=3, names=store.DIST)
+    writer = BucketWriter(s, job)
+    start = writer.resume()
+    with ThreadPoolExecutor(2) as pool:
+        return start, fill(writer, start, encoder, copy, pool, lambda n: None)
+
+
+def stored(tmp: Path) -> np.ndarray:
+    return zarr.open_group(str(tmp / "work" / store.STORE / "16x16"), mode="r")["mean"][:]
+
+
+def test_writes_blocks_in_path_order_and_rejects_undecodable_images(tmp_path):
+    job = make_job(tmp_path, 10, bad=(3,))
+    enc = FakeEncoder()
+    _, out = run(tmp_path, job, enc)
+    assert [r["path"] for r in out.index] == [f"img{i:02d}.png" for i in range(10) if i != 3]
+    assert [r["row"] for r in out.index] == list(range(9)) and out.encoded == 9 == enc.images
+    assert [(r.path, r.kind) for r in out.rejected] == [("img03.png", "decode")]
+    assert "cannot decode at caching time" in out.rejected[0].reason
+    assert stored(tmp_path).shape == (9, *SHAPE)  # trimmed: the rejected image leaves no hole
+    assert [len(r["paths"]) for r in store.read_records(tmp_path / "work", "16x16")] == [4, 4, 1]
+
+
+def test_resume_keeps_finished_blocks_and_matches_an_uninterrupted_build(tmp_path):
+    job = make_job(tmp_path, 11, bad=(2,))
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, job, FakeEncoder(fail_after=4))  # 2 batches per block: dies in the third
+    assert len(store.read_records(tmp_path / "work", "16x16")) == 2
+    enc = FakeEncoder()
+    start, out = run(tmp_path, job, enc)
+    assert start == 9 and out.resumed == 8 and enc.images == 2  # 8 rows + 1 reject resumed, nothing else redone
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    _, ref = run(clean, make_job(clean, 11, bad=(2,)), FakeEncoder())
+    np.testing.assert_array_equal(stored(tmp_path), stored(clean))
+    assert [r["path"] for r in out.index] == [r["path"] for r in ref.index] and len(out.rejected) == 1
+
+
+def test_a_block_without_record_or_with_a_bad_digest_is_redone(tmp_path):
+    job = make_job(tmp_path, 12)
+    run(tmp_path, job, FakeEncoder())
+    work = tmp_path / "work"
+    (work / store.BLOCKS / "16x16" / "000002.json").unlink()  # killed between the chunk write and its record
+    enc = FakeEncoder()
+    assert run(tmp_path, job, enc)[0] == 8 and enc.images == 4
+    arr = zarr.open_group(str(work / store.STORE / "16x16"), mode="a")["mean"]
+    arr[5] = np.zeros(SHAPE, np.float16)  # block 1 edited: it and every later block are redone
+    enc = FakeEncoder()
+    start, out = run(tmp_path, job, enc)
+    assert start == 4 and enc.images == 8 and out.resumed == 4
+
+
+def test_rows_with_a_known_key_are_copied_not_encoded(tmp_path):
+    job = make_job(tmp_path, 6)
+    known = {job.row_keys[i]: {"mean": np.full(SHAPE, i, np.float16), "std": np.ones(SHAPE, np.float16)}
+             for i in (0, 1, 4)}
+    enc = FakeEncoder()
+    _, out = run(tmp_path, job, enc, copy=known.get)
+    assert out.reused == 3 and out.encoded == 3 == enc.images
+    np.testing.assert_array_equal(stored(tmp_path)[4], np.full(SHAPE, 4, np.float16))
+
+
+def test_row_key_covers_content_bucket_crop_and_identity(tmp_path):
+    rec = make_job(tmp_path, 1).records[0]
+    base = row_key(rec, IDENTITY)
+    assert base == row_key(rec.model_copy(update={"mtime_ns": 5, "caption": "x"}), IDENTITY)  # not content
+    changes = [rec.model_copy(update={"sha256": "0" * 64}), rec.model_copy(update={"crop": (1, 0, 16, 16)}),
+               rec.model_copy(update={"bucket_width": 24}), rec.model_copy(update={"background": (0, 0, 0)})]
+    assert all(row_key(r, IDENTITY) != base for r in changes)
+    for identity in (row_identity("other", "float32", "float16", False), row_identity("vae", "bfloat16", "float16", False),
+                     row_identity("vae", "float32", "float32", False), row_identity("vae", "float32", "float16", True)):
+        assert row_key(rec, identity) != base
+
+
+def test_check_latents_names_the_image():
+    good = {"mean": np.zeros((2, *SHAPE), np.float16), "std": np.ones((2, *SHAPE), np.float16)}
+    check_latents(good, SHAPE, ["a.png", "b.png"])
+    with pytest.raises(LatentShapeError, match=r"image b.png: expected \(4, 2, 2\), got \(4, 2, 3\)"):
+        check_latents({"mean": np.zeros((2, 4, 2, 3), np.float16)}, SHAPE, ["b.png", "b.png"])
+    bad = dict(good, std=good["std"].copy())
+    bad["std"][1, 0, 0, 0] = np.float16(np.inf)  # e.g. a float32 value beyond float16's range
+    with pytest.raises(LatentShapeError, match=r"NaN/Inf latent std for image b.png \(stored as float16\)"):
+        check_latents(bad, SHAPE, ["a.png", "b.png"])
+    flipped = {"flip_mean": np.full((1, *SHAPE), np.nan, np.float32)}
+    with pytest.raises(LatentShapeError, match=r"image a.png \(flipped\)"):
+        check_latents(flipped, SHAPE, ["a.png"])
+
+
+def test_chunks_are_whole_blocks_and_read_back_directly(tmp_path):
+    arrays = store.create_arrays(tmp_path, "8x8", (1, 1, 1), 6, "float16", 4, store.DIST)
+    data = np.arange(6, dtype=np.float16).reshape(6, 1, 1, 1)
+    store.write_block(arrays, 0, {"mean": data[:4], "std": data[:4]})
+    store.write_block(arrays, 1, {"mean": data[4:], "std": data[4:]})
+    assert store.raw_layout_problem(arrays["mean"]) is None
+    np.testing.assert_array_equal(store.read_chunk(arrays["mean"], 1), data[4:])
+    again = store.create_arrays(tmp_path, "8x8", (1, 1, 1), 6, "float16", 4, store.DIST)  # same layout: kept
+    np.testing.assert_array_equal(again["mean"][:], data)
+    store.trim(again, 5)
+    assert store.read_chunk(again["mean"], 1).shape == (1, 1, 1, 1)
+    fresh = store.create_arrays(tmp_path, "8x8", (1, 1, 1), 6, "float32", 4, store.DIST)  # other layout: new
+    assert fresh["mean"].dtype == np.float32 and not fresh["mean"][:].any()
+
+
+def test_block_records_stop_at_the_first_gap(tmp_path):
+    for i in (0, 1, 3):
+        store.write_record(tmp_path, "b", i, {"i": i})
+    assert [r["i"] for r in store.read_records(tmp_path, "b")] == [0, 1]
+    (tmp_path / store.BLOCKS / "b" / "000001.json").write_text("{torn")
+    assert [r["i"] for r in store.read_records(tmp_path, "b")] == [0]
+    store.drop_records(tmp_path, "b", 1)
+    assert sorted(p.name for p in (tmp_path / store.BLOCKS / "b").iterdir()) == ["000000.json"]

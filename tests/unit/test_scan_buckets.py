@@ -1,0 +1,53 @@
+"""Small-bucket policy, duplicates and the bucket table (pure functions)."""
+from __future__ import annotations
+
+import pytest
+
+from schemas.config import PipelineConfig
+from schemas.scan import ImageRecord
+from stages.scan.buckets import (NoBatchError, apply_plan, bucket_plan, duplicate_groups, global_batch,
+                                 reject_duplicates, table)
+
+
+def rec(path: str, bucket=(64, 64), sha="x") -> ImageRecord:
+    return ImageRecord(path=path, width=100, height=100, bucket_width=bucket[0], bucket_height=bucket[1],
+                       crop=(0, 0, 100, 100), caption="", sha256=sha, size_bytes=1, mtime_ns=0)
+
+
+def test_global_batch_is_batch_times_processes():
+    cfg = PipelineConfig.model_validate({"train": {"batch_size": 3, "processes": 2}})
+    assert global_batch(cfg) == 6
+
+
+def test_repeat_fills_a_batch():
+    assert bucket_plan({(64, 64): 20, (96, 64): 5, (64, 96): 1}, 16, "repeat") == {
+        (64, 64): 1, (96, 64): 4, (64, 96): 16}
+
+
+def test_drop_reports_dropped_images_and_keeps_the_rest():
+    records = [rec(f"big{i}.png") for i in range(4)] + [rec("small.png", (96, 64))]
+    plan = bucket_plan({(64, 64): 4, (96, 64): 1}, 4, "drop")
+    kept, dropped, rows = apply_plan(records, plan, 4)
+    assert [r.path for r in kept] == [f"big{i}.png" for i in range(4)]
+    assert [(d.path, d.kind) for d in dropped] == [("small.png", "small-bucket")]
+    assert "bucket 96x64 has 1 images" in dropped[0].reason and "small_bucket" in dropped[0].reason
+    assert [(r.width, r.height, r.count, r.dropped) for r in rows] == [(64, 64, 4, False), (96, 64, 1, True)]
+    assert table(rows, plan)[1] == {"bucket": "96x64", "count": 1, "repeats": 0, "status": "dropped",
+                                    "samples": "small.png"}
+
+
+def test_no_batch_error_names_the_bucket_and_the_settings():
+    with pytest.raises(NoBatchError, match=r"batch of 16.*largest, 96x64, has 7 images.*small_bucket: repeat"):
+        bucket_plan({(64, 64): 3, (96, 64): 7}, 16, "drop")
+    with pytest.raises(NoBatchError, match="no image was accepted"):
+        bucket_plan({}, 16, "repeat")
+
+
+def test_duplicates_grouped_and_optionally_rejected():
+    records = [rec("a.png", sha="1"), rec("b.png", sha="2"), rec("c.png", sha="1"), rec("d/a.png", sha="1")]
+    groups = duplicate_groups(records)
+    assert groups == [["a.png", "c.png", "d/a.png"]]
+    kept, rejected = reject_duplicates(records, groups)
+    assert [r.path for r in kept] == ["a.png", "b.png"]
+    assert [(r.path, r.kind) for r in rejected] == [("c.png", "duplicate"), ("d/a.png", "duplicate")]
+    assert "same content as a.png" in rejected[0].reason
