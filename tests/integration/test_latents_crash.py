@@ -1,5 +1,6 @@
-"""kill -9 during caching, twice, then finish: finished blocks are kept, nothing partial is ever published,
-and the result equals an uninterrupted build bit for bit."""
+"""kill -9 during caching, then rerun: finished blocks are kept, nothing partial is ever published, and the
+result equals an uninterrupted build bit for bit. (Resuming a resumed build and blocks lost between a chunk
+write and its record are covered with a stand-in encoder in tests/unit/test_latents_store.py.)"""
 from __future__ import annotations
 
 import json
@@ -69,10 +70,8 @@ def test_sigkill_then_rerun_resumes_from_finished_blocks(tiny_models, tmp_path):
     key = digest(key_parts(ctx, stage("latents"), {"scan": ctx.store.latest("scan").name}))
     partial = ctx.store.partial_dir("latents", key)
 
-    kept = kill_after(ctx, partial, rows=4)
+    kept = kill_after(ctx, partial, rows=8)
     assert ctx.store.latest("latents") is None and partial.is_dir()  # killed: nothing published
-    kept = kill_after(ctx, partial, rows=4)  # the second run resumed, made progress, was killed again
-    assert ctx.store.latest("latents") is None
 
     path, _ = run_stage(ctx, stage("latents"), PIPELINE)
     m = ctx.store.read(path, LatentsManifest)

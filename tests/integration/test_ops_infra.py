@@ -75,8 +75,8 @@ def test_loss_plot_and_cache_text():
     from flows.visibility import cache_description, loss_markdown, loss_plot
 
     plot = loss_plot([1.0 - i / 100 for i in range(100)], width=20, height=5).splitlines()
-    assert len(plot) == 7 and plot[0].strip().startswith("0.9") and plot[0].endswith("*" + " " * 19)
-    assert plot[4].endswith(" " * 19 + "*")  # the lowest loss, last column, bottom row
+    assert len(plot) == 7 and plot[0].startswith("   0.9800 |*") and plot[4].startswith("   0.0300 |")
+    assert plot[0].endswith("*" + " " * 17) and plot[4].endswith("*" * 3)  # falling: top left to bottom right
     assert "last 0.0100" in loss_markdown([1.0, 0.5, 0.01]) and "```" in loss_markdown([0.3])
     text = cache_description({"count": 10, "encoded": 4, "reused": 6, "resumed": 0, "rejected": 1})
     assert "4 encoded, 6 reused" in text and "reuse rate 60%" in text

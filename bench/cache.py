@@ -1,0 +1,158 @@
+"""Benchmark: the latents stage against the VAE encoder's own forward time (the compute limit) and a naive loop.
+
+The model is the tiny family's pipeline with its VAE replaced by the SD VAE architecture (4 down blocks, two
+ResNet layers each, 4 latent channels), narrowed to (32, 64, 128, 128) channels so a run fits in minutes on
+2 CPU cores. The dataset is photo-like JPEGs and PNGs at 1.5-3x their bucket size (128 px shorter edge, three
+aspect buckets), so decoding and resizing cost what they cost on real data. In one run, on the same images:
+  limit  the encoder alone, batches of `batch_size` within a bucket, on tensors decoded and resized beforehand;
+  stage  `run_stage` of the latents stage on a fresh workdir (scan done beforehand, untimed): VAE load, decode
+         pool, encoding, checks, Zarr writes, index, manifest and publish;
+  naive  decode one image, encode it alone, `torch.save` its latent to a `.pt` (SimpleTuner-style).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schemas.config import parse_config  # noqa: E402
+from schemas.scan import ImageRecord  # noqa: E402
+from stages.common import models  # noqa: E402
+from stages.common.jsonl import read_jsonl  # noqa: E402
+from stages.common.stage import StageContext, run_stage  # noqa: E402
+from stages.families.registry import get_family  # noqa: E402
+from stages.latents.encode import to_pixels  # noqa: E402
+from stages.pipeline import PIPELINE, stage  # noqa: E402
+from stages.scan.images import load_rgb  # noqa: E402
+
+N_IMAGES = 96
+RESOLUTION = 128
+BATCH = 8
+VAE_CHANNELS = (32, 64, 128, 128)
+GOAL = 1.25
+ASPECTS = [(1, 1), (4, 3), (3, 4)]
+
+
+def make_model(root: Path) -> Path:
+    """A tiny pipeline folder whose VAE is the SD VAE architecture (random weights, deterministic)."""
+    from diffusers import AutoencoderKL
+
+    base = get_family("tiny").ensure_model(None, root / "models")
+    folder = root / "bench-model"
+    shutil.copytree(base, folder)
+    shutil.rmtree(folder / "vae")
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=VAE_CHANNELS,
+                        layers_per_block=2, latent_channels=4, norm_num_groups=32, sample_size=RESOLUTION)
+    vae.save_pretrained(folder / "vae", safe_serialization=True)
+    return folder
+
+
+def photo(i: int, seed: int = 0) -> Image.Image:
+    """Smooth content plus grain, 1.5-3x the bucket size, so compressed sizes and decode costs are realistic."""
+    rng = np.random.default_rng([seed, i])
+    aw, ah = ASPECTS[i % len(ASPECTS)]
+    scale = rng.uniform(1.5, 3.0) * RESOLUTION / min(aw, ah)
+    w, h = int(aw * scale), int(ah * scale)
+    small = rng.integers(0, 256, size=(max(2, h // 24), max(2, w // 24), 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC), dtype=np.int16)
+    grain = rng.integers(-6, 7, size=smooth.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8))
+
+
+def make_images(folder: Path, names: range, seed: int = 0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in names:
+        photo(i, seed).save(folder / (f"img{i:05d}.jpg" if i % 4 else f"img{i:05d}.png"), quality=90)
+        (folder / f"img{i:05d}.txt").write_text(f"photo {i}")
+
+
+def context(work: Path, data: Path, model: Path) -> StageContext:
+    cfg = parse_config({"dataset": {"path": str(data)}, "model": {"family": "tiny", "path": str(model)},
+                        "buckets": {"resolution": RESOLUTION}, "latents": {"batch_size": BATCH}},
+                       workdir=str(work))
+    return StageContext(cfg)
+
+
+def records(ctx: StageContext) -> list[ImageRecord]:
+    return [ImageRecord.model_validate(r) for r in read_jsonl(ctx.store.latest("scan") / "images.jsonl")]
+
+
+def time_stage(ctx: StageContext) -> float:
+    run_stage(ctx, stage("scan"), PIPELINE)
+    t = time.perf_counter()
+    _, built = run_stage(ctx, stage("latents"), PIPELINE)
+    assert built
+    return time.perf_counter() - t
+
+
+def time_limit(ctx: StageContext, data: Path) -> float:
+    """The encoder's forward alone, same batches as the stage, pixels decoded beforehand."""
+    by_bucket = defaultdict(list)
+    for r in sorted(records(ctx), key=lambda r: r.path):
+        by_bucket[(r.bucket_width, r.bucket_height)].append(to_pixels(load_rgb(data / r.path, r), r))
+    vae = load_vae(ctx)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for pixels in by_bucket.values():
+            for i in range(0, len(pixels), BATCH):
+                vae.encode(torch.stack(pixels[i:i + BATCH])).latent_dist.mean.sum()
+    return time.perf_counter() - t
+
+
+def time_naive(ctx: StageContext, data: Path, out: Path) -> float:
+    out.mkdir(parents=True)
+    recs = records(ctx)
+    vae = load_vae(ctx)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for i, r in enumerate(recs):
+            x = to_pixels(load_rgb(data / r.path, r), r)[None]
+            torch.save(vae.encode(x).latent_dist.sample()[0].half(), out / f"{i}.pt")
+    return time.perf_counter() - t
+
+
+def load_vae(ctx: StageContext):
+    return models.family(ctx.cfg).load_vae(models.model_dir(ctx), torch.float32, torch.device("cpu"))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    tmp = Path(tempfile.mkdtemp(prefix="tuneline-bench-cache-"))
+    try:
+        model = make_model(tmp)
+        data = tmp / "data"
+        make_images(data, range(N_IMAGES))
+        ctx = context(tmp / "work", data, model)
+        t_stage = time_stage(ctx)
+        t_limit = time_limit(ctx, data)
+        t_naive = time_naive(ctx, data, tmp / "naive")
+        report(t_stage, t_limit, t_naive)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(t_stage: float, t_limit: float, t_naive: float) -> None:
+    print(f"{N_IMAGES} images, {RESOLUTION} px buckets, SD VAE architecture {VAE_CHANNELS}, batch {BATCH}, "
+          f"{torch.get_num_threads()} torch threads, CPU")
+    print(f"encoder forward alone (limit): {t_limit:.1f} s")
+    print(f"latents stage:                 {t_stage:.1f} s")
+    print(f"naive loop:                    {t_naive:.1f} s")
+    print(f"stage vs naive loop: {t_naive / t_stage:.2f}x faster (ratio naive/stage)")
+    ratio = t_stage / t_limit
+    print(f"RESULT cache_vs_encoder_limit {ratio:.3f} goal <= {GOAL} {'PASS' if ratio <= GOAL else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()
