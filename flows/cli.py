@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -134,9 +133,11 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
 @app.command()
 def worker(pool: Annotated[str, typer.Option("--pool", help="work pool to serve")] = "tuneline",
            limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="flow runs at once")] = None) -> None:
-    """Start a Prefect process worker for the pool (created if missing)."""
-    cmd = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"]
-    os.execv(sys.executable, cmd + (["--limit", str(limit)] if limit else []))
+    """Start a Prefect process worker for the pool (created if missing); restarted if it crashes."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s")
+    from flows.worker import serve
+
+    raise typer.Exit(serve(pool, limit))
 
 
 @app.command()

@@ -27,10 +27,10 @@ def deployment_name(stage: str) -> str:
     return f"tuneline-{stage}"
 
 
-def deploy(cfg: PipelineConfig, pool: str | None = None) -> list[Deployed]:
+def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
+    """The RunnerDeployments for a config (nothing registered yet): the pipeline first, then each stage."""
     from prefect.types.entrypoint import EntrypointType
 
-    from flows.limits import ensure_train_limit
     from flows.pipeline import pipeline_flow
     from flows.stage_flows import STAGE_FLOWS
 
@@ -38,20 +38,28 @@ def deploy(cfg: PipelineConfig, pool: str | None = None) -> list[Deployed]:
     params = {"config": cfg.dump()}
     cpu_pool = pool or cfg.ops.work_pool
     gpu_pool = cfg.ops.gpu_pool or cpu_pool
-    ensure_train_limit(cfg.ops.train_concurrency, update=True)
     out = []
     # The pipeline runs every stage in its own process, so it needs the accelerator whenever a stage does.
     for name, fl in [("pipeline", pipeline_flow), *STAGE_FLOWS.items()]:
-        target = cpu_pool if name == "scan" else gpu_pool
-        ensure_pool(target)
-        schedules = _schedules(cfg) if name == "pipeline" else []
-        d = fl.to_deployment(name=deployment_name(name), parameters=params, work_pool_name=target, tags=TAGS,
-                             schedules=schedules, entrypoint_type=EntrypointType.MODULE_PATH,
-                             concurrency_limit=cfg.ops.train_concurrency if name == "train" else None,
-                             description=fl.description)
+        out.append(fl.to_deployment(
+            name=deployment_name(name), parameters=params, work_pool_name=cpu_pool if name == "scan" else gpu_pool,
+            tags=TAGS, schedules=_schedules(cfg) if name == "pipeline" else [], description=fl.description,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            concurrency_limit=cfg.ops.train_concurrency if name == "train" else None))
+    return out
+
+
+def deploy(cfg: PipelineConfig, pool: str | None = None) -> list[Deployed]:
+    """Register (create or update) the deployments, creating missing pools and the training limit."""
+    from flows.limits import ensure_train_limit
+
+    ensure_train_limit(cfg.ops.train_concurrency, update=True)
+    out = []
+    for d in deployments(cfg, pool):
+        ensure_pool(d.work_pool_name)
         d.apply()
-        cron = (cfg.ops.schedule.cron or "") if name == "pipeline" else ""
-        out.append(Deployed(f"{fl.name}/{d.name}", target, cron))
+        crons = [s.schedule.cron for s in d.schedules or []]
+        out.append(Deployed(f"{d.flow_name}/{d.name}", d.work_pool_name, ", ".join(crons)))
     return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.base import Manifest, Strict
 
@@ -34,14 +34,20 @@ class DatasetConfig(Strict):
     duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
                                                   "reported; `reject` keeps only the first path of each group")
 
-    @model_validator(mode="after")
-    def _extensions(self) -> "DatasetConfig":
-        bad = [e for e in self.extensions if e.lower() not in IMAGE_EXTENSIONS]
+    @field_validator("extensions")
+    @classmethod
+    def _extensions(cls, v: list[str]) -> list[str]:
+        bad = [e for e in v if e.lower() not in IMAGE_EXTENSIONS]
         if bad:
-            raise ValueError(f"dataset.extensions: {bad} not supported; choose from {list(IMAGE_EXTENSIONS)}")
-        if not self.caption_extension.startswith("."):
-            raise ValueError(f"dataset.caption_extension: {self.caption_extension!r} must start with '.', e.g. .txt")
-        return self
+            raise ValueError(f"{bad} not supported; choose from {list(IMAGE_EXTENSIONS)}")
+        return v
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _caption_extension(cls, v: str) -> str:
+        if not v.startswith("."):
+            raise ValueError(f"{v!r} must start with '.', e.g. .txt")
+        return v
 
 
 class BucketConfig(Strict):

@@ -30,6 +30,11 @@ class TrainConfig(Strict):
     loss_weighting: Literal["none", "min_snr"] = Field("none", description="min_snr: Min-SNR-gamma weights")
     min_snr_gamma: float = Field(5.0, gt=0)
     noise_offset: float = Field(0.0, ge=0, description="add offset * N(0,1) per sample and channel to the noise")
+    latent_sampling: Literal["sample", "mean"] = Field(
+        "sample", description="sample: a fresh draw from each image's cached VAE distribution every step; mean: "
+                              "its mean (deterministic; for VAEs whose posterior noise would drown the image)")
+    flip: bool = Field(True, description="with a cache holding flipped variants (latents.flip), train on a random "
+                       "half of them")
     seed: int = 0
     caption_dropout: float = Field(0.1, ge=0, lt=1, description="probability of training on the empty caption")
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`); the "

@@ -28,7 +28,7 @@ def global_batch(cfg: PipelineConfig) -> int:
 def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Bucket, int]:
     """bucket -> how many times its images are repeated per epoch (0 = dropped)."""
     if not counts:
-        raise NoBatchError("no image was accepted, so no batch can be formed: see rejected.jsonl for the reasons")
+        raise NoBatchError("no image was accepted, so no batch can be formed")
     if policy == "repeat":
         plan = {b: max(1, math.ceil(batch / n)) for b, n in counts.items()}
     elif policy == "drop":

@@ -40,10 +40,13 @@ class Data:
     shift: float
 
 
-def micro_cond(rec: ImageRecord) -> MicroCond:
-    """SDXL-style size conditioning from the scan's record: original size, crop corner in bucket pixels, bucket."""
+def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
+    """SDXL-style size conditioning from the scan's record: original size, crop corner in bucket pixels, bucket.
+    A flipped image's crop starts as far from the left edge as the unflipped crop ends from the right one."""
     left, top, right, _ = rec.crop
     scale = rec.bucket_width / max(1, right - left)
+    if flipped:
+        left = rec.width - right
     return MicroCond(original_size=(rec.height, rec.width), crop_top_left=(round(top * scale), round(left * scale)),
                      target_size=(rec.bucket_height, rec.bucket_width))
 
@@ -84,21 +87,32 @@ class Trainer:
         seed = step_seed(t.seed, self.rank, micro_index)
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)  # dropout layers, if the denoiser has any
-        batch = data.reader.batch(mb.bucket, mb.rows)
-        x0 = scale_latents(data.reader.sample(batch, gen), data.scaling, data.shift)
+        batch = data.reader.batch(mb.bucket, mb.rows, self.flips(len(mb.rows), gen))
+        x0 = scale_latents(self.latents(batch, gen), data.scaling, data.shift)
         cond = self.conditioning(batch.paths, gen)
         noise = offset_noise(torch.randn(x0.shape, generator=gen), t.noise_offset, gen)
         nz = noisy_and_target(x0, noise, self.fam.facts.prediction, self.noise_scheduler, gen)
         weights = loss_weights(nz.snr, self.fam.facts.prediction, t.loss_weighting, t.min_snr_gamma)
+        flip = batch.flip or (False,) * len(batch.paths)
         no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not sync else nullcontext()
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with no_sync:
             with amp:
                 pred = self.fam.denoise(self.model, nz.noisy.to(self.device), nz.timesteps.to(self.device), cond,
-                                        micro=[micro_cond(data.records[p]) for p in batch.paths])
+                                        micro=[micro_cond(data.records[p], f) for p, f in zip(batch.paths, flip)])
             loss = weighted_mse(pred, nz.target.to(self.device), weights)
             self.scaler.scale(loss / t.grad_accumulation).backward()
         return loss.detach()
+
+    def flips(self, n: int, gen: torch.Generator) -> list[bool] | None:
+        if not (self.t.flip and self.data.reader.manifest.flip):
+            return None
+        return (torch.rand(n, generator=gen) < 0.5).tolist()
+
+    def latents(self, batch, gen: torch.Generator) -> torch.Tensor:
+        if self.t.latent_sampling == "mean":
+            return self.data.reader.gather(batch)[0].float()
+        return self.data.reader.sample(batch, gen)
 
     def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
         """Cached text tensors for the batch's captions; caption dropout reads the cached empty caption."""

@@ -80,3 +80,24 @@ def test_loss_plot_and_cache_text():
     assert "last 0.0100" in loss_markdown([1.0, 0.5, 0.01]) and "```" in loss_markdown([0.3])
     text = cache_description({"count": 10, "encoded": 4, "reused": 6, "resumed": 0, "rejected": 1})
     assert "4 encoded, 6 reused" in text and "reuse rate 60%" in text
+
+
+def test_deployments_carry_schedule_pools_and_an_absolute_workdir(tmp_path, monkeypatch):
+    from flows.deploy import deployments
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_config(demo_config().dump() | {"ops": {"schedule": {"cron": "0 3 * * *", "active": False},
+                                                       "gpu_pool": "gpu", "train_concurrency": 2}})
+    by_stage = {d.name.removeprefix("tuneline-"): d for d in deployments(cfg)}
+    assert sorted(by_stage) == sorted([*STAGES, "pipeline"])
+    assert {s: d.work_pool_name for s, d in by_stage.items()} == {s: "tuneline" if s == "scan" else "gpu"
+                                                                  for s in by_stage}
+    pipeline = by_stage["pipeline"]
+    assert [(s.schedule.cron, s.active) for s in pipeline.schedules] == [("0 3 * * *", False)]
+    assert all(d.schedules == [] for s, d in by_stage.items() if s != "pipeline")  # [] clears an old schedule
+    assert by_stage["train"].concurrency_limit == 2
+    assert pipeline.entrypoint == "flows.pipeline.pipeline_flow"
+    assert pipeline.parameters["config"]["workdir"] == str(tmp_path / "tuneline-work")
+    assert "PipelineConfig" in pipeline._parameter_openapi_schema.definitions
+    unscheduled = deployments(demo_config())[0]
+    assert unscheduled.schedules == [] and unscheduled.work_pool_name == "tuneline"
