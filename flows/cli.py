@@ -156,7 +156,8 @@ def lineage(config: ConfigArg = None, workdir: WorkdirOpt = None,
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
     _print_table(("stage", "version", "fresh", "upstream", "created_at"),
-                 [(r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(), r.created_at) for r in rows])
+                 [(r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(),
+                   r.created_at[:19].replace("T", " ")) for r in rows])
 
 
 @app.command()

@@ -5,6 +5,7 @@ the previous version already holds and encode the rest (decoding overlaps the VA
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections import defaultdict
@@ -64,7 +65,15 @@ def plan(records: list[ImageRecord], channels: int, vae_factor: int, identity: d
     return jobs
 
 
+def single_process() -> None:
+    """Caching inside a multi-process launch caches nothing useful (GUIDE.md): refuse it."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("the latents stage runs in one process, before training: run `tuneline stage latents` "
+                           "(or `tuneline run`), not under torchrun / a distributed launcher")
+
+
 def build(ctx, work: Path, upstream: dict) -> dict:
+    single_process()
     cfg, lc = ctx.cfg, ctx.cfg.latents
     scan: ScanManifest = upstream["scan"]
     records = read_records(models.artifact_dir(ctx, scan))

@@ -181,19 +181,19 @@ class LatentReader:
         """mean + std * eps, on the generator's device, with eps drawn from `generator`."""
         return _draw(*self.gather(batch), generator)
 
-    def prefetch(self, batches: Iterable[Batch], seed: int, *, workers: int = 2,
-                 depth: int = 4) -> Iterator[tuple[Batch, torch.Tensor]]:
-        """(batch, latents) for each batch, read and sampled `depth` batches ahead by `workers` threads.
+    def prefetch(self, batches: Iterable[Batch], seed: int, *, workers: int = 2, depth: int = 4,
+                 device: str | torch.device = "cpu") -> Iterator[tuple[Batch, torch.Tensor]]:
+        """(batch, latents on `device`) for each batch, read and sampled `depth` batches ahead by `workers` threads.
 
-        eps of the i-th batch comes from a generator seeded with (seed, i), so the result does not depend on
-        thread timing and a run resumed at batch i reproduces it; pass a seed that differs per epoch and
-        rank. Reads and torch ops release the GIL, so the threads overlap with each other and the caller.
+        eps of the i-th batch comes from a generator on `device` seeded with (seed, i), so the result does not
+        depend on thread timing and a run resumed at batch i reproduces it; pass a seed that differs per epoch
+        and rank. Reads and torch ops release the GIL, so the threads overlap with each other and the caller.
         """
         pool = ThreadPoolExecutor(workers, thread_name_prefix="latents-read")
         pending: deque[Future] = deque()
         try:
             for i, b in enumerate(batches):
-                pending.append(pool.submit(self._sample_nth, b, seed, i))
+                pending.append(pool.submit(self._sample_nth, b, seed, i, torch.device(device)))
                 if len(pending) >= depth:
                     yield pending.popleft().result()
             while pending:
@@ -201,9 +201,9 @@ class LatentReader:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _sample_nth(self, batch: Batch, seed: int, i: int) -> tuple[Batch, torch.Tensor]:
+    def _sample_nth(self, batch: Batch, seed: int, i: int, device: torch.device) -> tuple[Batch, torch.Tensor]:
         state = np.random.SeedSequence([seed, i]).generate_state(1, np.uint64)[0]
-        return batch, self.sample(batch, torch.Generator().manual_seed(int(state) >> 1))
+        return batch, self.sample(batch, torch.Generator(device).manual_seed(int(state) >> 1))
 
 
 def _draw(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

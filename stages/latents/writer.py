@@ -17,7 +17,7 @@ import torch
 
 from schemas.scan import ImageRecord, Rejected
 from stages.latents import store
-from stages.latents.encode import Encoder, prepare
+from stages.latents.encode import prepare
 
 
 @dataclass
@@ -47,14 +47,6 @@ class Settings:
     block_rows: int
     batch_size: int
     names: tuple[str, ...]  # arrays per bucket
-
-
-@dataclass
-class _Block:
-    """Rows being assembled: per row either its copied arrays or the future of its pixels."""
-
-    rows: list[tuple[ImageRecord, str, dict | Future]] = field(default_factory=list)
-    rejected: list[Rejected] = field(default_factory=list)
 
 
 class BucketWriter:

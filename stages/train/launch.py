@@ -27,7 +27,10 @@ def resume_target(ctx, work: Path) -> Path | None:
     A fresh start clears the checkpoints an earlier attempt of this same run left behind, so "keep the last K"
     and "latest" only ever see this attempt's."""
     root = work / CHECKPOINTS
-    target = ckpt.resolve(ctx.cfg.train.resume, root, ctx.workdir)
+    try:
+        target = ckpt.resolve(ctx.cfg.train.resume, root, ctx.workdir)
+    except ckpt.CheckpointError as err:
+        raise TrainingFailed(str(err)) from None
     if target is None:
         n = ckpt.clear(root)
         if n:

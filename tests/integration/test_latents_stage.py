@@ -110,7 +110,8 @@ def test_manifest_records_identity_layout_and_counts(flipped):
     assert m.flip and m.block_rows == 4 and m.upstream["scan"] == ctx.store.latest("scan").name
     assert m.size_policy["resolution"] == 64 and m.size_policy["alignment"] == 8 and m.size_policy["crop"] == "center"
     scan = {r["path"]: r for r in map(json.loads, (ctx.store.latest("scan") / "images.jsonl").open())}
-    want = Counter(store.bucket_key(r["bucket_width"], r["bucket_height"]) for p, r in scan.items() if p != "broken.png")
+    want = Counter(store.bucket_key(r["bucket_width"], r["bucket_height"])
+                   for p, r in scan.items() if p != "broken.png")
     assert len(want) == 4 and {b.array: b.count for b in m.buckets} == want
     assert all(b.shape == latent_shape(b.width, b.height, 4, 8) for b in m.buckets)
     rejected = [json.loads(line) for line in (path / "rejected.jsonl").open()]
@@ -228,3 +229,12 @@ def test_bad_vae_output_fails_naming_the_image_and_publishes_nothing(tiny_models
     assert ctx.store.latest("latents") is None
     assert "LatentShapeError" in ctx.store.last_failure("latents")["error"]
     shutil.rmtree(tmp_path / "work" / "artifacts")
+
+
+def test_refuses_to_run_inside_a_distributed_launch(tiny_models, tmp_path, monkeypatch):
+    write_images(tmp_path / "data", range(2))
+    ctx = context(tmp_path / "work", tmp_path / "data", tiny_models)
+    run_stage(ctx, stage("scan"), PIPELINE)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="runs in one process, before training"):
+        run_stage(ctx, stage("latents"), PIPELINE)

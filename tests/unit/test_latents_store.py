@@ -40,7 +40,8 @@ def make_job(root: Path, n: int, bad: tuple[int, ...] = ()) -> BucketJob:
         else:
             Image.new("RGB", (16, 16), (i * 9 % 256, 40, 200)).save(path)
         records.append(ImageRecord(path=path.name, width=16, height=16, bucket_width=16, bucket_height=16,
-                                   crop=(0, 0, 16, 16), caption="", sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                   crop=(0, 0, 16, 16), caption="",
+                                   sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                                    size_bytes=path.stat().st_size, mtime_ns=0))
     return BucketJob(key="16x16", width=16, height=16, shape=SHAPE, records=records,
                      row_keys=[row_key(r, IDENTITY) for r in records])
@@ -100,6 +101,14 @@ def test_resume_keeps_finished_blocks_and_matches_an_uninterrupted_build(tmp_pat
     assert [r["path"] for r in out.index] == [r["path"] for r in ref.index] and len(out.rejected) == 1
 
 
+def test_a_finished_bucket_trimmed_by_its_rejects_is_resumed_whole(tmp_path):
+    job = make_job(tmp_path, 7, bad=(1,))
+    run(tmp_path, job, FakeEncoder())  # as if killed later, in another bucket, before publishing
+    enc = FakeEncoder()
+    start, out = run(tmp_path, job, enc)
+    assert start == 7 and enc.images == 0 and out.resumed == 6 and stored(tmp_path).shape[0] == 6
+
+
 def test_a_block_without_record_or_with_a_bad_digest_is_redone(tmp_path):
     job = make_job(tmp_path, 12)
     run(tmp_path, job, FakeEncoder())
@@ -131,9 +140,9 @@ def test_row_key_covers_content_bucket_crop_and_identity(tmp_path):
     changes = [rec.model_copy(update={"sha256": "0" * 64}), rec.model_copy(update={"crop": (1, 0, 16, 16)}),
                rec.model_copy(update={"bucket_width": 24}), rec.model_copy(update={"background": (0, 0, 0)})]
     assert all(row_key(r, IDENTITY) != base for r in changes)
-    for identity in (row_identity("other", "float32", "float16", False), row_identity("vae", "bfloat16", "float16", False),
-                     row_identity("vae", "float32", "float32", False), row_identity("vae", "float32", "float16", True)):
-        assert row_key(rec, identity) != base
+    others = [("other", "float32", "float16", False), ("vae", "bfloat16", "float16", False),
+              ("vae", "float32", "float32", False), ("vae", "float32", "float16", True)]
+    assert all(row_key(rec, row_identity(*o)) != base for o in others)
 
 
 def test_check_latents_names_the_image():

@@ -1,0 +1,121 @@
+"""Benchmark: the training loop against the pure forward/backward/optimizer step, in one run.
+
+The loop is the real one (stages.train.loop.Trainer on the demo's caches, one process): plan walking, cached
+latents sampled per micro-batch, caption dropout over the text cache, noise and timesteps, min-SNR weighting,
+the loss check, clipping, the learning-rate schedule. The reference runs the same denoiser call, MSE,
+backward and AdamW step on tensors already in memory, with the same bucket shapes in the same order. Rounds
+alternate between the two; the best round of each counts (a shared, noisy machine). The ratio is samples/s of
+the loop over samples/s of the reference.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schemas.config import parse_config  # noqa: E402
+from schemas.demo import DEMO_CONFIG  # noqa: E402
+from schemas.latents import LatentsManifest  # noqa: E402
+from schemas.scan import ImageRecord  # noqa: E402
+from schemas.text import TextManifest  # noqa: E402
+from stages.common import models  # noqa: E402
+from stages.common.jsonl import read_jsonl  # noqa: E402
+from stages.common.stage import StageContext, run_stage  # noqa: E402
+from stages.latents.reader import LatentReader  # noqa: E402
+from stages.pipeline import PIPELINE, stage  # noqa: E402
+from stages.scan.demo import write_demo_dataset  # noqa: E402
+from stages.text.store import TextCache  # noqa: E402
+from stages.train.loop import Data, Trainer  # noqa: E402
+from stages.train.plan import micro_batches  # noqa: E402
+
+STEPS = 40  # per round
+ROUNDS = 4
+GOAL = 0.9
+
+
+def caches(workdir: Path):
+    """The demo's scan/latents/text artifacts, built once; returns (ctx, Data)."""
+    data = copy.deepcopy(DEMO_CONFIG) | {"workdir": str(workdir)}
+    cfg = parse_config(data)
+    write_demo_dataset(cfg.resolve(cfg.dataset.path))
+    ctx = StageContext(cfg)
+    for name in ("scan", "latents", "text"):
+        run_stage(ctx, stage(name), PIPELINE)
+    lat_dir, txt_dir = ctx.store.latest("latents"), ctx.store.latest("text")
+    lat, txt = ctx.store.read(lat_dir, LatentsManifest), ctx.store.read(txt_dir, TextManifest)
+    records = {r["path"]: ImageRecord.model_validate(r)
+               for r in read_jsonl(ctx.store.version_dir("scan", lat.upstream["scan"]) / "images.jsonl")}
+    return ctx, Data(LatentReader(lat_dir, lat), TextCache(txt_dir, list(txt.fields)), records,
+                     lat.scaling_factor, lat.shift_factor)
+
+
+def time_loop(trainer: Trainer, stream, steps: int) -> tuple[float, list[str]]:
+    """Seconds for `steps` optimizer steps of the real loop, and the buckets it used."""
+    buckets = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        micro = [next(stream) for _ in range(trainer.t.grad_accumulation)]
+        buckets += [mb.bucket for mb in micro]
+        trainer.train_step(micro)
+    return time.perf_counter() - start, buckets
+
+
+def time_pure(trainer: Trainer, tensors: dict[str, tuple], buckets: list[str]) -> float:
+    """Seconds for the same micro-batches as plain forward/backward/step on in-memory tensors."""
+    model, opt, fam = trainer.model, trainer.opt, trainer.fam
+    accum = trainer.t.grad_accumulation
+    start = time.perf_counter()
+    for i, bucket in enumerate(buckets):
+        noisy, t, text, target = tensors[bucket]
+        pred = fam.denoise(model, noisy, t, text)
+        (torch.nn.functional.mse_loss(pred, target) / accum).backward()
+        if (i + 1) % accum == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def in_memory(data: Data, batch: int) -> dict[str, tuple]:
+    """Random tensors of each bucket's batch shapes (latents, timesteps, text, target)."""
+    text = {k: v[:1].expand(batch, *v.shape[1:]).float().clone() for k, v in data.text.get([""]).items()}
+    out = {}
+    for bucket, shape in data.reader.shapes.items():
+        x = torch.randn(batch, *shape)
+        out[bucket] = (x, torch.randint(0, 1000, (batch,)), text, torch.randn_like(x))
+    return out
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)  # as a training process runs (train.threads_per_process)
+    with tempfile.TemporaryDirectory(prefix="tuneline-bench-train-") as tmp:
+        ctx, data = caches(Path(tmp))
+        cfg = ctx.cfg
+        t = cfg.train
+        trainer = Trainer(cfg, models.family(cfg), models.model_dir(ctx), data, 0, 1, torch.device("cpu"))
+        stream = micro_batches(lambda e: data.reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0)
+        tensors = in_memory(data, t.batch_size)
+        time_loop(trainer, stream, 5)  # warm-up: first-touch allocations, block reads
+        best_loop = best_pure = float("inf")
+        for r in range(ROUNDS):
+            loop_s, buckets = time_loop(trainer, stream, STEPS)
+            pure_s = time_pure(trainer, tensors, buckets)
+            best_loop, best_pure = min(best_loop, loop_s), min(best_pure, pure_s)
+            print(f"round {r + 1}: loop {loop_s:.2f} s, pure {pure_s:.2f} s for {len(buckets)} micro-batches of "
+                  f"{t.batch_size}", flush=True)
+        samples = STEPS * t.grad_accumulation * t.batch_size
+        loop_sps, pure_sps = samples / best_loop, samples / best_pure
+        ratio = loop_sps / pure_sps
+        print(f"training loop {loop_sps:.1f} samples/s, pure forward/backward/step {pure_sps:.1f} samples/s")
+        print(f"RESULT train_loop_ratio {ratio:.3f} goal >= {GOAL} {'PASS' if ratio >= GOAL else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    main()

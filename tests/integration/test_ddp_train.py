@@ -1,0 +1,120 @@
+"""DDP training with 2 gloo processes under torchrun: disjoint deterministic sharding, and a run whose process
+tree is SIGKILLed mid-run resuming to the same weights as an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from schemas.latents import LatentsManifest
+from stages.common.artifacts import ArtifactStore
+from stages.latents.reader import LatentReader
+from stages.train.hooks import TRACE_ENV
+from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
+
+# 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
+TRAIN = {"steps": 12, "checkpoint_every": 4, "batch_size": 4, "grad_accumulation": 2, "processes": 2,
+         "keep_checkpoints": 2, "lr_schedule": "cosine", "warmup_steps": 2, "noise_offset": 0.05}
+
+DRIVER = """
+import json, sys
+from schemas.config import parse_config
+from stages.common.stage import StageContext, run_stage
+from stages.pipeline import PIPELINE, stage
+run_stage(StageContext(parse_config(json.loads(sys.argv[1]))), stage("train"), PIPELINE)
+"""
+
+
+def _weights(train_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(train_dir / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run, tracing which images each rank trains on."""
+    wd = tmp_path_factory.mktemp("ddp-reference")
+    build_upstream(small_config(wd, TRAIN))
+    trace = wd / "trace"
+    trace.mkdir()
+    os.environ[TRACE_ENV] = str(trace)
+    try:
+        path = train(small_config(wd, TRAIN))
+    finally:
+        del os.environ[TRACE_ENV]
+    return wd, path, trace
+
+
+def test_ranks_train_disjoint_shards_of_the_plan(reference):
+    wd, _, trace = reference
+    ranks = [[json.loads(line) for line in (trace / f"trace-rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [len(r) for r in ranks] == [TRAIN["steps"] * TRAIN["grad_accumulation"]] * 2
+    store = ArtifactStore(wd)
+    lat_dir = store.latest("latents")
+    reader = LatentReader(lat_dir, store.read(lat_dir, LatentsManifest))
+    plan = [b for epoch in range(4) for b in reader.plan(TRAIN["batch_size"], 2, 0, epoch)]
+    for i, (a, b) in enumerate(zip(*ranks)):
+        assert (a["step"], a["micro"], a["bucket"]) == (b["step"], b["micro"], b["bucket"])
+        assert not set(a["paths"]) & set(b["paths"]), f"ranks share images at step {a['step']}"
+        bucket, rows = plan[i]
+        assert a["bucket"] == bucket
+        assert sorted(a["paths"] + b["paths"]) == sorted(reader.paths[bucket][r] for r in rows)
+
+
+def _workers_of(spec_dir: Path) -> list[int]:
+    """Pids of processes whose command line names this run's training spec."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and str(spec_dir) in cmd and "stages.train" in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+def _kill_after_checkpoint(wd: Path, cfg_json: str, step: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(wd / "driver.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER, cfg_json], cwd=ROOT, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 240
+        pattern = f"artifacts/train/.*.partial/checkpoints/step-{step:07d}"
+        while not list(wd.glob(pattern)):
+            assert driver.poll() is None, (wd / "driver.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    partial = next(wd.glob("artifacts/train/.*.partial"))
+    assert not (partial / "final").exists(), "the run finished before it could be killed"
+    deadline = time.monotonic() + 15
+    while _workers_of(partial) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _workers_of(partial), "training workers outlived their killed parent"
+
+
+def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
+    _, ref_path, _ = reference
+    build_upstream(small_config(tmp_path, TRAIN))
+    _kill_after_checkpoint(tmp_path, json.dumps(small_config(tmp_path, TRAIN).dump()), step=4)
+    resumed = train(small_config(tmp_path, {**TRAIN, "resume": "latest"}))
+    manifest = json.loads((resumed / "manifest.json").read_text())
+    assert manifest["resumed_from"] and Path(manifest["resumed_from"]).name.startswith("step-")
+    assert manifest["step"] == TRAIN["steps"]
+    want, got = _weights(ref_path), _weights(resumed)
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    ref_losses = json.loads((ref_path / "manifest.json").read_text())["losses"]
+    assert np.allclose(manifest["losses"], ref_losses, atol=1e-5)
+    assert [p.name for p in sorted((resumed / "checkpoints").iterdir())] == ["step-0000008", "step-0000012"]

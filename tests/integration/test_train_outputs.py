@@ -1,0 +1,113 @@
+"""Training outputs and failures on one process: LoRA with every option on, loaded by stock diffusers and
+validated; a NaN loss stopping with the step and the images; a missing resume target refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages.common import models
+from stages.common.stage import StageContext, run_stage
+from stages.pipeline import PIPELINE, stage
+from stages.train.launch import TrainingFailed
+from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
+
+LORA = {"mode": "lora", "lora_rank": 4, "lora_alpha": 8, "steps": 4, "processes": 1, "batch_size": 4,
+        "grad_accumulation": 2, "ema": True, "gradient_checkpointing": True, "loss_weighting": "min_snr",
+        "noise_offset": 0.05, "latent_sampling": "sample", "lr_schedule": "linear", "warmup_steps": 1,
+        "checkpoint_every": 2, "validate_every": 4, "learning_rate": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    wd = tmp_path_factory.mktemp("lora")
+    cfg = small_config(wd, LORA, latents={"flip": True})
+    ctx = build_upstream(cfg)
+    reporter = RecordingReporter()
+    return ctx, train(cfg, reporter), reporter
+
+
+def _pipe(folder):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _render(pipe) -> torch.Tensor:
+    out = pipe("a red square", num_inference_steps=2, height=64, width=64, output_type="latent",
+               generator=torch.Generator().manual_seed(0))
+    return out.images
+
+
+def test_lora_final_loads_with_load_lora_weights_and_changes_the_render(lora):
+    ctx, path, _ = lora
+    assert (path / "final" / "pytorch_lora_weights.safetensors").is_file()
+    pipe = _pipe(models.model_dir(ctx))
+    before = _render(pipe)
+    pipe.load_lora_weights(path / "final")
+    after = _render(pipe)
+    assert after.shape == before.shape and not torch.allclose(after, before)
+    image = pipe("a red square", num_inference_steps=2, height=64, width=64).images[0]
+    assert image.size == (64, 64)
+
+
+def test_lora_checkpoints_hold_adapter_optimizer_and_ema(lora):
+    _, path, reporter = lora
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["mode"] == "lora" and manifest["ema"] and manifest["global_batch"] == 8
+    assert manifest["checkpoints"] == ["checkpoints/step-0000002", "checkpoints/step-0000004"]
+    assert manifest["samples"] == ["samples/step-0000004.png"] and (path / "samples/step-0000004.png").is_file()
+    last = path / "checkpoints" / "step-0000004"
+    assert sorted(p.name for p in last.iterdir()) == ["ema.safetensors", "optimizer.safetensors", "state.json",
+                                                      "trainable.safetensors"]
+    trained, ema = load_file(str(last / "trainable.safetensors")), load_file(str(last / "ema.safetensors"))
+    assert trained and all("lora_" in k for k in trained) and trained.keys() == ema.keys()
+    assert any(not torch.equal(trained[k], ema[k]) for k in trained)
+    state = json.loads((last / "state.json").read_text())
+    assert state["step"] == 4 and state["grad_accumulation"] == 2 and len(state["losses"]) == 4
+    assert ("train-progress", 1.0) in reporter.progress_calls
+    assert "final" in reporter.markdowns["train-outputs"]
+
+
+def test_validate_renders_the_lora_result(lora):
+    ctx, _, _ = lora
+    reporter = RecordingReporter()
+    out = run_stage(StageContext(ctx.cfg, reporter=reporter), stage("validate"), PIPELINE)[0]
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["000-seed0.png", "001-seed1.png", "002-seed2.png", "003-seed3.png", "grid.png", "loss.png",
+                     "manifest.json"]
+    assert [i["prompt"] for i in manifest["images"]] == [p.prompt for p in ctx.cfg.validate_.prompts]
+    assert manifest["class_separation_accuracy"] is None
+    table = reporter.markdowns["validate-images"]
+    assert all(f"{i['file']}](file://" in table for i in manifest["images"]) and "loss.png" in table
+    assert reporter.progress_calls[-1] == ("validate-progress", 1.0)
+
+
+def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = small_config(tmp_path, {"steps": 6, "processes": 1, "batch_size": 4, "checkpoint_every": 1,
+                                  "learning_rate": 1e12, "max_grad_norm": None})
+    build_upstream(cfg)
+    with pytest.raises(TrainingFailed) as err:
+        train(cfg)
+    msg = str(err.value)
+    assert "loss is" in msg and ".png" in msg and "last good checkpoint" in msg
+    step = int(msg.split(" at step ")[1].split()[0])
+    partial = next(tmp_path.glob("artifacts/train/.*.partial"))
+    kept = sorted(p.name for p in (partial / "checkpoints").iterdir())
+    assert kept[-1] == f"step-{step - 1:07d}" and f"step-{step - 1:07d}" in msg
+    assert not list(tmp_path.glob("artifacts/train/[!.]*"))
+
+
+def test_missing_resume_target_is_an_error(tmp_path):
+    cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "resume": "latest"})
+    build_upstream(cfg)
+    with pytest.raises(TrainingFailed, match="no checkpoint"):
+        train(cfg)
+    cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "resume": "checkpoints/step-0000009"})
+    with pytest.raises(TrainingFailed, match="not a checkpoint directory"):
+        train(cfg)

@@ -1,0 +1,120 @@
+"""Tampered artifacts: each is refused by the stage that consumes it, and the message names the artifact and the
+command that fixes it; `tuneline status` no longer calls it fresh. Never a silent fallback to something else."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.reliability import faultlib as fl
+
+
+def _version(workdir: Path, stage: str) -> Path:
+    found = sorted(fl.published(workdir, stage))
+    assert len(found) == 1, f"{stage}: expected one published version, found {found}"
+    return workdir / "artifacts" / stage / found[0]
+
+
+def _edit_manifest(path: Path, edit) -> None:
+    m = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    edit(m)
+    (path / "manifest.json").write_text(json.dumps(m, indent=2), encoding="utf-8")
+
+
+def _largest_chunk(latents: Path) -> Path:
+    chunks = [p for p in (latents / "latents.zarr").rglob("*") if p.is_file() and "/c/" in p.as_posix()]
+    assert chunks, f"no Zarr chunk files under {latents / 'latents.zarr'}"
+    return max(chunks, key=lambda p: p.stat().st_size)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2
+    data[i] = (data[i] + 1) % 256
+    path.write_bytes(bytes(data))
+
+
+def edited_fingerprint(w: Path) -> tuple[str, str]:
+    _edit_manifest(_version(w, "text"), lambda m: m.update(fingerprint="0" * 16))
+    return "text", "train"
+
+
+def edited_fact(w: Path) -> tuple[str, str]:
+    _edit_manifest(_version(w, "latents"), lambda m: m.update(latent_channels=m["latent_channels"] * 4))
+    return "latents", "train"
+
+
+def edited_count(w: Path) -> tuple[str, str]:
+    def edit(m: dict) -> None:
+        m["count"] += 5
+        m["buckets"][0]["count"] += 5
+    _edit_manifest(_version(w, "latents"), edit)
+    return "latents", "train"
+
+
+def truncated_chunk(w: Path) -> tuple[str, str]:
+    chunk = _largest_chunk(_version(w, "latents"))
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    return "latents", "train"
+
+
+def checksum_mismatch(w: Path) -> tuple[str, str]:
+    _flip_a_byte(_version(w, "scan") / "images.jsonl")  # same size, different bytes
+    return "scan", "latents"
+
+
+def chunk_bit_flip(w: Path) -> tuple[str, str]:
+    _flip_a_byte(_largest_chunk(_version(w, "latents")))
+    return "latents", "train"
+
+
+def future_schema(w: Path) -> tuple[str, str]:
+    _edit_manifest(_version(w, "text"), lambda m: m.update(schema_version=m["schema_version"] + 98))
+    return "text", "train"
+
+
+def missing_upstream(w: Path) -> tuple[str, str]:
+    shutil.rmtree(_version(w, "latents"))
+    return "latents", "train"
+
+
+def manifest_not_json(w: Path) -> tuple[str, str]:
+    (_version(w, "scan") / "manifest.json").write_text('{"schema_version": 1, "stage": "sc', encoding="utf-8")
+    return "scan", "latents"
+
+
+CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksum_mismatch, chunk_bit_flip,
+         future_schema, missing_upstream, manifest_not_json]
+XFAIL = {
+    "edited_count": "manifest facts are not covered by any checksum: an edited bucket count is trusted (bug)",
+    "chunk_bit_flip": "chunks > 4 MiB are size-checked only; a same-size corruption of a small chunk is caught, "
+                      "this one is expected to be caught by the block digest the writer recorded (bug)",
+}
+
+
+@pytest.mark.parametrize("tamper", CASES, ids=[c.__name__ for c in CASES])
+def test_tampered_artifact_is_refused(workcopy, small_config, prefect_env, tamper):
+    victim, consumer = tamper(workcopy)
+    victim_dir = workcopy / "artifacts" / victim
+    fl.drop_stage(workcopy, consumer)  # the consumer must read the victim, not skip as fresh
+    out = fl.tuneline("stage", consumer, str(small_config), "--workdir", str(workcopy), env=prefect_env)
+    err = out.stderr
+    assert out.returncode != 0, f"`tuneline stage {consumer}` accepted a tampered {victim} artifact"
+    last = [line for line in err.splitlines() if line.startswith("error:")]
+    assert last, f"no one-line error message; stderr tail:\n{err[-1500:]}"
+    msg = last[-1]
+    assert str(victim_dir) in msg or f"{victim} artifact" in msg, f"message does not name the {victim} artifact: {msg}"
+    assert f"tuneline stage {victim}" in msg or "tuneline run" in msg, f"message gives no fixing command: {msg}"
+    assert not fl.published(workcopy, consumer), f"{consumer} published on top of a tampered {victim}"
+    status = fl.tuneline("status", str(small_config), "--workdir", str(workcopy), "--json", env=prefect_env)
+    rows = {r["stage"]: r for r in json.loads(status.stdout)}
+    assert rows[victim]["state"] != "fresh", f"status calls the tampered {victim} fresh: {rows[victim]}"
+
+
+def _mark_known_bugs(items):
+    for item in items:
+        name = getattr(item, "callspec", None) and item.callspec.id
+        if name in XFAIL:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=XFAIL[name]))

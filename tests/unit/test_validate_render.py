@@ -1,0 +1,82 @@
+"""The renderer: batched calls equal one call per sample, order and negative prompts kept, a live denoiser swapped
+in; the learning check's nearest-mean rule; the loss-curve PNG; render sizes in pixel and area units."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from schemas.config import parse_config
+from stages.families.registry import get_family
+from stages.validate import learning
+from stages.validate.plots import loss_curve, smooth
+from stages.validate.render import Renderer, Sample, grid, render_size_for
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def renderer(tmp_path_factory):
+    fam = get_family("tiny")
+    model_dir = fam.ensure_model(None, tmp_path_factory.mktemp("models"))
+    return Renderer.load(fam, model_dir, CPU, torch.float32), model_dir
+
+
+def _latents(r: Renderer, samples: list[Sample]) -> torch.Tensor:
+    return torch.stack(r.render(samples, 64, 64, 2, 4.0, output_type="latent"))
+
+
+def test_batched_render_equals_one_call_per_sample(renderer):
+    r, _ = renderer
+    samples = [Sample("a red square", "", 3), Sample("a blue circle", "a green square", 5),
+               Sample("a blue circle", "", 5)]
+    together = _latents(r, samples)
+    alone = torch.cat([_latents(r, [s]) for s in samples])
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(together[1], together[2])  # the negative prompt took effect
+
+
+def test_live_denoiser_swap_renders_like_the_folder(renderer):
+    r, model_dir = renderer
+    fam = get_family("tiny")
+    live = fam.load_denoiser(model_dir, torch.float32, CPU)
+    swapped = Renderer.load(fam, model_dir, CPU, torch.float32, denoiser=live)
+    samples = [Sample("a yellow circle", "", 1)]
+    torch.testing.assert_close(_latents(swapped, samples), _latents(r, samples))
+    with torch.no_grad():
+        next(live.parameters()).add_(1.0)
+    assert not torch.allclose(_latents(swapped, samples), _latents(r, samples))
+
+
+def test_learning_check_counts_nearest_class_means(renderer, monkeypatch):
+    r, _ = renderer
+    cfg = parse_config({"validate": {"check_seeds": 2, "check_steps": 1}})
+    means = {"blue": np.zeros((4, 8, 8), np.float32), "red": np.ones((4, 8, 8), np.float32)}
+
+    def fake_render(samples, *args, **kwargs):  # red prompts land on the red mean, blue ones near blue
+        return [torch.full((4, 8, 8), 0.9 if " red " in f" {s.prompt} " else 0.2) for s in samples]
+
+    monkeypatch.setattr(r, "render", fake_render)
+    assert learning.learning_check(r, means, cfg, (64, 64)) == 1.0
+    monkeypatch.setattr(r, "render", lambda samples, *a, **k: [torch.full((4, 8, 8), 0.9) for _ in samples])
+    assert learning.learning_check(r, means, cfg, (64, 64)) == 0.5
+    monkeypatch.setattr(r, "render", lambda samples, *a, **k: [torch.zeros(1, 16, 16) for _ in samples])
+    assert learning.learning_check(r, means, cfg, (64, 64)) is None  # packed latents: not comparable
+
+
+def test_render_size_in_pixel_and_area_units():
+    assert render_size_for(parse_config({"buckets": {"resolution": 64}})) == (64, 64)
+    area = parse_config({"model": {"family": "sdxl"}, "buckets": {"resolution": 1.0, "resolution_type": "area"}})
+    assert render_size_for(area) == (1024, 1024)
+    wide = parse_config({"buckets": {"resolution": 64}, "validate": {"aspect": 1.5}})
+    assert render_size_for(wide) == (96, 64)
+
+
+def test_loss_curve_png_and_grid():
+    img = loss_curve([1.0, 0.5, float("nan"), 0.25] * 10)
+    assert img.size == (640, 360) and img.getextrema() != ((255, 255), (255, 255), (255, 255))
+    assert loss_curve([]).size == (640, 360)
+    assert smooth([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+    tiles = [Image.new("RGB", (8, 8), c) for c in ("red", "blue", "green")]
+    assert grid(tiles, cols=2).size == (16, 16)
