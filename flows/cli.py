@@ -118,8 +118,13 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
            ) -> None:
     """Register one Prefect deployment per stage plus the pipeline (CONFIG = their default parameters)."""
     cfg = _load(config, workdir)
+    from prefect.settings import PREFECT_API_URL
+
     from flows.deploy import deploy as register
 
+    if not PREFECT_API_URL.value():
+        typer.echo("warning: PREFECT_API_URL is not set, so the deployments go to the local ephemeral database, "
+                   "which no UI shows; start `prefect server start` and set PREFECT_API_URL", err=True)
     try:
         deployed = register(cfg, pool)
     except _user_errors() as err:

@@ -47,7 +47,7 @@ class Progress:
         self.bar.close()
 
 
-def read_records(scan_dir: Path) -> list[ImageRecord]:
+def scan_records(scan_dir: Path) -> list[ImageRecord]:
     return [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
 
 
@@ -76,7 +76,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     single_process()
     cfg, lc = ctx.cfg, ctx.cfg.latents
     scan: ScanManifest = upstream["scan"]
-    records = read_records(models.artifact_dir(ctx, scan))
+    records = scan_records(models.artifact_dir(ctx, scan))
     fam, dev = models.family(cfg), models.device(cfg)
     vae = fam.load_vae(models.model_dir(ctx), models.dtype(cfg, dev), dev)
     vae_dtype = str(vae.dtype).removeprefix("torch.")

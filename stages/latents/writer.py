@@ -164,8 +164,7 @@ def _sources(s: Settings, job: BucketJob, start: int, copy: Callable[[str], dict
              pool: ThreadPoolExecutor) -> Iterator[tuple[ImageRecord, str, dict | Future]]:
     """Each remaining record with its copied arrays or its decode job; decoding runs two blocks ahead."""
     pending: deque = deque()
-    todo = zip(job.records[start:], job.row_keys[start:])
-    for rec, key in todo:
+    for rec, key in zip(job.records[start:], job.row_keys[start:]):
         copied = copy(key)
         pending.append((rec, key, copied if copied is not None else pool.submit(prepare, s.root, rec)))
         if len(pending) > 2 * s.block_rows:

@@ -228,6 +228,11 @@ def remember_tree(pid: int, seen: dict[int, float]) -> None:
         pass
 
 
+def count_workers(seen: dict[int, float]) -> int:
+    """Training workers (`-m stages.train.worker`) among the live processes seen."""
+    return sum(any("stages.train.worker" == a for a in _cmd(p)) for p in _alive(seen))
+
+
 def check_after_kill(workdir: Path, seen: dict[int, float]) -> list[str]:
     """Nothing of the killed run still runs or writes, no lock is held, no partial version is visible."""
     problems = [f"still running after the kill: {s}" for s in survivors(seen, workdir)]

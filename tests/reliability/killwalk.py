@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -34,13 +35,15 @@ class Kill:
     phase: str = ""  # "build": its .partial directory existed; "prepare": checks, model loading
     partial: str | None = None
     progress: dict = field(default_factory=dict)  # latents: rows in finished blocks; train: checkpoints
+    workers: int = 0  # training worker processes alive at the kill (torchrun puts them in their own sessions)
     problems: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Walk:
     kills: list[Kill] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # every problem, the kills' own included
+    final: list[str] = field(default_factory=list)  # problems of the final run to completion
     runs: int = 0
     seconds: float = 0.0
 
@@ -106,9 +109,15 @@ class _Timer:
         return current
 
 
+def _has_progress(workdir: Path, stage: str) -> bool:
+    parts = _partials(workdir, stage)
+    return bool(parts) and any(stage_progress(stage, workdir / "artifacts" / stage / parts[-1]).values())
+
+
 def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, log: Path,
-             observed: dict[str, float]) -> Kill | None:
-    """One `tuneline run`, SIGKILLed `delay` s after it enters `target`; None when it never got there.
+             observed: dict[str, float], after_progress: bool = False) -> Kill | None:
+    """One `tuneline run`, SIGKILLed `delay` s after it enters `target` (after_progress: after the stage first
+    records finished work, a latent block or a checkpoint); None when it never got there.
     Stage durations seen on the way (stages it completed) are added to `observed`."""
     kill = Kill(target, delay)
     with open(log, "ab") as out:
@@ -131,21 +140,25 @@ def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, 
         proc.wait()
         return None if proc.returncode == 0 else Kill(target, delay, problems=[
             f"run exited {proc.returncode} before reaching {target}; see {log}"])
+    if after_progress:
+        watch(600, lambda stage: stage != target or _has_progress(workdir, target))
     watch(delay)
     fl.remember_tree(proc.pid, seen)
     kill.landed = _in_stage(workdir, proc.pid)
-    stage = kill.landed if kill.landed != "-" else target
-    parts = _partials(workdir, stage)
-    kill.partial = parts[-1] if parts else None
-    kill.phase = "build" if kill.partial else "prepare"
-    if kill.partial:
-        kill.progress = stage_progress(stage, workdir / "artifacts" / stage / kill.partial)
+    kill.workers = fl.count_workers(seen)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group, as a scheduler or `kill -9 -PGID` would
     proc.wait()
     if proc.returncode != -signal.SIGKILL:
         kill.problems.append(f"the run ended on its own (exit {proc.returncode}) before the kill; see {log}")
     kill.problems += fl.check_after_kill(workdir, seen)
+    # Read once every process of the run is gone: this is exactly the work the next run can find.
+    stage = kill.landed if kill.landed != "-" else target
+    parts = _partials(workdir, stage)
+    kill.partial = parts[-1] if parts else None
+    kill.phase = "build" if kill.partial else "prepare"
+    if kill.partial:
+        kill.progress = stage_progress(stage, workdir / "artifacts" / stage / kill.partial)
     return kill
 
 
@@ -171,8 +184,12 @@ def walk(workdir: Path, config: Path, env: dict, kills_per_stage: int, seed: int
             attempts += 1
             if fl.published(workdir, stage):  # the last kill came after its publish: build it again
                 fl.drop_stage(workdir, stage)
-            delay = round(rng.uniform(0, observed.get(stage, durations[stage])), 2)
-            k = kill_run(workdir, config_for(workdir, config), stage, delay, env, log, observed)
+            # The last kill of a stage that records progress waits for its first block/checkpoint, so every
+            # walk checks that a rerun keeps finished work; the others are spread over the whole stage.
+            at_progress = stage in ("latents", "train") and result.aimed(stage) == kills_per_stage - 1
+            span = 0.5 if at_progress else observed.get(stage, durations[stage])
+            delay = round(rng.uniform(0, span), 2)
+            k = kill_run(workdir, config_for(workdir, config), stage, delay, env, log, observed, at_progress)
             result.runs += 1
             if k is None:
                 continue
@@ -186,37 +203,48 @@ def walk(workdir: Path, config: Path, env: dict, kills_per_stage: int, seed: int
     with open(log, "a", encoding="utf-8") as fh:
         fh.write(out.stdout + out.stderr)
     if out.returncode != 0:
-        result.problems.append(f"the final run failed (exit {out.returncode}): {out.stderr.strip()[-600:]}")
-    result.problems += _settled(workdir, pending) + fl.visible_partials(workdir)
-    result.problems += [f"{s}: not published after the final run" for s in fl.STAGES if not fl.published(workdir, s)]
+        result.final.append(f"the final run failed (exit {out.returncode}): {out.stderr.strip()[-600:]}")
+    result.problems += _settled(workdir, pending)
+    result.final += fl.visible_partials(workdir)
+    result.final += [f"{s}: not published after the final run" for s in fl.STAGES if not fl.published(workdir, s)]
+    result.problems += result.final
     result.seconds = time.monotonic() - started
     return result
 
 
 def _settled(workdir: Path, pending: dict[str, Kill]) -> list[str]:
-    """For each killed stage that has published since: it published from the killed run's partial directory."""
-    problems = []
+    """For each killed stage that has published since: it published from the killed run's partial directory.
+    Problems are also added to the kill's own list."""
+    out = []
     for stage in [s for s in pending if fl.published(workdir, s)]:
         k = pending.pop(stage)
-        if k.partial is None:
-            continue
-        key = k.partial.removeprefix(".").removesuffix(".partial")
-        stage_dir = workdir / "artifacts" / stage
-        index = json.loads((stage_dir / ".index.json").read_text(encoding="utf-8")) \
-            if (stage_dir / ".index.json").is_file() else {}
-        version = index.get(key, key)
-        if not (stage_dir / version / "manifest.json").is_file():
-            problems.append(f"{stage}: published {sorted(fl.published(workdir, stage))}, not {version}, the "
-                            f"version of the killed run's {k.partial}")
-            continue
-        if (stage_dir / k.partial).exists():
-            problems.append(f"{stage}: {k.partial} is still there after {version} was published")
-        manifest = json.loads((stage_dir / version / "manifest.json").read_text(encoding="utf-8"))
-        rows, ckpts = k.progress.get("rows", 0), k.progress.get("checkpoints")
-        if stage == "latents" and manifest.get("resumed", 0) < rows:
-            problems.append(f"latents: the rerun resumed {manifest.get('resumed')} rows, but {rows} were in "
-                            f"finished blocks at the kill (work lost > one block)")
-        if stage == "train" and ckpts and not str(manifest.get("resumed_from") or "").endswith(ckpts[-1]):
-            problems.append(f"train: the rerun resumed from {manifest.get('resumed_from')!r}, not {ckpts[-1]}, the "
-                            f"last checkpoint at the kill (work lost > one checkpoint interval)")
+        problems = _reused(workdir, stage, k)
+        k.problems += problems
+        out += [f"{stage}: {p}" for p in problems]
+    return out
+
+
+def _reused(workdir: Path, stage: str, k: Kill) -> list[str]:
+    if k.partial is None:
+        return []
+    problems: list[str] = []
+    key = k.partial.removeprefix(".").removesuffix(".partial")
+    stage_dir = workdir / "artifacts" / stage
+    index = json.loads((stage_dir / ".index.json").read_text(encoding="utf-8")) \
+        if (stage_dir / ".index.json").is_file() else {}
+    version = index.get(key, key)
+    if not (stage_dir / version / "manifest.json").is_file():
+        return [f"published {sorted(fl.published(workdir, stage))}, not {version}, the version of the killed "
+                f"run's {k.partial}"]
+    if (stage_dir / k.partial).exists():
+        problems.append(f"{k.partial} is still there after {version} was published")
+    manifest = json.loads((stage_dir / version / "manifest.json").read_text(encoding="utf-8"))
+    rows, ckpts = k.progress.get("rows", 0), k.progress.get("checkpoints")
+    if stage == "latents" and manifest.get("resumed", 0) < rows:
+        problems.append(f"the rerun resumed {manifest.get('resumed')} rows, but {rows} were in "
+                        f"finished blocks at the kill (work lost > one block)")
+    resumed = re.search(r"step-(\d+)", str(manifest.get("resumed_from") or ""))
+    if stage == "train" and ckpts and (resumed is None or int(resumed.group(1)) < int(ckpts[-1].split("-")[1])):
+        problems.append(f"the rerun resumed from {manifest.get('resumed_from')!r}, not {ckpts[-1]}, the "
+                        f"last checkpoint at the kill (work lost > one checkpoint interval)")
     return problems
