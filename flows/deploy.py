@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from schemas.config import PipelineConfig
 
 TAGS = ["tuneline"]
-# Stages that want the accelerator (ops.gpu_pool); scan only reads image headers.
-GPU_STAGES = ("latents", "text", "train", "validate")
 
 
 @dataclass
@@ -39,7 +37,8 @@ def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
     cpu_pool = pool or cfg.ops.work_pool
     gpu_pool = cfg.ops.gpu_pool or cpu_pool
     out = []
-    # The pipeline runs every stage in its own process, so it needs the accelerator whenever a stage does.
+    # Every stage but scan (which only reads image headers) wants the accelerator, and so does the pipeline,
+    # which runs every stage in its own process.
     for name, fl in [("pipeline", pipeline_flow), *STAGE_FLOWS.items()]:
         out.append(fl.to_deployment(
             name=deployment_name(name), parameters=params, work_pool_name=cpu_pool if name == "scan" else gpu_pool,

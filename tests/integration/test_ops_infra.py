@@ -15,7 +15,7 @@ from tests.helpers import STAGES
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
-def test_prefect_yaml_matches_the_flows_and_the_demo():
+def test_prefect_yaml_matches_the_flows():
     spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
     by_name = {d["name"]: d for d in spec["deployments"]}
     assert sorted(by_name) == sorted(f"tuneline-{s}" for s in [*STAGES, "pipeline"])
@@ -25,8 +25,8 @@ def test_prefect_yaml_matches_the_flows_and_the_demo():
         fl = getattr(importlib.import_module(module), func)
         assert fl.name == name, f"{d['entrypoint']} is flow {fl.name}"
         assert d["work_pool"]["name"] == "tuneline"
-        cfg = parse_config(d["parameters"]["config"], f"prefect.yaml {name}")
-        assert cfg == demo_config(), "the default parameter must be the demo (`tuneline config example`)"
+        cfg = parse_config(d["parameters"]["config"], f"prefect.yaml {name}")  # a valid config, the demo's data
+        assert cfg.dataset.demo and cfg.model.family == "tiny" and cfg.workdir == demo_config().workdir
     assert by_name["tuneline-train"]["concurrency_limit"] == 1
     assert [s["cron"] for s in by_name["tuneline-pipeline"]["schedules"]] == ["0 3 * * *"]
 
