@@ -33,7 +33,7 @@ from stages.common.stage import StageContext, run_stage  # noqa: E402
 from stages.latents.reader import LatentReader  # noqa: E402
 from stages.pipeline import PIPELINE, stage  # noqa: E402
 from stages.scan.demo import write_demo_dataset  # noqa: E402
-from stages.text.store import TextCache  # noqa: E402
+from stages.text.live import open_text  # noqa: E402
 from stages.train.loop import Data, Trainer  # noqa: E402
 from stages.train.plan import micro_batches  # noqa: E402
 
@@ -54,8 +54,8 @@ def caches(workdir: Path):
     lat, txt = ctx.store.read(lat_dir, LatentsManifest), ctx.store.read(txt_dir, TextManifest)
     records = {r["path"]: ImageRecord.model_validate(r)
                for r in read_jsonl(ctx.store.version_dir("scan", lat.upstream["scan"]) / "images.jsonl")}
-    return ctx, Data(LatentReader(lat_dir, lat), TextCache(txt_dir, list(txt.fields)), records,
-                     lat.scaling_factor, lat.shift_factor)
+    text = open_text(txt, txt_dir, models.family(cfg), models.model_dir(ctx), torch.device("cpu"), torch.float32)
+    return ctx, Data(LatentReader(lat_dir, lat), text, records, lat.scaling_factor, lat.shift_factor)
 
 
 def time_loop(trainer: Trainer, stream, steps: int) -> tuple[float, list[str]]:

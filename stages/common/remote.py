@@ -6,6 +6,7 @@ its manifest is there, and an interrupted push is simply redone. Pull downloads 
 published version, CONTRACT.md), checks every file's size and SHA-256 against the remote manifest, writes
 the manifest last and renames the directory into place, exactly like a local publish.
 Versions are immutable (same fingerprint, same content), so a version already present is never re-sent.
+A consumer may also read a version in place (the training reader does): read_remote_manifest checks it first.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from pydantic import ValidationError
 
 from schemas.base import MANIFEST_SCHEMA_VERSION
-from stages.common.artifacts import MANIFEST, ArtifactStore, safe_join
+from stages.common.artifacts import MANIFEST, ArtifactStore, M, safe_join
 from stages.common.hashing import file_sha256
 
 OPTIONS_ENV = "TUNELINE_REMOTE_OPTIONS"
@@ -90,8 +92,7 @@ class Remote:
             return final
         where = self.version_url(stage, version)
         if not self.has(stage, version):
-            raise RemoteError(f"remote version {where} has no {MANIFEST}: it was never pushed or its push was "
-                              f"interrupted; push it again from the machine that built it (`tuneline remote push`)")
+            raise _unpublished(where)
         raw = self.fs.cat_file(self._path(stage, version, MANIFEST))
         manifest = _load_manifest(raw, where, stage, version)
         work = store.stage_dir(stage) / f".{version}.pull"
@@ -117,6 +118,42 @@ class Remote:
             return self.fs.sign(self._path(stage, version, rel), expiration=expires)
         except NotImplementedError:
             return None
+
+
+def read_remote_manifest(url: str, cls: type[M], options: dict[str, Any] | None = None) -> M:
+    """Parse and check a remote version read in place: what ArtifactStore.read checks, file sizes standing in
+    for checksums.
+
+    Hashing would download every file, which reading in place exists to avoid; a wrong size still catches an
+    object edited or replaced since the push, the manifest arriving last catches an interrupted push, and
+    `pull` verifies every checksum. `options` are the storage options (Remote.options); `url` ends in <stage>/<version>.
+    """
+    url = url.rstrip("/")
+    stage, version = url.rsplit("/", 2)[-2:]
+    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+    fs.invalidate_cache(root)  # a listing cached before a re-push would report stale sizes
+    try:
+        raw = fs.cat_file(f"{root}/{MANIFEST}")
+    except FileNotFoundError:
+        raise _unpublished(url) from None
+    try:
+        manifest = cls.model_validate(_load_manifest(raw, url, stage, version))
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise RemoteError(f"{url}/{MANIFEST}: field {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    sizes = {path[len(root) + 1:]: info["size"] for path, info in fs.find(root, detail=True).items()}
+    for entry in manifest.files:
+        got = sizes.get(entry.path)
+        if got != entry.bytes:
+            has = "is missing" if got is None else f"has {got} bytes"
+            raise RemoteError(f"remote version {url}: file {entry.path} {has}, its manifest says {entry.bytes} "
+                              f"(edited or overwritten since its push); remove the remote version and push it again")
+    return manifest
+
+
+def _unpublished(where: str) -> RemoteError:
+    return RemoteError(f"remote version {where} has no {MANIFEST}: it was never pushed or its push was "
+                       f"interrupted; push it again from the machine that built it (`tuneline remote push`)")
 
 
 def _load_manifest(raw: bytes, where: str, stage: str, version: str) -> dict:

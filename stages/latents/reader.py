@@ -9,6 +9,10 @@ Shuffling is block-aware, so the reader reads each block once per epoch instead 
 blocks of a bucket are permuted, grouped into windows of WINDOW_BLOCKS blocks, and the rows of each window
 are permuted; buckets are interleaved at random but each keeps its own order. A reader therefore holds at
 most 2 x WINDOW_BLOCKS blocks per bucket in memory.
+
+The cache may be a local version directory or a pushed version's fsspec URL (Remote.version_url, with
+Remote.options as storage_options): then every block read is one GET per array, and the prefetch threads keep
+several in flight. Verify a remote manifest with stages.common.remote.read_remote_manifest before reading.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ import torch
 
 from schemas.latents import LatentsManifest
 from stages.common.artifacts import fix_hint
-from stages.common.jsonl import read_jsonl
 from stages.latents import store
 
 WINDOW_BLOCKS = 4
@@ -84,8 +87,9 @@ def epoch_plan(counts: dict[str, int], batch_size: int, world_size: int, seed: i
 class LatentReader:
     """Reads the cache a block at a time and samples latent = mean + std * eps."""
 
-    def __init__(self, artifact_dir: Path, manifest: LatentsManifest):
-        self.dir, self.manifest = Path(artifact_dir), manifest
+    def __init__(self, artifact_dir: Path | str, manifest: LatentsManifest, *, storage_options: dict | None = None):
+        self.dir = artifact_dir if store.is_url(artifact_dir) else Path(artifact_dir)
+        self.manifest, self.options = manifest, storage_options
         self.block_rows = manifest.block_rows
         self.shapes = {b.array: tuple(b.shape) for b in manifest.buckets}
         self.names = store.array_names(manifest.flip)
@@ -100,7 +104,7 @@ class LatentReader:
     def _index(self) -> dict[str, list[str]]:
         """Row -> image path per bucket; every row of every bucket exactly once, as the manifest counts."""
         paths: dict[str, list[str | None]] = {b.array: [None] * b.count for b in self.manifest.buckets}
-        for row in read_jsonl(self.dir / store.INDEX):
+        for row in store.read_index(self.dir, self.options):
             col = paths.get(row["bucket"])
             if col is None or not 0 <= row["row"] < len(col) or col[row["row"]] is not None:
                 raise self._fail(f"index row {row} does not fit the manifest's buckets")
@@ -111,7 +115,7 @@ class LatentReader:
         return paths  # type: ignore[return-value]
 
     def _open(self, b) -> dict:
-        arrays = store.open_arrays(self.dir, b.array, self.names)
+        arrays = store.open_arrays(self.dir, b.array, self.names, self.options)
         want = ((b.count, *b.shape), (self.block_rows, *b.shape), self.manifest.dtype)
         for name, arr in arrays.items():
             problem = store.raw_layout_problem(arr)

@@ -24,6 +24,8 @@ Chunking follows the access pattern. One chunk = one block of `block_rows` rows 
   Uncompressed, a chunk file is the block's raw little-endian bytes (Zarr v3 `bytes` codec), so the reader
   reads it as one plain file read (`read_chunk`), 4-5x faster than zarr's asynchronous read path. The store
   stays a standard Zarr v3 store that any Zarr client reads.
+The reading functions also take an fsspec URL (`s3://bucket/prefix/latents/<version>`) and its storage options,
+so training can read a pushed version in place (stages/common/remote.py): on object storage a chunk is one GET.
 The default block of 64 rows is 2 MB per array at SD1.5's 4x64x64 latents and 8 MB at SDXL's 4x128x128: one
 sequential read each, and a reader holding 2 x 4 blocks per bucket (reader.py) needs tens of MB per bucket.
 """
@@ -34,11 +36,15 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import zarr
-from zarr.storage import LocalStore
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, LocalStore
 
 RAW_CODECS = ({"name": "bytes", "configuration": {"endian": "little"}},)
 STORE = "latents.zarr"
@@ -147,13 +153,39 @@ def drop_records(root: Path, bucket: str, first: int) -> None:
 
 
 # Reading ---------------------------------------------------------------------------------------------
-def open_arrays(root: Path, bucket: str, names: tuple[str, ...]) -> dict[str, zarr.Array]:
-    group = zarr.open_group(str(root / STORE / bucket), mode="r")
+def is_url(root: Path | str) -> bool:
+    return "://" in str(root)
+
+
+def join(root: Path | str, *parts: str) -> Path | str:
+    """root/parts; a URL stays a string joined with "/" (Path("s3://b/p") would collapse to "s3:/b/p")."""
+    if is_url(root):
+        return "/".join([str(root).rstrip("/"), *parts])
+    return Path(root).joinpath(*parts)
+
+
+def open_arrays(root: Path | str, bucket: str, names: tuple[str, ...],
+                storage_options: dict | None = None) -> dict[str, zarr.Array]:
+    group = zarr.open_group(str(join(root, STORE, bucket)), mode="r", storage_options=storage_options)
     return {name: group[name] for name in names}
 
 
-def open_bucket(root: Path, width: int, height: int) -> zarr.Group:
-    return zarr.open_group(str(root / STORE / bucket_key(width, height)), mode="r")
+def open_bucket(root: Path | str, width: int, height: int, storage_options: dict | None = None) -> zarr.Group:
+    return zarr.open_group(str(join(root, STORE, bucket_key(width, height))), mode="r",
+                           storage_options=storage_options)
+
+
+def read_index(root: Path | str, storage_options: dict | None = None) -> Iterator[dict]:
+    """The rows of index.jsonl, local or remote (fsspec streams it, so a large index is never held as text)."""
+    where = join(root, INDEX)
+    with fsspec.open(str(where), "rt", encoding="utf-8", **(storage_options or {})) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}:{lineno}: not valid JSON ({err.msg})") from None
 
 
 def read_block(group: zarr.Group, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -164,20 +196,38 @@ def read_block(group: zarr.Group, start: int, stop: int) -> tuple[np.ndarray, np
 def raw_layout_problem(arr: zarr.Array) -> str | None:
     """Why read_chunk cannot read this array (None: it can). Our writer always makes arrays it can."""
     codecs = tuple(arr.metadata.to_dict().get("codecs", ()))
-    if not isinstance(arr.store, LocalStore):
-        return f"it is not on a local filesystem ({type(arr.store).__name__})"
+    if not isinstance(arr.store, (LocalStore, FsspecStore)):
+        return f"it is neither on a local filesystem nor behind fsspec ({type(arr.store).__name__})"
     if codecs != RAW_CODECS:
         return f"its codecs are {list(codecs)}, not uncompressed little-endian bytes"
     return None
 
 
 def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
-    """The rows of one chunk, read straight from its file (see raw_layout_problem for when that is valid)."""
+    """The rows of one chunk, read straight from its file or object (see raw_layout_problem for when that is valid)."""
     key = arr.metadata.chunk_key_encoding.encode_chunk_key((block,) + (0,) * (arr.ndim - 1))
-    path = Path(arr.store.root) / arr.path / key
-    flat = np.fromfile(path, dtype=arr.dtype.newbyteorder("<"))
+    dtype = arr.dtype.newbyteorder("<")
+    if isinstance(arr.store, LocalStore):
+        where = Path(arr.store.root) / arr.path / key
+        flat = np.fromfile(where, dtype=dtype)
+    else:
+        flat, where = _fetch_chunk(arr.store, f"{arr.path}/{key}", dtype)
     if flat.size != math.prod(arr.chunks):
-        raise ValueError(f"chunk file {path} holds {flat.size} values, a chunk has {math.prod(arr.chunks)} "
+        raise ValueError(f"chunk file {where} holds {flat.size} values, a chunk has {math.prod(arr.chunks)} "
                          f"(truncated or edited)")
     rows = min(arr.chunks[0], arr.shape[0] - block * arr.chunks[0])
     return flat.reshape(arr.chunks)[:rows]
+
+
+def _fetch_chunk(fsstore: FsspecStore, key: str, dtype: np.dtype) -> tuple[np.ndarray, str]:
+    """One GET through the store's own (asynchronous) filesystem, run on zarr's event loop.
+
+    The store's fs was made with asynchronous=True, so its blocking methods cannot be called; zarr's loop is
+    the one that fs is bound to. A missing chunk raises rather than reading as the fill value, as a missing
+    local chunk file does.
+    """
+    where = fsstore.fs.unstrip_protocol(f"{fsstore.path}/{key}")
+    buf = sync(fsstore.get(key, prototype=default_buffer_prototype()))
+    if buf is None:
+        raise FileNotFoundError(f"chunk object {where} is missing")
+    return np.frombuffer(buf.to_bytes(), dtype=dtype), where

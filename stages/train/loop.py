@@ -17,6 +17,7 @@ from schemas.scan import ImageRecord
 from stages.common.models import DTYPES
 from stages.families.base import MicroCond
 from stages.latents.reader import LatentReader
+from stages.text.live import LiveText
 from stages.text.store import TextCache
 from stages.train import checkpoint as ckpt
 from stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
@@ -34,7 +35,7 @@ class Data:
     """What training reads: the caches (never the images or the encoders)."""
 
     reader: LatentReader
-    text: TextCache
+    text: TextCache | LiveText  # same .get(captions, variant_ids) and .variants
     records: dict[str, ImageRecord]
     scaling: float
     shift: float
@@ -62,8 +63,10 @@ class Trainer:
         distributed = dist.is_available() and dist.is_initialized() and world > 1
         self.model = DDP(self.denoiser, device_ids=[device.index] if device.type == "cuda" else None) \
             if distributed else self.denoiser
+        # foreach: one kernel per op over all tensors; torch picks it only on CUDA by default, and per-tensor
+        # updates of a model's hundreds of small tensors cost a CPU as much as a fifth of a step.
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=self.t.learning_rate,
-                                     weight_decay=self.t.weight_decay)
+                                     weight_decay=self.t.weight_decay, foreach=True)
         self.scaler = grad_scaler(self.autocast)
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
@@ -115,12 +118,14 @@ class Trainer:
         return self.data.reader.sample(batch, gen)
 
     def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """Cached text tensors for the batch's captions; caption dropout reads the cached empty caption."""
+        """Text tensors for the batch's captions, each sample a random one of the cached variants (tag shuffles);
+        caption dropout reads the cached empty caption."""
         captions = [self.data.records[p].caption for p in paths]
         drop = torch.rand(len(captions), generator=gen) < self.t.caption_dropout
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+        variants = torch.randint(0, self.data.text.variants, (len(captions),), generator=gen).tolist()
         return {k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype)
-                for k, v in self.data.text.get(captions).items()}
+                for k, v in self.data.text.get(captions, variants).items()}
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """(world, micro-batches) losses, identical on every rank, so all ranks agree on stopping."""

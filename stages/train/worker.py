@@ -19,11 +19,12 @@ from schemas.config import parse_config
 from schemas.latents import LatentsManifest
 from schemas.scan import ImageRecord, ScanManifest
 from schemas.text import TextManifest
+from stages.common import models
 from stages.common.artifacts import ArtifactStore
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.families.registry import get_family
 from stages.latents.reader import LatentReader
-from stages.text.store import TextCache
+from stages.text.live import open_text
 from stages.train.checkpoint import CheckpointError
 from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from stages.train.loop import Data, NonFiniteLoss, Trainer
@@ -66,10 +67,13 @@ def setup(spec: dict) -> Run:
     scan_dir = store.version_dir("scan", lat.upstream["scan"])
     store.read(scan_dir, ScanManifest)
     records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")}
-    data = Data(reader=LatentReader(up["latents"], lat), text=TextCache(up["text"], list(txt.fields)),
-                records=records, scaling=lat.scaling_factor, shift=lat.shift_factor)
-    return Run(cfg=cfg, rank=rank, world=world, device=device, family=get_family(cfg.model.family),
-               model_dir=Path(spec["model_dir"]), out=Path(spec["out_dir"]), data=data,
+    fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
+    # The text cache, or live encoders when the text artifact was built with text.enabled false.
+    text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
+    data = Data(reader=LatentReader(up["latents"], lat), text=text, records=records, scaling=lat.scaling_factor,
+                shift=lat.shift_factor)
+    return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
+               out=Path(spec["out_dir"]), data=data,
                resume=Path(spec["resume"]) if spec.get("resume") else None)
 
 

@@ -84,7 +84,11 @@ def missing_upstream(w: Path) -> tuple[str, str]:
 
 CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksum_mismatch, future_schema,
          missing_upstream]
-BUGS: dict[str, str] = {}
+BUGS = {
+    "edited_count": "stages/train/worker.py:128 calls setup() outside its try, so the LatentReader's refusal "
+                    "(ReaderError naming the latents artifact and `tuneline stage latents --force`) dies inside "
+                    "torchrun; launch.failure_message then shows torchrun's footer only",
+}
 
 
 @pytest.mark.parametrize("tamper", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=BUGS[c.__name__]))
@@ -92,13 +96,14 @@ BUGS: dict[str, str] = {}
 def test_tampered_artifact_is_refused(workcopy, small_config, prefect_env, tamper):
     victim, consumer = tamper(workcopy)
     victim_dir = workcopy / "artifacts" / victim
+    names = [str(victim_dir), f"{victim} artifact", *(f"{victim} {v}" for v in fl.published(workcopy, victim))]
     fl.drop_stage(workcopy, consumer)  # the consumer must read the victim, not skip as fresh
     out = fl.tuneline("stage", consumer, str(small_config), "--workdir", str(workcopy), env=prefect_env)
     err = out.stderr
     assert out.returncode != 0, f"`tuneline stage {consumer}` accepted a tampered {victim} artifact"
     assert "\nerror: " in "\n" + err, f"no error message for the user; stderr tail:\n{err[-1500:]}"
     msg = err[("\n" + err).rindex("\nerror: "):]
-    assert str(victim_dir) in msg or f"{victim} artifact" in msg, f"message does not name the {victim} artifact: {msg}"
+    assert any(n in msg for n in names), f"message does not name the {victim} artifact: {msg}"
     assert f"tuneline stage {victim}" in msg or "tuneline run" in msg, f"message gives no fixing command: {msg}"
     assert not fl.published(workcopy, consumer), f"{consumer} published on top of a tampered {victim}"
     rows = {r.stage: r for r in _status(small_config, workcopy)}
