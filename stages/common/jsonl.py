@@ -5,6 +5,7 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import fsspec
 from pydantic import BaseModel
 
 
@@ -18,8 +19,9 @@ def write_jsonl(path: Path, rows: Iterable[BaseModel | dict]) -> int:
     return n
 
 
-def read_jsonl(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
+def read_jsonl(path: Path | str, storage_options: dict | None = None) -> Iterator[dict]:
+    """Rows of a JSON-lines file, local or (a URL with storage_options) remote, streamed line by line."""
+    with fsspec.open(str(path), "rt", encoding="utf-8", **(storage_options or {})) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

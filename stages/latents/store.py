@@ -42,9 +42,12 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import zarr
+
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
+
+from stages.common.jsonl import read_jsonl
 
 RAW_CODECS = ({"name": "bytes", "configuration": {"endian": "little"}},)
 STORE = "latents.zarr"
@@ -176,16 +179,8 @@ def open_bucket(root: Path | str, width: int, height: int, storage_options: dict
 
 
 def read_index(root: Path | str, storage_options: dict | None = None) -> Iterator[dict]:
-    """The rows of index.jsonl, local or remote (fsspec streams it, so a large index is never held as text)."""
-    where = join(root, INDEX)
-    with fsspec.open(str(where), "rt", encoding="utf-8", **(storage_options or {})) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}:{lineno}: not valid JSON ({err.msg})") from None
+    """The rows of index.jsonl, local or remote (streamed, so a large index is never held as text)."""
+    return read_jsonl(join(root, INDEX), storage_options)
 
 
 def read_block(group: zarr.Group, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
