@@ -15,7 +15,8 @@ class ValidationPrompt(Strict):
 
 
 class ValidateConfig(Strict):
-    prompts: list[ValidationPrompt] = Field(default_factory=lambda: [ValidationPrompt(prompt="a photo")])
+    prompts: list[ValidationPrompt] = Field(default_factory=lambda: [ValidationPrompt(prompt="a photo")],
+                                            min_length=1)
     resolution: float | None = Field(None, gt=0, description="null = buckets.resolution")
     resolution_type: Literal["pixel", "area", "pixel_area"] | None = Field(None, description="null = buckets'")
     aspect: float = Field(1.0, gt=0, description="width/height of rendered images")
@@ -41,6 +42,5 @@ class ValidateManifest(Manifest):
     stage: Literal["validate"] = "validate"
     images: list[RenderedImage]
     grid: str
-    loss_curve: str | None = Field(None, description="the training loss curve, drawn from the train artifact")
     class_separation_accuracy: float | None = None
     untrained_class_separation_accuracy: float | None = None

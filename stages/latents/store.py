@@ -39,7 +39,6 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import fsspec
 import numpy as np
 import zarr
 

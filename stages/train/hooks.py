@@ -62,7 +62,7 @@ class Hooks:
         if not self.writer:
             return
         root = self.run.out / CHECKPOINTS
-        path = ckpt.save(root, self.trainer.step, self.trainer.checkpoint_tensors(), self.trainer.checkpoint_state())
+        path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
         ckpt.prune(root, self.t.keep_checkpoints)
         loss_curve(self.trainer.losses).save(self.run.out / LOSS_PNG)
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)

@@ -111,7 +111,8 @@ def failure_message(work: Path, rc: int, tail: list[str]) -> str:
     found = ckpt.listed(work / CHECKPOINTS)
     if found:
         msg += (f". Training stopped; the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): fix the "
-                f"cause, then set train.resume: latest to continue from it")
+                f"cause, then set train.resume to that path to continue from it (latest finds it only while every "
+                f"fingerprinted train setting stays the same)")
     else:
         msg += ". Training stopped before its first checkpoint"
     return msg

@@ -160,21 +160,19 @@ class Trainer:
                 f"{mb.bucket}); the batch's images: {', '.join(paths)}")
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        opt_tensors, _ = ckpt.optimizer_tensors(self.opt, self.names)
-        out = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
-        if self.ema is not None:
-            out["ema"] = self.ema.shadow
-        return out
-
-    def checkpoint_state(self) -> dict:
+    def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """(tensors by file, JSON state) of everything a resumed run needs to continue exactly."""
         t = self.t
-        _, opt_meta = ckpt.optimizer_tensors(self.opt, self.names)
-        return {"position": self.position.as_json(), "losses": self.losses, "world_size": self.world,
-                "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
-                "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
-                "lr": self.opt.param_groups[0]["lr"], "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
-                "rng": "derived per micro-batch from (seed, rank, micro-batch index): see stages.train.plan"}
+        opt_tensors, opt_meta = ckpt.optimizer_tensors(self.opt, self.names)
+        tensors = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
+        if self.ema is not None:
+            tensors["ema"] = self.ema.shadow
+        state = {"position": self.position.as_json(), "losses": self.losses, "world_size": self.world,
+                 "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
+                 "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
+                 "lr": self.opt.param_groups[0]["lr"], "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
+                 "rng": "derived per micro-batch from (seed, rank, micro-batch index): see stages.train.plan"}
+        return tensors, state
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, grad scaler, EMA, step, sampler position, losses."""

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from schemas.demo import DEMO_COLORS
 from schemas.validate import RenderedImage
 from stages.common import models
-from stages.common.jsonl import read_jsonl
 from stages.validate.learning import class_means, learning_check
-from stages.validate.plots import loss_curve
 from stages.validate.render import Renderer, Sample, grid, render_size_for
 
 
@@ -68,29 +67,28 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     ctx.reporter.progress("validate-progress", 0.1, "pipeline loaded")
     rendered = render_prompts(ctx, renderer, work)
     ctx.reporter.progress("validate-progress", 0.5, f"{len(rendered)} prompts rendered")
-    train_dir = models.artifact_dir(ctx, upstream["train"])
-    losses = [row["loss"] for row in read_jsonl(train_dir / "losses.jsonl")]
-    loss_curve(losses, f"training loss ({len(losses)} steps)").save(work / "loss.png")
-    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png", "loss_curve": "loss.png"}
+    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"}
     if v.learning_check:
         facts |= check_learning(ctx, renderer, upstream)
     ctx.reporter.progress("validate-progress", 1.0, "done")
-    report(ctx, work, rendered, facts)
+    report(ctx, work, rendered, facts, upstream["train"])
     return facts
 
 
-def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict) -> None:
-    """Markdown table linking every file at the path the artifact is about to be published under."""
+def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -> None:
+    """Markdown table linking every file at the path the artifact is about to be published under, and the
+    training loss curve in the train artifact."""
     published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
 
-    def link(name: str) -> str:
-        return f"[{name}]({(published / name).as_uri()})"
+    def link(name: str, root: Path = published) -> str:
+        return f"[{name}]({(root / name).as_uri()})"
 
     rows = "\n".join(f"| {link(r.file)} | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |"
                      for r in rendered)
     text = (f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
-            f"Grid: {link(facts['grid'])} · loss curve: {link(facts['loss_curve'])}")
+            f"Grid: {link(facts['grid'])} · training loss curve: "
+            f"{link(train.loss_curve, models.artifact_dir(ctx, train))}")
     if "class_separation_accuracy" in facts:
         text += (f"\n\nLearning check: class separation accuracy {facts['class_separation_accuracy']:.2f} trained, "
-                 f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / 4:.2f})")
+                 f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f})")
     ctx.reporter.markdown("validate-images", text, "validation images")

@@ -85,6 +85,7 @@ def test_validate_artifact_and_report(demo):
     for item in m["images"]:
         assert Image.open(out / item["file"]).size == (item["width"], item["height"]) == (64, 64)
     assert Image.open(out / m["grid"]).size == (64 * len(prompts), 64)
-    assert m["loss_curve"] == "loss.png" and (out / "loss.png").is_file()
+    assert sorted(p.name for p in out.glob("*.png")) == sorted([i["file"] for i in m["images"]] + [m["grid"]])
     text = reporter.markdowns["validate-images"]
     assert "Learning check" in text and all(i["file"] in text for i in m["images"])
+    assert (paths["train"] / "loss.png").as_uri() in text

@@ -52,7 +52,7 @@ def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
     ctx = build_upstream(cfg)
     trainer = _trainer(cfg, ctx)
     _steps(trainer, 1)
-    saved = ckpt.save(tmp_path / "ckpt", trainer.step, trainer.checkpoint_tensors(), trainer.checkpoint_state())
+    saved = ckpt.save(tmp_path / "ckpt", trainer.step, *trainer.checkpoint())
     _steps(trainer, 1)
     assert all(torch.isfinite(torch.tensor(trainer.losses)))
 

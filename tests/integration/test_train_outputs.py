@@ -79,7 +79,7 @@ def test_validate_renders_the_lora_result(lora):
     out = run_stage(StageContext(ctx.cfg, reporter=reporter), stage("validate"), PIPELINE)[0]
     manifest = json.loads((out / "manifest.json").read_text())
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["000-seed0.png", "001-seed1.png", "002-seed2.png", "003-seed3.png", "grid.png", "loss.png",
+    assert files == ["000-seed0.png", "001-seed1.png", "002-seed2.png", "003-seed3.png", "grid.png",
                      "manifest.json"]
     assert [i["prompt"] for i in manifest["images"]] == [p.prompt for p in ctx.cfg.validate_.prompts]
     assert manifest["class_separation_accuracy"] is None

@@ -167,33 +167,34 @@ def _naming(workdir: Path):
 
 
 def held_locks(workdir: Path) -> list[str]:
-    """Lock files under the workdir that someone still holds: try an exclusive flock on each (non-blocking),
-    and look up every file's inode in /proc/locks (covers fcntl/POSIX locks and any lock file name)."""
-    problems = []
+    """Locks on files under the workdir that someone still holds: an exclusive non-blocking flock on every
+    file named like a lock must succeed, and no file's inode may appear in /proc/locks (any lock, any name)."""
+    held: dict[Path, str] = {}
     inodes = {}
     for f in workdir.rglob("*"):
-        if f.is_file() and not f.is_symlink():
-            st = f.stat()
-            inodes[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = f
-            if "lock" in f.name.lower():
-                with open(f, "rb") as fh:
-                    try:
-                        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        fcntl.flock(fh, fcntl.LOCK_UN)
-                    except OSError:
-                        problems.append(f"{f} is still flock-ed")
+        if not f.is_file() or f.is_symlink():
+            continue
+        st = f.stat()
+        inodes[(os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)] = f
+        if "lock" in f.name.lower():
+            with open(f, "rb") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+                except OSError:
+                    held[f] = "flock refused"
     try:
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         lines = []
-    for line in lines:
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 1234 00:2f:123456 0 EOF"
         parts = line.split()
         if len(parts) > 5 and parts[1] != "->" and parts[5].count(":") == 2:
             major, minor, ino = parts[5].split(":")
             f = inodes.get((int(major, 16), int(minor, 16), int(ino)))
-            if f is not None and "flock-ed" not in " ".join(problems):
-                problems.append(f"{f} is locked by pid {parts[4]} ({parts[1]})")
-    return problems
+            if f is not None:
+                held.setdefault(f, f"{parts[1]} lock held by pid {parts[4]}")
+    return [f"{f}: {why}" for f, why in sorted(held.items())]
 
 
 def tree_state(root: Path) -> dict[str, tuple[int, int]]:

@@ -35,7 +35,7 @@ class Kill:
     phase: str = ""  # "build": its .partial directory existed; "prepare": checks, model loading
     partial: str | None = None
     progress: dict = field(default_factory=dict)  # latents: rows in finished blocks; train: checkpoints
-    workers: int = 0  # training worker processes alive at the kill (torchrun puts them in their own sessions)
+    workers: int = 0  # torchrun processes (agent + workers) alive at the kill; workers run in their own sessions
     problems: list[str] = field(default_factory=list)
 
 
@@ -149,8 +149,10 @@ def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, 
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group, as a scheduler or `kill -9 -PGID` would
     proc.wait()
+    if proc.returncode == 0:
+        return None  # the kill point lay past the end of the whole run: no trial
     if proc.returncode != -signal.SIGKILL:
-        kill.problems.append(f"the run ended on its own (exit {proc.returncode}) before the kill; see {log}")
+        kill.problems.append(f"the run failed on its own (exit {proc.returncode}) before the kill; see {log}")
     kill.problems += fl.check_after_kill(workdir, seen)
     # Read once every process of the run is gone: this is exactly the work the next run can find.
     stage = kill.landed if kill.landed != "-" else target

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -85,8 +86,6 @@ def corpus_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("corpus")
     build_corpus(tmp / "data", tmp / "outside")
-    import subprocess
-
     cfg = yaml.safe_load(subprocess.run(cli_args("config", "example"), capture_output=True, text=True, cwd=ROOT,
                                         check=True).stdout)
     cfg["workdir"] = str(tmp / "work")
@@ -96,13 +95,16 @@ def corpus_run(tmp_path_factory):
     ctx = StageContext(parse_config(cfg, "<corpus>"))
     scan_dir, _ = run_stage(ctx, stage("scan"), PIPELINE)
     latents_dir, _ = run_stage(ctx, stage("latents"), PIPELINE)
-    read = lambda p: [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]  # noqa: E731
     return {"images": {r["path"]: r for r in read(scan_dir / "images.jsonl")},
             "rejected": {r["path"]: r for r in read(scan_dir / "rejected.jsonl")},
             "latent_rejected": {r["path"]: r for r in read(latents_dir / "rejected.jsonl")},
             "cached": {r["path"] for r in read(latents_dir / "index.jsonl")},
             "manifest": json.loads((scan_dir / "manifest.json").read_text(encoding="utf-8")),
             "aspects": (cfg["buckets"]["min_aspect"], cfg["buckets"]["max_aspect"])}
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _reason(run: dict, name: str) -> str:

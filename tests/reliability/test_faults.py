@@ -47,3 +47,26 @@ def test_training_workers_were_alive_at_a_kill_and_died_with_it(kill_walk):
 def test_killed_training_releases_its_concurrency_slot(kill_walk, prefect_env):
     assert any(k.landed == "train" for k in kill_walk.kills)
     assert fl.train_slots(prefect_env) == 0
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path):
+    """The post-kill checks are not vacuous: a held flock, a live process naming the workdir, a directory
+    without a manifest under artifacts/<stage>/ are all reported."""
+    import subprocess
+    import sys
+
+    (tmp_path / ".tuneline.lock").write_text("{}")
+    (tmp_path / "artifacts" / "scan" / "0123456789abcdef").mkdir(parents=True)
+    (tmp_path / "artifacts" / "scan" / ".0123.partial").mkdir()
+    code = (f"import fcntl, time; f = open({str(tmp_path / '.tuneline.lock')!r}); fcntl.flock(f, fcntl.LOCK_EX); "
+            f"print('ok', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ok"
+        assert fl.held_locks(tmp_path) and fl.survivors({}, tmp_path, grace=0.5)
+        assert [p for p in fl.visible_partials(tmp_path) if "0123456789abcdef" in p]
+        assert not [p for p in fl.visible_partials(tmp_path) if ".0123.partial" in p]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert fl.held_locks(tmp_path) == [] and fl.survivors({}, tmp_path, grace=5) == []

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from tests.reliability.faultlib import ROOT, cli_args
 
@@ -141,18 +142,14 @@ def _fake_artifact(tmp_path: Path) -> Path:
 
 def test_scan_record_path_cannot_leave_the_dataset_root(tmp_path):
     """A scan record (images.jsonl) naming ../ or an absolute path: latents refuses it, never reads the file."""
-    from stages.common.artifacts import ArtifactError
-    from stages.latents.encode import prepare
     from schemas.scan import ImageRecord
-
-    root = tmp_path / "data"
-    root.mkdir()
-    secret = tmp_path / "secret.png"
-    from PIL import Image
-
-    Image.new("RGB", (64, 64), (1, 2, 3)).save(secret)
+    from stages.common.artifacts import ArtifactError
     from stages.common.hashing import file_sha256
+    from stages.latents.encode import prepare
 
+    root, secret = tmp_path / "data", tmp_path / "secret.png"
+    root.mkdir()
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(secret)
     for rel in ("../secret.png", str(secret), "sub/../../secret.png"):
         rec = ImageRecord(path=rel, width=64, height=64, bucket_width=64, bucket_height=64, crop=(0, 0, 64, 64),
                           caption="", sha256=file_sha256(secret), size_bytes=secret.stat().st_size, mtime_ns=0)
@@ -168,7 +165,6 @@ def test_captions_and_metadata_cannot_reach_outside_the_dataset_root(tmp_path):
     from schemas.config import parse_config
     from stages.common.stage import StageContext, run_stage
     from stages.pipeline import PIPELINE, stage
-    from PIL import Image
 
     root, outside = tmp_path / "data", tmp_path / "outside"
     root.mkdir()

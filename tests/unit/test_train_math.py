@@ -129,3 +129,21 @@ def test_step_seed_differs_per_rank_and_micro_batch():
     seeds = {step_seed(0, r, i) for r in range(2) for i in range(50)}
     assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds)
     assert step_seed(3, 1, 7) == step_seed(3, 1, 7)
+
+
+def test_cpu_trains_in_float32_and_refuses_half_precision():
+    from stages.train.model import autocast_dtype, grad_scaler
+
+    cpu = torch.device("cpu")
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("no", cpu) is None
+    for mixed in ("bf16", "fp16"):
+        with pytest.raises(ValueError, match="train.mixed_precision"):
+            autocast_dtype(mixed, cpu)
+    assert not grad_scaler(None).is_enabled() and not grad_scaler(torch.bfloat16).is_enabled()
+
+
+def test_manifest_losses_are_downsampled_by_averaging():
+    from stages.train.worker import downsample
+
+    assert downsample([1.0, 2.0], 500) == [1.0, 2.0]
+    assert downsample([float(i) for i in range(10)], 4) == [1.0, 4.0, 7.0, 9.0]
