@@ -120,7 +120,7 @@ class ArtifactStore:
         mpath = work / MANIFEST
         tmp = work / f".{MANIFEST}.tmp"
         tmp.write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
-        _fsync(tmp)
+        fsync_file(tmp)
         os.replace(tmp, mpath)
         _fsync_dir(work)
         if final.exists():
@@ -168,7 +168,7 @@ def list_files(root: Path) -> list[FileEntry]:
     return out
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -178,6 +178,6 @@ def _fsync(path: Path) -> None:
 
 def _fsync_dir(path: Path) -> None:
     try:
-        _fsync(path)
+        fsync_file(path)
     except OSError:  # some filesystems refuse directory fsync; the rename is still atomic
         pass

@@ -64,6 +64,9 @@ class SD15Family(DiffusersFamily):
         return {"safety_checker": None, "requires_safety_checker": False}
 
     # ---- tiny flavor -------------------------------------------------------------------------
+    def tiny_vae(self):
+        return tiny_vae(4, self.facts)
+
     def tiny_unet(self):
         return tiny_unet(cross_attention_dim=32)
 
@@ -79,7 +82,7 @@ class SD15Family(DiffusersFamily):
 
         tok = build_clip_tokenizer(out_dir / "tokenizer", self.tiny_text_length)
         text_encoder = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(tok, self.tiny_text_length)))
-        pipe = self.pipeline_class(vae=tiny_vae(4, self.facts), text_encoder=text_encoder, tokenizer=tok,
+        pipe = self.pipeline_class(vae=self.tiny_vae(), text_encoder=text_encoder, tokenizer=tok,
                                    unet=self.tiny_unet(), scheduler=self.tiny_scheduler(), safety_checker=None,
                                    feature_extractor=None, requires_safety_checker=False)
         pipe.save_pretrained(out_dir, safe_serialization=True)

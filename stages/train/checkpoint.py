@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from stages.common.artifacts import fsync_file
 from stages.common.hashing import file_sha256
 
 STATE = "state.json"
@@ -57,7 +58,7 @@ def save(root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], sta
         files[path.name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
     (tmp / STATE).write_text(json.dumps({**state, "step": step, "files": files}), encoding="utf-8")
     for f in tmp.iterdir():
-        _fsync(f)
+        fsync_file(f)
     if final.exists():  # a rerun reaching a step an earlier attempt saved: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -142,10 +143,3 @@ def restore_optimizer(opt: torch.optim.Optimizer, names: list[str], tensors: dic
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
     opt.load_state_dict({"state": state, "param_groups": groups})
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -15,7 +15,6 @@ from schemas.train import TrainManifest
 from schemas.validate import ValidateManifest
 from stages.common.stage import StageContext, run_stage
 from stages.pipeline import PIPELINE
-from stages.train.launch import TrainingFailed
 
 CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
 
@@ -74,9 +73,6 @@ def test_family_pipeline_with_text_cache(family, tmp_path):
     check_results(ctx, paths)
 
 
-@pytest.mark.xfail(strict=True, raises=TrainingFailed, reason="trainer not wired to live text yet: stages/train/worker.py setup() builds "
-                   "TextCache(up['text'], list(txt.fields)) unconditionally; it must call "
-                   "stages.text.live.open_text(txt, up['text'], family, model_dir, device, dtype)")
 def test_pipeline_with_text_cache_off(tmp_path):
     """text.enabled false: the text artifact records settings only; training and validation encode live."""
     ctx = pipeline_config(tmp_path, "sd15", {"enabled": False})

@@ -136,10 +136,11 @@ def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, 
         return False
 
     if not watch(900, lambda stage: stage == target):
-        proc.kill() if proc.poll() is None else None
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return None if proc.returncode == 0 else Kill(target, delay, problems=[
-            f"run exited {proc.returncode} before reaching {target}; see {log}"])
+            f"run ended (exit {proc.returncode}) without reaching {target} within 900 s; see {log}"])
     if after_progress:
         watch(600, lambda stage: stage != target or _has_progress(workdir, target))
     watch(delay)
@@ -186,9 +187,11 @@ def walk(workdir: Path, config: Path, env: dict, kills_per_stage: int, seed: int
             attempts += 1
             if fl.published(workdir, stage):  # the last kill came after its publish: build it again
                 fl.drop_stage(workdir, stage)
-            # The last kill of a stage that records progress waits for its first block/checkpoint, so every
+                for s in fl.STAGES[fl.STAGES.index(stage):]:
+                    pending.pop(s, None)  # their partial work is gone with them
+            # Every second kill of a stage that records progress waits for its first block/checkpoint, so each
             # walk checks that a rerun keeps finished work; the others are spread over the whole stage.
-            at_progress = stage in ("latents", "train") and result.aimed(stage) == kills_per_stage - 1
+            at_progress = stage in ("latents", "train") and result.aimed(stage) % 2 == 1
             span = 0.5 if at_progress else observed.get(stage, durations[stage])
             delay = round(rng.uniform(0, span), 2)
             k = kill_run(workdir, config_for(workdir, config), stage, delay, env, log, observed, at_progress)
