@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from stages.common.models import DTYPES
+from stages.text import effective_max_length
 from stages.train import checkpoint as ckpt
 from stages.train.loop import Trainer
 from stages.train.plan import MicroBatch
@@ -76,7 +77,7 @@ class Hooks:
             # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it.
             dtype = DTYPES[cfg.model.dtype] if tr.autocast else torch.float32
             self.renderer = Renderer.load(tr.fam, self.run.model_dir, tr.device, dtype, denoiser=tr.denoiser,
-                                          autocast=tr.autocast)
+                                          autocast=tr.autocast, max_length=effective_max_length(cfg))
         v = cfg.validate_
         samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()

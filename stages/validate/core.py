@@ -6,18 +6,29 @@ from pathlib import Path
 from schemas.demo import DEMO_COLORS
 from schemas.validate import RenderedImage
 from stages.common import models
+from stages.text import effective_max_length
 from stages.validate.learning import class_means, learning_check
 from stages.validate.render import Renderer, Sample, grid, render_size_for
 
 
-def trained_renderer(ctx, upstream: dict) -> Renderer:
-    """full: the published pipeline folder; lora: the base pipeline with the LoRA weights loaded, as a user would."""
+def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer:
+    """Prompts encoded at training's max length; encodings kept in the workdir across validate runs, keyed by
+    the text encoders' identity (only the denoiser is trained), the length and the dtype."""
     cfg = ctx.cfg
     dev = models.device(cfg)
+    dtype = models.dtype(cfg, dev)
+    length = effective_max_length(cfg)
+    cache = (ctx.workdir / ".cache" / "validation-prompts.safetensors",
+             f"{models.identity(ctx, 'text')}:{length}:{dtype}")
+    return Renderer.load(models.family(cfg), model_dir, dev, dtype, lora=lora, max_length=length, prompt_cache=cache)
+
+
+def trained_renderer(ctx, upstream: dict) -> Renderer:
+    """full: the published pipeline folder; lora: the base pipeline with the LoRA weights loaded, as a user would."""
     final = models.artifact_dir(ctx, upstream["train"]) / upstream["train"].final
     if upstream["train"].mode == "lora":
-        return Renderer.load(models.family(cfg), models.model_dir(ctx), dev, models.dtype(cfg, dev), lora=final)
-    return Renderer.load(models.family(cfg), final, dev, models.dtype(cfg, dev))
+        return load_renderer(ctx, models.model_dir(ctx), lora=final)
+    return load_renderer(ctx, final)
 
 
 def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
@@ -38,7 +49,6 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
 def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
     """The demo's class-separation accuracy for the trained and the untrained model, same seeds and settings."""
     cfg, lat = ctx.cfg, upstream["latents"]
-    dev = models.device(cfg)
     width, height = render_size_for(cfg, aspect=1.0)
     shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
     scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
@@ -53,7 +63,7 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
                         cfg.model.family)
         return {}
     ctx.reporter.progress("validate-progress", 0.75, "learning check: trained model done")
-    base = Renderer.load(models.family(cfg), models.model_dir(ctx), dev, models.dtype(cfg, dev))
+    base = load_renderer(ctx, models.model_dir(ctx))
     facts = {"class_separation_accuracy": trained_acc,
              "untrained_class_separation_accuracy": learning_check(base, means, cfg, (width, height))}
     ctx.log.info("learning check: trained %.2f, untrained %.2f", facts["class_separation_accuracy"],

@@ -17,6 +17,7 @@ from PIL import Image
 from schemas.families import facts as family_facts
 from stages.common.sizing import render_size
 from stages.families.common import unwrap
+from stages.text.prompts import batch_of, encode_prompts
 
 MAX_BATCH = 16  # samples per pipeline call (x2 with classifier-free guidance)
 
@@ -31,21 +32,26 @@ class Sample:
 class Renderer:
     """A loaded pipeline + live text encoders. Build it with `Renderer.load`."""
 
-    def __init__(self, fam, pipe, encoders, device: torch.device, autocast: torch.dtype | None = None):
+    def __init__(self, fam, pipe, encoders, device: torch.device, autocast: torch.dtype | None = None,
+                 prompt_cache: tuple[Path, str] | None = None):
         self.fam, self.pipe, self.enc, self.device, self.autocast = fam, pipe, encoders, device, autocast
+        self.prompt_cache = prompt_cache
 
     @classmethod
     def load(cls, fam, model_dir: Path, device: torch.device, dtype: torch.dtype, *, lora: Path | None = None,
-             denoiser: torch.nn.Module | None = None, autocast: torch.dtype | None = None) -> "Renderer":
+             denoiser: torch.nn.Module | None = None, autocast: torch.dtype | None = None,
+             max_length: int | None = None, prompt_cache: tuple[Path, str] | None = None) -> "Renderer":
         """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
-        in place of the folder's own."""
+        in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
+        `prompt_cache` = (file, key): encoded prompts kept across runs (stages/text/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device)
         if lora is not None:
             pipe.load_lora_weights(lora)
         if denoiser is not None:
             swap_denoiser(pipe, unwrap(denoiser))
         pipe.set_progress_bar_config(disable=True)
-        return cls(fam, pipe, fam.load_text_encoders(model_dir, dtype, device), device, autocast)
+        encoders = fam.load_text_encoders(model_dir, dtype, device, max_length=max_length)
+        return cls(fam, pipe, encoders, device, autocast, prompt_cache)
 
     def render(self, samples: Sequence[Sample], width: int, height: int, steps: int, guidance: float,
                output_type: str = "pil") -> list:
@@ -66,9 +72,12 @@ class Renderer:
               output_type: str) -> list:
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with torch.no_grad(), amp:
-            text = self.fam.encode_text(self.enc, [s.prompt for s in batch])
-            neg = self.fam.encode_text(self.enc, [s.negative_prompt for s in batch]) if batch[0].negative_prompt \
-                else None
+            prompts = [s.prompt for s in batch]
+            negatives = [s.negative_prompt for s in batch] if batch[0].negative_prompt else []
+            file, key = self.prompt_cache or (None, "")
+            encoded = encode_prompts(self.fam, self.enc, prompts + negatives, cache=file, key=key)
+            text = batch_of(encoded, prompts, self.device)
+            neg = batch_of(encoded, negatives, self.device) if negatives else None
             gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
             images = self.pipe(**self.fam.prompt_kwargs(text, neg), width=width, height=height,
                                num_inference_steps=steps, guidance_scale=guidance, generator=gens,

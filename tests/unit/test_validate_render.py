@@ -80,3 +80,22 @@ def test_loss_curve_png_and_grid():
     assert smooth([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
     tiles = [Image.new("RGB", (8, 8), c) for c in ("red", "blue", "green")]
     assert grid(tiles, cols=2).size == (16, 16)
+
+
+def test_prompts_encoded_at_training_length_and_cached(renderer, tmp_path):
+    """Validation conditions like training (text.max_length) and keeps encodings under their key."""
+    _, model_dir = renderer
+    fam = get_family("tiny")
+    cache = tmp_path / "prompts.safetensors"
+    short = Renderer.load(fam, model_dir, CPU, torch.float32, max_length=8, prompt_cache=(cache, "k8"))
+    assert short.enc.max_length == 8
+    samples = [Sample("a red square", "a blue circle", 2)]
+    first = _latents(short, samples)
+    from stages.text.prompts import load_prompts
+
+    stored = load_prompts(cache, "k8")
+    assert set(stored) == {"a red square", "a blue circle"}
+    assert stored["a red square"]["prompt_embeds"].shape[1] == 8
+    assert load_prompts(cache, "other-key") == {}
+    again = Renderer.load(fam, model_dir, CPU, torch.float32, max_length=8, prompt_cache=(cache, "k8"))
+    torch.testing.assert_close(_latents(again, samples), first)
