@@ -1,6 +1,6 @@
 """Fault injection on demand: >= 10 SIGKILLs per stage, then a rerun; prints the counts and the pass fraction.
 
-    .venv/bin/python bench/faults.py            # 10 kills per stage (about 20-30 min on 2 busy cores)
+    .venv/bin/python bench/faults.py            # 10 kills per stage (about 15 min on 2 cores)
     TUNELINE_FAULT_KILLS=20 TUNELINE_FAULT_SEED=3 .venv/bin/python bench/faults.py
 
 Each trial is one `tuneline run` of a tiny config on a shared workdir, SIGKILLed as a whole process group at a

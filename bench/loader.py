@@ -77,7 +77,7 @@ def run_ours(reader: LatentReader, plan) -> int:
 
 
 def load_pt(root: Path, bucket: str, rows) -> torch.Tensor:
-    return torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt") for r in rows]).float()
+    return torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt", weights_only=True) for r in rows]).float()
 
 
 def load_npz(root: Path, bucket: str, rows) -> torch.Tensor:

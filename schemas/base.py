@@ -39,3 +39,4 @@ class Manifest(BaseModel):
     config: dict = Field(default_factory=dict, description="the effective stage config that was fingerprinted")
     inputs: dict = Field(default_factory=dict, description="input fingerprints (e.g. dataset listing, model identity)")
     files: list[FileEntry] = Field(default_factory=list)
+    digest: str = Field("", description="SHA-256 of this manifest without this field, set when published")

@@ -40,8 +40,10 @@ class TrainConfig(Strict):
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`); the "
                                   "last step is always checkpointed")
     keep_checkpoints: int = Field(2, ge=1, description="keep the last K checkpoints")
-    resume: str | None = Field(None, description="latest = the newest checkpoint of this run (an error if there is "
-                               "none); a path = that checkpoint directory; null = start from the base model")
+    resume: str | None = Field("auto", description="auto = continue this run's newest checkpoint if an interrupted "
+                               "attempt left one, else start from the base model; latest = the newest checkpoint "
+                               "of this run (an error if there is none); a path = that checkpoint directory; "
+                               "null = start from the base model")
     validate_every: int = Field(0, ge=0, description="render the validation prompts every N steps during training "
                                 "(rank 0; shrinks to fit `steps`); 0 = off")
     processes: int = Field(2, ge=1, description="DDP processes per node (torchrun --nproc_per_node)")
@@ -58,7 +60,7 @@ class TrainConfig(Strict):
         if self.node_rank >= self.nodes:
             raise ValueError(f"train.node_rank {self.node_rank} must be < train.nodes {self.nodes}")
         if self.resume is not None and not self.resume.strip():
-            raise ValueError("train.resume: use latest, a checkpoint directory, or null")
+            raise ValueError("train.resume: use auto, latest, a checkpoint directory, or null")
         return self
 
     # Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits).

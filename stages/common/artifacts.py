@@ -5,6 +5,7 @@ A version directory exists only once complete: stages build in `artifacts/<stage
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from schemas.base import MANIFEST_SCHEMA_VERSION, FileEntry, Manifest
-from stages.common.hashing import file_sha256
+from stages.common.hashing import canonical_json, file_sha256
 
 M = TypeVar("M", bound=Manifest)
 
@@ -63,29 +64,13 @@ class ArtifactStore:
 
     # Reading ---------------------------------------------------------------------------------
     def read(self, path: Path, cls: type[M], *, full: bool = False) -> M:
-        """Parse and verify a published version: schema version, stage, fingerprint = directory name, files."""
+        """Parse and verify a published version: manifest (schema version, own digest, fields, location), files."""
         path = Path(path)
         stage = path.parent.name
         mpath = path / MANIFEST
         if not mpath.is_file():
             raise ArtifactError(f"artifact {path} has no {MANIFEST}: it is not a published version; {fix_hint(stage)}")
-        try:
-            raw = json.loads(mpath.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ArtifactError(f"artifact {path}: {MANIFEST} is not valid JSON ({err}); {fix_hint(stage)}") from None
-        sv = raw.get("schema_version") if isinstance(raw, dict) else None
-        if sv != MANIFEST_SCHEMA_VERSION:
-            raise ArtifactError(f"artifact {path}: manifest schema_version {sv!r} is not one this tuneline knows "
-                                f"({MANIFEST_SCHEMA_VERSION}); {fix_hint(stage)}")
-        try:
-            manifest = cls.model_validate(raw)
-        except ValidationError as err:
-            first = err.errors()[0]
-            loc = ".".join(str(x) for x in first["loc"])
-            raise ArtifactError(f"artifact {path}: manifest field {loc}: {first['msg']}; {fix_hint(stage)}") from None
-        if manifest.stage != stage or manifest.fingerprint != path.name:
-            raise ArtifactError(f"artifact {path}: manifest says stage {manifest.stage!r} version "
-                                f"{manifest.fingerprint!r}, which is not where it lies; {fix_hint(stage)}")
+        manifest = parse_manifest(mpath.read_bytes(), f"artifact {path}", stage, path.name, cls, fix_hint(stage))
         self._verify_files(path, manifest, full=full)
         return manifest
 
@@ -117,9 +102,11 @@ class ArtifactStore:
         stage, version = manifest.stage, manifest.fingerprint
         final = self.version_dir(stage, version)
         manifest.files = list_files(work)
+        data = manifest.model_dump(mode="json")
+        data["digest"] = manifest_digest(data)
         mpath = work / MANIFEST
         tmp = work / f".{MANIFEST}.tmp"
-        tmp.write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
         fsync_file(tmp)
         os.replace(tmp, mpath)
         _fsync_dir(work)
@@ -149,6 +136,41 @@ class ArtifactStore:
 
     def clear_failure(self, stage: str) -> None:
         (self.stage_dir(stage) / FAILURE).unlink(missing_ok=True)
+
+
+def manifest_digest(data: dict) -> str:
+    """SHA-256 of a manifest's content without its own `digest` field: an edited fact is caught on read even
+    though the files it lists are intact."""
+    return hashlib.sha256(canonical_json({k: v for k, v in data.items() if k != "digest"}).encode()).hexdigest()
+
+
+def parse_manifest(raw: bytes, where: str, stage: str, version: str, cls: type[M] | None, hint: str):
+    """Check manifest bytes found at `where` for <stage>/<version>: JSON, schema version, own digest, location,
+    and (with `cls`) every field. Returns the model, or the checked dict when `cls` is None."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{where}: {MANIFEST} is not valid JSON ({err}); {hint}") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{where}: {MANIFEST} is not a JSON object; {hint}")
+    sv = data.get("schema_version")
+    if sv != MANIFEST_SCHEMA_VERSION:
+        raise ArtifactError(f"{where}: manifest schema_version {sv!r} is not one this tuneline knows "
+                            f"({MANIFEST_SCHEMA_VERSION}); {hint}")
+    if data.get("digest") != manifest_digest(data):
+        raise ArtifactError(f"{where}: {MANIFEST} does not match its own digest (edited after it was published); "
+                            f"{hint}")
+    if data.get("stage") != stage or data.get("fingerprint") != version:
+        raise ArtifactError(f"{where}: manifest says stage {data.get('stage')!r} version {data.get('fingerprint')!r}, "
+                            f"which is not where it lies; {hint}")
+    if cls is None:
+        return data
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ArtifactError(f"{where}: manifest field {loc}: {first['msg']}; {hint}") from None
 
 
 def safe_join(root: Path, rel: str) -> Path:

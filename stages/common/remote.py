@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
-from pydantic import ValidationError
 
-from schemas.base import MANIFEST_SCHEMA_VERSION
-from stages.common.artifacts import MANIFEST, ArtifactStore, M, safe_join
+from stages.common.artifacts import MANIFEST, ArtifactError, ArtifactStore, M, parse_manifest, safe_join
 from stages.common.hashing import file_sha256
 
 OPTIONS_ENV = "TUNELINE_REMOTE_OPTIONS"
@@ -136,11 +134,7 @@ def read_remote_manifest(url: str, cls: type[M], options: dict[str, Any] | None 
         raw = fs.cat_file(f"{root}/{MANIFEST}")
     except FileNotFoundError:
         raise _unpublished(url) from None
-    try:
-        manifest = cls.model_validate(_load_manifest(raw, url, stage, version))
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise RemoteError(f"{url}/{MANIFEST}: field {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    manifest = _load_manifest(raw, url, stage, version, cls)
     sizes = {path[len(root) + 1:]: info["size"] for path, info in fs.find(root, detail=True).items()}
     for entry in manifest.files:
         got = sizes.get(entry.path)
@@ -156,20 +150,12 @@ def _unpublished(where: str) -> RemoteError:
                        f"interrupted; push it again from the machine that built it (`tuneline remote push`)")
 
 
-def _load_manifest(raw: bytes, where: str, stage: str, version: str) -> dict:
+def _load_manifest(raw: bytes, where: str, stage: str, version: str, cls: type[M] | None = None):
+    """The store's own manifest checks, reported as a remote problem."""
     try:
-        m = json.loads(raw)
-    except ValueError as err:
-        raise RemoteError(f"{where}/{MANIFEST} is not valid JSON ({err})") from None
-    if not isinstance(m, dict):
-        raise RemoteError(f"{where}/{MANIFEST} is not a JSON object")
-    if m.get("schema_version") != MANIFEST_SCHEMA_VERSION:
-        raise RemoteError(f"{where}/{MANIFEST}: schema_version {m.get('schema_version')!r} is not one this "
-                          f"tuneline knows ({MANIFEST_SCHEMA_VERSION})")
-    if m.get("stage") != stage or m.get("fingerprint") != version:
-        raise RemoteError(f"{where}/{MANIFEST} says stage {m.get('stage')!r} version {m.get('fingerprint')!r}, "
-                          f"which is not where it lies")
-    return m
+        return parse_manifest(raw, where, stage, version, cls, "push it again from the machine that built it")
+    except ArtifactError as err:
+        raise RemoteError(str(err)) from None
 
 
 def _check_file(path: Path, entry: dict, where: str) -> None:

@@ -25,7 +25,7 @@ def _config(cfg) -> dict:
 def _inputs(ctx) -> dict:
     out = {"denoiser": models.identity(ctx, "denoiser")}
     resume = ctx.cfg.train.resume
-    if resume not in (None, "latest"):
+    if resume not in (None, "latest", "auto"):
         # Continuing from another run's checkpoint makes a different result than this run's own history.
         state = ctx.cfg.resolve(resume) / "state.json"
         out["resume"] = file_sha256(state) if state.is_file() else f"missing: {state}"
@@ -44,6 +44,14 @@ def _check(ctx, upstream) -> None:
         raise ArtifactError(f"latents {lat.fingerprint} holds {lat.latent_channels}-channel {lat.family} latents, "
                             f"model.family {fam.facts.name} needs {fam.facts.latent_channels}; run "
                             f"`tuneline stage latents --force`")
+    # Open the cache the way every rank will (index, shapes, dtypes, chunking) so a damaged one is refused here,
+    # with the reader's message, before any training process starts.
+    from stages.latents.reader import LatentReader, ReaderError
+
+    try:
+        LatentReader(models.artifact_dir(ctx, lat), lat)
+    except (ReaderError, ValueError) as err:
+        raise ArtifactError(str(err)) from None
 
 
 def _build(ctx, work, upstream):

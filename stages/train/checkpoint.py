@@ -102,6 +102,9 @@ def resolve(resume: str | None, root: Path, workdir: Path) -> Path | None:
     """The checkpoint directory train.resume names; a missing target is an error, never a fresh start."""
     if resume is None:
         return None
+    if resume == "auto":  # continue an interrupted attempt of this same run if there is one
+        found = listed(root)
+        return found[-1][1] if found else None
     if resume == "latest":
         found = listed(root)
         if not found:

@@ -20,10 +20,10 @@ from schemas.latents import LatentsManifest
 from schemas.scan import ImageRecord, ScanManifest
 from schemas.text import TextManifest
 from stages.common import models
-from stages.common.artifacts import ArtifactStore
+from stages.common.artifacts import ArtifactError, ArtifactStore
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.families.registry import get_family
-from stages.latents.reader import LatentReader
+from stages.latents.reader import LatentReader, ReaderError
 from stages.text.live import open_text
 from stages.train.checkpoint import CheckpointError
 from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
@@ -129,17 +129,19 @@ def downsample(values: list[float], points: int) -> list[float]:
 def main(argv: list[str]) -> None:
     worker_guard()
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-    run = setup(spec)
     try:
+        run = setup(spec)
         finish(run, fit(run))
-    except (NonFiniteLoss, CheckpointError, ValueError) as err:
-        # Every rank reaches the same verdict (losses are all-gathered, checkpoints read alike); rank 0 reports it.
-        if run.rank == 0:
-            (run.out / ERROR).write_text(json.dumps({"error": str(err)}), encoding="utf-8")
+    except (NonFiniteLoss, CheckpointError, ArtifactError, ReaderError, ValueError) as err:
+        # Every rank reaches the same verdict (losses are all-gathered, manifests and checkpoints read alike);
+        # rank 0 reports it so the stage's error names the cause instead of torchrun's exit code.
+        if int(os.environ.get("RANK", "0")) == 0:
+            (Path(spec["out_dir"]) / ERROR).write_text(json.dumps({"error": str(err)}), encoding="utf-8")
         print(f"training stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -38,11 +38,8 @@ def small_config(data_dir: Path, **overrides) -> dict:
                          check=True)
     cfg = yaml.safe_load(out.stdout)
     cfg["dataset"].update(path=str(data_dir), demo=True)
-    # ops.train_concurrency: a killed training keeps its Prefect concurrency slot (see test_faults.py's xfail);
-    # with the default of 1, every rerun after a kill would wait for that slot.
     settings = {"train.steps": 12, "train.processes": 2, "train.checkpoint_every": 3,
-                "validate.learning_check": False, "validate.steps": 2, "latents.block_rows": 8,
-                "ops.train_concurrency": 64} | overrides
+                "validate.learning_check": False, "validate.steps": 2, "latents.block_rows": 8} | overrides
     for dotted, value in settings.items():
         section, key = dotted.split(".", 1)
         if key in cfg.get(section, {}):  # keys come and go while stages evolve; set only those that exist

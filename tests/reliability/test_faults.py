@@ -41,9 +41,6 @@ def test_training_workers_were_alive_at_a_kill_and_died_with_it(kill_walk):
     assert not [p for k in killed for p in k.problems if "still running" in p]
 
 
-@pytest.mark.xfail(strict=True, reason="flows/limits.py: a SIGKILLed training keeps its `tuneline-train` "
-                   "global concurrency slot (a 300 s lease, no dead-holder check); with the default "
-                   "ops.train_concurrency 1 the next train waits 5 min on a server, forever on the ephemeral one")
 def test_killed_training_releases_its_concurrency_slot(kill_walk, prefect_env):
     assert any(k.landed == "train" for k in kill_walk.kills)
     assert fl.train_slots(prefect_env) == 0

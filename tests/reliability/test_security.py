@@ -15,8 +15,7 @@ from tests.reliability.faultlib import ROOT, cli_args
 SOURCE_DIRS = ("flows", "stages", "schemas", "bench", "infra", "tests")
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "shelve", "marshal", "joblib", "cloudpickle"}
 # Files with a known finding, routed to their owner (strict: the test fails once the file is fixed).
-KNOWN = {"bench/loader.py": "torch.load without weights_only=True (bench/loader.py:80, loading its own .pt "
-                            "reference files): pass weights_only=True"}
+KNOWN: dict[str, str] = {}  # source path -> known unsafe call (strict xfail); none open
 
 
 def _sources() -> list[str]:

@@ -84,16 +84,8 @@ def missing_upstream(w: Path) -> tuple[str, str]:
 
 CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksum_mismatch, future_schema,
          missing_upstream]
-BUGS = {
-    "edited_count": "stages/train/worker.py:128 calls setup() outside its try, so the LatentReader's refusal "
-                    "(ReaderError naming the latents artifact and `tuneline stage latents --force`) dies inside "
-                    "torchrun; launch.failure_message then shows torchrun's footer only",
-}
-
-
-MANIFEST_EDITS = "a manifest has no integrity check of its own (ArtifactStore.read verifies the files it lists, " \
-                 "not manifest.json): an edited fact goes unnoticed until a consumer happens to check that fact"
-STATUS_BUGS = {"edited_fact": MANIFEST_EDITS, "edited_count": MANIFEST_EDITS}
+BUGS: dict[str, str] = {}  # case -> known bug (strict xfail); none open
+STATUS_BUGS: dict[str, str] = {}
 
 
 def _cases(bugs: dict[str, str]) -> list:
