@@ -44,6 +44,9 @@ class TrainConfig(Strict):
                                "attempt left one, else start from the base model; latest = the newest checkpoint "
                                "of this run (an error if there is none); a path = that checkpoint directory; "
                                "null = start from the base model")
+    init_from: Literal["base", "previous"] = Field("base", description="base = start from the model's weights; "
+                                                   "previous = from the newest train version trained on other data "
+                                                   "(scheduled retraining continues the last model; full mode)")
     validate_every: int = Field(0, ge=0, description="render the validation prompts every N steps during training "
                                 "(rank 0; shrinks to fit `steps`); 0 = off")
     processes: int = Field(2, ge=1, description="DDP processes per node (torchrun --nproc_per_node)")
@@ -61,6 +64,9 @@ class TrainConfig(Strict):
             raise ValueError(f"train.node_rank {self.node_rank} must be < train.nodes {self.nodes}")
         if self.resume is not None and not self.resume.strip():
             raise ValueError("train.resume: use auto, latest, a checkpoint directory, or null")
+        if self.init_from == "previous" and self.mode == "lora":
+            raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
+                             "train.mode lora use init_from base")
         return self
 
     # Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits).
@@ -93,4 +99,5 @@ class TrainManifest(Manifest):
     samples: list[str] = Field(default_factory=list, description="in-training validation grids")
     loss_curve: str = "loss.png"
     resumed_from: str | None = None
+    initialized_from: str | None = Field(None, description="train version whose weights this run started from")
     losses: list[float] = Field(default_factory=list, description="loss per step (at most 500 points, averaged)")

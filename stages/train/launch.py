@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from schemas.train import TrainManifest
 from stages.common import models
 from stages.train import checkpoint as ckpt
 from stages.train.hooks import CHECKPOINTS
@@ -39,11 +40,26 @@ def resume_target(ctx, work: Path) -> Path | None:
     return target
 
 
-def write_spec(ctx, work: Path, upstream: dict, resume: Path | None) -> Path:
+def previous_model(ctx, upstream: dict) -> tuple[Path, str | None]:
+    """The pipeline folder training starts from: the base model, or with train.init_from previous the newest
+    published full fine-tune trained on other data (a rerun on the same data must not stack on itself)."""
+    if ctx.cfg.train.init_from != "previous":
+        return models.model_dir(ctx), None
+    current = {name: m.fingerprint for name, m in upstream.items()}
+    for path in reversed(ctx.store.versions("train")):
+        m = ctx.store.read(path, TrainManifest)
+        if m.mode == "full" and m.upstream != current:
+            ctx.log.info("train: starting from the weights of train version %s", m.fingerprint)
+            return path / m.final, m.fingerprint
+    ctx.log.info("train: init_from previous, but no earlier full fine-tune exists; starting from the base model")
+    return models.model_dir(ctx), None
+
+
+def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: Path) -> Path:
     """Everything a worker needs, by path: each rank re-reads and re-verifies the same manifests."""
     spec = {
         "config": ctx.cfg.dump(),
-        "model_dir": str(models.model_dir(ctx)),
+        "model_dir": str(model_dir),
         "out_dir": str(work),
         "upstream": {name: str(models.artifact_dir(ctx, m)) for name, m in upstream.items()},
         "resume": str(resume) if resume else None,
@@ -122,7 +138,8 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     for name in (RESULT, ERROR):
         (work / name).unlink(missing_ok=True)
     resume = resume_target(ctx, work)
-    spec = write_spec(ctx, work, upstream, resume)
+    model_dir, initialized_from = previous_model(ctx, upstream)
+    spec = write_spec(ctx, work, upstream, resume, model_dir)
     run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
     result_path = work / RESULT
     if not result_path.is_file():
@@ -130,6 +147,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     result = json.loads(result_path.read_text(encoding="utf-8"))
     result_path.unlink()
     spec.unlink()
+    result["initialized_from"] = initialized_from
     report(ctx, work, result)
     return result
 

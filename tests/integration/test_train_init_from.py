@@ -1,0 +1,47 @@
+"""train.init_from previous: scheduled retraining on new data continues the last model, not the base one."""
+from __future__ import annotations
+
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from schemas.train import TrainManifest
+from stages.common.stage import StageContext, status
+from stages.pipeline import PIPELINE
+from tests.integration.test_train_support import build_upstream, small_config, train
+
+
+def _unet(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(next((folder / "unet").glob("*.safetensors"))))
+
+
+def test_init_from_previous_continues_the_last_model_on_new_data(tmp_path):
+    cfg = small_config(tmp_path / "w", {"steps": 2, "processes": 1, "init_from": "previous"})
+    first = train_after(cfg)
+    m1 = StageContext(cfg).store.read(first, TrainManifest)
+    assert m1.initialized_from is None  # nothing earlier: the base model
+
+    # Same data again: fresh, nothing stacks on itself.
+    assert {r.stage: r.state for r in status(StageContext(cfg), PIPELINE)}["train"] == "fresh"
+
+    # New data: the next run starts from the first run's weights. A learning rate too small to move them
+    # shows where it started.
+    data = cfg.resolve(cfg.dataset.path)
+    src = sorted(data.glob("*.png"))[0]
+    shutil.copy(src, data / "extra.png")
+    (data / "extra.txt").write_text("a red square extra")
+    cfg2 = small_config(tmp_path / "w", {"steps": 2, "processes": 1, "init_from": "previous",
+                                         "learning_rate": 1e-12})
+    second = train_after(cfg2)
+    m2 = StageContext(cfg2).store.read(second, TrainManifest)
+    assert m2.initialized_from == m1.fingerprint
+    after, before = _unet(second / "final"), _unet(first / "final")
+    base = _unet(StageContext(cfg).workdir / "models" / "tiny-tiny-r2")
+    name = next(k for k in after if not torch.equal(before[k], base[k]))
+    torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6)
+
+
+def train_after(cfg):
+    build_upstream(cfg)
+    return train(cfg)
