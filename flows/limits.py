@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 TRAIN_LIMIT = "tuneline-train"
 # Slots are leases the holder renews while it trains; a killed holder's slot frees itself after this long.
-LEASE_SECONDS = 30.0
+LEASE_SECONDS = 60.0  # the server refuses leases shorter than a minute
 
 
 def ensure_train_limit(limit: int, *, update: bool) -> None:

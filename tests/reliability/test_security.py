@@ -102,11 +102,16 @@ def test_yaml_python_tags_are_refused_and_never_run(tmp_path, payload):
 @pytest.mark.parametrize("entry", ["../../../../../../etc/passwd", "/etc/passwd", "a/../../../outside.txt"])
 def test_manifest_file_entry_cannot_escape_the_artifact(tmp_path, entry):
     from schemas.base import Manifest
-    from stages.common.artifacts import ArtifactError, ArtifactStore
+    from stages.common.artifacts import ArtifactError, ArtifactStore, manifest_digest
 
     art = _fake_artifact(tmp_path)
     m = json.loads((art / "manifest.json").read_text())
     m["files"].append({"path": entry, "bytes": 1, "sha256": "0" * 64})
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="does not match its own digest"):
+        ArtifactStore(tmp_path / "w").read(art, Manifest)
+    # Even a forger who recomputes the digest cannot make the store read outside the artifact.
+    m["digest"] = manifest_digest(m)
     (art / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="outside"):
         ArtifactStore(tmp_path / "w").read(art, Manifest)
