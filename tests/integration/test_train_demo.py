@@ -1,9 +1,5 @@
-"""The demo's training and validation for real: the demo config (full fine-tune, 2 gloo processes, the learning
-check on), one run shared by every test here, then stock diffusers loading the result.
-
-The model is a calibrated copy of the tiny flavor (test_train_support.calibrated_tiny): the shipped tiny VAE's
-latents are too small and too noisy to learn from in a demo's budget until the family adapter calibrates it.
-"""
+"""The demo's training and validation for real, in process: the demo config (full fine-tune, 2 gloo processes, the
+learning check on), one run shared by every test here, then stock diffusers loading the result."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +14,7 @@ from stages.common.jsonl import read_jsonl
 from stages.common.stage import StageContext, run_stage
 from stages.pipeline import PIPELINE
 from stages.scan.demo import write_demo_dataset
-from tests.integration.test_train_support import RecordingReporter, calibrated_tiny
+from tests.integration.test_train_support import RecordingReporter
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +22,8 @@ def demo(tmp_path_factory):
     wd = tmp_path_factory.mktemp("demo")
     data = copy.deepcopy(DEMO_CONFIG)
     data["workdir"] = str(wd)
-    images = wd / data["dataset"]["path"]
-    write_demo_dataset(images)
-    model = calibrated_tiny(wd / "tiny-calibrated", sorted(images.glob("*.png")))
-    data["model"] = {**data["model"], "path": str(model)}
     cfg = parse_config(data)
+    write_demo_dataset(cfg.resolve(cfg.dataset.path))
     reporter = RecordingReporter()
     ctx = StageContext(cfg, reporter=reporter)
     paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in PIPELINE}

@@ -1,20 +1,14 @@
 """Helpers shared by the train/validate integration tests (this module holds no tests): small demo-based configs,
-the upstream caches, a calibrated copy of the tiny model, one stage at a time through the real stage runner."""
+the upstream caches, one stage at a time through the real stage runner."""
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
-
-import numpy as np
-import torch
-from PIL import Image
 
 from schemas.config import PipelineConfig, parse_config
 from schemas.demo import DEMO_CONFIG
 from stages.common.stage import StageContext, run_stage
 from stages.common.report import Reporter
-from stages.families.registry import get_family
 from stages.pipeline import PIPELINE, stage
 from stages.scan.demo import write_demo_dataset
 
@@ -56,31 +50,3 @@ def build_upstream(cfg: PipelineConfig, reporter: Reporter | None = None) -> Sta
 
 def train(cfg: PipelineConfig, reporter: Reporter | None = None) -> Path:
     return run_stage(StageContext(cfg, reporter=reporter or Reporter()), stage("train"), PIPELINE)[0]
-
-
-def calibrated_tiny(out: Path, images: list[Path]) -> Path:
-    """A copy of the tiny flavor whose random-init VAE is calibrated the way a trained VAE is: a near-deterministic
-    posterior (log-variance bias -12) and the scaling factor that gives the latent means of `images` unit std.
-
-    The shipped tiny VAE keeps SD's 0.18215, which leaves its latents at std ~0.03 with posterior noise 5x the
-    image signal, and diffusion training on that barely learns in a demo's budget (see the report on issue 6)."""
-    from diffusers import AutoencoderKL
-
-    base = get_family("tiny").ensure_model(None, out.parent / "models")
-    shutil.copytree(base, out)
-    vae = AutoencoderKL.from_pretrained(out, subfolder="vae")
-    c = vae.config.latent_channels
-    with torch.no_grad():
-        vae.quant_conv.weight[c:] = 0
-        vae.quant_conv.bias[c:] = -12.0
-        pixels = torch.stack([_pixels(p) for p in images])
-        means = vae.encode(pixels).latent_dist.mean
-    vae.register_to_config(scaling_factor=float(1.0 / means.std()))
-    shutil.rmtree(out / "vae")
-    vae.save_pretrained(out / "vae", safe_serialization=True)
-    return out
-
-
-def _pixels(path: Path) -> torch.Tensor:
-    img = Image.open(path).convert("RGB").resize((64, 64))
-    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)

@@ -142,7 +142,10 @@ def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, 
         return None if proc.returncode == 0 else Kill(target, delay, problems=[
             f"run ended (exit {proc.returncode}) without reaching {target} within 900 s; see {log}"])
     if after_progress:
-        watch(600, lambda stage: stage != target or _has_progress(workdir, target))
+        # Until the stage records finished work, or publishes (it finished first). Not "the lock holder changed":
+        # between two lock polls the holder can read as nobody while the stage is still running.
+        published = fl.published(workdir, target)
+        watch(600, lambda stage: _has_progress(workdir, target) or fl.published(workdir, target) != published)
     watch(delay)
     fl.remember_tree(proc.pid, seen)
     kill.landed = _in_stage(workdir, proc.pid)
@@ -192,7 +195,7 @@ def walk(workdir: Path, config: Path, env: dict, kills_per_stage: int, seed: int
             # Every second kill of a stage that records progress waits for its first block/checkpoint, so each
             # walk checks that a rerun keeps finished work; the others are spread over the whole stage.
             at_progress = stage in ("latents", "train") and result.aimed(stage) % 2 == 1
-            span = 0.5 if at_progress else observed.get(stage, durations[stage])
+            span = 0.05 if at_progress else observed.get(stage, durations[stage])  # small builds finish fast
             delay = round(rng.uniform(0, span), 2)
             k = kill_run(workdir, config_for(workdir, config), stage, delay, env, log, observed, at_progress)
             result.runs += 1
