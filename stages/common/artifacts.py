@@ -75,18 +75,10 @@ class ArtifactStore:
         return manifest
 
     def _verify_files(self, path: Path, manifest: Manifest, *, full: bool) -> None:
-        stage = manifest.stage
         for entry in manifest.files:
-            f = safe_join(path, entry.path)
-            if not f.is_file():
-                raise ArtifactError(f"artifact {path}: file {entry.path} is missing; {fix_hint(stage)}")
-            size = f.stat().st_size
-            if size != entry.bytes:
-                raise ArtifactError(f"artifact {path}: file {entry.path} has {size} bytes, the manifest says "
-                                    f"{entry.bytes} (truncated or edited); {fix_hint(stage)}")
-            if (full or size <= HASH_ON_READ_LIMIT) and file_sha256(f) != entry.sha256:
-                raise ArtifactError(f"artifact {path}: file {entry.path} does not match its checksum (edited or "
-                                    f"corrupt); {fix_hint(stage)}")
+            problem = file_problem(safe_join(path, entry.path), entry, always_hash=full)
+            if problem:
+                raise ArtifactError(f"artifact {path}: {problem}; {fix_hint(manifest.stage)}")
 
     # Writing ---------------------------------------------------------------------------------
     def start(self, stage: str, version: str, *, resume: bool = True) -> Path:
@@ -179,6 +171,18 @@ def safe_join(root: Path, rel: str) -> Path:
     if not p.is_relative_to(root.resolve()):
         raise ArtifactError(f"path {rel!r} in {root} points outside it; refusing to read it")
     return p
+
+
+def file_problem(path: Path, entry: FileEntry, *, always_hash: bool, checksum: str = "checksum") -> str | None:
+    """What is wrong with one listed file, or None. Size always; checksum for small files or when asked."""
+    if not path.is_file():
+        return f"file {entry.path} is missing"
+    size = path.stat().st_size
+    if size != entry.bytes:
+        return f"file {entry.path} has {size} bytes, the manifest says {entry.bytes} (truncated or edited)"
+    if (always_hash or size <= HASH_ON_READ_LIMIT) and file_sha256(path) != entry.sha256:
+        return f"file {entry.path} does not match its {checksum} (edited or corrupt)"
+    return None
 
 
 def list_files(root: Path) -> list[FileEntry]:

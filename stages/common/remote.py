@@ -18,8 +18,9 @@ from typing import Any
 
 import fsspec
 
-from stages.common.artifacts import MANIFEST, ArtifactError, ArtifactStore, M, parse_manifest, safe_join
-from stages.common.hashing import file_sha256
+from schemas.base import FileEntry
+from stages.common.artifacts import (MANIFEST, ArtifactError, ArtifactStore, M, file_problem, parse_manifest,
+                                     safe_join)
 
 OPTIONS_ENV = "TUNELINE_REMOTE_OPTIONS"
 
@@ -159,8 +160,8 @@ def _load_manifest(raw: bytes, where: str, stage: str, version: str, cls: type[M
 
 
 def _check_file(path: Path, entry: dict, where: str) -> None:
-    size = path.stat().st_size if path.is_file() else -1
-    if size != entry["bytes"]:
-        raise RemoteError(f"{where}: file {entry['path']} has {size} bytes, its manifest says {entry['bytes']}")
-    if file_sha256(path) != entry["sha256"]:
-        raise RemoteError(f"{where}: file {entry['path']} does not match its SHA-256 checksum (corrupt or edited)")
+    """The store's own per-file check (size, then SHA-256 always), reported as a remote problem."""
+    problem = file_problem(path, FileEntry.model_validate(entry), always_hash=True,
+                           checksum="SHA-256 checksum")
+    if problem:
+        raise RemoteError(f"{where}: {problem}")
