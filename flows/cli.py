@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -22,12 +24,29 @@ ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config; omitted 
 WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", help="overrides the config's workdir")]
 
 
+# The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
+_invocation: dict[str, str | None] = {"config": None, "workdir": None}
+FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+)*)`")
+
+
+def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
+    """Make every `tuneline run|stage …` a message names runnable as printed from this directory: it gets the
+    CONFIG and --workdir of the command that failed (CONTRACT.md)."""
+    def complete(m: re.Match) -> str:
+        args = [m.group(1)] + ([shlex.quote(config)] if config else []) + ([m.group(2).strip()] if m.group(2) else [])
+        args += [f"--workdir {shlex.quote(workdir)}"] if workdir else []
+        return "`tuneline " + " ".join(args) + "`"
+
+    return FIX_COMMAND.sub(complete, msg)
+
+
 def _fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
+    typer.echo(f"error: {with_invocation(msg, _invocation['config'], _invocation['workdir'])}", err=True)
     raise typer.Exit(1)
 
 
 def _load(config: Path | None, workdir: str | None) -> PipelineConfig:
+    _invocation.update(config=None if config is None else str(config), workdir=workdir)
     try:
         return load_config(config, workdir)
     except ConfigError as err:

@@ -1,9 +1,19 @@
 """Building blocks shared by configs and manifests."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True)
+class ConfigPath:
+    """Marks a config field holding a filesystem path (`Annotated[str | None, ConfigPath()]`): relative values are
+    made absolute against the workdir once, when the config is loaded (schemas.config.resolve_paths). Values in
+    `keywords` are not paths (e.g. train.resume `auto`)."""
+
+    keywords: tuple[str, ...] = ()
 
 
 class Strict(BaseModel):

@@ -4,9 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from schemas.base import Strict
+from schemas.base import ConfigPath, Strict
 from schemas.latents import LatentsConfig
 from schemas.model import ModelConfig
 from schemas.ops import OpsConfig
@@ -46,6 +46,7 @@ class PipelineConfig(Strict):
 
     # Paths ---------------------------------------------------------------------------------------
     def workdir_path(self) -> Path:
+        """Absolute once loaded (resolve_paths); resolving here too keeps a config built in code usable."""
         return Path(self.workdir).expanduser().resolve()
 
     def resolve(self, p: str) -> Path:
@@ -69,7 +70,37 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: dict, source: str = "<config>", workdir: str | None = None) -> PipelineConfig:
+def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConfig:
+    """Every relative path made absolute, once: the workdir against `base` (the directory the command was started
+    in), every other path field (marked ConfigPath) against the workdir. Every process of a run (torchrun workers,
+    Prefect workers, deployments) then gets the same absolute paths, whatever its own working directory."""
+    workdir = Path(cfg.workdir).expanduser()
+    workdir = (workdir if workdir.is_absolute() else (base or Path.cwd()) / workdir).resolve()
+    data = cfg.model_dump(by_alias=True)
+    data["workdir"] = str(workdir)
+    _absolute(cfg, data, workdir)
+    return PipelineConfig.model_validate(data)
+
+
+def _absolute(model: BaseModel, data: dict, workdir: Path) -> None:
+    for name, info in type(model).model_fields.items():
+        key = info.alias or name
+        value = getattr(model, name)
+        marker = next((m for m in info.metadata if isinstance(m, ConfigPath)), None)
+        if marker is not None and isinstance(value, str) and value not in marker.keywords:
+            path = Path(value).expanduser()
+            data[key] = str(path if path.is_absolute() else workdir / path)
+        elif isinstance(value, BaseModel):
+            _absolute(value, data[key], workdir)
+        elif isinstance(value, list):
+            for item, item_data in zip(value, data[key]):
+                if isinstance(item, BaseModel):
+                    _absolute(item, item_data, workdir)
+
+
+def parse_config(data: dict, source: str = "<config>", workdir: str | None = None, *,
+                 resolve: bool = True) -> PipelineConfig:
+    """Validate a config mapping (`workdir` overrides its workdir); with `resolve`, its paths made absolute."""
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")
     data = dict(data)
@@ -81,6 +112,8 @@ def parse_config(data: dict, source: str = "<config>", workdir: str | None = Non
         raise ConfigError(_format_errors(err, source)) from None
     from schemas.checks import check_config  # family-aware checks live beside the registry facts
 
+    if resolve:
+        cfg = resolve_paths(cfg)
     check_config(cfg, source)
     return cfg
 
@@ -99,12 +132,13 @@ def load_config(path: str | Path | None, workdir: str | None = None) -> Pipeline
     return parse_config(data or {}, str(p), workdir)
 
 
-def demo_config(workdir: str | None = None) -> PipelineConfig:
+def demo_config(workdir: str | None = None, *, resolve: bool = True) -> PipelineConfig:
     from schemas.demo import DEMO_CONFIG
 
-    return parse_config(DEMO_CONFIG, "<built-in demo>", workdir)
+    return parse_config(DEMO_CONFIG, "<built-in demo>", workdir, resolve=resolve)
 
 
 def example_yaml() -> str:
-    cfg = demo_config()
+    """The demo config with its paths as written (relative), so the file works from wherever it is run."""
+    cfg = demo_config(resolve=False)
     return yaml.safe_dump(cfg.dump(), sort_keys=False, allow_unicode=True)

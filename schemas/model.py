@@ -1,11 +1,11 @@
 """Model selection, shared by every stage that loads weights."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from schemas.base import Strict
+from schemas.base import ConfigPath, Strict
 
 FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux"]
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
@@ -16,8 +16,9 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnu
 
 class ModelConfig(Strict):
     family: FamilyName = "tiny"
-    path: str | None = Field(None, description="local diffusers folder or single checkpoint file; null = the "
-                             "family's built-in tiny random-init flavor")
+    path: Annotated[str | None, ConfigPath()] = Field(
+        None, description="local diffusers folder or single checkpoint file (relative: against the workdir); null = "
+                          "the family's built-in tiny random-init flavor")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"

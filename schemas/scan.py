@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.base import Manifest, Strict
+from schemas.base import ConfigPath, Manifest, Strict
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.
@@ -14,7 +14,8 @@ Channel = Annotated[int, Field(ge=0, le=255)]
 
 
 class DatasetConfig(Strict):
-    path: str = Field("demo-data", description="folder of images (+ captions); relative paths resolve against workdir")
+    path: Annotated[str, ConfigPath()] = Field(
+        "demo-data", description="folder of images (+ captions); relative paths resolve against the workdir")
     demo: bool = Field(False, description="write the demo's generated dataset to `path` first")
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True

@@ -1,11 +1,11 @@
 """Training stage: config and manifest."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.base import Manifest, Strict
+from schemas.base import ConfigPath, Manifest, Strict
 
 
 class TrainConfig(Strict):
@@ -40,7 +40,7 @@ class TrainConfig(Strict):
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`); the "
                                   "last step is always checkpointed")
     keep_checkpoints: int = Field(2, ge=1, description="keep the last K checkpoints")
-    resume: str | None = Field("auto", description="auto = continue this run's newest checkpoint if an interrupted "
+    resume: Annotated[str | None, ConfigPath(keywords=("auto", "latest"))] = Field("auto", description="auto = continue this run's newest checkpoint if an interrupted "
                                "attempt left one, else start from the base model; latest = the newest checkpoint "
                                "of this run (an error if there is none); a path = that checkpoint directory; "
                                "null = start from the base model")

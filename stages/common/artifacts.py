@@ -55,6 +55,7 @@ class ArtifactStore:
         d = self.stage_dir(stage)
         if not d.is_dir():
             return []
+        restore_replaced(d)
         found = [p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file()]
         return sorted(found, key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name))
 
@@ -103,11 +104,12 @@ class ArtifactStore:
         os.replace(tmp, mpath)
         _fsync_dir(work)
         if final.exists():
-            # Same fingerprint = same content: an earlier (or concurrent) run already published it.
-            shutil.rmtree(work)
+            # A rebuild of a version that failed its checks (`--force`): swap it in atomically, so a kill at any
+            # moment leaves the old version or the new one, never neither and never a mix.
+            replace_dir(work, final)
         else:
             os.replace(work, final)
-            _fsync_dir(final.parent)
+        _fsync_dir(final.parent)
         self.clear_failure(stage)
         return final
 
@@ -192,6 +194,54 @@ def list_files(root: Path) -> list[FileEntry]:
             rel = p.relative_to(root).as_posix()
             out.append(FileEntry(path=rel, bytes=p.stat().st_size, sha256=file_sha256(p)))
     return out
+
+
+RENAME_EXCHANGE = 2
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put directory `new` at `target` (which exists) atomically, then delete the old content.
+
+    Linux's renameat2(RENAME_EXCHANGE) swaps the two names in one step. Where the filesystem lacks it, the old
+    directory is renamed aside to `.<name>.old` first and `restore_replaced` puts it back if a kill lands between
+    the two renames. Either way the old content ends under a hidden name that is never mistaken for work in
+    progress, and is deleted."""
+    staged, aside = (target.parent / f".{target.name}.{s}" for s in ("new", "old"))
+    for leftover in (staged, aside):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    os.replace(new, staged)
+    if _exchange(staged, target):
+        shutil.rmtree(staged)  # now the old content
+        return
+    os.replace(target, aside)
+    os.replace(staged, target)
+    shutil.rmtree(aside)
+
+
+def restore_replaced(stage_dir: Path) -> None:
+    """Undo a replace_dir interrupted between its two renames (old content aside, nothing in place)."""
+    for aside in stage_dir.glob(".*.old"):
+        target = stage_dir / aside.name[1:].removesuffix(".old")
+        if not target.exists():
+            os.replace(aside, target)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    import ctypes
+    import errno
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), RENAME_EXCHANGE)  # -100: AT_FDCWD
+    except (AttributeError, OSError):
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
 
 
 def fsync_file(path: Path) -> None:

@@ -147,7 +147,7 @@ def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | No
 def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
     store = ctx.store
     exp = expected_versions(ctx, stages)
-    rows = []
+    rows: list[StageStatus] = []
     for sd in stages:
         version, parts = exp[sd.name]
         fresh_dir = store.version_dir(sd.name, version) if version else None
@@ -155,12 +155,18 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
         if fresh_dir is not None and (fresh_dir / "manifest.json").is_file():
             try:
                 m = store.read(fresh_dir, sd.manifest_cls)
-                rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date",
-                                        digest(parts), _summary(m)))
-                continue
             except ArtifactError as err:
                 rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), str(err)))
                 continue
+            # Built from the right versions, but one of them no longer verifies: reading it would fail.
+            bad = [r for r in rows if r.stage in sd.upstream and r.state != "fresh"]
+            if bad:
+                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir),
+                                        f"upstream {bad[0].stage} is {bad[0].state}: {bad[0].reason}"))
+                continue
+            rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date", digest(parts),
+                                    _summary(m)))
+            continue
         if failure is not None and (parts is None or failure.get("key") in (None, digest(parts))):
             rows.append(StageStatus(sd.name, "failed", failure.get("version"), None,
                                     f"last attempt failed: {failure.get('error', '?')}"))
@@ -200,6 +206,7 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
     by_name = {s.name: s for s in stages}
     chain = _chain(sd, by_name)
     exp = expected_versions(ctx, chain)
+    ctx.cache["expected"] = {name: v for name, (v, _) in exp.items()}  # for checks that must name the culprit
     version, parts = exp[sd.name]
     store = ctx.store
     if parts is None:

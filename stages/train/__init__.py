@@ -35,10 +35,14 @@ def _inputs(ctx) -> dict:
 def _check(ctx, upstream) -> None:
     lat, txt = upstream["latents"], upstream["text"]
     if lat.upstream.get("scan") != txt.upstream.get("scan"):
-        # Latents and captions from different scans would pair images with the wrong captions.
+        # Latents and captions from different scans would pair images with the wrong captions. The one that does
+        # not name the current scan is wrong (its manifest was edited or copied in): rebuild that one.
+        scan = ctx.cache.get("expected", {}).get("scan")
+        culprits = [m.stage for m in (lat, txt) if m.upstream.get("scan") != scan] or ["latents", "text"]
+        fix = " and ".join(f"`tuneline stage {c} --force`" for c in culprits)
         raise ArtifactError(f"latents {lat.fingerprint} was built from scan {lat.upstream.get('scan')} but text "
-                            f"{txt.fingerprint} from scan {txt.upstream.get('scan')}; run `tuneline run` to rebuild "
-                            f"both from the current scan")
+                            f"{txt.fingerprint} from scan {txt.upstream.get('scan')} (the current scan is {scan}); "
+                            f"run {fix} to rebuild from the current scan")
     fam = models.family(ctx.cfg)
     if lat.family != fam.facts.name or lat.latent_channels != fam.facts.latent_channels:
         raise ArtifactError(f"latents {lat.fingerprint} holds {lat.latent_channels}-channel {lat.family} latents, "
