@@ -24,10 +24,12 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
-    """One full `tuneline run` of the built-in demo, shared by every test that inspects its results."""
-    from tests.helpers import tuneline
+    """The README's quick start as written, in a fresh clone in a temp directory, with no --workdir: the demo
+    end to end. Every test that inspects the demo's results reads this run's default workdir."""
+    from tests.helpers import fresh_clone, readme_commands, run_readme_command
 
-    workdir = tmp_path_factory.mktemp("demo") / "work"
-    out = tuneline("run", "--workdir", str(workdir))
-    assert out.returncode == 0, f"demo run failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
-    return {"workdir": workdir, "stdout": out.stdout, "stderr": out.stderr}
+    clone = fresh_clone(tmp_path_factory.mktemp("clone"))
+    demo_command, _ = readme_commands()
+    out = run_readme_command(demo_command, clone)
+    assert out.returncode == 0, f"the README's quick start failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
+    return {"workdir": clone / "tuneline-work", "clone": clone, "stdout": out.stdout, "stderr": out.stderr}

@@ -107,7 +107,9 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
     _, ref_path, _ = reference
     build_upstream(small_config(tmp_path, TRAIN))
     _kill_after_checkpoint(tmp_path, json.dumps(small_config(tmp_path, TRAIN).dump()), step=4)
-    resumed = train(small_config(tmp_path, {**TRAIN, "resume": "latest"}))
+    cfg = small_config(tmp_path, TRAIN)
+    assert cfg.train.resume == "auto", "this test checks the default"
+    resumed = train(cfg)  # train.resume: auto finds the killed attempt's checkpoint
     manifest = json.loads((resumed / "manifest.json").read_text())
     assert manifest["resumed_from"] and Path(manifest["resumed_from"]).name.startswith("step-")
     assert manifest["step"] == TRAIN["steps"]

@@ -108,8 +108,3 @@ def test_bad_config_is_refused_naming_the_field(tmp_path):
     assert out.returncode == 1
     assert "train.stepz" in out.stderr and "unknown key" in out.stderr
     assert not (tmp_path / "w").exists()
-
-
-def test_cli_entry_point_is_installed():
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "status" in out.stdout

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import STAGES, tuneline
+from tests.helpers import STAGES, prefect_cli, tuneline
 
 pytestmark = pytest.mark.slow
 
@@ -93,18 +93,22 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 @pytest.fixture(scope="module")
 def deployed(server, tmp_path_factory):
-    """`tuneline deploy` of the small demo (with a nightly schedule), then a worker with one slot."""
+    """`tuneline deploy` of the small demo (with a nightly schedule), then a worker with one slot.
+
+    As a user does it: the config's workdir is relative and `deploy` runs from the config's folder; the worker
+    starts in another directory (and runs each flow in a temporary one), so only resolved paths can work."""
     root = tmp_path_factory.mktemp("deployed")
     cfg_path = root / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(_small_config(root / "work", schedule={"cron": "0 3 * * *"},
+    cfg_path.write_text(yaml.safe_dump(_small_config(Path("work"), schedule={"cron": "0 3 * * *"},
                                                      lock_timeout=0)))
-    out = tuneline("deploy", str(cfg_path), env=server["env"], timeout=300)
+    out = tuneline("deploy", cfg_path.name, env=server["env"], timeout=300, cwd=root)
     assert out.returncode == 0, out.stdout + out.stderr
     log = open(root / "worker.log", "w")
+    elsewhere = tmp_path_factory.mktemp("worker-cwd")
     # --limit 1: the pipeline must not deadlock waiting for its stage runs (they are in-process subflows).
-    worker = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker", "--limit", "1"],
-                              env=dict(os.environ, **server["env"]), stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    worker = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker", "--limit", "1"], cwd=elsewhere,
+                              env=dict(os.environ, **server["env"], PYTHONPATH=str(Path(__file__).parents[2])),
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield {"config": cfg_path, "workdir": root / "work", "root": root, "deploy_out": out.stdout,
                "worker_log": root / "worker.log"}
@@ -160,15 +164,14 @@ def _manifests(workdir: Path) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for p in (workdir / "artifacts").glob("*/*/manifest.json")}
 
 
-def _check_failed_then_retry(client, run_id, log: Path, expect: str, fix) -> None:
-    """The run failed for `expect`; after `fix()` the same flow run, rescheduled as the UI's Retry does, completes."""
-    from prefect.states import Scheduled
-
+def _check_failed_then_retry(client, run_id, log: Path, expect: str, fix, env: dict) -> None:
+    """The run failed for `expect`; after `fix()`, `prefect flow-run retry <id>` reruns it and it completes."""
     run = _wait(client, run_id, log)
     assert run.state.is_failed(), f"expected a failure, got {run.state}"
     assert expect in (run.state.message or ""), run.state.message
     fix()
-    client.set_flow_run_state(run_id, Scheduled(message="Retried by the test"), force=True)
+    out = prefect_cli("flow-run", "retry", str(run_id), env=env)  # as the README tells users
+    assert out.returncode == 0, out.stdout + out.stderr
     again = _wait(client, run_id, log)
     assert again.state.is_completed(), f"retry ended {again.state}:\n{log.read_text()[-4000:]}"
     assert again.run_count >= 2
@@ -179,7 +182,8 @@ def test_deploy_registers_typed_deployments(deployed, client):
         d = _deployment(client, stage)
         assert stage in d.name and d.work_pool_name == "tuneline"
         assert "PipelineConfig" in d.parameter_openapi_schema["definitions"]  # the UI renders it as a form
-        assert Path(d.parameters["config"]["workdir"]) == deployed["workdir"]
+        assert Path(d.parameters["config"]["workdir"]) == deployed["workdir"]  # resolved where deploy ran
+        assert Path(d.parameters["config"]["dataset"]["path"]) == deployed["workdir"] / "demo-data"
     assert [s.schedule.cron for s in _deployment(client, "pipeline").schedules] == ["0 3 * * *"]
     assert _deployment(client, "train").global_concurrency_limit.limit == 1
     assert client.read_global_concurrency_limit_by_name("tuneline-train").limit == 1
@@ -193,7 +197,8 @@ def test_pipeline_deployment_runs_every_stage(deployed, client):
     children = _children(client, run.id)
     assert sorted(children) == sorted(STAGES)
     assert all(r.state.is_completed() for r in children.values())
-    rows = {r["stage"]: r for r in json.loads(tuneline("status", str(deployed["config"]), "--json").stdout)}
+    rows = {r["stage"]: r for r in json.loads(tuneline("status", str(deployed["config"]), "--json",
+                                                        cwd=deployed["root"]).stdout)}
     assert all(rows[s]["state"] == "fresh" and Path(rows[s]["path"]).is_dir() for s in STAGES)
     keys = _artifacts(client, [run.id, *(r.id for r in children.values())])
     for key in ["lineage", "latents-cache", "train-loss", "validate-grid", "scan-buckets",
@@ -230,7 +235,7 @@ def test_scheduled_run_without_changes_rebuilds_nothing(server, deployed, client
     print(f"scheduled no-change run: {time.monotonic() - started:.1f} s end to end")
 
 
-def test_failed_stage_run_retried_after_the_cause_is_fixed(deployed, client):
+def test_failed_stage_run_retried_after_the_cause_is_fixed(server, deployed, client):
     """Another process holds the store lock -> validate refuses naming it; released -> the retry of that same
     flow run completes, rebuilding validate from the published upstream versions (none of them rebuilt)."""
     from stages.common.lock import store_lock
@@ -240,22 +245,36 @@ def test_failed_stage_run_retried_after_the_cause_is_fixed(deployed, client):
     with contextlib.ExitStack() as held:
         held.enter_context(store_lock(deployed["workdir"], timeout=0, purpose="the test holding the store"))
         run = client.create_flow_run_from_deployment(validate.id, parameters={"force": True})
-        _check_failed_then_retry(client, run.id, deployed["worker_log"], f"pid {os.getpid()}", fix=held.close)
-    # validate was built again (force) into the version it already had; nothing upstream was touched.
-    assert _manifests(deployed["workdir"]) == before
+        _check_failed_then_retry(client, run.id, deployed["worker_log"], f"pid {os.getpid()}", fix=held.close,
+                                 env=server["env"])
+    # validate was built again (force) and replaced the version it already had; nothing upstream was touched.
+    after = _manifests(deployed["workdir"])
+    assert after.keys() == before.keys()
+    assert {p.parts[-3] for p in after if after[p] != before[p]} == {"validate"}
     summary = [a["data"] for a in _artifacts(client, [run.id])["validate-summary"]]
     assert summary and "built in this run" in summary[0]
 
 
-def test_failed_scan_run_retried_after_the_dataset_appears(deployed, client, tmp_path):
+def test_failed_scan_run_retried_after_the_dataset_appears(server, deployed, client, tmp_path):
     cfg = _small_config(tmp_path / "work")
     cfg["dataset"].update(path=str(tmp_path / "photos"), demo=False)
     scan = _deployment(client, "scan")
     run = client.create_flow_run_from_deployment(scan.id, parameters={"config": cfg})
     src = deployed["workdir"] / "demo-data"
     _check_failed_then_retry(client, run.id, deployed["worker_log"], "is not a folder",
-                             fix=lambda: shutil.copytree(src, tmp_path / "photos"))
+                             fix=lambda: shutil.copytree(src, tmp_path / "photos"), env=server["env"])
     assert list((tmp_path / "work" / "artifacts" / "scan").glob("*/manifest.json"))
+
+
+def test_prefects_own_cli_lists_what_we_registered(server, deployed):
+    """The commands the README points users to, against our server and pinned dependency set."""
+    expect = {("deployment", "ls"): "tuneline-pipeline", ("flow-run", "ls"): "Completed",
+              ("flow", "ls"): "tuneline-train", ("work-pool", "ls"): "tuneline"}
+    for args, needle in expect.items():
+        out = prefect_cli(*args, env=server["env"])
+        assert out.returncode == 0 and "Unprocessable" not in out.stdout + out.stderr, \
+            f"`prefect {' '.join(args)}` failed:\n{out.stdout[-1500:]}{out.stderr[-1500:]}"
+        assert needle in out.stdout, f"`prefect {' '.join(args)}` does not show {needle}:\n{out.stdout[-1500:]}"
 
 
 def test_basic_auth_refuses_anonymous_calls(server):

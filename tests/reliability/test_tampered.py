@@ -84,16 +84,7 @@ def missing_upstream(w: Path) -> tuple[str, str]:
 
 CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksum_mismatch, future_schema,
          missing_upstream]
-BUGS: dict[str, str] = {}  # case -> known bug (strict xfail); none open
-STATUS_BUGS: dict[str, str] = {}
-
-
-def _cases(bugs: dict[str, str]) -> list:
-    return [pytest.param(c, id=c.__name__, marks=pytest.mark.xfail(strict=True, reason=bugs[c.__name__]))
-            if c.__name__ in bugs else pytest.param(c, id=c.__name__) for c in CASES]
-
-
-@pytest.mark.parametrize("tamper", _cases(BUGS))
+@pytest.mark.parametrize("tamper", CASES, ids=lambda c: c.__name__)
 def test_tampered_artifact_is_refused(workcopy, small_config, prefect_env, tamper):
     victim, consumer = tamper(workcopy)
     victim_dir = workcopy / "artifacts" / victim
@@ -109,7 +100,7 @@ def test_tampered_artifact_is_refused(workcopy, small_config, prefect_env, tampe
     assert not fl.published(workcopy, consumer), f"{consumer} published on top of a tampered {victim}"
 
 
-@pytest.mark.parametrize("tamper", _cases(STATUS_BUGS))
+@pytest.mark.parametrize("tamper", CASES, ids=lambda c: c.__name__)
 def test_status_no_longer_calls_a_tampered_artifact_fresh(workcopy, small_config, tamper):
     """What `tuneline status` computes, in-process (saves a CLI start per case)."""
     from schemas.config import load_config
