@@ -26,10 +26,32 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 _IDENTITY_CACHE: dict[tuple, str] = {}
 
 
+def diffusers_pipeline(name: str) -> type:
+    """A diffusers pipeline class by name.
+
+    transformers 5 names `<Model>ImageProcessor` its torchvision backend; without torchvision (there is no CPU
+    build of it for this torch) the first access falls back to the PIL class and logs a warning, which every
+    process importing diffusers' pipelines repeats. The pipelines only need the class to exist: binding the PIL
+    classes under those names first, as transformers' fallback itself does, keeps the logs clean."""
+    import sys
+
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        for proc in ("CLIPImageProcessor", "SiglipImageProcessor"):
+            pil = getattr(sys.modules["transformers"], f"{proc}Pil")
+            # Read the module again: transformers' lazy module replaces itself in sys.modules on first use.
+            setattr(sys.modules["transformers"], proc, pil)
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
 class DiffusersFamily:
     """Shared implementation of the Family protocol for diffusers pipeline folders."""
 
     facts: ClassVar[FamilyFacts]
+    pipeline_name: ClassVar[str]  # the diffusers pipeline class
     denoiser_component: ClassVar[str] = "unet"
     text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
     tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer",)
@@ -48,7 +70,7 @@ class DiffusersFamily:
     @property
     def pipeline_class(self) -> type:
         """The diffusers pipeline class (imported lazily: importing diffusers pipelines costs seconds)."""
-        raise NotImplementedError
+        return diffusers_pipeline(self.pipeline_name)
 
     @property
     def pipeline_class_names(self) -> tuple[str, ...]:

@@ -50,11 +50,7 @@ class FluxFamily(DiffusersFamily):
     # FluxPipeline ignores a negative prompt unless true CFG is on; a negative given means the user wants it used.
     true_cfg_scale: float = 4.0
 
-    @property
-    def pipeline_class(self) -> type:
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
+    pipeline_name = "FluxPipeline"
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:

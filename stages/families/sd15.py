@@ -53,11 +53,7 @@ class SD15Family(DiffusersFamily):
     # The tiny flavor's CLIP context: SD1.5's 77, so the sd15 flavor behaves like the real model.
     tiny_text_length: ClassVar[int] = 77
 
-    @property
-    def pipeline_class(self) -> type:
-        from diffusers import StableDiffusionPipeline
-
-        return StableDiffusionPipeline
+    pipeline_name = "StableDiffusionPipeline"
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         # Validation renders of a fine-tune must not be blacked out, and no checker can be downloaded here.

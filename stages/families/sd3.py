@@ -50,11 +50,7 @@ class SD3Family(DiffusersFamily):
     tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2", "tokenizer_3")
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
 
-    @property
-    def pipeline_class(self) -> type:
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline
+    pipeline_name = "StableDiffusion3Pipeline"
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:

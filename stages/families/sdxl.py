@@ -23,11 +23,7 @@ class SDXLFamily(DiffusersFamily):
     tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
 
-    @property
-    def pipeline_class(self) -> type:
-        from diffusers import StableDiffusionXLPipeline
-
-        return StableDiffusionXLPipeline
+    pipeline_name = "StableDiffusionXLPipeline"
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         # The invisible watermark package is optional and absent here; renders need no watermark.

@@ -268,7 +268,7 @@ def test_failed_scan_run_retried_after_the_dataset_appears(server, deployed, cli
 
 def test_prefects_own_cli_lists_what_we_registered(server, deployed):
     """The commands the README points users to, against our server and pinned dependency set."""
-    expect = {("deployment", "ls"): "tuneline-pipeline", ("flow-run", "ls"): "Completed",
+    expect = {("deployment", "ls"): "tuneline-pipeline", ("flow-run", "ls"): "COMPLETED",
               ("flow", "ls"): "tuneline-train", ("work-pool", "ls"): "tuneline"}
     for args, needle in expect.items():
         out = prefect_cli(*args, env=server["env"])
