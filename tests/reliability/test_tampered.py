@@ -1,5 +1,6 @@
-"""Tampered artifacts: each is refused by the stage that consumes it, and the message names the artifact and the
-command that fixes it; `tuneline status` no longer calls it fresh. Never a silent fallback to something else."""
+"""Tampered artifacts: `tuneline status` no longer calls them fresh. The cases are shared with
+test_fix_commands.py, where the consuming stage refuses each, naming the artifact and a fix that works as printed.
+Never a silent fallback to something else."""
 from __future__ import annotations
 
 import json
@@ -84,22 +85,6 @@ def missing_upstream(w: Path) -> tuple[str, str]:
 
 CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksum_mismatch, future_schema,
          missing_upstream]
-@pytest.mark.parametrize("tamper", CASES, ids=lambda c: c.__name__)
-def test_tampered_artifact_is_refused(workcopy, small_config, prefect_env, tamper):
-    victim, consumer = tamper(workcopy)
-    victim_dir = workcopy / "artifacts" / victim
-    names = [str(victim_dir), f"{victim} artifact", *(f"{victim} {v}" for v in fl.published(workcopy, victim))]
-    fl.drop_stage(workcopy, consumer)  # the consumer must read the victim, not skip as fresh
-    out = fl.tuneline("stage", consumer, str(small_config), "--workdir", str(workcopy), env=prefect_env)
-    err = out.stderr
-    assert out.returncode != 0, f"`tuneline stage {consumer}` accepted a tampered {victim} artifact"
-    assert "\nerror: " in "\n" + err, f"no error message for the user; stderr tail:\n{err[-1500:]}"
-    msg = err[("\n" + err).rindex("\nerror: "):]
-    assert any(n in msg for n in names), f"message does not name the {victim} artifact: {msg}"
-    assert f"tuneline stage {victim}" in msg or "tuneline run" in msg, f"message gives no fixing command: {msg}"
-    assert not fl.published(workcopy, consumer), f"{consumer} published on top of a tampered {victim}"
-
-
 @pytest.mark.parametrize("tamper", CASES, ids=lambda c: c.__name__)
 def test_status_no_longer_calls_a_tampered_artifact_fresh(workcopy, small_config, tamper):
     """What `tuneline status` computes, in-process (saves a CLI start per case)."""
