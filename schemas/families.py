@@ -23,6 +23,13 @@ class FamilyFacts:
     # Whether a negative prompt only takes effect through classifier-free guidance (guidance_scale > 1).
     # False where the pipeline applies it by other means (Flux: true CFG at its own scale).
     negative_needs_guidance: bool = True
+    # Folder layout (diffusers pipeline class and component subfolders): read without loading anything.
+    pipeline: str = "StableDiffusionPipeline"
+    denoiser: str = "unet"
+    text_encoders: tuple[str, ...] = ("text_encoder",)
+    tokenizers: tuple[str, ...] = ("tokenizer",)
+    # Bump when the tiny flavor's configs or tokenizer change, so stale cached folders are not reused.
+    tiny_revision: str = "1"
 
     @property
     def alignment(self) -> int:
@@ -33,12 +40,18 @@ class FamilyFacts:
 # Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values (tiny: calibrated for its random-init VAE,
 # see stages/families/tiny.py); a real model's own VAE config wins at run time.
 FAMILY_FACTS: dict[str, FamilyFacts] = {
-    "tiny": FamilyFacts("tiny", 8, 1, 4, 5.38, 0.0, "epsilon", 16, max_length_limit=16),
+    "tiny": FamilyFacts("tiny", 8, 1, 4, 5.38, 0.0, "epsilon", 16, max_length_limit=16, tiny_revision="2"),
     "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77, max_length_limit=77),
-    "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77, max_length_limit=77),
-    "sd3": FamilyFacts("sd3", 8, 2, 16, 1.5305, 0.0609, "flow_matching", 77, max_length_limit=512),
+    "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77, max_length_limit=77,
+                        pipeline="StableDiffusionXLPipeline", text_encoders=("text_encoder", "text_encoder_2"),
+                        tokenizers=("tokenizer", "tokenizer_2")),
+    "sd3": FamilyFacts("sd3", 8, 2, 16, 1.5305, 0.0609, "flow_matching", 77, max_length_limit=512,
+                       pipeline="StableDiffusion3Pipeline", denoiser="transformer",
+                       text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
+                       tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3")),
     "flux": FamilyFacts("flux", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
-                        negative_needs_guidance=False),
+                        negative_needs_guidance=False, pipeline="FluxPipeline", denoiser="transformer",
+                        text_encoders=("text_encoder", "text_encoder_2"), tokenizers=("tokenizer", "tokenizer_2")),
 }
 
 

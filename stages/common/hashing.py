@@ -24,3 +24,39 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+class HashCache:
+    """File SHA-256s remembered on disk by (absolute path, size, mtime_ns): a process that identifies an unchanged
+    7 GB model folder reads no weights. A changed file (new size or mtime) is hashed again. Writes are atomic
+    renames, so concurrent processes at worst hash a file twice."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self.known: dict[str, list] = json.loads(self.path.read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):
+            self.known = {}
+        self.dirty = False
+
+    def sha256(self, file: Path) -> str:
+        st = file.stat()
+        key = str(file.resolve())
+        hit = self.known.get(key)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return hit[2]
+        sha = file_sha256(file)
+        self.known[key] = [st.st_size, st.st_mtime_ns, sha]
+        self.dirty = True
+        return sha
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        import os
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.known), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self.dirty = False

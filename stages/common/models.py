@@ -1,32 +1,56 @@
-"""Resolve the configured model once per run: family adapter, model folder, device, dtype."""
+"""Resolve the configured model once per run: family adapter, model folder, device, dtype.
+
+Folder checks and identities are file work (stages.families.folders): planning and `tuneline status` never
+import torch or diffusers unless a model must be built or converted first."""
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from schemas.config import PipelineConfig
-from stages.families.base import Family
-from stages.families.registry import get_family
+from schemas.families import facts
+from stages.families import folders
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+    from stages.families.base import Family
 
 
-def family(cfg: PipelineConfig) -> Family:
+def dtypes() -> dict[str, "torch.dtype"]:
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def family(cfg: PipelineConfig) -> "Family":
+    from stages.families.registry import get_family
+
     return get_family(cfg.model.family)
 
 
 def model_dir(ctx) -> Path:
     """The diffusers folder of the configured model (the tiny flavor is built once under the workdir)."""
-    cfg = ctx.cfg
-    return ctx.memo("model_dir", lambda: family(cfg).ensure_model(cfg.model.path, ctx.workdir / "models"))
+    return ctx.memo("model_dir", lambda: _model_dir(ctx.cfg, ctx.workdir / "models"))
+
+
+def _model_dir(cfg: PipelineConfig, cache_dir: Path) -> Path:
+    f = facts(cfg.model.family)
+    ready = folders.tiny_dir(f, cache_dir) if cfg.model.path is None else Path(cfg.model.path).expanduser()
+    if ready.is_dir():  # an existing folder needs no model code, only a check of its files
+        folders.check_folder(f, ready)
+        return ready.resolve()
+    return family(cfg).ensure_model(cfg.model.path, cache_dir)  # builds the tiny flavor, converts a single file
 
 
 def identity(ctx, component: str) -> str:
-    return ctx.memo(f"identity:{component}", lambda: family(ctx.cfg).identity(model_dir(ctx), component))
+    return ctx.memo(f"identity:{component}",
+                    lambda: folders.identity(facts(ctx.cfg.model.family), model_dir(ctx), component))
 
 
-def device(cfg: PipelineConfig) -> torch.device:
+def device(cfg: PipelineConfig) -> "torch.device":
+    import torch
+
     if cfg.model.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.model.device == "cuda" and not torch.cuda.is_available():
@@ -34,9 +58,11 @@ def device(cfg: PipelineConfig) -> torch.device:
     return torch.device(cfg.model.device)
 
 
-def dtype(cfg: PipelineConfig, dev: torch.device) -> torch.dtype:
+def dtype(cfg: PipelineConfig, dev: "torch.device") -> "torch.dtype":
     """Frozen-weights dtype; half precision on CPU is slow or unsupported for conv ops, so CPU keeps float32."""
-    dt = DTYPES[cfg.model.dtype]
+    import torch
+
+    dt = dtypes()[cfg.model.dtype]
     return torch.float32 if dev.type == "cpu" and dt == torch.float16 else dt
 
 

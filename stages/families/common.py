@@ -5,8 +5,6 @@ tiny flavor, text encoding, denoiser call and prompt kwargs (see sd15.py for the
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -16,14 +14,10 @@ from typing import Any, ClassVar
 import torch
 
 from schemas.families import FamilyFacts
+from stages.families import folders
 from stages.families.base import MicroCond, TextEncoders
 from stages.families.singlefile import convert_single_file
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
-# Files of a tokenizer folder that change what token ids come out.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "spiece.model",
-                   "special_tokens_map.json")
-_IDENTITY_CACHE: dict[tuple, str] = {}
 
 
 def diffusers_pipeline(name: str) -> type:
@@ -51,15 +45,9 @@ class DiffusersFamily:
     """Shared implementation of the Family protocol for diffusers pipeline folders."""
 
     facts: ClassVar[FamilyFacts]
-    pipeline_name: ClassVar[str]  # the diffusers pipeline class
-    denoiser_component: ClassVar[str] = "unet"
-    text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer",)
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     # Tensors encode_text returns that the pipeline takes as `<key>=` / `negative_<key>=`.
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
-    # Bump when the tiny flavor's configs or tokenizer change, so stale cached folders are not reused.
-    tiny_revision: ClassVar[str] = "1"
     tiny_seed: ClassVar[int] = 0
 
     # ---- subclass hooks ----------------------------------------------------------------------
@@ -70,23 +58,25 @@ class DiffusersFamily:
     @property
     def pipeline_class(self) -> type:
         """The diffusers pipeline class (imported lazily: importing diffusers pipelines costs seconds)."""
-        return diffusers_pipeline(self.pipeline_name)
+        return diffusers_pipeline(self.facts.pipeline)
+
+    # The folder layout is a static fact (schemas/families.py), so it is known without importing anything.
+    @property
+    def denoiser_component(self) -> str:
+        return self.facts.denoiser
 
     @property
-    def pipeline_class_names(self) -> tuple[str, ...]:
-        """model_index.json `_class_name`s this family accepts: its pipeline and the img2img/inpaint variants
-        that share the same components."""
-        base = self.pipeline_class.__name__.removesuffix("Pipeline")
-        return tuple(f"{base}{v}Pipeline" for v in ("", "Img2Img", "Inpaint"))
+    def text_components(self) -> tuple[str, ...]:
+        return self.facts.text_encoders
+
+    @property
+    def tokenizer_components(self) -> tuple[str, ...]:
+        return self.facts.tokenizers
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         return {}
 
     # ---- model folders -----------------------------------------------------------------------
-    @property
-    def required_components(self) -> tuple[str, ...]:
-        return ("vae", "scheduler", self.denoiser_component, *self.text_components, *self.tokenizer_components)
-
     def ensure_model(self, path: str | None, cache_dir: Path) -> Path:
         cache_dir = Path(cache_dir)
         if path is None:
@@ -101,38 +91,10 @@ class DiffusersFamily:
                          f"of family {self.facts.name!r})")
 
     def check_folder(self, folder: Path) -> None:
-        """A folder is usable when model_index.json lists every component this family needs and each exists."""
-        index_file = folder / "model_index.json"
-        if not index_file.is_file():
-            raise ValueError(f"model.path: {folder} is not a diffusers pipeline folder (no model_index.json)")
-        index = json.loads(index_file.read_text())
-        cls = index.get("_class_name", "")
-        if cls not in self.pipeline_class_names:
-            raise ValueError(f"model.path: {folder} holds a {cls or 'unknown'} pipeline, not family "
-                             f"{self.facts.name!r} ({' / '.join(self.pipeline_class_names)}); fix model.family "
-                             f"or model.path")
-        missing = [c for c in self.required_components
-                   if not index.get(c) or index[c] == [None, None] or not (folder / c).is_dir()]
-        if missing:
-            raise ValueError(f"model.path: {folder} lacks component {', '.join(map(repr, missing))} needed by "
-                             f"family {self.facts.name!r} (not in model_index.json or no such subfolder)")
-        for comp in self.required_components:
-            problem = self._component_problem(folder / comp, comp)
-            if problem:
-                raise ValueError(f"model.path: {folder}: component {comp!r} {problem}")
-
-    def _component_problem(self, sub: Path, comp: str) -> str | None:
-        if comp in self.tokenizer_components:
-            return None if any((sub / f).is_file() for f in TOKENIZER_FILES) else "has no tokenizer files"
-        config = "scheduler_config.json" if comp == "scheduler" else "config.json"
-        if not (sub / config).is_file():
-            return f"has no {config}"
-        if comp != "scheduler" and not _weight_files(sub):
-            return "has no weight files (.safetensors/.bin)"
-        return None
+        folders.check_folder(self.facts, folder)
 
     def _ensure_tiny(self, cache_dir: Path) -> Path:
-        target = cache_dir / f"{self.facts.name}-tiny-r{self.tiny_revision}"
+        target = folders.tiny_dir(self.facts, cache_dir)
         if target.is_dir():
             self.check_folder(target)  # published only by os.replace, so a present folder is complete
             return target
@@ -153,32 +115,13 @@ class DiffusersFamily:
         return target
 
     def identity(self, model_dir: Path, component: str) -> str:
-        folders = self._identity_folders(component)
-        files = sorted(f for c in folders for f in _identity_files(Path(model_dir) / c))
-        if not files:
-            raise ValueError(f"{model_dir}: nothing to identify for component {component!r}")
-        key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-        if key not in _IDENTITY_CACHE:
-            h = hashlib.sha256()
-            for f in files:
-                h.update(f"{f.parent.name}/{f.name}\0".encode())
-                with open(f, "rb") as fh:
-                    for block in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(block)
-            _IDENTITY_CACHE[key] = h.hexdigest()
-        return _IDENTITY_CACHE[key]
-
-    def _identity_folders(self, component: str) -> tuple[str, ...]:
-        # 'text' covers tokenizers too: a different vocabulary changes the embeddings as much as new weights.
-        named = {"vae": ("vae",), "denoiser": (self.denoiser_component,),
-                 "text": (*self.text_components, *self.tokenizer_components)}
-        return named.get(component, (component,))
+        return folders.identity(self.facts, model_dir, component)
 
     # ---- loading -----------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", torch_dtype=dtype).to(device)
+        vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", dtype=dtype).to(device)
         return vae.eval().requires_grad_(False)
 
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
@@ -190,7 +133,7 @@ class DiffusersFamily:
 
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, torch_dtype=dtype).to(device)
+        return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
         """The training noise schedule: DDPM for epsilon/v families, flow-matching Euler for the others; built from
@@ -202,7 +145,7 @@ class DiffusersFamily:
         return cls.from_config(config)
 
     def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
-        pipe = self.pipeline_class.from_pretrained(model_dir, torch_dtype=dtype, **self.pipeline_load_kwargs())
+        pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **self.pipeline_load_kwargs())
         pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -213,7 +156,7 @@ class DiffusersFamily:
         toks = [_first_type(types[c]).from_pretrained(model_dir, subfolder=c) for c in self.tokenizer_components]
         encs = []
         for comp in self.text_components:
-            enc = _first_type(types[comp]).from_pretrained(model_dir, subfolder=comp, torch_dtype=dtype)
+            enc = _first_type(types[comp]).from_pretrained(model_dir, subfolder=comp, dtype=dtype)
             encs.append(enc.to(device).eval().requires_grad_(False))
         length = max_length or self.facts.max_length
         self.check_max_length(toks, length)
@@ -285,17 +228,6 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 def _first_type(t: Any) -> type:
     return t[0] if isinstance(t, tuple) else t
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    return [f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
-
-
-def _identity_files(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        return []
-    named = [folder / n for n in ("config.json", "scheduler_config.json", *TOKENIZER_FILES)]
-    return [f for f in named if f.is_file()] + _weight_files(folder)
 
 
 def _copy(src: Any, dst: Any) -> Any:

@@ -41,16 +41,11 @@ def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype)
 
 class FluxFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["flux"]
-    denoiser_component: ClassVar[str] = "transformer"
-    text_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
-    tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
     # Distilled guidance fed to guidance-embedding models while training (1.0 is the usual fine-tuning choice).
     train_guidance: float = 1.0
     # FluxPipeline ignores a negative prompt unless true CFG is on; a negative given means the user wants it used.
     true_cfg_scale: float = 4.0
-
-    pipeline_name = "FluxPipeline"
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:

@@ -47,13 +47,8 @@ def tiny_unet(**extra: Any):
 
 class SD15Family(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd15"]
-    denoiser_component: ClassVar[str] = "unet"
-    text_components: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer",)
     # The tiny flavor's CLIP context: SD1.5's 77, so the sd15 flavor behaves like the real model.
     tiny_text_length: ClassVar[int] = 77
-
-    pipeline_name = "StableDiffusionPipeline"
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         # Validation renders of a fine-tune must not be blacked out, and no checker can be downloaded here.

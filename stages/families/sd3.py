@@ -45,12 +45,7 @@ def t5_embeds(enc: TextEncoders, captions: list[str]) -> torch.Tensor:
 
 class SD3Family(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd3"]
-    denoiser_component: ClassVar[str] = "transformer"
-    text_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2", "tokenizer_3")
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
-
-    pipeline_name = "StableDiffusion3Pipeline"
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:

@@ -18,12 +18,7 @@ TIME_EMBED_DIM = 8  # tiny flavor's addition_time_embed_dim (SDXL: 256)
 
 class SDXLFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sdxl"]
-    denoiser_component: ClassVar[str] = "unet"
-    text_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
-    tokenizer_components: ClassVar[tuple[str, ...]] = ("tokenizer", "tokenizer_2")
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
-
-    pipeline_name = "StableDiffusionXLPipeline"
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         # The invisible watermark package is optional and absent here; renders need no watermark.

@@ -20,7 +20,6 @@ class TinyFamily(SD15Family):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["tiny"]
     # Demo captions are a handful of words; 16 positions keep text caches and cross-attention small.
     tiny_text_length: ClassVar[int] = FAMILY_FACTS["tiny"].max_length
-    tiny_revision: ClassVar[str] = "2"
 
     def tiny_vae(self):
         """A random-init VAE calibrated the way a trained one is: a near-deterministic posterior, and (in the

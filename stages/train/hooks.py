@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common.models import DTYPES
+from stages.common.models import dtypes
 from stages.text import effective_max_length
 from stages.train import checkpoint as ckpt
 from stages.train.loop import Trainer
@@ -75,7 +75,7 @@ class Hooks:
         tr, cfg = self.trainer, self.run.cfg
         if self.renderer is None:
             # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it.
-            dtype = DTYPES[cfg.model.dtype] if tr.autocast else torch.float32
+            dtype = dtypes()[cfg.model.dtype] if tr.autocast else torch.float32
             self.renderer = Renderer.load(tr.fam, self.run.model_dir, tr.device, dtype, denoiser=tr.denoiser,
                                           autocast=tr.autocast, max_length=effective_max_length(cfg))
         v = cfg.validate_

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from schemas.scan import ImageRecord
-from stages.common.models import DTYPES
+from stages.common.models import dtypes
 from stages.families.base import MicroCond
 from stages.latents.reader import LatentReader
 from stages.text.live import LiveText
@@ -57,7 +57,7 @@ class Trainer:
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device)
-        base = torch.float32 if device.type == "cpu" else DTYPES[cfg.model.dtype]
+        base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device)
         self.names = list(self.params)
         distributed = dist.is_available() and dist.is_initialized() and world > 1

@@ -11,6 +11,7 @@ from schemas.families import FAMILY_FACTS, facts
 from stages.families.base import MicroCond
 from stages.families.common import unwrap
 from stages.families.flux import image_ids, pack_latents, unpack_latents
+from stages.families.folders import required_components
 from stages.families.registry import family_names, get_family
 from stages.families.vocab import WORDS, build_clip_tokenizer, build_t5_tokenizer, learn_bpe_merges, write_clip_vocab
 
@@ -145,7 +146,7 @@ def test_folder_checks_name_folder_and_component(tmp_path):
     partial = _fake_folder(tmp_path / "sd", "StableDiffusionPipeline", ["vae", "scheduler", "unet"])
     with pytest.raises(ValueError, match=rf"{partial} lacks component 'text_encoder'"):
         fam.ensure_model(str(partial), tmp_path / "cache")
-    empty = _fake_folder(tmp_path / "sd2", "StableDiffusionPipeline", list(fam.required_components))
+    empty = _fake_folder(tmp_path / "sd2", "StableDiffusionPipeline", list(required_components(fam.facts)))
     with pytest.raises(ValueError, match="component 'vae' has no config.json"):
         fam.ensure_model(str(empty), tmp_path / "cache")
 
