@@ -27,7 +27,7 @@ def check_config(cfg: PipelineConfig, source: str) -> None:
     fam = facts(cfg.model.family)
     problems: list[str] = []
     for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
-                  _rendezvous, _training_mode, _prompts):
+                  _rendezvous, _training_mode, _prompts, _objective):
         problems += check(cfg, fam)
     if problems:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -153,3 +153,23 @@ def _prompts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
             f"turns classifier-free guidance off, so model.family {fam.name} ignores the negative prompt; raise "
             f"validate.guidance_scale above 1 or remove the negative prompt"
             for i, p in enumerate(v.prompts) if p.negative_prompt]
+
+
+def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    """Loss weighting, timestep sampling and prediction type must fit what the family trains on."""
+    t, out = cfg.train, []
+    if fam.prediction == "flow_matching":
+        if t.loss_weighting == "min_snr":
+            out.append(f"train.loss_weighting min_snr does not fit model.family {fam.name}, which trains by flow "
+                       f"matching (min-SNR weighting is defined for epsilon/v-prediction); use auto or none")
+        if cfg.model.prediction_type != "auto":
+            out.append(f"model.prediction_type {cfg.model.prediction_type} does not fit model.family {fam.name} "
+                       f"(flow matching); use auto")
+    else:
+        if t.timestep_sampling != "uniform":
+            out.append(f"train.timestep_sampling {t.timestep_sampling} is for flow-matching families (sd3, flux); "
+                       f"model.family {fam.name} samples DDPM timesteps uniformly: use uniform")
+        if t.timestep_shift != "auto":
+            out.append(f"train.timestep_shift {t.timestep_shift} is for flow-matching families (sd3, flux); "
+                       f"model.family {fam.name} has no shift: use auto")
+    return out

@@ -14,7 +14,7 @@ DEMO_CONFIG: dict = {
     # Tuned so the learning check clears 0.9 in about two minutes of training on 2 CPU cores: min-SNR weighting
     # and noise offset put the effort on the coarse, colour-carrying structure; training on the latent means
     # keeps the random-init VAE's posterior noise out of the data.
-    "train": {"steps": 600, "batch_size": 8, "processes": 2, "learning_rate": 1e-3, "loss_weighting": "min_snr",
+    "train": {"steps": 600, "batch_size": 8, "processes": 2, "learning_rate": 1e-3, "loss_weighting": "auto",
               "noise_offset": 0.1, "latent_sampling": "mean", "checkpoint_every": 300, "validate_every": 300},
     "validate": {
         "prompts": [{"prompt": f"a {c} {s}", "negative_prompt": "", "seed": i}

@@ -22,6 +22,9 @@ class ModelConfig(Strict):
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="what an epsilon/v family's denoiser predicts; auto = the model's scheduler config "
+                            "(set v_prediction for a v-prediction checkpoint whose config says otherwise)")
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -27,8 +27,22 @@ class TrainConfig(Strict):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     ema: bool = Field(False, description="keep an exponential moving average of the trained weights; final/ holds it")
     ema_decay: float = Field(0.999, gt=0, lt=1)
-    loss_weighting: Literal["none", "min_snr"] = Field("none", description="min_snr: Min-SNR-gamma weights")
+    loss_weighting: Literal["auto", "none", "min_snr"] = Field(
+        "auto", description="min_snr: Min-SNR-gamma weights (epsilon/v families); auto = min_snr for epsilon/v "
+                            "families, none for flow-matching ones (sd3, flux)")
     min_snr_gamma: float = Field(5.0, gt=0)
+    timestep_sampling: Literal["uniform", "logit_normal", "sigmoid", "mode"] = Field(
+        "uniform", description="flow-matching families (sd3, flux): how sigma is drawn; logit_normal "
+                               "(logit_mean, logit_std), sigmoid (sigmoid_scale), mode (mode_scale), or uniform")
+    logit_mean: float = Field(0.0, description="timestep_sampling logit_normal: mean of logit(sigma)")
+    logit_std: float = Field(1.0, gt=0, description="timestep_sampling logit_normal: std of logit(sigma)")
+    sigmoid_scale: float = Field(1.0, gt=0, description="timestep_sampling sigmoid: sigma = sigmoid(scale * N(0,1))")
+    mode_scale: float = Field(1.29, ge=-1, le=1.5, description="timestep_sampling mode: SD3's mode sampling "
+                              "scale s (0 = uniform)")
+    timestep_shift: float | Literal["auto"] = Field(
+        "auto", description="flow-matching families: shift sigma towards noise, s*sigma / (1 + (s-1)*sigma); auto = "
+                            "the model's scheduler config (SD3's fixed shift; Flux's shift from the image's token "
+                            "count); 1 = none")
     noise_offset: float = Field(0.0, ge=0, description="add offset * N(0,1) per sample and channel to the noise")
     latent_sampling: Literal["sample", "mean"] = Field(
         "sample", description="sample: a fresh draw from each image's cached VAE distribution every step; mean: "
@@ -64,6 +78,8 @@ class TrainConfig(Strict):
             raise ValueError(f"train.node_rank {self.node_rank} must be < train.nodes {self.nodes}")
         if self.resume is not None and not self.resume.strip():
             raise ValueError("train.resume: use auto, latest, a checkpoint directory, or null")
+        if self.timestep_shift != "auto" and self.timestep_shift <= 0:
+            raise ValueError(f"train.timestep_shift must be auto or a number > 0, not {self.timestep_shift}")
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
                              "train.mode lora use init_from base")

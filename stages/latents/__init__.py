@@ -30,7 +30,7 @@ def size_policy(cfg) -> dict:
 def _config(cfg) -> dict:
     # batch_size and workers change how fast the cache is built, not what it holds.
     return {"latents": cfg.latents.model_dump(mode="json", exclude={"workers", "batch_size"}),
-            "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"}),
+            "model": cfg.model.model_dump(mode="json", include={"family", "dtype"}),
             "size_policy": size_policy(cfg)}
 
 

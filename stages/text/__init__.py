@@ -25,7 +25,7 @@ def _config(cfg) -> dict:
             "caption_variants": t.caption_variants, "augment": TagAugment.from_config(t).as_dict()}
     if t.enabled:
         text["dtype"] = t.dtype
-    return {"text": text, "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"})}
+    return {"text": text, "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
 
 
 def _inputs(ctx) -> dict:

@@ -21,9 +21,11 @@ from stages.text.live import LiveText
 from stages.text.store import TextCache
 from stages.train import checkpoint as ckpt
 from stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
-from stages.train.objective import loss_weights, noisy_and_target, offset_noise, scale_latents, weighted_mse
+from stages.train.objective import (loss_weights, noisy_and_target, offset_noise, prediction_type, scale_latents,
+                                    weighted_mse)
 from stages.train.plan import MicroBatch, Position, shard, step_seed
 from stages.train.schedule import EMA, lr_at
+from stages.train.timesteps import SigmaSampler
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -70,6 +72,8 @@ class Trainer:
         self.scaler = grad_scaler(self.autocast)
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
+        self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
+        self.sigmas = SigmaSampler.from_train(self.t)
         self.step, self.position, self.losses = 0, Position(), []
 
     # ---- one step ----------------------------------------------------------------------------
@@ -94,8 +98,9 @@ class Trainer:
         x0 = scale_latents(self.latents(batch, gen), data.scaling, data.shift)
         cond = self.conditioning(batch.paths, gen)
         noise = offset_noise(torch.randn(x0.shape, generator=gen), t.noise_offset, gen)
-        nz = noisy_and_target(x0, noise, self.fam.facts.prediction, self.noise_scheduler, gen)
-        weights = loss_weights(nz.snr, self.fam.facts.prediction, t.loss_weighting, t.min_snr_gamma)
+        nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas,
+                              patch=self.fam.facts.patch_size)
+        weights = loss_weights(nz.snr, self.prediction, t.loss_weighting, t.min_snr_gamma)
         flip = batch.flip or (False,) * len(batch.paths)
         no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not sync else nullcontext()
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.train.timesteps import SigmaSampler
+
 
 @dataclass(frozen=True)
 class Noised:
@@ -29,17 +31,33 @@ def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator)
     return noise + offset * shift
 
 
+def prediction_type(family_default: str, scheduler, override: str = "auto") -> str:
+    """What the denoiser learns to predict: `model.prediction_type` when set, else the model's own scheduler config
+    (an SD2.x or v-prediction SDXL checkpoint says v_prediction there), else the family's default. Flow-matching
+    families always learn the velocity of the flow."""
+    if family_default == "flow_matching":
+        return family_default
+    if override != "auto":
+        return override
+    return getattr(scheduler.config, "prediction_type", None) or family_default
+
+
 def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, prediction: str, scheduler,
-                     generator: torch.Generator) -> Noised:
+                     generator: torch.Generator, *, sigmas: SigmaSampler | None = None, patch: int = 1) -> Noised:
     """Noise one batch and name what the model must predict.
 
     epsilon / v_prediction: DDPM timesteps in [0, T) and the scheduler's own noising.
-    flow_matching: sigma ~ U(0, 1), x_t = (1 - sigma) x0 + sigma noise, target = noise - x0, and the
-    timestep passed on is sigma * 1000 (the convention family adapters expect).
+    flow_matching: sigma from `sigmas` (stages.train.timesteps; default U(0, 1) unshifted), x_t = (1 - sigma) x0 +
+    sigma noise, target = noise - x0, and the timestep passed on is sigma * 1000 (the convention family adapters
+    expect). `patch` is the denoiser's patch size: the image's token count sets a resolution-dependent shift.
     """
     b = x0.shape[0]
     if prediction == "flow_matching":
-        sigma = torch.rand(b, generator=generator)
+        if sigmas is None:
+            sigma = torch.rand(b, generator=generator)
+        else:
+            tokens = (x0.shape[-2] // patch) * (x0.shape[-1] // patch)
+            sigma = sigmas.sample(b, generator, scheduler.config if scheduler is not None else {}, tokens)
         s = sigma.view(b, *([1] * (x0.dim() - 1)))
         snr = ((1 - sigma) / sigma.clamp_min(1e-6)) ** 2
         return Noised((1 - s) * x0 + s * noise, sigma * 1000.0, noise - x0, snr)
@@ -62,6 +80,8 @@ def loss_weights(snr: torch.Tensor, prediction: str, weighting: str, gamma: floa
     model learns: epsilon -> min(snr, g) / snr; v -> min(snr, g) / (snr + 1); flow matching (x0 error = sigma *
     velocity error, snr = ((1 - sigma) / sigma)^2) -> sigma^2 * min(snr, g).
     """
+    if weighting == "auto":  # min-SNR where it is meant for (epsilon/v); flow matching trains unweighted
+        weighting = "none" if prediction == "flow_matching" else "min_snr"
     if weighting == "none":
         return torch.ones_like(snr)
     if weighting != "min_snr":

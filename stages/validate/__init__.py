@@ -11,7 +11,7 @@ CODE_VERSION = "validate-2"
 def _config(cfg) -> dict:
     return {"validate": cfg.validate_.model_dump(mode="json"),
             "buckets": cfg.buckets.model_dump(mode="json", include={"resolution", "resolution_type", "alignment"}),
-            "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
+            "model": cfg.model.model_dump(mode="json", include={"family", "dtype", "device"})}
 
 
 def _inputs(ctx) -> dict:

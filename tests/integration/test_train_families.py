@@ -21,7 +21,7 @@ from tests.integration.test_train_support import build_upstream, small_config
 
 CPU = torch.device("cpu")
 TRAIN = {"mode": "lora", "lora_rank": 4, "batch_size": 2, "processes": 1, "steps": 2, "learning_rate": 1e-2,
-         "loss_weighting": "min_snr", "latent_sampling": "sample"}
+         "loss_weighting": "auto", "latent_sampling": "sample"}
 
 
 def _trainer(cfg, ctx) -> Trainer:
@@ -75,3 +75,21 @@ def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
 def _render(pipe) -> torch.Tensor:
     return pipe("a red square", num_inference_steps=2, height=64, width=64, output_type="latent",
                 generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
+    """One step per sampler on the real tiny transformer: finite losses, and the sampler changes the sigmas drawn
+    (hence the loss) from the same seed."""
+    cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"})
+    ctx = build_upstream(cfg)
+    losses = {}
+    for sampling, shift in [("uniform", 1.0), ("uniform", "auto"), ("logit_normal", "auto"), ("sigmoid", 3.0),
+                            ("mode", "auto")]:
+        run = small_config(tmp_path, {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift},
+                           model={"family": family, "device": "cpu"})
+        trainer = _trainer(run, ctx)
+        _steps(trainer, 1)
+        losses[(sampling, shift)] = trainer.losses[0]
+    assert all(torch.isfinite(torch.tensor(list(losses.values())))), losses
+    assert len({round(v, 6) for v in losses.values()}) == len(losses), f"samplers did not change the draw: {losses}"

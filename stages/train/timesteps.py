@@ -1,0 +1,66 @@
+"""Where on the noise schedule flow-matching training samples (SD3, Flux): the distribution of sigma and its shift.
+
+sigma in (0, 1) is the noise fraction: x_t = (1 - sigma) x0 + sigma noise. Samplers (Esser et al. 2024, "Scaling
+Rectified Flow Transformers", section 3.1; the names sd-scripts and SimpleTuner use):
+- uniform: sigma ~ U(0, 1);
+- logit_normal: logit(sigma) ~ N(mean, std), most samples mid-schedule;
+- sigmoid: sigma = sigmoid(scale * N(0, 1)) (logit_normal with mean 0 and std `scale`);
+- mode: sigma = 1 - u - s (cos^2(pi u / 2) - 1 + u), u ~ U(0, 1), heavier in the middle for s > 0.
+Then the shift: sigma' = shift sigma / (1 + (shift - 1) sigma), moving samples towards noise, which matters more as
+images grow. `auto` takes the model's own scheduler config: a fixed `shift` (SD3: 3.0), or with
+`use_dynamic_shifting` (Flux) shift = exp(mu), mu linear in the image's token count between base_shift at
+base_image_seq_len and max_shift at max_image_seq_len (diffusers' FluxPipeline `calculate_shift`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SigmaSampler:
+    kind: str = "uniform"  # uniform | logit_normal | sigmoid | mode
+    mean: float = 0.0
+    std: float = 1.0
+    scale: float = 1.0
+    mode_scale: float = 1.29
+    shift: float | None = None  # None: resolution-dependent, from the scheduler config (auto)
+
+    @classmethod
+    def from_train(cls, t) -> "SigmaSampler":
+        return cls(kind=t.timestep_sampling, mean=t.logit_mean, std=t.logit_std, scale=t.sigmoid_scale,
+                   mode_scale=t.mode_scale, shift=None if t.timestep_shift == "auto" else float(t.timestep_shift))
+
+    def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n unshifted sigmas in (0, 1)."""
+        if self.kind == "uniform":
+            return torch.rand(n, generator=generator)
+        if self.kind in ("logit_normal", "sigmoid"):
+            mean, std = (self.mean, self.std) if self.kind == "logit_normal" else (0.0, self.scale)
+            return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+        if self.kind == "mode":
+            u = torch.rand(n, generator=generator)
+            return 1 - u - self.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+        raise ValueError(f"train.timestep_sampling: unknown sampler {self.kind!r}")
+
+    def sample(self, n: int, generator: torch.Generator, scheduler_config, tokens: int) -> torch.Tensor:
+        """n sigmas for images of `tokens` latent patches, shifted as configured."""
+        shift = self.shift if self.shift is not None else auto_shift(scheduler_config, tokens)
+        return shift_sigmas(self.draw(n, generator), shift)
+
+
+def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def auto_shift(config, tokens: int) -> float:
+    """The model's own shift for an image of `tokens` patches (1.0 when its scheduler has none)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    if not get("use_dynamic_shifting", False):
+        return float(get("shift", 1.0) or 1.0)
+    lo_n, hi_n = get("base_image_seq_len", 256), get("max_image_seq_len", 4096)
+    lo, hi = get("base_shift", 0.5), get("max_shift", 1.15)
+    mu = lo + (hi - lo) * (tokens - lo_n) / (hi_n - lo_n)
+    return math.exp(mu)
