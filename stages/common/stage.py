@@ -227,8 +227,8 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
         work = store.start(sd.name, key)
         facts = sd.build(ctx, work, upstream)
         content = facts.pop("content_digest", None)
-        if sd.content_addressed:
-            version = digest({k: v for k, v in parts.items() if k != "inputs"} | {"content": content})
+        if sd.content_addressed:  # settings that changed no output change no version
+            version = digest({"stage": sd.name, "code_version": sd.code_version, "content": content})
         else:
             version = key
         manifest = sd.manifest_cls(stage=sd.name, fingerprint=version, upstream=parts["upstream"],

@@ -183,10 +183,10 @@ def build(ctx, work: Path, upstream: dict) -> dict:
             "rejected": len(rejected), "buckets": rows, "duplicates": groups,
             "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
             "conversions": bk.conversions(records), "reopened": reopened,
-            # The root is content too: later stages read the images from it, and a moved dataset must not map
-            # to an older version whose manifest points at the old place.
-            "content_digest": digest({"root": str(root), "records": consumed,
-                                      "rejected": [r.model_dump() for r in rejected]})}
+            # What later stages consume, and nothing else: records (paths relative to the root, sizes, content
+            # hashes, buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection
+            # leaves the version as it was; the republished manifest then names the new root.
+            "content_digest": digest({"records": consumed})}
 
 
 def _report(ctx, root: Path, rows, plan, rejected: list[Rejected], reopened: int, accepted: int,

@@ -86,8 +86,8 @@ def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
     losses = {}
     for sampling, shift in [("uniform", 1.0), ("uniform", "auto"), ("logit_normal", "auto"), ("sigmoid", 3.0),
                             ("mode", "auto")]:
-        run = small_config(tmp_path, {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift},
-                           model={"family": family, "device": "cpu"})
+        run = small_config(tmp_path, {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift,
+                                      "sigmoid_scale": 2.0}, model={"family": family, "device": "cpu"})
         trainer = _trainer(run, ctx)
         _steps(trainer, 1)
         losses[(sampling, shift)] = trainer.losses[0]
