@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.families.registry import get_family
 from stages.latents.reader import LatentReader, ReaderError
 from stages.text.live import open_text
+from stages.train import evaluation
 from stages.train.checkpoint import CheckpointError
 from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from stages.train.loop import Data, NonFiniteLoss, Trainer
@@ -49,6 +50,7 @@ class Run:
     out: Path
     data: Data
     resume: Path | None
+    eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
 
 
 def setup(spec: dict) -> Run:
@@ -85,14 +87,17 @@ def fit(run: Run) -> Trainer:
         if run.rank == 0:
             print(f"resumed from {run.resume} at step {trainer.step}", flush=True)
     hooks = Hooks(run, trainer)
-    reader = run.data.reader
-    stream = micro_batches(lambda epoch: reader.plan(t.batch_size, run.world, t.seed, epoch), t.batch_size,
-                           run.rank, trainer.position)
+    plan_of, held = evaluation.epoch_plans(run.data.reader, t, run.world)
+    evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
+    stream = micro_batches(plan_of, t.batch_size, run.rank, trainer.position)
     while trainer.step < t.steps:
         micro = [next(stream) for _ in range(t.grad_accumulation)]
         hooks.before_step(micro)
         trainer.train_step(micro)
         hooks.after_step()
+        if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
+            run.eval_losses.append(evaluator.evaluate())
+            print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
     return trainer
 
 
@@ -113,7 +118,7 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,
-                  "losses": downsample(trainer.losses, MANIFEST_POINTS)}
+                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
 
