@@ -27,7 +27,7 @@ def check_config(cfg: PipelineConfig, source: str) -> None:
     fam = facts(cfg.model.family)
     problems: list[str] = []
     for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
-                  _rendezvous, _training_mode, _prompts):
+                  _rendezvous, _training_mode, _prompts, _masks):
         problems += check(cfg, fam)
     if problems:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -153,3 +153,10 @@ def _prompts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
             f"turns classifier-free guidance off, so model.family {fam.name} ignores the negative prompt; raise "
             f"validate.guidance_scale above 1 or remove the negative prompt"
             for i, p in enumerate(v.prompts) if p.negative_prompt]
+
+
+def _masks(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    if cfg.train.masked_loss and cfg.dataset.masks is None:
+        return ["train.masked_loss is true but dataset.masks is null: set dataset.masks to alpha or a folder of "
+                "mask images, or set train.masked_loss false"]
+    return []

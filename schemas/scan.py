@@ -33,6 +33,16 @@ class DatasetConfig(Strict):
                                   description="decompression-bomb guard: larger images are rejected unread")
     duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
                                                   "reported; `reject` keeps only the first path of each group")
+    masks: str | None = Field(None, description="loss masks (train.masked_loss): `alpha` = each image's alpha "
+                              "channel, or a folder of mask images matched by file stem (white = train, black = "
+                              "ignore; same size as the image); images without one weigh fully. null = none")
+
+    @field_validator("masks")
+    @classmethod
+    def _masks(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("use alpha, a folder of mask images, or null")
+        return v
 
     @field_validator("extensions")
     @classmethod
@@ -99,6 +109,9 @@ class ImageRecord(BaseModel):
     orientation: int = Field(1, ge=1, le=8, description="EXIF orientation applied (1 = none)")
     conversion: str = Field("", description="how the file's mode becomes RGB, empty when it already is")
     background: tuple[int, int, int] | None = Field(None, description="RGB transparent pixels are composited on")
+    mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")
+    mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
+    mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
 
 
 class Rejected(BaseModel):

@@ -73,6 +73,8 @@ class TrainConfig(Strict):
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: str = Field("", description="host:port of the c10d rendezvous for multi-node runs")
     rdzv_id: str = "tuneline"
+    masked_loss: bool = Field(False, description="weight each latent position's loss by the image's mask "
+                              "(dataset.masks), cached at the latent grid by the latents stage")
     eval: EvalConfig | None = Field(None, description="held-out eval loss at fixed timesteps and noise; null = off")
 
     @model_validator(mode="after")

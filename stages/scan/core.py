@@ -14,7 +14,7 @@ from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.common.stage import StageFailed
 from stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from stages.scan import buckets as bk
-from stages.scan import images
+from stages.scan import images, masks
 from stages.scan.captions import CaptionError, Captions
 from stages.scan.listing import Entry, Listing, walk
 
@@ -51,7 +51,7 @@ def stage_inputs(ctx) -> dict:
     # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
     # and a large folder is walked once per run, not twice.
     ctx.cache[LISTING_KEY] = listing
-    return listing.fingerprint()
+    return listing.fingerprint() | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
 
 
 def _listing(ctx, root: Path) -> Listing:
@@ -145,7 +145,8 @@ def _records(ctx, root: Path) -> tuple[list[ImageRecord], list[Rejected], int]:
     for probe in probes:
         r = make_record(probe, captions, policy, cfg)
         (records if isinstance(r, ImageRecord) else rejected).append(r)
-    return records, rejected, reopened
+    records, misfits = masks.attach(records, cfg)
+    return records, rejected + misfits, reopened
 
 
 def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> StageFailed:

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from schemas.scan import ImageRecord
 from stages.common.models import DTYPES
 from stages.families.base import MicroCond
+from stages.latents.masks import read as read_mask
 from stages.latents.reader import LatentReader
 from stages.text.live import LiveText
 from stages.text.store import TextCache
@@ -103,7 +104,8 @@ class Trainer:
             with amp:
                 pred = self.fam.denoise(self.model, nz.noisy.to(self.device), nz.timesteps.to(self.device), cond,
                                         micro=[micro_cond(data.records[p], f) for p, f in zip(batch.paths, flip)])
-            loss = weighted_mse(pred, nz.target.to(self.device), weights)
+            mask = read_mask(data.reader, batch) if t.masked_loss else None
+            loss = weighted_mse(pred, nz.target.to(self.device), weights, mask)
             self.scaler.scale(loss / t.grad_accumulation).backward()
         return loss.detach()
 
