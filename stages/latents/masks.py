@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from schemas.scan import ImageRecord
+from stages.latents.store import bucket_key
 from stages.scan.images import TRANSPOSE
 
 FOLDER = "masks"
@@ -46,8 +47,8 @@ def _plane(rec: ImageRecord, dataset_root: Path, mask_root: Path | None, grid: t
 def write_masks(work: Path, index: list[dict], records: list[ImageRecord], dataset_root: Path,
                 mask_root: Path | None, vae_factor: int) -> int:
     """Write every bucket's masks when any cached image has one; returns how many rows have a mask."""
-    by_path = {r.path: r for r in records}
-    rows = [row for row in index if by_path[row["path"]].mask_kind is not None]
+    sized = {(r.path, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
+    rows = [row for row in index if sized[row["path"], row["bucket"]].mask_kind is not None]
     if not rows:
         return 0
     buckets: dict[str, list[dict]] = defaultdict(list)
@@ -55,11 +56,11 @@ def write_masks(work: Path, index: list[dict], records: list[ImageRecord], datas
         buckets[row["bucket"]].append(row)
     (work / FOLDER).mkdir(exist_ok=True)
     for bucket, members in buckets.items():
-        first = by_path[members[0]["path"]]
+        first = sized[members[0]["path"], bucket]
         grid = (first.bucket_height // vae_factor, first.bucket_width // vae_factor)
         planes = np.ones((len(members), *grid), np.float16)
         for row in members:
-            planes[row["row"]] = _plane(by_path[row["path"]], dataset_root, mask_root, grid)
+            planes[row["row"]] = _plane(sized[row["path"], bucket], dataset_root, mask_root, grid)
         np.save(mask_file(work, bucket), planes)
     return len(rows)
 

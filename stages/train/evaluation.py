@@ -96,7 +96,7 @@ class Evaluator:
                         noisy, ts, target = _noised(x0, _noise(path, t, tuple(x0.shape)), t,
                                                     tr.fam.facts.prediction, tr.noise_scheduler)
                         pred = tr.fam.denoise(model, noisy.to(tr.device), ts.to(tr.device), cond,
-                                              micro=[micro_cond(data.records[path])])
+                                              micro=[micro_cond(data.record(path, bucket))])
                         sums[t] += float(((pred.float() - target.to(tr.device).float()) ** 2).mean())
                     n += 1
         finally:

@@ -24,6 +24,7 @@ from stages.common.artifacts import ArtifactError, ArtifactStore
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.families.registry import get_family
 from stages.latents.reader import LatentReader, ReaderError
+from stages.latents.store import bucket_key
 from stages.text.live import open_text
 from stages.train import evaluation
 from stages.train.checkpoint import CheckpointError
@@ -68,12 +69,14 @@ def setup(spec: dict) -> Run:
     txt = store.read(up["text"], TextManifest)
     scan_dir = store.version_dir("scan", lat.upstream["scan"])
     store.read(scan_dir, ScanManifest)
-    records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")}
+    every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
+    records = {r.path: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
     # The text cache, or live encoders when the text artifact was built with text.enabled false.
     text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
+    sized = {(r.path, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
     data = Data(reader=LatentReader(up["latents"], lat), text=text, records=records, scaling=lat.scaling_factor,
-                shift=lat.shift_factor)
+                shift=lat.shift_factor, sized=sized)
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
                resume=Path(spec["resume"]) if spec.get("resume") else None)
