@@ -40,7 +40,8 @@ def _plane(rec: ImageRecord, dataset_root: Path, mask_root: Path | None, grid: t
     if mask.size != (rec.width, rec.height):
         raise ValueError(f"mask of {rec.path} is {mask.size[0]}x{mask.size[1]}, the scan recorded "
                          f"{rec.width}x{rec.height}: the file changed since the scan; run `tuneline stage scan`")
-    small = mask.crop(rec.crop).resize((grid[1], grid[0]), Image.Resampling.BOX)
+    # Float before averaging: an 8-bit average would round a half-covered position to 128 / 255.
+    small = mask.crop(rec.crop).convert("F").resize((grid[1], grid[0]), Image.Resampling.BOX)
     return (np.asarray(small, np.float32) / 255.0).astype(np.float16)
 
 
