@@ -108,7 +108,8 @@ class Trainer:
         with no_sync:
             with amp:
                 pred = self.fam.denoise(self.model, nz.noisy.to(self.device), nz.timesteps.to(self.device), cond,
-                                        micro=[micro_cond(data.record(p, mb.bucket), f) for p, f in zip(batch.paths, flip)])
+                                        micro=[micro_cond(data.record(p, mb.bucket), f)
+                                               for p, f in zip(batch.paths, flip)])
             mask = read_mask(data.reader, batch) if t.masked_loss else None
             loss = weighted_mse(pred, nz.target.to(self.device), weights, mask)
             self.scaler.scale(loss / t.grad_accumulation).backward()
