@@ -27,7 +27,7 @@ def check_config(cfg: PipelineConfig, source: str) -> None:
     fam = facts(cfg.model.family)
     problems: list[str] = []
     for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
-                  _rendezvous, _training_mode, _prompts, _objective):
+                  _rendezvous, _training_mode, _prompts, _objective, _masks):
         problems += check(cfg, fam)
     if problems:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -173,3 +173,10 @@ def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
             out.append(f"train.timestep_shift {t.timestep_shift} is for flow-matching families (sd3, flux); "
                        f"model.family {fam.name} has no shift: use auto")
     return out
+
+
+def _masks(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    if cfg.train.masked_loss and cfg.dataset.masks is None:
+        return ["train.masked_loss is true but dataset.masks is null: set dataset.masks to alpha or a folder of "
+                "mask images, or set train.masked_loss false"]
+    return []

@@ -51,3 +51,5 @@ class LatentsManifest(Manifest):
     reused: int = Field(0, description="rows copied from the previous version (same image bytes, bucket, crop, "
                         "VAE identity, dtypes)")
     resumed: int = Field(0, description="rows kept from finished blocks of an interrupted build")
+    masked: int = Field(0, description="rows with a loss mask; when > 0, masks/<bucket>.npy holds every row's mask "
+                        "at the latent grid (dataset.masks)")

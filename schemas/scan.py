@@ -34,6 +34,17 @@ class DatasetConfig(Strict):
                                   description="decompression-bomb guard: larger images are rejected unread")
     duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
                                                   "reported; `reject` keeps only the first path of each group")
+    masks: Annotated[str | None, ConfigPath(keywords=("alpha",))] = Field(
+        None, description="loss masks (train.masked_loss): `alpha` = each image's alpha channel, or a folder of "
+                          "mask images matched by file stem (white = train, black = ignore; same size as the "
+                          "image; relative: against the workdir); images without one weigh fully. null = none")
+
+    @field_validator("masks")
+    @classmethod
+    def _masks(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("use alpha, a folder of mask images, or null")
+        return v
 
     @field_validator("extensions")
     @classmethod
@@ -68,12 +79,25 @@ class BucketConfig(Strict):
                               "train.processes x gradient accumulation): repeat its images to fill a batch, or drop "
                               "it (its images are listed in rejected.jsonl)")
 
+    resolutions: list[float] | None = Field(None, min_length=1, description="multi-resolution training: every "
+                                            "image is bucketed and cached at each of these (same unit as "
+                                            "`resolution`, which must be among them); null = `resolution` only")
+
     @model_validator(mode="after")
     def _aspects(self) -> "BucketConfig":
         if self.min_aspect > self.max_aspect:
             raise ValueError(f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect "
                              f"({self.max_aspect})")
+        if self.resolutions is not None:
+            if self.resolution not in self.resolutions:
+                raise ValueError(f"buckets.resolutions {self.resolutions} must include buckets.resolution "
+                                 f"{self.resolution}")
+            if any(r <= 0 for r in self.resolutions) or len(set(self.resolutions)) != len(self.resolutions):
+                raise ValueError(f"buckets.resolutions {self.resolutions} must be distinct and > 0")
         return self
+
+    def all_resolutions(self) -> list[float]:
+        return sorted(self.resolutions) if self.resolutions else [self.resolution]
 
 
 class ImageRecord(BaseModel):
@@ -100,6 +124,11 @@ class ImageRecord(BaseModel):
     orientation: int = Field(1, ge=1, le=8, description="EXIF orientation applied (1 = none)")
     conversion: str = Field("", description="how the file's mode becomes RGB, empty when it already is")
     background: tuple[int, int, int] | None = Field(None, description="RGB transparent pixels are composited on")
+    resolution: float | None = Field(None, description="the buckets.resolutions entry this record is sized for "
+                                     "(one record per image and resolution); null without buckets.resolutions")
+    mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")
+    mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
+    mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
 
 
 class Rejected(BaseModel):

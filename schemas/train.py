@@ -8,6 +8,24 @@ from pydantic import Field, model_validator
 from schemas.base import ConfigPath, Manifest, Strict
 
 
+class EvalConfig(Strict):
+    """Held-out evaluation: the same images, timesteps and noise every time, so curves compare across runs."""
+
+    fraction: float = Field(0.1, gt=0, lt=1, description="share of the scanned images held out of training, "
+                            "chosen stably per image (a hash of its path)")
+    every_steps: int = Field(50, ge=1, description="steps between evaluations (shrinks to fit `steps`); the last "
+                             "step is always evaluated")
+    timesteps: list[int] = Field([200, 500, 800], min_length=1, description="fixed timesteps in [0, 1000) each held "
+                                 "out image is noised at (flow families: sigma = t / 1000)")
+
+    @model_validator(mode="after")
+    def _timesteps(self) -> "EvalConfig":
+        bad = [t for t in self.timesteps if not 0 <= t < 1000]
+        if bad:
+            raise ValueError(f"train.eval.timesteps {bad} must lie in [0, 1000)")
+        return self
+
+
 class TrainConfig(Strict):
     steps: int = Field(300, ge=1, description="optimizer steps for this run")
     batch_size: int = Field(8, ge=1, description="samples per process per micro-batch")
@@ -69,6 +87,9 @@ class TrainConfig(Strict):
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: str = Field("", description="host:port of the c10d rendezvous for multi-node runs")
     rdzv_id: str = "tuneline"
+    masked_loss: bool = Field(False, description="weight each latent position's loss by the image's mask "
+                              "(dataset.masks), cached at the latent grid by the latents stage")
+    eval: EvalConfig | None = Field(None, description="held-out eval loss at fixed timesteps and noise; null = off")
 
     @model_validator(mode="after")
     def _multi_node(self) -> "TrainConfig":
@@ -95,6 +116,9 @@ class TrainConfig(Strict):
     def effective_validate_every(self) -> int:
         return min(self.validate_every, self.steps)
 
+    def effective_eval_every(self) -> int:
+        return min(self.eval.every_steps, self.steps) if self.eval else 0
+
     @property
     def gradient_accumulation(self) -> int:
         """The name the scan stage's global-batch rule reads."""
@@ -117,3 +141,5 @@ class TrainManifest(Manifest):
     resumed_from: str | None = None
     initialized_from: str | None = Field(None, description="train version whose weights this run started from")
     losses: list[float] = Field(default_factory=list, description="loss per step (at most 500 points, averaged)")
+    eval_losses: list[dict] = Field(default_factory=list, description="held-out loss: {step, loss, per_timestep} "
+                                    "per evaluation (train.eval)")

@@ -19,10 +19,11 @@ from stages.common import models
 from stages.common.artifacts import ArtifactError
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.common.sizing import latent_shape
-from stages.latents import size_policy, store
+from stages.latents import masks, size_policy, store
 from stages.latents.encode import Encoder
 from stages.latents.reuse import PreviousRows, row_identity, row_key
 from stages.latents.writer import BucketJob, BucketResult, BucketWriter, Settings, fill
+from stages.scan.masks import mask_root
 
 PROGRESS_KEY = "latents-progress"
 PROGRESS_EVERY_S = 1.0  # Prefect progress artifacts are API calls: update at most this often
@@ -87,7 +88,11 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     settings = Settings(root=Path(scan.dataset_root), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
                         batch_size=lc.batch_size, names=store.array_names(lc.flip))
     results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
-    return manifest_facts(ctx, work, scan, results, jobs, fam, vae, vae_dtype)
+    facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae, vae_dtype)
+    index = [row for r in results for row in r.index]
+    facts["masked"] = masks.write_masks(work, index, records, Path(scan.dataset_root), mask_root(cfg),
+                                        fam.facts.vae_factor)
+    return facts
 
 
 def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, total: int) -> list[BucketResult]:

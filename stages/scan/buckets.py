@@ -67,9 +67,9 @@ def apply_plan(records: list[ImageRecord], plan: dict[Bucket, int],
 
 
 def duplicate_groups(records: list[ImageRecord]) -> list[list[str]]:
-    groups: dict[str, list[str]] = defaultdict(list)
+    groups: dict[str, set[str]] = defaultdict(set)
     for r in records:
-        groups[r.sha256].append(r.path)
+        groups[r.sha256].add(r.path)  # a set: with buckets.resolutions one image has a record per resolution
     return sorted(sorted(g) for g in groups.values() if len(g) > 1)
 
 

@@ -1,6 +1,7 @@
 """The scan stage's core: list, probe (reusing the previous scan for unchanged files), caption, bucket."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.common.stage import StageFailed
 from stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from stages.scan import buckets as bk
-from stages.scan import images
+from stages.scan import images, masks
 from stages.scan.captions import CaptionError, Captions
 from stages.scan.listing import Entry, Listing, walk
 
@@ -51,7 +52,7 @@ def stage_inputs(ctx) -> dict:
     # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
     # and a large folder is walked once per run, not twice.
     ctx.cache[LISTING_KEY] = listing
-    return listing.fingerprint()
+    return listing.fingerprint() | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
 
 
 def _listing(ctx, root: Path) -> Listing:
@@ -134,18 +135,34 @@ def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg
                        background=cfg.dataset.background if probe.transparent else None)
 
 
+def policies(cfg: PipelineConfig) -> list[tuple[float | None, SizePolicy]]:
+    """(resolution recorded, size policy) per buckets.resolutions entry; (None, the policy) without them."""
+    base = size_policy(cfg.buckets, alignment(cfg))
+    if cfg.buckets.resolutions is None:
+        return [(None, base)]
+    return [(r, dataclasses.replace(base, resolution=r)) for r in cfg.buckets.all_resolutions()]
+
+
 def _records(ctx, root: Path) -> tuple[list[ImageRecord], list[Rejected], int]:
     cfg = ctx.cfg
     listing = _listing(ctx, root)
     probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, root))
     save_probe_cache(ctx, root, probes)
     captions = Captions(listing, cfg.dataset)
-    policy = size_policy(cfg.buckets, alignment(cfg))
-    records, rejected = [], [*listing.problems, *captions.problems]
-    for probe in probes:
-        r = make_record(probe, captions, policy, cfg)
-        (records if isinstance(r, ImageRecord) else rejected).append(r)
-    return records, rejected, reopened
+    records, rejected, seen = [], [*listing.problems, *captions.problems], set()
+    for resolution, policy in policies(cfg):
+        for probe in probes:
+            r = make_record(probe, captions, policy, cfg)
+            if isinstance(r, ImageRecord):
+                if (r.path, r.bucket_width, r.bucket_height) in seen:  # two resolutions, one bucket: cache it once
+                    continue
+                seen.add((r.path, r.bucket_width, r.bucket_height))
+                records.append(r.model_copy(update={"resolution": resolution}) if resolution else r)
+            elif (r.path, r.reason) not in seen:  # an unreadable file is rejected once, not per resolution
+                seen.add((r.path, r.reason))
+                rejected.append(r)
+    records, misfits = masks.attach(records, cfg)
+    return records, rejected + misfits, reopened
 
 
 def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> StageFailed:

@@ -6,7 +6,7 @@ benchmark drives the same class in-process.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from schemas.scan import ImageRecord
 from stages.common.models import dtypes
 from stages.families.base import MicroCond
+from stages.latents.masks import read as read_mask
 from stages.latents.reader import LatentReader
 from stages.text.live import LiveText
 from stages.text.store import TextCache
@@ -41,6 +42,11 @@ class Data:
     records: dict[str, ImageRecord]
     scaling: float
     shift: float
+    sized: dict[tuple[str, str], ImageRecord] = field(default_factory=dict)  # (path, bucket) -> record
+
+    def record(self, path: str, bucket: str) -> ImageRecord:
+        """The record sized for this bucket: with buckets.resolutions an image has one per resolution."""
+        return self.sized.get((path, bucket)) or self.records[path]
 
 
 def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
@@ -107,8 +113,10 @@ class Trainer:
         with no_sync:
             with amp:
                 pred = self.fam.denoise(self.model, nz.noisy.to(self.device), nz.timesteps.to(self.device), cond,
-                                        micro=[micro_cond(data.records[p], f) for p, f in zip(batch.paths, flip)])
-            loss = weighted_mse(pred, nz.target.to(self.device), weights)
+                                        micro=[micro_cond(data.record(p, mb.bucket), f)
+                                               for p, f in zip(batch.paths, flip)])
+            mask = read_mask(data.reader, batch) if t.masked_loss else None
+            loss = weighted_mse(pred, nz.target.to(self.device), weights, mask)
             self.scaler.scale(loss / t.grad_accumulation).backward()
         return loss.detach()
 

@@ -95,7 +95,14 @@ def loss_weights(snr: torch.Tensor, prediction: str, weighting: str, gamma: floa
     return sigma_sq * clipped
 
 
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Mean over each sample's elements, then the weighted mean over the batch (float32 whatever autocast did)."""
-    per_sample = ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over each sample's elements, then the weighted mean over the batch (float32 whatever autocast did).
+
+    `mask` (B, 1, h, w) in [0, 1] scales each latent position's error (masked loss); a zero mask adds nothing.
+    """
+    err = (pred.float() - target.float()) ** 2
+    if mask is not None:
+        err = err * mask.to(err.device)
+    per_sample = err.flatten(1).mean(dim=1)
     return (per_sample * weights.to(per_sample.device)).mean()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +24,9 @@ from stages.common.artifacts import ArtifactError, ArtifactStore
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.families.registry import get_family
 from stages.latents.reader import LatentReader, ReaderError
+from stages.latents.store import bucket_key
 from stages.text.live import open_text
+from stages.train import evaluation
 from stages.train.checkpoint import CheckpointError
 from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from stages.train.loop import Data, NonFiniteLoss, Trainer
@@ -49,6 +51,7 @@ class Run:
     out: Path
     data: Data
     resume: Path | None
+    eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
 
 
 def setup(spec: dict) -> Run:
@@ -66,12 +69,14 @@ def setup(spec: dict) -> Run:
     txt = store.read(up["text"], TextManifest)
     scan_dir = store.version_dir("scan", lat.upstream["scan"])
     store.read(scan_dir, ScanManifest)
-    records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")}
+    every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
+    records = {r.path: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
     # The text cache, or live encoders when the text artifact was built with text.enabled false.
     text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
+    sized = {(r.path, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
     data = Data(reader=LatentReader(up["latents"], lat), text=text, records=records, scaling=lat.scaling_factor,
-                shift=lat.shift_factor)
+                shift=lat.shift_factor, sized=sized)
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
                resume=Path(spec["resume"]) if spec.get("resume") else None)
@@ -85,14 +90,17 @@ def fit(run: Run) -> Trainer:
         if run.rank == 0:
             print(f"resumed from {run.resume} at step {trainer.step}", flush=True)
     hooks = Hooks(run, trainer)
-    reader = run.data.reader
-    stream = micro_batches(lambda epoch: reader.plan(t.batch_size, run.world, t.seed, epoch), t.batch_size,
-                           run.rank, trainer.position)
+    plan_of, held = evaluation.epoch_plans(run.data.reader, t, run.world)
+    evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
+    stream = micro_batches(plan_of, t.batch_size, run.rank, trainer.position)
     while trainer.step < t.steps:
         micro = [next(stream) for _ in range(t.grad_accumulation)]
         hooks.before_step(micro)
         trainer.train_step(micro)
         hooks.after_step()
+        if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
+            run.eval_losses.append(evaluator.evaluate())
+            print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
     return trainer
 
 
@@ -113,7 +121,7 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,
-                  "losses": downsample(trainer.losses, MANIFEST_POINTS)}
+                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
 

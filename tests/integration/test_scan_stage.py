@@ -236,7 +236,9 @@ def test_pixel_limit_and_moved_dataset(tmp_path):
     first, _, _, _, m1 = scan(config(tmp_path, data))
     data.rename(tmp_path / "moved")
     moved, _, _, _, m2 = scan(config(tmp_path, tmp_path / "moved"))
-    assert moved != first and m2["dataset_root"] == str(tmp_path / "moved")
+    # The same records: the same version, republished so its manifest names where the images now are.
+    assert moved == first and m2["dataset_root"] == str(tmp_path / "moved")
+    assert json.loads((moved / "manifest.json").read_text())["dataset_root"] == str(tmp_path / "moved")
 
 
 def test_nothing_usable_is_an_error_naming_the_reasons(tmp_path):

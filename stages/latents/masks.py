@@ -1,0 +1,82 @@
+"""Loss masks at the latent grid, cached beside the latents: `masks/<bucket>.npy`, one (h, w) plane per row.
+
+Each mask gets the crop its image got and is area-averaged down to the latent grid, so a latent position weighs
+what share of its pixels the mask keeps. The flipped variant is the same plane mirrored (the reader does that).
+Rows without a mask are all ones.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from schemas.scan import ImageRecord
+from stages.latents.store import bucket_key
+from stages.scan.images import TRANSPOSE
+
+FOLDER = "masks"
+
+
+def mask_file(artifact_dir: Path, bucket: str) -> Path:
+    return Path(artifact_dir) / FOLDER / f"{bucket}.npy"
+
+
+def _plane(rec: ImageRecord, dataset_root: Path, mask_root: Path | None, grid: tuple[int, int]) -> np.ndarray:
+    """One record's mask cropped and averaged down to the (h, w) latent grid, values in [0, 1]."""
+    if rec.mask_kind is None:
+        return np.ones(grid, np.float16)
+    if rec.mask_kind == "alpha":
+        with Image.open(dataset_root / rec.path) as im:
+            mask = im.convert("RGBA").getchannel("A")
+        if rec.orientation in TRANSPOSE:
+            mask = mask.transpose(TRANSPOSE[rec.orientation])
+    else:
+        with Image.open(mask_root / rec.mask_path) as im:
+            mask = im.convert("L")
+    if mask.size != (rec.width, rec.height):
+        raise ValueError(f"mask of {rec.path} is {mask.size[0]}x{mask.size[1]}, the scan recorded "
+                         f"{rec.width}x{rec.height}: the file changed since the scan; run `tuneline stage scan`")
+    # Float before averaging: an 8-bit average would round a half-covered position to 128 / 255.
+    small = mask.crop(rec.crop).convert("F").resize((grid[1], grid[0]), Image.Resampling.BOX)
+    return (np.asarray(small, np.float32) / 255.0).astype(np.float16)
+
+
+def write_masks(work: Path, index: list[dict], records: list[ImageRecord], dataset_root: Path,
+                mask_root: Path | None, vae_factor: int) -> int:
+    """Write every bucket's masks when any cached image has one; returns how many rows have a mask."""
+    sized = {(r.path, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
+    rows = [row for row in index if sized[row["path"], row["bucket"]].mask_kind is not None]
+    if not rows:
+        return 0
+    buckets: dict[str, list[dict]] = defaultdict(list)
+    for row in index:
+        buckets[row["bucket"]].append(row)
+    (work / FOLDER).mkdir(exist_ok=True)
+    for bucket, members in buckets.items():
+        first = sized[members[0]["path"], bucket]
+        grid = (first.bucket_height // vae_factor, first.bucket_width // vae_factor)
+        planes = np.ones((len(members), *grid), np.float16)
+        for row in members:
+            planes[row["row"]] = _plane(sized[row["path"], bucket], dataset_root, mask_root, grid)
+        np.save(mask_file(work, bucket), planes)
+    return len(rows)
+
+
+@lru_cache(maxsize=64)
+def _planes(artifact_dir: str, bucket: str) -> np.ndarray:
+    return np.load(mask_file(Path(artifact_dir), bucket), mmap_mode="r")
+
+
+def read(reader, batch) -> torch.Tensor | None:
+    """(B, 1, h, w) float32 masks of a reader batch (mirrored for flipped rows); None when no image has one."""
+    if not reader.manifest.masked:
+        return None
+    planes = np.array(_planes(str(reader.dir), batch.bucket)[list(batch.rows)], np.float32)
+    for i, flipped in enumerate(batch.flip or ()):
+        if flipped:
+            planes[i] = planes[i][:, ::-1]
+    return torch.from_numpy(planes).unsqueeze(1)

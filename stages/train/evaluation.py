@@ -1,0 +1,106 @@
+"""Held-out eval loss (train.eval): which cached rows never train, and their loss at fixed timesteps and noise.
+
+The split is a pure function of each image's path, so every rank (and every later run on the same scan) holds
+out the same images without talking; the noise is seeded by the path and the timestep, so two evaluations of the
+same weights give the same number and curves compare across runs.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from stages.latents.reader import LatentReader, epoch_plan
+from stages.train.loop import Trainer, micro_cond
+from stages.train.objective import scale_latents
+from stages.train.plan import EpochPlan
+
+Rows = dict[str, np.ndarray]  # bucket -> row ids
+
+
+def held_out(path: str, fraction: float) -> bool:
+    """Stable per image: the first 8 bytes of sha256(path) as a number in [0, 1)."""
+    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big")
+    return h / 2 ** 64 < fraction
+
+
+def split(reader: LatentReader, fraction: float) -> tuple[Rows, Rows]:
+    """(train rows, eval rows) per bucket; refuses a split that leaves either side empty."""
+    train, held = {}, {}
+    for bucket, paths in reader.paths.items():
+        mask = np.array([held_out(p, fraction) for p in paths], dtype=bool)
+        train[bucket], held[bucket] = np.flatnonzero(~mask), np.flatnonzero(mask)
+    n_eval, n_train = sum(map(len, held.values())), sum(map(len, train.values()))
+    if not n_eval or not n_train:
+        raise ValueError(f"train.eval.fraction {fraction} holds out {n_eval} of {n_eval + n_train} images; "
+                         f"choose a fraction that leaves images on both sides")
+    return train, held
+
+
+def train_plan(reader: LatentReader, train: Rows, batch_size: int, world: int, seed: int,
+               epoch: int) -> list[tuple[str, np.ndarray]]:
+    """The reader's epoch plan over the training rows only (held-out rows can never appear in a batch)."""
+    plan = epoch_plan({b: len(r) for b, r in train.items()}, batch_size, world, seed, epoch,
+                      block_rows=reader.block_rows)
+    return [(b, train[b][idx]) for b, idx in plan]
+
+
+def epoch_plans(reader: LatentReader, t, world: int) -> tuple[EpochPlan, Rows | None]:
+    """(epoch -> plan, held-out rows): the whole cache with train.eval off, else the training rows only."""
+    if t.eval is None:
+        return (lambda epoch: reader.plan(t.batch_size, world, t.seed, epoch)), None
+    train, held = split(reader, t.eval.fraction)
+    return (lambda epoch: train_plan(reader, train, t.batch_size, world, t.seed, epoch)), held
+
+
+def _noise(path: str, t: int, shape: tuple[int, ...]) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.sha256(f"{path}:{t}".encode()).digest()[:8], "big") >> 1
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _noised(x0: torch.Tensor, noise: torch.Tensor, t: int, prediction: str, scheduler):
+    """(noisy, timesteps, target) at one fixed timestep; the same conventions as objective.noisy_and_target."""
+    b = x0.shape[0]
+    if prediction == "flow_matching":
+        sigma = t / 1000.0
+        return (1 - sigma) * x0 + sigma * noise, torch.full((b,), sigma * 1000.0), noise - x0
+    ts = torch.full((b,), t, dtype=torch.long)
+    noisy = scheduler.add_noise(x0, noise, ts)
+    target = scheduler.get_velocity(x0, noise, ts) if prediction == "v_prediction" else noise
+    return noisy, ts, target
+
+
+class Evaluator:
+    """Mean squared error of the held-out images at each of `timesteps`, on the cached latent means."""
+
+    def __init__(self, trainer: Trainer, held: Rows, timesteps: list[int]):
+        self.trainer, self.held, self.timesteps = trainer, held, timesteps
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        tr, data = self.trainer, self.trainer.data
+        model, was_training = tr.denoiser, tr.denoiser.training
+        model.eval()  # dropout off: the same weights must give the same number
+        sums = dict.fromkeys(self.timesteps, 0.0)
+        n = 0
+        try:
+            for bucket, rows in self.held.items():
+                for row in rows:
+                    batch = data.reader.batch(bucket, np.array([row]))
+                    x0 = scale_latents(data.reader.gather(batch)[0].float(), data.scaling, data.shift)
+                    path = batch.paths[0]
+                    cond = {k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
+                            for k, v in data.text.get([data.records[path].caption], [0]).items()}
+                    for t in self.timesteps:
+                        noisy, ts, target = _noised(x0, _noise(path, t, tuple(x0.shape)), t,
+                                                    tr.fam.facts.prediction, tr.noise_scheduler)
+                        pred = tr.fam.denoise(model, noisy.to(tr.device), ts.to(tr.device), cond,
+                                              micro=[micro_cond(data.record(path, bucket))])
+                        sums[t] += float(((pred.float() - target.to(tr.device).float()) ** 2).mean())
+                    n += 1
+        finally:
+            model.train(was_training)
+        per_t = {str(t): round(s / n, 6) for t, s in sums.items()}
+        return {"step": tr.step, "loss": round(sum(s / n for s in sums.values()) / len(sums), 6),
+                "per_timestep": per_t}

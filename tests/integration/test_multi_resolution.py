@@ -1,0 +1,43 @@
+"""buckets.resolutions: every image bucketed and cached at each resolution, and trained from all of them."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from schemas.config import ConfigError
+from stages.common.jsonl import read_jsonl
+from tests.integration.test_train_families import _trainer
+from tests.integration.test_train_support import build_upstream, small_config
+from stages.train.plan import micro_batches
+
+TRAIN = {"steps": 4, "processes": 1, "batch_size": 2}
+
+
+def test_both_resolutions_are_cached_and_trained(tmp_path):
+    cfg = small_config(tmp_path, TRAIN, buckets={"resolutions": [64, 32]})
+    ctx = build_upstream(cfg)
+    records = list(read_jsonl(ctx.store.latest("scan") / "images.jsonl"))
+    per_image = Counter(r["path"] for r in records)
+    assert set(per_image.values()) == {2} and {r["resolution"] for r in records} == {32, 64}
+    assert all(min(r["bucket_width"], r["bucket_height"]) == r["resolution"] for r in records)
+    lat = json.loads((ctx.store.latest("latents") / "manifest.json").read_text())
+    assert lat["count"] == len(records)
+    assert {min(b["width"], b["height"]) for b in lat["buckets"]} == {32, 64}
+    trainer = _trainer(cfg, ctx)
+    reader, t = trainer.data.reader, cfg.train
+    epoch = reader.plan(t.batch_size, 1, t.seed, 0)
+    stream = micro_batches(lambda e: reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0)
+    shapes = set()
+    for _ in range(len(epoch)):
+        mb = next(stream)
+        shapes.add(reader.shapes[mb.bucket][1:])
+        assert torch.isfinite(torch.tensor(trainer.train_step([mb])))
+    assert len({min(s) for s in shapes}) == 2  # latents of both resolutions went through a training step
+
+
+def test_resolutions_must_include_resolution(tmp_path):
+    with pytest.raises(ConfigError, match="buckets.resolutions .* must include buckets.resolution 64"):
+        small_config(tmp_path, TRAIN, buckets={"resolutions": [32, 128]})

@@ -1,0 +1,24 @@
+"""The data options (masks, held-out eval, multi-resolution) are refused at load naming their fields."""
+from __future__ import annotations
+
+from tests.unit.test_config_checks import refused
+
+
+def test_masked_loss_needs_masks():
+    refused({"train": {"masked_loss": True}}, "train.masked_loss", "dataset.masks")
+
+
+def test_eval_timesteps_must_be_in_range():
+    refused({"train": {"eval": {"timesteps": [100, 1000]}}}, "train.eval.timesteps", "1000")
+
+
+def test_eval_fraction_must_leave_images_to_train():
+    refused({"train": {"eval": {"fraction": 1.0}}}, "train.eval.fraction")
+
+
+def test_resolutions_must_be_distinct():
+    refused({"buckets": {"resolution": 64, "resolutions": [64, 64]}}, "buckets.resolutions")
+
+
+def test_an_empty_masks_setting_is_refused():
+    refused({"dataset": {"masks": " "}}, "dataset.masks")

@@ -1,0 +1,36 @@
+"""Loss masks at the latent grid: the image's crop, area-averaged; alpha read with the image's orientation."""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from schemas.scan import ImageRecord
+from stages.latents.masks import _plane
+
+
+def _record(path: str, **kw) -> ImageRecord:
+    base = dict(path=path, width=64, height=32, bucket_width=32, bucket_height=32, crop=(32, 0, 64, 32), caption="",
+                sha256="0", size_bytes=0, mtime_ns=0)
+    return ImageRecord(**(base | kw))
+
+
+def test_alpha_mask_keeps_the_crop_and_averages_to_the_latent_grid(tmp_path):
+    alpha = np.zeros((32, 64), np.uint8)
+    alpha[:, 48:] = 255  # the right half of the crop (x 32..64) is opaque
+    rgba = np.dstack([np.zeros((32, 64, 3), np.uint8), alpha])
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    plane = _plane(_record("a.png", mask_kind="alpha", background=(255, 255, 255)), tmp_path, None, (4, 4))
+    assert plane.tolist() == [[0, 0, 1, 1]] * 4
+
+
+def test_a_folder_mask_with_partial_cover_gives_fractional_weights(tmp_path):
+    mask = np.zeros((32, 64), np.uint8)
+    mask[:, 32:36] = 255  # half of the first latent column (8 px wide) of the crop
+    (tmp_path / "m").mkdir()
+    Image.fromarray(mask, "L").save(tmp_path / "m" / "b.png")
+    plane = _plane(_record("b.png", mask_kind="file", mask_path="b.png"), tmp_path, tmp_path / "m", (4, 4))
+    assert plane.tolist() == [[0.5, 0, 0, 0]] * 4
+
+
+def test_an_image_without_a_mask_weighs_fully(tmp_path):
+    assert _plane(_record("c.png"), tmp_path, None, (2, 3)).tolist() == [[1, 1, 1]] * 2
