@@ -18,6 +18,7 @@ from typing import Any
 from schemas.base import Manifest
 from schemas.config import PipelineConfig
 from stages.common.artifacts import ArtifactError, ArtifactStore, fix_hint
+from stages.common.codeident import library_versions
 from stages.common.hashing import digest
 from stages.common.report import Reporter
 
@@ -99,8 +100,9 @@ def _write_index(store: ArtifactStore, stage: str, key: str, version: str) -> No
 
 
 def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict:
-    return {"stage": sd.name, "code_version": sd.code_version, "config": sd.config(ctx.cfg),
-            "inputs": sd.inputs(ctx), "upstream": upstream}
+    inputs = sd.inputs(ctx) | {"libraries": library_versions(sd.name)}
+    return {"stage": sd.name, "code_version": sd.code_version, "config": sd.config(ctx.cfg), "inputs": inputs,
+            "upstream": upstream}
 
 
 def expected_versions(ctx: StageContext, stages: list[StageDef]) -> dict[str, tuple[str | None, dict | None]]:

@@ -13,10 +13,11 @@ from schemas.latents import LatentsManifest
 from schemas.scan import ScanManifest
 from stages.common import models
 from stages.common.artifacts import ArtifactError
+from stages.common.codeident import code_version
 from stages.common.sizing import size_policy as make_policy
 from stages.common.stage import StageDef
 
-CODE_VERSION = "latents-2"
+CODE_VERSION = code_version("latents")  # stages/code_versions.json
 
 
 def size_policy(cfg) -> dict:

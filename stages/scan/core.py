@@ -10,6 +10,7 @@ from pathlib import Path
 from schemas.config import PipelineConfig
 from schemas.families import facts
 from schemas.scan import ImageRecord, Rejected
+from stages.common.codeident import code_version
 from stages.common.hashing import digest
 from stages.common.jsonl import read_jsonl, write_jsonl
 from stages.common.stage import StageFailed
@@ -19,7 +20,7 @@ from stages.scan import images, masks
 from stages.scan.captions import CaptionError, Captions
 from stages.scan.listing import Entry, Listing, walk
 
-CODE_VERSION = "2"
+CODE_VERSION = code_version("scan")  # stages/code_versions.json
 LISTING_KEY = "scan-listing"
 # Hashing releases the GIL and header parsing is short, so a few threads keep the disk busy.
 WORKERS = min(8, 2 * (os.cpu_count() or 1))

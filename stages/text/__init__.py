@@ -5,10 +5,11 @@ from __future__ import annotations
 from schemas.families import facts
 from schemas.text import PADDING, TextManifest
 from stages.common import models
+from stages.common.codeident import code_version
 from stages.common.stage import StageDef
 from stages.text.variants import TagAugment
 
-CODE_VERSION = "text-2"
+CODE_VERSION = code_version("text")  # stages/code_versions.json
 
 
 def effective_max_length(cfg) -> int:

@@ -4,10 +4,11 @@ from __future__ import annotations
 from schemas.train import TrainManifest
 from stages.common import models
 from stages.common.artifacts import ArtifactError
+from stages.common.codeident import code_version
 from stages.common.hashing import file_sha256
 from stages.common.stage import StageDef
 
-CODE_VERSION = "train-2"
+CODE_VERSION = code_version("train")  # stages/code_versions.json
 
 
 # What changes where, how fast, or how observably a run computes, but not the weights it reaches: left out of the

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from schemas.validate import ValidateManifest
 from stages.common.artifacts import ArtifactError
+from stages.common.codeident import code_version
 from stages.common.stage import StageDef
 
-CODE_VERSION = "validate-2"
+CODE_VERSION = code_version("validate")  # stages/code_versions.json
 
 
 def _config(cfg) -> dict:

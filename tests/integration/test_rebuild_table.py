@@ -119,3 +119,18 @@ def test_what_a_change_rebuilds(built, tmp_path, change, rebuilt):
     assert rows["scan"].state == "fresh"
     stale = {name for name, r in rows.items() if r.state != "fresh"}
     assert stale == rebuilt, {n: rows[n].reason for n in stale ^ rebuilt}
+
+
+def test_a_library_minor_version_rebuilds_the_stages_it_computes(built, tmp_path, monkeypatch):
+    """diffusers 0.42 -> 0.43 (simulated in the package metadata the keys read): the stages diffusers computes."""
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda n: "0.43.0" if n == "diffusers" else real(n))
+    w = tmp_path / "w"
+    shutil.copytree(built, w, symlinks=True)
+    run_stage(StageContext(_cfg(w)), stage("scan"), PIPELINE)  # the copy's dataset lies elsewhere: rescan
+    rows = {r.stage: r for r in status(StageContext(_cfg(w)), PIPELINE)}
+    assert {n for n, r in rows.items() if r.state != "fresh"} == {"latents", "train", "validate"}, \
+        {n: r.reason for n, r in rows.items()}
+    assert "diffusers" in rows["latents"].reason
