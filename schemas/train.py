@@ -71,6 +71,9 @@ class TrainConfig(Strict):
     caption_dropout: float = Field(0.1, ge=0, lt=1, description="probability of training on the empty caption")
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`); the "
                                   "last step is always checkpointed")
+    checkpoint_minutes: float | None = Field(None, gt=0, description="also checkpoint when this many minutes "
+                                             "passed since the last checkpoint (null = by steps only); SIGTERM "
+                                             "or a cancelled run always checkpoints before stopping")
     keep_checkpoints: int = Field(2, ge=1, description="keep the last K checkpoints")
     resume: Annotated[str | None, ConfigPath(keywords=("auto", "latest"))] = Field("auto", description="auto = continue this run's newest checkpoint if an interrupted "
                                "attempt left one, else start from the base model; latest = the newest checkpoint "

@@ -30,6 +30,7 @@ class Hooks:
     def __init__(self, run, trainer: Trainer):
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
         self.renderer: Renderer | None = None
+        self.last_checkpoint = trainer.step  # the step of the newest checkpoint (a resumed run starts at one)
         trace_dir = os.environ.get(TRACE_ENV)
         self.trace = Path(trace_dir) / f"trace-rank{run.rank}.jsonl" if trace_dir else None
 
@@ -60,6 +61,7 @@ class Hooks:
             self.checkpoint()
 
     def checkpoint(self) -> None:
+        self.last_checkpoint = self.trainer.step
         if not self.writer:
             return
         root = self.run.out / CHECKPOINTS

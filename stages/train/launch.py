@@ -17,6 +17,7 @@ from stages.train.procwatch import PARENT_ENV
 from stages.train.worker import ERROR, RESULT
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
+STOP_GRACE_S = 120  # how long a stopped training may take to write its checkpoint
 
 
 class TrainingFailed(RuntimeError):
@@ -89,8 +90,12 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     ctx.log.info("train: %s", " ".join(cmd))
+    # Its own session: a SIGTERM to our process group (a cancelled run, `kill -TERM -PGID`) reaches torchrun once,
+    # forwarded below, not twice (a second SIGTERM cuts torchrun's wait for its workers' checkpoint short).
+    # SIGKILL needs no forwarding: torchrun and its workers die with this process (procwatch).
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+                            bufsize=1, start_new_session=True)
+    restore = raise_on_sigterm()
     tail: list[str] = []
     try:
         assert proc.stdout is not None
@@ -101,14 +106,32 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
             report_progress(ctx, line)
         rc = proc.wait()
     except BaseException:
-        proc.send_signal(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+        # torchrun forwards SIGTERM to its workers, which finish the step, checkpoint and exit (stages.train.stopping).
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
         raise
+    finally:
+        restore()
     if rc != 0:
         raise TrainingFailed(failure_message(cwd, rc, tail))
+
+
+def raise_on_sigterm():
+    """Outside Prefect (which turns SIGTERM into an exception itself) SIGTERM would end this process at once and
+    take torchrun with it: raise instead, so the forwarding above lets the workers checkpoint. Returns the undo."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return lambda: None
+
+    def stop(signum, frame):
+        raise TrainingFailed("training was stopped (SIGTERM); its last checkpoint is kept for the next run")
+
+    signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def report_progress(ctx, line: str) -> None:

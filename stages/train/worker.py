@@ -33,6 +33,7 @@ from stages.train.loop import Data, NonFiniteLoss, Trainer
 from stages.train.model import save_final
 from stages.train.plan import micro_batches
 from stages.train.procwatch import worker_guard
+from stages.train.stopping import Interrupted, StopSignals
 from stages.validate.plots import loss_curve
 
 RESULT = "result.json"
@@ -93,6 +94,7 @@ def fit(run: Run) -> Trainer:
     plan_of, held = evaluation.epoch_plans(run.data.reader, t, run.world)
     evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
     stream = micro_batches(plan_of, t.batch_size, run.rank, trainer.position)
+    signals = StopSignals(t.checkpoint_minutes)
     while trainer.step < t.steps:
         micro = [next(stream) for _ in range(t.grad_accumulation)]
         hooks.before_step(micro)
@@ -101,6 +103,15 @@ def fit(run: Run) -> Trainer:
         if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
             run.eval_losses.append(evaluator.evaluate())
             print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
+        stop, save = signals.poll()
+        if save and hooks.last_checkpoint != trainer.step:
+            hooks.checkpoint()
+        if hooks.last_checkpoint == trainer.step:
+            signals.checkpointed()
+        if stop:
+            raise Interrupted(f"training was stopped (SIGTERM) at step {trainer.step} of {t.steps} after writing "
+                              f"checkpoint step-{trainer.step:07d}; run the stage again to continue from it "
+                              f"(train.resume: auto)")
     return trainer
 
 
@@ -140,7 +151,7 @@ def main(argv: list[str]) -> None:
     try:
         run = setup(spec)
         finish(run, fit(run))
-    except (NonFiniteLoss, CheckpointError, ArtifactError, ReaderError, ValueError) as err:
+    except (NonFiniteLoss, CheckpointError, ArtifactError, ReaderError, ValueError, Interrupted) as err:
         # Every rank reaches the same verdict (losses are all-gathered, manifests and checkpoints read alike);
         # rank 0 reports it so the stage's error names the cause instead of torchrun's exit code.
         if int(os.environ.get("RANK", "0")) == 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from schemas.latents import LatentsManifest
@@ -120,3 +121,39 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
     ref_losses = json.loads((ref_path / "manifest.json").read_text())["losses"]
     assert np.allclose(manifest["losses"], ref_losses, atol=1e-5)
     assert [p.name for p in sorted((resumed / "checkpoints").iterdir())] == ["step-0000008", "step-0000012"]
+
+
+def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, tmp_path):
+    """SIGTERM to `tuneline stage train`'s process group (what a cancelled run or `kill` sends): the workers finish
+    their step, agree on it, checkpoint and stop; nothing is published; the rerun (train.resume: auto) continues
+    from that checkpoint to the uninterrupted run's weights."""
+    _, ref_path, _ = reference
+    cfg = small_config(tmp_path, TRAIN)
+    build_upstream(cfg)
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.dump()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "cli.log", "w") as log:
+        cli = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", str(cfg_file)], cwd=ROOT,
+                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("artifacts/train/.*.partial/checkpoints/step-0000004")):
+            assert cli.poll() is None, (tmp_path / "cli.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        os.killpg(cli.pid, signal.SIGTERM)
+        assert cli.wait(timeout=240) != 0
+    text = (tmp_path / "cli.log").read_text()
+    assert not [p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith(".")], \
+        f"a stopped training published a version:\n{text[-3000:]}"
+    partial = next(tmp_path.glob("artifacts/train/.*.partial"))
+    assert not _workers_of(partial), "training workers outlived the stopped stage"
+    stopped_at = max(int(p.name.removeprefix("step-")) for p in (partial / "checkpoints").glob("step-*"))
+    assert 4 <= stopped_at < TRAIN["steps"], f"no checkpoint on stop (newest: step {stopped_at}):\n{text[-3000:]}"
+
+    resumed = train(small_config(tmp_path, TRAIN))
+    manifest = json.loads((resumed / "manifest.json").read_text())
+    assert Path(manifest["resumed_from"]).name == f"step-{stopped_at:07d}"
+    want, got = _weights(ref_path), _weights(resumed)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
