@@ -73,11 +73,14 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
     from flows.pipeline import pipeline_flow
 
     try:
-        paths = pipeline_flow(config=cfg, force=force)
+        runs = pipeline_flow(config=cfg, force=force)
     except _user_errors() as err:
         _fail(str(err))
+    from flows.summary import summary_lines
+
     typer.echo(f"artifacts: {cfg.workdir_path() / 'artifacts'}")
-    typer.echo(f"validation images: {paths['validate']}")
+    typer.echo(f"validation images: {runs['validate']['path']}")
+    typer.echo("\n".join(summary_lines(runs)))
 
 
 @app.command()

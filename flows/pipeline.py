@@ -9,6 +9,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows import ops, visibility
+from flows.summary import timed_stage
 from flows.reporter import PrefectReporter
 from flows.stage_flows import STAGE_FLOWS
 from schemas.config import PipelineConfig
@@ -16,9 +17,12 @@ from stages.pipeline import STAGE_NAMES
 
 
 @flow(name="tuneline-pipeline", log_prints=True)
-def pipeline_flow(config: PipelineConfig, force: bool = False) -> dict[str, str]:
-    """scan -> latents -> text -> train -> validate. `force` rebuilds every stage."""
-    paths = {name: STAGE_FLOWS[name](config=config, force=force) for name in STAGE_NAMES}
+def pipeline_flow(config: PipelineConfig, force: bool = False) -> dict[str, dict]:
+    """scan -> latents -> text -> train -> validate. `force` rebuilds every stage.
+
+    Returns per stage its path, seconds and whether it was built (for the run's summary)."""
+    runs = {name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force))
+            for name in STAGE_NAMES}
     PrefectReporter().table("lineage", visibility.lineage_table(ops.lineage_rows(config)),
                             "every published version: stage, version, fresh, upstream versions, created")
-    return paths
+    return runs

@@ -3,12 +3,17 @@
 They are written for fresh (skipped) stages too, so every flow run shows what it used. Stage cores report
 their own progress while they build; this adds the summary, cache statistics, the loss plot, the validation
 grid and the lineage table. Browsers cannot open local paths, so images become image artifacts only when a
-URL reaches them (ops.report_url, or a signed URL of the pushed remote copy); otherwise markdown names files.
+URL reaches them (ops.report_url, or a signed URL of the pushed remote copy); markdown artifacts carry
+size-capped thumbnails inline as data: URIs, which the UI renders without any web server.
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
+
+from PIL import Image
 
 from flows.reporter import PrefectReporter
 from schemas.config import PipelineConfig
@@ -17,6 +22,7 @@ from stages.common.lineage import Version
 FACTS = ("accepted", "rejected", "count", "encoded", "reused", "resumed", "step", "world_size", "mode",
          "class_separation_accuracy", "untrained_class_separation_accuracy")
 PLOT_WIDTH, PLOT_HEIGHT = 60, 10
+THUMB_SIDE, THUMB_BYTES = 768, 150_000  # an artifact is stored in Prefect's database: keep each image small
 
 
 def report_stage(rep: PrefectReporter, cfg: PipelineConfig, name: str, path: Path, built: bool) -> None:
@@ -29,7 +35,12 @@ def report_stage(rep: PrefectReporter, cfg: PipelineConfig, name: str, path: Pat
     elif name == "latents":
         rep.table("latents-cache", cache_rows(m), cache_description(m))
     elif name == "train" and m.get("losses"):
-        rep.markdown("train-loss", loss_markdown(m["losses"]), f"training loss, {len(m['losses'])} steps")
+        rep.markdown("train-loss", _with_image(path / m.get("loss_curve", "loss.png"), loss_markdown(m["losses"])),
+                      f"training loss, {len(m['losses'])} steps")
+        samples = [s for s in (inline_png(path / rel) for rel in m.get("samples", [])[-4:]) if s]
+        if samples:
+            rep.markdown("train-samples", "\n\n".join(f"![]({s})" for s in samples),
+                         "sample grids rendered during training (latest last)")
     elif name == "validate":
         _report_validation(rep, cfg, path, m)
 
@@ -101,9 +112,31 @@ def _report_validation(rep: PrefectReporter, cfg: PipelineConfig, path: Path, m:
         rep.image("validate-grid-image", url, f"validation grid of {path.name}")
     rows = [f"| [{i['file']}]({image_url(cfg, 'validate', path.name, i['file']) or i['file']}) | {i['prompt']} | "
             f"{i['negative_prompt']} | {i['seed']} |" for i in m.get("images", [])]
-    where = f"![grid]({url})" if url else f"grid: `{path / grid}` (set ops.report_url to see it here)"
+    thumb = inline_png(path / grid)
+    where = f"![grid]({thumb})" if thumb else ""
+    where += f"\n\nfull size: [{grid}]({url})" if url else f"\n\nfull size: `{path / grid}`"
     rep.markdown("validate-grid", "\n".join([where, "", "| image | prompt | negative | seed |", "|---|---|---|---|",
                                              *rows]), f"validation images of {path.name}")
+
+
+def inline_png(file: Path, side: int = THUMB_SIDE, max_bytes: int = THUMB_BYTES) -> str | None:
+    """A data:image/png;base64 thumbnail of file, halved until it fits max_bytes; None when unreadable."""
+    try:
+        img = Image.open(file).convert("RGB")
+    except OSError:
+        return None
+    img.thumbnail((side, side))
+    while True:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG", optimize=True)
+        if buf.tell() <= max_bytes or min(img.size) < 32:
+            return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        img = img.resize((max(1, img.width // 2), max(1, img.height // 2)))
+
+
+def _with_image(file: Path, text: str) -> str:
+    thumb = inline_png(file)
+    return f"![]({thumb})\n\nfull size: `{file}`\n\n{text}" if thumb else text
 
 
 def _manifest(path: Path) -> dict:

@@ -1,12 +1,17 @@
-"""The loss-curve PNG, drawn with PIL (no plotting library needed at run time)."""
+"""The loss-curve PNG, drawn with matplotlib's Agg backend (no display needed)."""
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 
-from PIL import Image, ImageDraw
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from PIL import Image  # noqa: E402
 
 SIZE = (640, 360)
-MARGIN = (56, 16, 16, 36)  # left, top, right, bottom
+DPI = 100
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
@@ -20,31 +25,36 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def loss_curve(losses: Sequence[float], title: str = "training loss") -> Image.Image:
-    """Raw loss per step in light grey, its moving average in blue, min/max and step labels on the axes."""
-    img = Image.new("RGB", SIZE, "white")
-    draw = ImageDraw.Draw(img)
-    left, top, right, bottom = MARGIN[0], MARGIN[1], SIZE[0] - MARGIN[2], SIZE[1] - MARGIN[3]
-    draw.rectangle((left, top, right, bottom), outline=(160, 160, 160))
-    draw.text((left + 6, top + 4), title, fill="black")
-    finite = [v for v in losses if v == v and abs(v) != float("inf")]
-    if not finite:
-        draw.text((left + 6, top + 24), "no finite loss values", fill="black")
-        return img
-    lo, hi = min(finite), max(finite)
-    span = (hi - lo) or 1.0
-    n = max(1, len(losses) - 1)
+def _finite(v: float) -> bool:
+    return v == v and abs(v) != float("inf")
 
-    def point(i: int, v: float) -> tuple[float, float]:
-        return left + (right - left) * i / n, bottom - (bottom - top) * (v - lo) / span
 
-    curves = ((losses, (200, 200, 200), 1), (smooth(losses, max(1, len(losses) // 20)), (30, 90, 200), 2))
-    for series, colour, width in curves:
-        pts = [point(i, v) for i, v in enumerate(series) if v == v and abs(v) != float("inf")]
-        if len(pts) > 1:
-            draw.line(pts, fill=colour, width=width)
-    draw.text((4, top), f"{hi:.4g}", fill="black")
-    draw.text((4, bottom - 10), f"{lo:.4g}", fill="black")
-    draw.text((left, bottom + 8), "step 1", fill="black")
-    draw.text((right - 60, bottom + 8), f"step {len(losses)}", fill="black")
-    return img
+def loss_curve(losses: Sequence[float], title: str = "training loss",
+               eval_losses: Sequence[dict] | None = None) -> Image.Image:
+    """Raw loss per step in light grey, its moving average in blue, and eval loss points ({step, loss}) in orange."""
+    fig, ax = plt.subplots(figsize=(SIZE[0] / DPI, SIZE[1] / DPI), dpi=DPI)
+    try:
+        steps = [i + 1 for i, v in enumerate(losses) if _finite(v)]
+        raw = [v for v in losses if _finite(v)]
+        if raw:
+            ax.plot(steps, raw, color="0.8", linewidth=0.8, label="loss per step")
+            ax.plot(steps, smooth(raw, max(1, len(raw) // 20)), color="tab:blue", linewidth=1.8,
+                    label="moving average")
+        points = [(e["step"], e["loss"]) for e in eval_losses or () if _finite(e["loss"])]
+        if points:
+            ax.plot(*zip(*points), "o-", color="tab:orange", label="eval loss")
+        if not raw and not points:
+            ax.text(0.5, 0.5, "no finite loss values", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.legend(loc="upper right", fontsize=8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=DPI)
+    finally:
+        plt.close(fig)
+    buf.seek(0)
+    return Image.open(buf).convert("RGB")

@@ -99,3 +99,19 @@ def test_prompts_encoded_at_training_length_and_cached(renderer, tmp_path):
     assert load_prompts(cache, "other-key") == {}
     again = Renderer.load(fam, model_dir, CPU, torch.float32, max_length=8, prompt_cache=(cache, "k8"))
     torch.testing.assert_close(_latents(again, samples), first)
+
+
+def test_inline_png_is_a_capped_data_uri(tmp_path):
+    import base64
+    import io
+    import random
+
+    from flows.visibility import inline_png
+
+    noisy = Image.frombytes("RGB", (1024, 1024), random.Random(0).randbytes(1024 * 1024 * 3))  # incompressible
+    noisy.save(tmp_path / "big.png")
+    uri = inline_png(tmp_path / "big.png", max_bytes=50_000)
+    raw = base64.b64decode(uri.removeprefix("data:image/png;base64,"))
+    thumb = Image.open(io.BytesIO(raw))
+    assert thumb.format == "PNG" and len(raw) <= 50_000 and max(thumb.size) <= 768
+    assert inline_png(tmp_path / "missing.png") is None

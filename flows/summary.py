@@ -1,0 +1,46 @@
+"""What `tuneline run` prints at the end: per stage built or reused and its time, the final loss, the learning
+figures of validation and where the grid and the trained weights are."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+LEARNING = ("color_accuracy", "untrained_color_accuracy", "class_separation_accuracy",
+            "untrained_class_separation_accuracy")
+
+
+def timed_stage(run: Callable[[], str]) -> dict:
+    """Run one stage flow; it was built when its manifest was written after the call started."""
+    start = time.time()
+    path = str(run())
+    try:
+        built = (Path(path) / "manifest.json").stat().st_mtime >= start
+    except OSError:
+        built = False
+    return {"path": path, "seconds": round(time.time() - start, 1), "built": built}
+
+
+def summary_lines(runs: dict[str, dict]) -> list[str]:
+    lines = [f"{name:9s} {'built ' if r['built'] else 'reused'} {r['seconds']:7.1f} s  {r['path']}"
+             for name, r in runs.items()]
+    train = _manifest(runs.get("train"))
+    if train.get("losses"):
+        lines.append(f"final loss: {train['losses'][-1]:.4f} (after {len(train['losses'])} steps)")
+    validate = _manifest(runs.get("validate"))
+    figures = [f"{k} {validate[k]}" for k in LEARNING if validate.get(k) is not None]
+    if figures:
+        lines.append("learning: " + ", ".join(figures))
+    if runs.get("validate"):
+        lines.append(f"grid: {Path(runs['validate']['path']) / validate.get('grid', 'grid.png')}")
+    if runs.get("train"):
+        lines.append(f"final weights: {Path(runs['train']['path']) / 'final'}")
+    return lines
+
+
+def _manifest(run: dict | None) -> dict:
+    try:
+        return json.loads((Path(run["path"]) / "manifest.json").read_text(encoding="utf-8")) if run else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,42 @@
+"""The demo's Prefect markdown artifacts carry the grid and the loss curve as inline PNG images."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+
+import pytest
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+DATA_PNG = re.compile(r"!\[[^\]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)")
+
+
+async def _markdown_artifacts() -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        arts = await client.read_artifacts(limit=200)
+    return {a.key: a.data for a in arts if a.type == "markdown" and a.key}
+
+
+def _images(markdown: str) -> list[Image.Image]:
+    out = []
+    for b64 in DATA_PNG.findall(markdown):
+        raw = base64.b64decode(b64)
+        assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) < 200_000
+        out.append(Image.open(io.BytesIO(raw)))
+    return out
+
+
+def test_grid_and_loss_curve_inline_in_prefect(demo_run):
+    arts = asyncio.run(_markdown_artifacts())
+    grid = [k for k in arts if "validate" in k or "grid" in k]
+    loss = [k for k in arts if "loss" in k]
+    assert grid and loss, f"artifact keys: {sorted(arts)}"
+    for keys in (grid, loss):
+        images = [img for k in keys for img in _images(arts[k])]
+        assert images, f"no inline PNG in {keys}"
+        assert all(img.format == "PNG" and min(img.size) >= 32 for img in images)
