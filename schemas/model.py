@@ -21,6 +21,9 @@ class ModelConfig(Strict):
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    quantize: Literal["int8", "fp8"] | None = Field(None, description="quantize the frozen denoiser's linear "
+                                                    "layers (torchao) under a LoRA; only with train.mode lora; "
+                                                    "fp8 needs a CUDA GPU with float8 support")
 
     @field_validator("dtype", mode="before")
     @classmethod

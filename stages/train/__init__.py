@@ -19,7 +19,7 @@ NOT_FINGERPRINTED = {"threads_per_process", "node_rank", "rdzv_endpoint", "rdzv_
 def _config(cfg) -> dict:
     # World size sets the global batch, so `processes` and `nodes` are fingerprinted.
     train = cfg.train.model_dump(mode="json", exclude=NOT_FINGERPRINTED)
-    return {"train": train, "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype"})}
+    return {"train": train, "model": cfg.model.model_dump(mode="json", include={"family", "path", "dtype", "quantize"})}
 
 
 def _inputs(ctx) -> dict:
