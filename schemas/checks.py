@@ -27,7 +27,8 @@ def check_config(cfg: PipelineConfig, source: str) -> None:
     fam = facts(cfg.model.family)
     problems: list[str] = []
     for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
-                  _rendezvous, _training_mode, _prompts, _objective, _masks):
+                  _rendezvous, _training_mode, _prompts, _objective, _masks,
+                  _quantize):
         problems += check(cfg, fam)
     if problems:
         raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -172,6 +173,19 @@ def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         if t.timestep_shift != "auto":
             out.append(f"train.timestep_shift {t.timestep_shift} is for flow-matching families (sd3, flux); "
                        f"model.family {fam.name} has no shift: use auto")
+    return out
+
+
+def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    q = cfg.model.quantize
+    if q is None:
+        return []
+    out = []
+    if cfg.train.mode != "lora":
+        out.append(f"model.quantize {q} freezes the base in {q}, which only a LoRA can train on top of: set "
+                   f"train.mode lora or model.quantize null")
+    if q == "fp8" and cfg.model.device == "cpu":
+        out.append("model.quantize fp8 needs a CUDA GPU with float8 support; with model.device cpu use int8 or null")
     return out
 
 

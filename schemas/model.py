@@ -25,6 +25,9 @@ class ModelConfig(Strict):
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
         "auto", description="what an epsilon/v family's denoiser predicts; auto = the model's scheduler config "
                             "(set v_prediction for a v-prediction checkpoint whose config says otherwise)")
+    quantize: Literal["int8", "fp8"] | None = Field(None, description="quantize the frozen denoiser's linear "
+                                                    "layers (torchao) under a LoRA; only with train.mode lora; "
+                                                    "fp8 needs a CUDA GPU with float8 support")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -33,5 +36,6 @@ class ModelConfig(Strict):
             raise ValueError(f"{v} weights cannot be used: torch has no float8 kernels for conv2d, layer/group "
                              f"norm and softmax, which the VAE, text encoders and denoiser of every family need "
                              f"(training and encoding would stop with 'not implemented for Float8'); use "
-                             f"bfloat16 on a GPU (half the memory of float32) or float32")
+                             f"bfloat16 on a GPU (half the memory of float32) or float32; to keep a LoRA's frozen base in 8 bits "
+                             f"use model.quantize (int8, or fp8 on a float8 GPU)")
         return v

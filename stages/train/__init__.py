@@ -21,7 +21,8 @@ def _config(cfg) -> dict:
     # World size sets the global batch, so `processes` and `nodes` are fingerprinted.
     train = cfg.train.model_dump(mode="json", exclude=NOT_FINGERPRINTED)
     # The model by content (the denoiser's identity in the inputs), not by where it lies.
-    return {"train": train, "model": cfg.model.model_dump(mode="json", include={"family", "dtype", "prediction_type"})}
+    return {"train": train, "model": cfg.model.model_dump(mode="json",
+                                                          include={"family", "dtype", "prediction_type", "quantize"})}
 
 
 def _inputs(ctx) -> dict:

@@ -66,7 +66,8 @@ class Trainer:
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
-        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device)
+        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device,
+                                                      cfg.model.quantize)
         self.names = list(self.params)
         distributed = dist.is_available() and dist.is_initialized() and world > 1
         self.model = DDP(self.denoiser, device_ids=[device.index] if device.type == "cuda" else None) \

@@ -12,6 +12,7 @@ import torch
 
 from schemas.train import TrainConfig
 from stages.families.common import unwrap
+from stages.train.quantize import quantize_base
 
 
 def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
@@ -42,17 +43,22 @@ def lora_config(t: TrainConfig, target_modules: tuple[str, ...]):
 
 
 def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype,
-                     device: torch.device) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
+                     device: torch.device, quantize: str | None = None) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
     """(denoiser ready to train, its trainable parameters by name).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
     `base_dtype` to save memory, the adapter weights in float32.
     """
+    if quantize and t.mode != "lora":
+        raise ValueError(f"model.quantize {quantize} needs train.mode lora (a quantized base cannot be fine-tuned "
+                         f"in full): set train.mode lora or model.quantize null")
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     if t.mode == "full":
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
     else:
         den = fam.load_denoiser(model_dir, base_dtype, device).requires_grad_(False)
+        if quantize:
+            quantize_base(den, quantize, device)
         den.add_adapter(lora_config(t, fam.lora_target_modules))
         for p in den.parameters():
             if p.requires_grad:

@@ -1,0 +1,32 @@
+"""Quantized frozen base for LoRA training (torchao): the base's linear weights in int8 or fp8, LoRA on top.
+
+torchao rather than optimum-quanto: it is PyTorch's own quantization library, PEFT's LoRA layers wrap its
+quantized linears directly, and its int8 weight-only path runs forward and backward on CPU. Only `nn.Linear`
+is quantized: embeddings, norms and convolutions have no int8/fp8 kernels (an fp8 embedding fails in
+index_select), so they stay in the compute dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_supported(quantize: str, device: torch.device) -> None:
+    """fp8 needs a CUDA device with float8 matmul (compute capability 8.9+); refuse anywhere else."""
+    if quantize != "fp8":
+        return
+    ok = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    if not ok:
+        raise ValueError(f"model.quantize fp8 needs a CUDA GPU with float8 support (compute capability 8.9+, e.g. "
+                         f"L4/H100); this run is on {device.type}: set model.quantize to int8 or null")
+
+
+def quantize_base(module: torch.nn.Module, quantize: str, device: torch.device) -> None:
+    """Quantize the frozen module's linear layers in place."""
+    check_supported(quantize, device)
+    try:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise ValueError(f"model.quantize {quantize} needs torchao: pip install 'tuneline[quantize]'") from None
+
+    config = Int8WeightOnlyConfig() if quantize == "int8" else Float8WeightOnlyConfig()
+    quantize_(module, config, filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear))
