@@ -67,7 +67,7 @@ class Hooks:
         root = self.run.out / CHECKPOINTS
         path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
         ckpt.prune(root, self.t.keep_checkpoints)
-        loss_curve(self.trainer.losses).save(self.run.out / LOSS_PNG)
+        loss_curve(self.trainer.losses, eval_losses=self.run.eval_losses).save(self.run.out / LOSS_PNG)
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)
 
     def validate(self) -> None:

@@ -124,7 +124,7 @@ def finish(run: Run, trainer: Trainer) -> None:
             trainer.ema.copy_to(trainer.params)
         save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final")
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
-        loss_curve(trainer.losses).save(run.out / LOSS_PNG)
+        loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
         result = {"family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
