@@ -3,7 +3,8 @@
 Generates ~2,000 images of varied sizes, formats and modes (photo-like: smooth content plus grain, so
 compressed sizes are realistic; kept in the temp folder for later runs), then in one run times (a)
 `run_stage` of the scan on a fresh workdir (listing, hashing every byte, header reads, captions, bucketing,
-publishing) and (b) a plain loop that opens and decodes every file to RGB, alternating over a few rounds.
+publishing) and (b) opening and decoding every file to RGB with the scan's thread count, alternating over a
+few rounds.
 Prints images/s for both and the ratio last.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from schemas.config import parse_config  # noqa: E402
 from stages.common.stage import StageContext, run_stage  # noqa: E402
 from stages.scan import STAGE  # noqa: E402
+from stages.scan.core import WORKERS as SCAN_WORKERS  # noqa: E402
 
 N_IMAGES = 2000
 GENERATOR_VERSION = "2"
@@ -87,12 +89,18 @@ def time_scan(root: Path, workdir: Path) -> tuple[float, int]:
     return elapsed, accepted
 
 
+def _decode(p: Path) -> None:
+    with Image.open(p) as im:
+        im.convert("RGB").load()
+
+
 def time_decode(root: Path) -> tuple[float, int]:
+    """The reference uses as many threads as the scan (PIL releases the GIL while decoding), so the ratio compares
+    the work done, not the parallelism."""
     files = sorted(p for p in root.iterdir() if p.suffix != ".txt" and not p.name.startswith("."))
     t = time.perf_counter()
-    for p in files:
-        with Image.open(p) as im:
-            im.convert("RGB").load()
+    with ThreadPoolExecutor(SCAN_WORKERS) as pool:
+        list(pool.map(_decode, files, chunksize=16))
     return time.perf_counter() - t, len(files)
 
 
@@ -117,7 +125,7 @@ def main() -> None:
     assert accepted == decoded == N_IMAGES, (accepted, decoded)
     scan_rate, decode_rate = accepted / scan_s, decoded / decode_s
     print(f"scan stage (cold, hashing every byte): {scan_s:.2f}s, {scan_rate:.0f} images/s")
-    print(f"full-decode loop:                      {decode_s:.2f}s, {decode_rate:.0f} images/s")
+    print(f"full decode, {SCAN_WORKERS} threads like the scan: {decode_s:.2f}s, {decode_rate:.0f} images/s")
     speedup = scan_rate / decode_rate
     print(f"RESULT scan_speedup {speedup:.2f} goal >= {GOAL:g} {'PASS' if speedup >= GOAL else 'FAIL'}")
 
