@@ -59,7 +59,7 @@ def code_version(stage: str) -> str:
 def library_versions(stage: str) -> dict[str, str]:
     """major.minor of each library that computes this stage's output (read from package metadata: no import)."""
     out = {}
-    for name in LIBRARIES[stage]:
+    for name in LIBRARIES.get(stage, ()):  # a stage defined outside the pipeline (tests) has none
         try:
             out[name] = ".".join(metadata.version(name).split(".")[:2])
         except metadata.PackageNotFoundError:
