@@ -56,6 +56,9 @@ class TextManifest(Manifest):
     fields: dict[str, TensorField] = Field(default_factory=dict)
     count: int = Field(0, description="distinct strings encoded = rows (the empty caption, row 0, included)")
     captions: int = Field(0, description="distinct dataset captions indexed")
+    encoded: int = Field(0, description="strings run through the text encoders by this build")
+    reused: int = Field(0, description="strings whose rows were copied from the previous version (same string, "
+                        "encoders, length, padding and stored dtype)")
     store: str = "text.zarr"
     index: str = Field("captions.jsonl", description="one line per dataset caption: its variants' rows")
     strings: str = Field("strings.jsonl", description="row -> the exact string encoded")

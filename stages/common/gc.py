@@ -1,7 +1,7 @@
 """Housekeeping: keep the newest K published versions per stage, and always what the current config uses.
 
 Protected, whatever K: every fresh version and, transitively, every version a protected one was built from
-(a fresh downstream never loses its upstream). A removed version is first renamed to a dot-name, which is
+(a fresh downstream never loses its upstream, nor a train run with init_from previous the run it continued). A removed version is first renamed to a dot-name, which is
 not a published version (CONTRACT.md), then deleted: a gc killed halfway never leaves a half-deleted
 directory that still looks published. Callers hold the store lock, so no stage is writing meanwhile.
 """
@@ -27,17 +27,23 @@ class GcPlan:
 
 
 def protected(store: ArtifactStore, fresh: dict[str, str | None]) -> dict[tuple[str, str], str]:
-    """(stage, version) -> reason, for the fresh versions and everything upstream of them."""
+    """(stage, version) -> reason, for the fresh versions and everything upstream of them, plus the train
+    version a protected train run continued from (its key names it). That one is kept, but not what it was
+    built from: a retraining schedule would otherwise keep every run it ever made."""
     out: dict[tuple[str, str], str] = {}
-    todo = [(s, v, "fresh") for s, v in fresh.items() if v]
+    followed: set[tuple[str, str]] = set()
+    todo = [(s, v, "fresh", True) for s, v in fresh.items() if v]
     while todo:
-        stage, version, why = todo.pop()
-        if (stage, version) in out:
-            continue
-        out[(stage, version)] = why
+        stage, version, why, follow = todo.pop()
+        out.setdefault((stage, version), why)
         path = store.version_dir(stage, version)
-        if path.is_dir():
-            todo += [(s, u, f"used by fresh {stage} {version}") for s, u in read_version(path).upstream.items()]
+        if not follow or (stage, version) in followed or not path.is_dir():
+            continue
+        followed.add((stage, version))
+        v = read_version(path)
+        todo += [(s, u, f"used by fresh {stage} {version}", True) for s, u in v.upstream.items()]
+        if v.initialized_from:
+            todo.append((stage, v.initialized_from, f"continued by {stage} {version}", False))
     return out
 
 

@@ -20,9 +20,11 @@ class Version:
     created_at: str
     upstream: dict[str, str] = field(default_factory=dict)
     fresh: bool = False
+    initialized_from: str | None = None  # train.init_from previous: the train version whose weights it continued
 
     def as_json(self) -> dict:
         return {"stage": self.stage, "version": self.version, "fresh": self.fresh, "upstream": self.upstream,
+                "initialized_from": self.initialized_from,
                 "created_at": self.created_at, "path": str(self.path)}
 
     def upstream_text(self) -> str:
@@ -36,8 +38,10 @@ def read_version(path: Path) -> Version:
     except (OSError, ValueError):
         raw = {}
     upstream = raw.get("upstream") if isinstance(raw.get("upstream"), dict) else {}
+    init = raw.get("initialized_from")
     return Version(stage=path.parent.name, version=path.name, path=path,
-                   created_at=str(raw.get("created_at", "?")), upstream=dict(upstream))
+                   created_at=str(raw.get("created_at", "?")), upstream=dict(upstream),
+                   initialized_from=init if isinstance(init, str) else None)
 
 
 def lineage(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None]) -> list[Version]:

@@ -60,7 +60,8 @@ class StageDef:
     code_version: str
     manifest_cls: type[Manifest]
     config: Callable[[PipelineConfig], dict]
-    inputs: Callable[[StageContext], dict]
+    # inputs(ctx, upstream versions): fingerprints of what the stage reads besides its upstream artifacts
+    inputs: Callable[[StageContext, dict[str, str]], dict]
     # build(ctx, work_dir, upstream manifests) -> the stage's own manifest facts
     build: Callable[[StageContext, Path, dict[str, Manifest]], dict]
     # check(ctx, upstream manifests): the facts this stage relies on match; raise ArtifactError otherwise
@@ -100,7 +101,7 @@ def _write_index(store: ArtifactStore, stage: str, key: str, version: str) -> No
 
 
 def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict:
-    inputs = sd.inputs(ctx) | {"libraries": library_versions(sd.name)}
+    inputs = sd.inputs(ctx, upstream) | {"libraries": library_versions(sd.name)}
     return {"stage": sd.name, "code_version": sd.code_version, "config": sd.config(ctx.cfg), "inputs": inputs,
             "upstream": upstream}
 

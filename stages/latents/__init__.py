@@ -36,7 +36,7 @@ def _config(cfg) -> dict:
             "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
 
 
-def _inputs(ctx) -> dict:
+def _inputs(ctx, upstream) -> dict:
     return {"vae": models.identity(ctx, "vae")}
 
 

@@ -45,7 +45,7 @@ def stage_config(cfg: PipelineConfig) -> dict:
     return out
 
 
-def stage_inputs(ctx) -> dict:
+def stage_inputs(ctx, upstream) -> dict:
     root = dataset_root(ctx.cfg)
     if not root.is_dir():
         return {"dataset": str(root), "missing": True}

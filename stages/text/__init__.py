@@ -29,7 +29,7 @@ def _config(cfg) -> dict:
     return {"text": text, "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
 
 
-def _inputs(ctx) -> dict:
+def _inputs(ctx, upstream) -> dict:
     return {"text_encoders": models.identity(ctx, "text")}
 
 

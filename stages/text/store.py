@@ -120,14 +120,14 @@ class TextCache:
         """Every cached tensor for these captions; variant_ids picks each sample's variant (default 0, the caption
         as written). The empty caption is row 0 for every variant."""
         rows = self.rows(captions, variant_ids)
-        return {f: _take(a, rows) for f, a in self.arrays.items()}
+        return {f: take_rows(a, rows) for f, a in self.arrays.items()}
 
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _take(array, rows: list[int]) -> torch.Tensor:
+def take_rows(array, rows: list[int]) -> torch.Tensor:
     if isinstance(array, torch.Tensor):
         return array[torch.tensor(rows, dtype=torch.long)]
     # On-disk arrays: read each distinct row once, in order (what Zarr's orthogonal selection expects).

@@ -25,14 +25,31 @@ def _config(cfg) -> dict:
                                                           include={"family", "dtype", "prediction_type", "quantize"})}
 
 
-def _inputs(ctx) -> dict:
+def _inputs(ctx, upstream: dict[str, str]) -> dict:
     out = {"denoiser": models.identity(ctx, "denoiser")}
+    if ctx.cfg.train.init_from == "previous":
+        # The weights a run continues from are an input like the base model: a newer source is a new run.
+        source = init_source(ctx.store, upstream)
+        out["init_from"] = source.name if source else "base"
     resume = ctx.cfg.train.resume
     if resume not in (None, "latest", "auto"):
         # Continuing from another run's checkpoint makes a different result than this run's own history.
         state = ctx.cfg.resolve(resume) / "state.json"
         out["resume"] = file_sha256(state) if state.is_file() else f"missing: {state}"
     return out
+
+
+def init_source(store, upstream: dict[str, str]):
+    """With train.init_from previous: the newest published full fine-tune trained on other data than
+    `upstream` (a rerun on the same data must not stack on itself), or None."""
+    for path in reversed(store.versions("train")):
+        try:
+            m = store.read(path, TrainManifest)
+        except ArtifactError:
+            continue
+        if m.mode == "full" and m.upstream != upstream:
+            return path
+    return None
 
 
 def _check(ctx, upstream) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from schemas.train import TrainManifest
 from stages.common import models
-from stages.train import checkpoint as ckpt
+from stages.train import checkpoint as ckpt, init_source
 from stages.train.hooks import CHECKPOINTS
 from stages.train.procwatch import PARENT_ENV
 from stages.train.worker import ERROR, RESULT
@@ -42,18 +42,17 @@ def resume_target(ctx, work: Path) -> Path | None:
 
 
 def previous_model(ctx, upstream: dict) -> tuple[Path, str | None]:
-    """The pipeline folder training starts from: the base model, or with train.init_from previous the newest
-    published full fine-tune trained on other data (a rerun on the same data must not stack on itself)."""
+    """The pipeline folder training starts from: the base model, or with train.init_from previous the train
+    version the key names (stages.train.init_source)."""
     if ctx.cfg.train.init_from != "previous":
         return models.model_dir(ctx), None
-    current = {name: m.fingerprint for name, m in upstream.items()}
-    for path in reversed(ctx.store.versions("train")):
-        m = ctx.store.read(path, TrainManifest)
-        if m.mode == "full" and m.upstream != current:
-            ctx.log.info("train: starting from the weights of train version %s", m.fingerprint)
-            return path / m.final, m.fingerprint
-    ctx.log.info("train: init_from previous, but no earlier full fine-tune exists; starting from the base model")
-    return models.model_dir(ctx), None
+    source = init_source(ctx.store, {name: m.fingerprint for name, m in upstream.items()})
+    if source is None:
+        ctx.log.info("train: init_from previous, but no earlier full fine-tune exists; starting from the base model")
+        return models.model_dir(ctx), None
+    m = ctx.store.read(source, TrainManifest)
+    ctx.log.info("train: starting from the weights of train version %s", m.fingerprint)
+    return source / m.final, m.fingerprint
 
 
 def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: Path) -> Path:

@@ -15,7 +15,7 @@ def _config(cfg) -> dict:
             "model": cfg.model.model_dump(mode="json", include={"family", "dtype", "device"})}
 
 
-def _inputs(ctx) -> dict:
+def _inputs(ctx, upstream) -> dict:
     return {}
 
 

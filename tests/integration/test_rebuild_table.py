@@ -134,3 +134,33 @@ def test_a_library_minor_version_rebuilds_the_stages_it_computes(built, tmp_path
     assert {n for n, r in rows.items() if r.state != "fresh"} == {"latents", "train", "validate"}, \
         {n: r.reason for n, r in rows.items()}
     assert "diffusers" in rows["latents"].reason
+
+
+def test_an_edited_caption_encodes_one_string_and_no_image(built, tmp_path):
+    """The rows behind edit_caption's rebuild: latents copies every image, text encodes the one new caption and
+    copies the rest, and the copied rows are the ones a full encode gives."""
+    import numpy as np
+    import zarr
+
+    from schemas.latents import LatentsManifest
+    from schemas.text import TextManifest
+
+    w = tmp_path / "w"
+    shutil.copytree(built, w, symlinks=True)
+    edit_caption(w)
+    ctx = StageContext(_cfg(w))
+    paths = {name: run_stage(ctx, stage(name), PIPELINE)[0] for name in ("scan", "latents", "text")}
+    lat = ctx.store.read(paths["latents"], LatentsManifest)
+    txt = ctx.store.read(paths["text"], TextManifest)
+    assert (lat.encoded, lat.reused) == (0, lat.count)
+    assert (txt.encoded, txt.reused) == (1, txt.count - 1) and txt.count > 2
+
+    def rows(path):
+        group = zarr.open_group(str(path / "text.zarr"), mode="r")
+        return {name: np.asarray(group[name][:]) for name in txt.fields}
+
+    incremental = rows(paths["text"])
+    forced, _ = run_stage(StageContext(_cfg(w), force=True), stage("text"), PIPELINE)
+    assert ctx.store.read(forced, TextManifest).encoded == txt.count
+    for name, full in rows(forced).items():
+        np.testing.assert_allclose(incremental[name], full, rtol=0, atol=1e-5)

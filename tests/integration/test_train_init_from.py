@@ -1,4 +1,5 @@
-"""train.init_from previous: scheduled retraining on new data continues the last model, not the base one."""
+"""train.init_from previous: scheduled retraining on new data continues the last model, not the base one; the
+version it continues is part of the run's key and kept by gc."""
 from __future__ import annotations
 
 import shutil
@@ -7,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from schemas.train import TrainManifest
+from stages.common import gc
 from stages.common.stage import StageContext, status
 from stages.pipeline import PIPELINE
 from tests.integration.test_train_support import build_upstream, small_config, train
@@ -40,6 +42,26 @@ def test_init_from_previous_continues_the_last_model_on_new_data(tmp_path):
     base = _unet(StageContext(cfg).workdir / "models" / "tiny-tiny-r2")
     name = next(k for k in after if not torch.equal(before[k], base[k]))
     torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6)
+
+    # Back to the first data: the first run was trained from the base model, but a rerun would now start from
+    # the second run's weights; the source is in the key, so the first run is not taken for this one.
+    (data / "extra.png").unlink()
+    (data / "extra.txt").unlink()
+    build_upstream(cfg)
+    rows = {r.stage: r for r in status(StageContext(cfg), PIPELINE)}
+    assert rows["latents"].state == "fresh" and rows["train"].state == "stale", rows["train"]
+    assert "init_from" in rows["train"].reason
+    third = train(cfg)
+    assert StageContext(cfg).store.read(third, TrainManifest).initialized_from == m2.fingerprint
+
+    # gc keeps what the fresh run continued from, even with keep 0, but not that run's own history and data.
+    store = StageContext(cfg).store
+    fresh = {r.stage: r.version for r in status(StageContext(cfg), PIPELINE)}
+    plan = gc.plan(store, [s.name for s in PIPELINE], fresh, keep=0)
+    assert second in plan.keep and first in plan.remove, plan.keep.get(first)
+    assert store.version_dir("latents", m2.upstream["latents"]) in plan.remove
+    gc.collect(plan)
+    assert {r.stage: r.state for r in status(StageContext(cfg), PIPELINE)}["train"] == "fresh"
 
 
 def train_after(cfg):

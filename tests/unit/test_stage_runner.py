@@ -31,8 +31,8 @@ def _make_stages(calls: list[str], fail: dict) -> list[StageDef]:
         (work / "b.txt").write_text(str(2 * up["a"].total))
         return {"total": 2 * up["a"].total}
 
-    a = StageDef("a", (), "a-1", NumManifest, lambda c: {"steps": c.train.steps}, lambda ctx: {}, build_a)
-    b = StageDef("b", ("a",), "b-1", NumManifest, lambda c: {"lr": c.train.learning_rate}, lambda ctx: {}, build_b)
+    a = StageDef("a", (), "a-1", NumManifest, lambda c: {"steps": c.train.steps}, lambda ctx, up: {}, build_a)
+    b = StageDef("b", ("a",), "b-1", NumManifest, lambda c: {"lr": c.train.learning_rate}, lambda ctx, up: {}, build_b)
     return [a, b]
 
 
