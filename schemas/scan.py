@@ -1,6 +1,7 @@
 """Scan stage: dataset + bucketing config, per-image records, the scan manifest."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,9 +14,33 @@ PIL_BOMB_LIMIT = 178_956_970
 Channel = Annotated[int, Field(ge=0, le=255)]
 
 
+class SourceConfig(Strict):
+    """One folder of a dataset made of several (dataset.sources)."""
+
+    path: Annotated[str, ConfigPath()] = Field(description="folder of images (+ captions); relative paths resolve "
+                                               "against the workdir")
+    repeats: int = Field(1, ge=1, description="times each image is seen per epoch")
+    role: Literal["train", "regularization"] = Field("train", description="regularization: prior-preservation "
+                                                     "images (class images), trained with loss_weight")
+    loss_weight: float = Field(1.0, gt=0, description="multiplies the loss of this source's samples")
+    caption_extension: str | None = Field(None, description="sidecar caption extension of this folder; null = "
+                                          "dataset.caption_extension")
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _caption_extension(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("."):
+            raise ValueError(f"{v!r} must start with '.', e.g. .txt")
+        return v
+
+
 class DatasetConfig(Strict):
-    path: Annotated[str, ConfigPath()] = Field(
-        "demo-data", description="folder of images (+ captions); relative paths resolve against the workdir")
+    path: Annotated[str | None, ConfigPath()] = Field(
+        "demo-data", description="folder of images (+ captions); relative paths resolve against the workdir. "
+                                 "null when dataset.sources lists the folders")
+    sources: list[SourceConfig] | None = Field(
+        None, min_length=1, description="several folders, each with its repeats, role (train | regularization), "
+                                        "loss_weight and caption_extension; dataset.path must then be null")
     demo: bool = Field(False, description="write the demo's generated dataset to `path` first")
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True
@@ -38,6 +63,22 @@ class DatasetConfig(Strict):
         None, description="loss masks (train.masked_loss): `alpha` = each image's alpha channel, or a folder of "
                           "mask images matched by file stem (white = train, black = ignore; same size as the "
                           "image; relative: against the workdir); images without one weigh fully. null = none")
+
+    @model_validator(mode="after")
+    def _one_dataset(self) -> "DatasetConfig":
+        if self.sources is not None and self.path is not None:
+            raise ValueError(f"dataset.path ({self.path}) and dataset.sources are exclusive: set dataset.path to "
+                             f"null to train on the sources, or remove dataset.sources")
+        if self.sources is None and self.path is None:
+            raise ValueError("dataset.path is null and dataset.sources is not set: give a folder in dataset.path "
+                             "or a list in dataset.sources")
+        if self.sources is not None and not any(s.role == "train" for s in self.sources):
+            raise ValueError("dataset.sources has no source with role train: regularization images only "
+                             "preserve a prior, something must be trained")
+        if self.demo and self.path is None:
+            raise ValueError("dataset.demo writes the demo dataset to dataset.path: set dataset.path, or "
+                             "dataset.demo false with dataset.sources")
+        return self
 
     @field_validator("masks")
     @classmethod
@@ -129,6 +170,15 @@ class ImageRecord(BaseModel):
     mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")
     mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
     mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
+    source: int | None = Field(None, description="with dataset.sources or train.eval.path: the index of the "
+                               "folder `path` is relative to (dataset.sources in order, then train.eval.path); "
+                               "null for a plain dataset.path")
+
+    @property
+    def ref(self) -> str:
+        """The record's name among all sources: its path, prefixed by its source index when it has one (a
+        relative path never holds '//', so two sources' identical paths stay apart)."""
+        return self.path if self.source is None else f"{self.source}//{self.path}"
 
 
 class Rejected(BaseModel):
@@ -147,6 +197,13 @@ class BucketRow(BaseModel):
     dropped: bool = Field(False, description="fewer images than one batch with buckets.small_bucket drop")
 
 
+class SourceRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    root: str = Field(description="the folder, absolute")
+    role: Literal["train", "regularization", "eval"]
+    images: int = Field(description="records from this folder")
+
+
 class ScanManifest(Manifest):
     stage: Literal["scan"] = "scan"
     alignment: int
@@ -158,3 +215,9 @@ class ScanManifest(Manifest):
     rejected_by_kind: dict[str, int] = Field(default_factory=dict)
     conversions: dict[str, int] = Field(default_factory=dict, description="mode conversion -> image count")
     reopened: int = Field(0, description="image files read in this build (the rest reused the previous scan)")
+    sources: list[SourceRow] = Field(default_factory=list, description="with dataset.sources or train.eval.path: "
+                                     "each folder by record `source` index")
+
+    def roots(self) -> dict[int | None, Path]:
+        """record.source -> the folder its path is relative to."""
+        return {None: Path(self.dataset_root), **{i: Path(s.root) for i, s in enumerate(self.sources)}}

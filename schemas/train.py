@@ -11,12 +11,27 @@ from schemas.base import ConfigPath, Manifest, Strict
 class EvalConfig(Strict):
     """Held-out evaluation: the same images, timesteps and noise every time, so curves compare across runs."""
 
-    fraction: float = Field(0.1, gt=0, lt=1, description="share of the scanned images held out of training, "
-                            "chosen stably per image (a hash of its path)")
+    fraction: float | None = Field(0.1, gt=0, lt=1, description="share of the scanned images held out of "
+                                   "training, chosen stably per image (a hash of its path); null with `path`")
+    path: Annotated[str | None, ConfigPath()] = Field(None, description="a separate folder of held-out images "
+                                                      "(scanned and cached with the dataset, never trained on); "
+                                                      "relative paths resolve against the workdir")
     every_steps: int = Field(50, ge=1, description="steps between evaluations (shrinks to fit `steps`); the last "
                              "step is always evaluated")
     timesteps: list[int] = Field([200, 500, 800], min_length=1, description="fixed timesteps in [0, 1000) each held "
                                  "out image is noised at (flow families: sigma = t / 1000)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fraction_or_path(cls, data):
+        if isinstance(data, dict) and data.get("path") is not None:
+            if data.get("fraction") is not None:
+                raise ValueError("train.eval.fraction and train.eval.path are exclusive: hold out a share of the "
+                                 "dataset, or a separate folder")
+            return {**data, "fraction": None}
+        if isinstance(data, dict) and "fraction" in data and data["fraction"] is None:
+            raise ValueError("train.eval needs fraction (a share of the dataset) or path (a folder)")
+        return data
 
     @model_validator(mode="after")
     def _timesteps(self) -> "EvalConfig":
@@ -146,3 +161,5 @@ class TrainManifest(Manifest):
     losses: list[float] = Field(default_factory=list, description="loss per step (at most 500 points, averaged)")
     eval_losses: list[dict] = Field(default_factory=list, description="held-out loss: {step, loss, per_timestep} "
                                     "per evaluation (train.eval)")
+    seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
+                                        "{source, root, role, samples} (repeats and regularization share)")

@@ -59,7 +59,7 @@ def plan(records: list[ImageRecord], channels: int, vae_factor: int, identity: d
         by_bucket[(r.bucket_width, r.bucket_height)].append(r)
     jobs = []
     for (w, h), recs in sorted(by_bucket.items()):
-        recs.sort(key=lambda r: r.path)
+        recs.sort(key=lambda r: r.ref)
         jobs.append(BucketJob(key=store.bucket_key(w, h), width=w, height=h,
                               shape=latent_shape(w, h, channels, vae_factor), records=recs,
                               row_keys=[row_key(r, identity) for r in recs]))
@@ -85,12 +85,12 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity)
     if ctx.force:
         shutil.rmtree(work / store.BLOCKS, ignore_errors=True)  # --force: resume nothing either
-    settings = Settings(root=Path(scan.dataset_root), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
+    settings = Settings(roots=scan.roots(), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
                         batch_size=lc.batch_size, names=store.array_names(lc.flip))
     results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
     facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae, vae_dtype)
     index = [row for r in results for row in r.index]
-    facts["masked"] = masks.write_masks(work, index, records, Path(scan.dataset_root), mask_root(cfg),
+    facts["masked"] = masks.write_masks(work, index, records, scan.roots(), mask_root(cfg),
                                         fam.facts.vae_factor)
     return facts
 

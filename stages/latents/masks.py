@@ -25,12 +25,12 @@ def mask_file(artifact_dir: Path, bucket: str) -> Path:
     return Path(artifact_dir) / FOLDER / f"{bucket}.npy"
 
 
-def _plane(rec: ImageRecord, dataset_root: Path, mask_root: Path | None, grid: tuple[int, int]) -> np.ndarray:
+def _plane(rec: ImageRecord, image_root: Path, mask_root: Path | None, grid: tuple[int, int]) -> np.ndarray:
     """One record's mask cropped and averaged down to the (h, w) latent grid, values in [0, 1]."""
     if rec.mask_kind is None:
         return np.ones(grid, np.float16)
     if rec.mask_kind == "alpha":
-        with Image.open(dataset_root / rec.path) as im:
+        with Image.open(image_root / rec.path) as im:
             mask = im.convert("RGBA").getchannel("A")
         if rec.orientation in TRANSPOSE:
             mask = mask.transpose(TRANSPOSE[rec.orientation])
@@ -45,10 +45,10 @@ def _plane(rec: ImageRecord, dataset_root: Path, mask_root: Path | None, grid: t
     return (np.asarray(small, np.float32) / 255.0).astype(np.float16)
 
 
-def write_masks(work: Path, index: list[dict], records: list[ImageRecord], dataset_root: Path,
+def write_masks(work: Path, index: list[dict], records: list[ImageRecord], roots: dict[int | None, Path],
                 mask_root: Path | None, vae_factor: int) -> int:
     """Write every bucket's masks when any cached image has one; returns how many rows have a mask."""
-    sized = {(r.path, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
     rows = [row for row in index if sized[row["path"], row["bucket"]].mask_kind is not None]
     if not rows:
         return 0
@@ -61,7 +61,8 @@ def write_masks(work: Path, index: list[dict], records: list[ImageRecord], datas
         grid = (first.bucket_height // vae_factor, first.bucket_width // vae_factor)
         planes = np.ones((len(members), *grid), np.float16)
         for row in members:
-            planes[row["row"]] = _plane(sized[row["path"], bucket], dataset_root, mask_root, grid)
+            rec = sized[row["path"], bucket]
+            planes[row["row"]] = _plane(rec, roots[rec.source], mask_root, grid)
         np.save(mask_file(work, bucket), planes)
     return len(rows)
 

@@ -41,7 +41,7 @@ class BucketResult:
 
 @dataclass
 class Settings:
-    root: Path  # the dataset root
+    roots: dict[int | None, Path]  # record.source -> the folder its path is relative to
     work: Path  # the version's work-in-progress directory
     dtype: str
     block_rows: int
@@ -79,7 +79,7 @@ class BucketWriter:
     def _checks_out(self, rec: dict, consumed: int, n: int) -> bool:
         """The record covers the next records with the same row keys, and the data still has its digest."""
         j = self.job
-        span = dict(zip((r.path for r in j.records[consumed:consumed + n]), j.row_keys[consumed:consumed + n]))
+        span = dict(zip((r.ref for r in j.records[consumed:consumed + n]), j.row_keys[consumed:consumed + n]))
         if (rec["start"] != len(self.out.index)
                 or set(span) != set(rec["paths"]) | {r["path"] for r in rec["rejected"]}
                 or [span.get(p) for p in rec["paths"]] != rec["keys"]):
@@ -166,7 +166,7 @@ def _sources(s: Settings, job: BucketJob, start: int, copy: Callable[[str], dict
     pending: deque = deque()
     for rec, key in zip(job.records[start:], job.row_keys[start:]):
         copied = copy(key)
-        pending.append((rec, key, copied if copied is not None else pool.submit(prepare, s.root, rec)))
+        pending.append((rec, key, copied if copied is not None else pool.submit(prepare, s.roots[rec.source], rec)))
         if len(pending) > 2 * s.block_rows:
             yield pending.popleft()
     yield from pending
@@ -180,9 +180,9 @@ def fill(w: BucketWriter, start: int, encoder: Callable, copy: Callable[[str], d
         if isinstance(src, Future):
             src = src.result()
         if isinstance(src, str):
-            asm.rejected.append(Rejected(path=rec.path, reason=src, kind="decode"))
+            asm.rejected.append(Rejected(path=rec.ref, reason=src, kind="decode"))
             continue
-        asm.add(rec.path, key, src)
+        asm.add(rec.ref, key, src)
     if asm.paths:
         asm.commit()
     advance(len(asm.rejected))

@@ -10,6 +10,7 @@ from pathlib import Path
 from schemas.config import PipelineConfig
 from schemas.families import facts
 from schemas.scan import ImageRecord, Rejected
+from schemas.sources import Source, dataset_sources
 from stages.common.codeident import code_version
 from stages.common.hashing import digest
 from stages.common.jsonl import read_jsonl, write_jsonl
@@ -29,7 +30,13 @@ REPORT_ROWS = 500  # rejected files listed in the Prefect markdown artifact; rej
 
 
 def dataset_root(cfg: PipelineConfig) -> Path:
-    return cfg.resolve(cfg.dataset.path)
+    """The first folder (the only one without dataset.sources or train.eval.path)."""
+    return dataset_sources(cfg)[0].root
+
+
+def _source_cfg(cfg: PipelineConfig, src: Source):
+    """The dataset settings a source's folder is walked and captioned with."""
+    return cfg.dataset.model_copy(update={"caption_extension": src.caption_extension})
 
 
 def alignment(cfg: PipelineConfig) -> int:
@@ -38,27 +45,32 @@ def alignment(cfg: PipelineConfig) -> int:
 
 def stage_config(cfg: PipelineConfig) -> dict:
     """What changes the records later stages consume (the path itself is an input, not config)."""
-    out = {"dataset": cfg.dataset.model_dump(mode="json", exclude={"path", "demo"}),
-           "buckets": cfg.buckets.model_dump(mode="json") | {"alignment": alignment(cfg)}}
+    dataset = cfg.dataset.model_dump(mode="json", exclude={"path", "demo", "sources"})
+    # Which folders and how each is captioned; their paths are inputs, how training uses them is train's key.
+    dataset["sources"] = [{"role": s.role, "caption_extension": s.caption_extension} for s in dataset_sources(cfg)]
+    out = {"dataset": dataset, "buckets": cfg.buckets.model_dump(mode="json") | {"alignment": alignment(cfg)}}
     if cfg.buckets.small_bucket == "drop":  # only then does the batch decide which images are kept
         out["global_batch"] = bk.global_batch(cfg)
     return out
 
 
 def stage_inputs(ctx, upstream) -> dict:
-    root = dataset_root(ctx.cfg)
-    if not root.is_dir():
-        return {"dataset": str(root), "missing": True}
-    listing = walk(root, ctx.cfg.dataset)
-    # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
-    # and a large folder is walked once per run, not twice.
-    ctx.cache[LISTING_KEY] = listing
-    return listing.fingerprint() | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
+    prints = []
+    for src in dataset_sources(ctx.cfg):
+        if not src.root.is_dir():
+            return {"dataset": str(src.root), "missing": True}
+        listing = walk(src.root, _source_cfg(ctx.cfg, src))
+        # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
+        # and a large folder is walked once per run, not twice.
+        ctx.cache[(LISTING_KEY, src.index)] = listing
+        prints.append(listing.fingerprint())
+    out = prints[0] if len(prints) == 1 else {"sources": prints}
+    return out | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
 
 
-def _listing(ctx, root: Path) -> Listing:
-    listing = ctx.cache.pop(LISTING_KEY, None)
-    return listing if listing is not None and listing.root == root else walk(root, ctx.cfg.dataset)
+def _listing(ctx, src: Source) -> Listing:
+    listing = ctx.cache.pop((LISTING_KEY, src.index), None)
+    return listing if listing is not None and listing.root == src.root else walk(src.root, _source_cfg(ctx.cfg, src))
 
 
 def _cache_path(ctx, root: Path) -> Path:
@@ -144,12 +156,13 @@ def policies(cfg: PipelineConfig) -> list[tuple[float | None, SizePolicy]]:
     return [(r, dataclasses.replace(base, resolution=r)) for r in cfg.buckets.all_resolutions()]
 
 
-def _records(ctx, root: Path) -> tuple[list[ImageRecord], list[Rejected], int]:
+def _records(ctx, src: Source) -> tuple[list[ImageRecord], list[Rejected], int]:
+    """One folder's records (and rejections), each named by `src.index` when the dataset has several."""
     cfg = ctx.cfg
-    listing = _listing(ctx, root)
-    probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, root))
-    save_probe_cache(ctx, root, probes)
-    captions = Captions(listing, cfg.dataset)
+    listing = _listing(ctx, src)
+    probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src.root))
+    save_probe_cache(ctx, src.root, probes)
+    captions = Captions(listing, _source_cfg(cfg, src))
     records, rejected, seen = [], [*listing.problems, *captions.problems], set()
     for resolution, policy in policies(cfg):
         for probe in probes:
@@ -158,12 +171,29 @@ def _records(ctx, root: Path) -> tuple[list[ImageRecord], list[Rejected], int]:
                 if (r.path, r.bucket_width, r.bucket_height) in seen:  # two resolutions, one bucket: cache it once
                     continue
                 seen.add((r.path, r.bucket_width, r.bucket_height))
-                records.append(r.model_copy(update={"resolution": resolution}) if resolution else r)
+                records.append(r.model_copy(update={"resolution": resolution, "source": src.index}))
             elif (r.path, r.reason) not in seen:  # an unreadable file is rejected once, not per resolution
                 seen.add((r.path, r.reason))
                 rejected.append(r)
+    if src.index is not None:  # rejections name the folder they came from
+        rejected = [r.model_copy(update={"path": f"{src.index}//{r.path}"}) for r in rejected]
     records, misfits = masks.attach(records, cfg)
     return records, rejected + misfits, reopened
+
+
+def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Rejected], int, list[dict]]:
+    records, rejected, reopened, rows = [], [], 0, []
+    for src in sources:
+        got, bad, n = _records(ctx, src)
+        records += got
+        rejected += bad
+        reopened += n
+        rows.append({"root": str(src.root), "role": src.role, "images": len({r.path for r in got})})
+    empty = [r["root"] for r in rows if not r["images"]]
+    if len(sources) > 1 and empty:
+        raise StageFailed(f"dataset source(s) {empty} hold no usable image (see rejected.jsonl): add images, or "
+                          f"remove the folder from dataset.sources / train.eval.path")
+    return records, rejected, reopened, rows
 
 
 def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> StageFailed:
@@ -175,11 +205,14 @@ def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchE
 
 def build(ctx, work: Path, upstream: dict) -> dict:
     cfg = ctx.cfg
-    root = dataset_root(cfg)
-    if not root.is_dir():
-        raise StageFailed(f"dataset.path {root} is not a folder: point dataset.path at your images "
-                          f"(relative paths resolve against the workdir) or set dataset.demo true")
-    records, rejected, reopened = _records(ctx, root)
+    sources = dataset_sources(cfg)
+    root = sources[0].root
+    for src in sources:
+        if not src.root.is_dir():
+            demo = " or set dataset.demo true" if src.field == "dataset.path" else ""
+            raise StageFailed(f"{src.field} {src.root} is not a folder: point it at your images (relative paths "
+                              f"resolve against the workdir){demo}")
+    records, rejected, reopened, source_rows = _all_records(ctx, sources)
     groups = bk.duplicate_groups(records)
     if cfg.dataset.duplicates == "reject":
         records, dups = bk.reject_duplicates(records, groups)
@@ -201,6 +234,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
             "rejected": len(rejected), "buckets": rows, "duplicates": groups,
             "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
             "conversions": bk.conversions(records), "reopened": reopened,
+            "sources": source_rows if sources[0].index is not None else [],
             # What later stages consume, and nothing else: records (paths relative to the root, sizes, content
             # hashes, buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection
             # leaves the version as it was; the republished manifest then names the new root.

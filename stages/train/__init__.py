@@ -1,6 +1,7 @@
 """Train stage: DDP training (torchrun; gloo on CPU, NCCL on CUDA) reading only the caches."""
 from __future__ import annotations
 
+from schemas.sources import training_settings
 from schemas.train import TrainManifest
 from stages.common import models
 from stages.common.artifacts import ArtifactError
@@ -20,6 +21,11 @@ NOT_FINGERPRINTED = {"threads_per_process", "node_rank", "rdzv_endpoint", "rdzv_
 def _config(cfg) -> dict:
     # World size sets the global batch, so `processes` and `nodes` are fingerprinted.
     train = cfg.train.model_dump(mode="json", exclude=NOT_FINGERPRINTED)
+    if train.get("eval") and train["eval"]["path"]:
+        train["eval"]["path"] = True  # the folder's content is the scan's; its location changes nothing
+    settings = training_settings(cfg)
+    if len(settings) > 1 or cfg.dataset.sources is not None:  # repeats, roles and loss weights shape training
+        train["sources"] = settings
     # The model by content (the denoiser's identity in the inputs), not by where it lies.
     return {"train": train, "model": cfg.model.model_dump(mode="json",
                                                           include={"family", "dtype", "prediction_type", "quantize"})}

@@ -1,8 +1,7 @@
-"""Held-out eval loss (train.eval): which cached rows never train, and their loss at fixed timesteps and noise.
+"""Held-out eval loss (train.eval): the loss of the held-out rows (stages.train.rows) at fixed timesteps and noise.
 
-The split is a pure function of each image's path, so every rank (and every later run on the same scan) holds
-out the same images without talking; the noise is seeded by the path and the timestep, so two evaluations of the
-same weights give the same number and curves compare across runs.
+The noise is seeded by the image and the timestep, so two evaluations of the same weights give the same number
+and curves compare across runs.
 """
 from __future__ import annotations
 
@@ -11,47 +10,9 @@ import hashlib
 import numpy as np
 import torch
 
-from stages.latents.reader import LatentReader, epoch_plan
 from stages.train.loop import Trainer, micro_cond
 from stages.train.objective import scale_latents
-from stages.train.plan import EpochPlan
-
-Rows = dict[str, np.ndarray]  # bucket -> row ids
-
-
-def held_out(path: str, fraction: float) -> bool:
-    """Stable per image: the first 8 bytes of sha256(path) as a number in [0, 1)."""
-    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big")
-    return h / 2 ** 64 < fraction
-
-
-def split(reader: LatentReader, fraction: float) -> tuple[Rows, Rows]:
-    """(train rows, eval rows) per bucket; refuses a split that leaves either side empty."""
-    train, held = {}, {}
-    for bucket, paths in reader.paths.items():
-        mask = np.array([held_out(p, fraction) for p in paths], dtype=bool)
-        train[bucket], held[bucket] = np.flatnonzero(~mask), np.flatnonzero(mask)
-    n_eval, n_train = sum(map(len, held.values())), sum(map(len, train.values()))
-    if not n_eval or not n_train:
-        raise ValueError(f"train.eval.fraction {fraction} holds out {n_eval} of {n_eval + n_train} images; "
-                         f"choose a fraction that leaves images on both sides")
-    return train, held
-
-
-def train_plan(reader: LatentReader, train: Rows, batch_size: int, world: int, seed: int,
-               epoch: int) -> list[tuple[str, np.ndarray]]:
-    """The reader's epoch plan over the training rows only (held-out rows can never appear in a batch)."""
-    plan = epoch_plan({b: len(r) for b, r in train.items()}, batch_size, world, seed, epoch,
-                      block_rows=reader.block_rows)
-    return [(b, train[b][idx]) for b, idx in plan]
-
-
-def epoch_plans(reader: LatentReader, t, world: int) -> tuple[EpochPlan, Rows | None]:
-    """(epoch -> plan, held-out rows): the whole cache with train.eval off, else the training rows only."""
-    if t.eval is None:
-        return (lambda epoch: reader.plan(t.batch_size, world, t.seed, epoch)), None
-    train, held = split(reader, t.eval.fraction)
-    return (lambda epoch: train_plan(reader, train, t.batch_size, world, t.seed, epoch)), held
+from stages.train.rows import Rows
 
 
 def _noise(path: str, t: int, shape: tuple[int, ...]) -> torch.Tensor:

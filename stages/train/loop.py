@@ -25,6 +25,7 @@ from stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
 from stages.train.objective import (loss_weights, noisy_and_target, offset_noise, prediction_type, scale_latents,
                                     weighted_mse)
 from stages.train.plan import MicroBatch, Position, shard, step_seed
+from stages.train.rows import RowPlan
 from stages.train.schedule import EMA, lr_at
 from stages.train.timesteps import SigmaSampler
 
@@ -43,6 +44,7 @@ class Data:
     scaling: float
     shift: float
     sized: dict[tuple[str, str], ImageRecord] = field(default_factory=dict)  # (path, bucket) -> record
+    rows: RowPlan | None = None  # which rows train, repeats, per-source loss weights
 
     def record(self, path: str, bucket: str) -> ImageRecord:
         """The record sized for this bucket: with buckets.resolutions an image has one per resolution."""
@@ -108,6 +110,9 @@ class Trainer:
         nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas,
                               patch=self.fam.facts.patch_size)
         weights = loss_weights(nz.snr, self.prediction, t.loss_weighting, t.min_snr_gamma)
+        per_source = data.rows.loss_weights(mb.bucket, mb.rows) if data.rows is not None else None
+        if per_source is not None:  # dataset.sources loss_weight (prior preservation)
+            weights = weights * torch.tensor(per_source, dtype=weights.dtype)
         flip = batch.flip or (False,) * len(batch.paths)
         no_sync = self.model.no_sync() if isinstance(self.model, DDP) and not sync else nullcontext()
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()

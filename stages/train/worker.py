@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from schemas.config import parse_config
+from schemas.sources import dataset_sources
 from schemas.latents import LatentsManifest
 from schemas.scan import ImageRecord, ScanManifest
 from schemas.text import TextManifest
@@ -32,6 +33,7 @@ from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from stages.train.loop import Data, NonFiniteLoss, Trainer
 from stages.train.model import save_final
 from stages.train.plan import micro_batches
+from stages.train.rows import RowPlan
 from stages.train.procwatch import worker_guard
 from stages.train.stopping import Interrupted, StopSignals
 from stages.validate.plots import loss_curve
@@ -71,13 +73,14 @@ def setup(spec: dict) -> Run:
     scan_dir = store.version_dir("scan", lat.upstream["scan"])
     store.read(scan_dir, ScanManifest)
     every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
-    records = {r.path: r for r in every}
+    records = {r.ref: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
     # The text cache, or live encoders when the text artifact was built with text.enabled false.
     text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
-    sized = {(r.path, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
-    data = Data(reader=LatentReader(up["latents"], lat), text=text, records=records, scaling=lat.scaling_factor,
-                shift=lat.shift_factor, sized=sized)
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
+    reader = LatentReader(up["latents"], lat)
+    data = Data(reader=reader, text=text, records=records, scaling=lat.scaling_factor, shift=lat.shift_factor,
+                sized=sized, rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
                resume=Path(spec["resume"]) if spec.get("resume") else None)
@@ -91,9 +94,10 @@ def fit(run: Run) -> Trainer:
         if run.rank == 0:
             print(f"resumed from {run.resume} at step {trainer.step}", flush=True)
     hooks = Hooks(run, trainer)
-    plan_of, held = evaluation.epoch_plans(run.data.reader, t, run.world)
+    rows = run.data.rows
+    held = rows.held_rows()
     evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
-    stream = micro_batches(plan_of, t.batch_size, run.rank, trainer.position)
+    stream = micro_batches(rows.epoch_plans(run.world), t.batch_size, run.rank, trainer.position)
     signals = StopSignals(t.checkpoint_minutes)
     while trainer.step < t.steps:
         micro = [next(stream) for _ in range(t.grad_accumulation)]
@@ -132,7 +136,9 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,
-                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses}
+                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
+                  "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
+                                                                   dataset_sources(run.cfg))}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
 

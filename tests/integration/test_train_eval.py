@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 
 from stages.common.jsonl import read_jsonl
-from stages.train.evaluation import Evaluator, epoch_plans, held_out
+from schemas.sources import dataset_sources
+from stages.train.evaluation import Evaluator
+from stages.train.rows import RowPlan, held_out
 from stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config, train
@@ -16,7 +18,7 @@ def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tm
     cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "batch_size": 2, "eval": EVAL})
     ctx = build_upstream(cfg)
     trainer = _trainer(cfg, ctx)
-    _, held = epoch_plans(trainer.data.reader, cfg.train, 1)
+    held = RowPlan(trainer.data.reader, cfg.train, dataset_sources(cfg)).held_rows()
     evaluator = Evaluator(trainer, held, EVAL["timesteps"])
     first, again = evaluator.evaluate(), evaluator.evaluate()
     assert first == again and set(first["per_timestep"]) == {"100", "600"}

@@ -63,7 +63,7 @@ class FakeEncoder:
 
 
 def run(tmp: Path, job: BucketJob, encoder, copy=lambda key: None):
-    s = Settings(root=tmp, work=tmp / "work", dtype="float16", block_rows=4, batch_size=3, names=store.DIST)
+    s = Settings(roots={None: tmp}, work=tmp / "work", dtype="float16", block_rows=4, batch_size=3, names=store.DIST)
     writer = BucketWriter(s, job)
     start = writer.resume()
     with ThreadPoolExecutor(2) as pool:
