@@ -5,6 +5,7 @@ A retried run rebuilds only what is not fresh: upstream artifacts published befo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 
@@ -27,9 +28,16 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
     check_config(config, "(flow parameters)")
     reporter = PrefectReporter()
     ctx = StageContext(config, reporter=reporter, log=log, force=force)
+    lock = functools.partial(store_lock, config.workdir_path(), timeout=config.ops.lock_timeout,
+                             purpose=_purpose(name))
+    whole = lock
+    if name == "train" and config.train.nodes > 1:
+        # Nodes sharing a workdir: a node waiting in torchrun's rendezvous must not hold the lock the other nodes
+        # need to get there. The lock then guards publishing; the running training guards its own folder.
+        whole, ctx.publish_lock = contextlib.nullcontext, lock
     # Slot before lock: a run waiting for a training slot must not block other stages' access to the store.
     slot = train_slot(config.ops.train_concurrency) if name == "train" else contextlib.nullcontext()
-    with slot, store_lock(config.workdir_path(), timeout=config.ops.lock_timeout, purpose=_purpose(name)):
+    with slot, whole():
         if name == "scan" and config.dataset.demo:
             from stages.scan.demo import write_demo_dataset
 

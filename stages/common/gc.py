@@ -14,6 +14,7 @@ from pathlib import Path
 
 from stages.common.artifacts import ArtifactStore
 from stages.common.lineage import read_version
+from stages.common.lock import is_in_use
 
 TRASH_SUFFIX = ".gc"
 
@@ -64,7 +65,8 @@ def plan(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None], 
         d = store.stage_dir(stage)
         hidden = sorted(p for p in d.iterdir() if p.is_dir() and p.name.startswith(".")) if d.is_dir() else []
         out.trash += [p for p in hidden if p.name.endswith(TRASH_SUFFIX)]
-        out.partial += [p for p in hidden if not p.name.endswith(TRASH_SUFFIX)]
+        # A running multi-node training holds no store lock (only publishing does): its folder says it is in use.
+        out.partial += [p for p in hidden if not p.name.endswith(TRASH_SUFFIX) and not is_in_use(p)]
     return out
 
 

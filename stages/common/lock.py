@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 LOCK_NAME = ".tuneline.lock"
+IN_USE = ".in-use"
 POLL_SECONDS = 0.2
 
 log = logging.getLogger("tuneline")
@@ -109,6 +110,34 @@ def _acquire(path: Path, workdir: Path, deadline: float, timeout: float, purpose
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
     return fd
+
+
+@contextmanager
+def in_use(folder: Path) -> Iterator[None]:
+    """Mark a work-in-progress folder as in use for the block (a shared flock: several nodes of one training may
+    hold it), so housekeeping that removes interrupted work leaves it alone."""
+    fd = os.open(Path(folder) / IN_USE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def is_in_use(folder: Path) -> bool:
+    path = Path(folder) / IN_USE
+    if not path.is_file():
+        return False
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError as err:
+        if err.errno in (errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    finally:
+        os.close(fd)
 
 
 def _refusal(workdir: Path, timeout: float) -> str:

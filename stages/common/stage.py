@@ -7,6 +7,7 @@ hashes what they produced, so touching a file without changing it leaves every d
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,14 @@ class StageFailed(RuntimeError):
     """A stage could not complete; nothing was published."""
 
 
+class PublishedElsewhere(Exception):
+    """This process took part in the build, another one publishes it (a multi-node training's other nodes)."""
+
+    def __init__(self, path: Path, why: str):
+        super().__init__(why)
+        self.path = path
+
+
 @dataclass
 class StageContext:
     cfg: PipelineConfig
@@ -37,6 +46,8 @@ class StageContext:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("tuneline"))
     force: bool = False
     cache: dict[str, Any] = field(default_factory=dict)
+    # Held around publishing only; callers that hold the store lock for the whole stage leave it a no-op.
+    publish_lock: Callable[[], Any] = contextlib.nullcontext
 
     @property
     def workdir(self) -> Path:
@@ -237,10 +248,14 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
         manifest = sd.manifest_cls(stage=sd.name, fingerprint=version, upstream=parts["upstream"],
                                    tool_version=TOOL_VERSION, code_version=sd.code_version,
                                    config=parts["config"], inputs=parts["inputs"], **facts)
-        path = store.publish(work, manifest)
-        _write_index(store, sd.name, key, version)
+        with ctx.publish_lock():
+            path = store.publish(work, manifest)
+            _write_index(store, sd.name, key, version)
         ctx.log.info("%s: published %s", sd.name, path)
         return path, True
+    except PublishedElsewhere as done:
+        ctx.log.info("%s: %s", sd.name, done)
+        return done.path, False
     except BaseException as err:
         if not isinstance(err, KeyboardInterrupt):
             store.record_failure(sd.name, version, f"{type(err).__name__}: {err}", key=key)

@@ -7,10 +7,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 from schemas.train import TrainManifest
 from stages.common import models
+from stages.common.lock import IN_USE, in_use
+from stages.common.stage import PublishedElsewhere
 from stages.train import checkpoint as ckpt, init_source
 from stages.train.hooks import CHECKPOINTS
 from stages.train.procwatch import PARENT_ENV
@@ -18,6 +22,7 @@ from stages.train.worker import ERROR, RESULT
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 STOP_GRACE_S = 120  # how long a stopped training may take to write its checkpoint
+FOLLOW_TIMEOUT_S = 600  # how long a node without global rank 0 waits for that node to publish
 
 
 class TrainingFailed(RuntimeError):
@@ -55,7 +60,7 @@ def previous_model(ctx, upstream: dict) -> tuple[Path, str | None]:
     return source / m.final, m.fingerprint
 
 
-def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: Path) -> Path:
+def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: Path, token: str) -> Path:
     """Everything a worker needs, by path: each rank re-reads and re-verifies the same manifests."""
     spec = {
         "config": ctx.cfg.dump(),
@@ -63,8 +68,9 @@ def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: 
         "out_dir": str(work),
         "upstream": {name: str(models.artifact_dir(ctx, m)) for name, m in upstream.items()},
         "resume": str(resume) if resume else None,
+        "launch": token,
     }
-    path = work / "spec.json"
+    path = work / f"spec-{token}.json"  # one per node when nodes share the folder
     path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return path
 
@@ -157,21 +163,47 @@ def failure_message(work: Path, rc: int, tail: list[str]) -> str:
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
-    for name in (RESULT, ERROR):
-        (work / name).unlink(missing_ok=True)
+    token = uuid.uuid4().hex  # names this launch: global rank 0 writes it into the result
+    if ctx.cfg.train.nodes == 1:  # other nodes of a multi-node run may share this folder and be writing already
+        for name in (RESULT, ERROR):
+            (work / name).unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
-    spec = write_spec(ctx, work, upstream, resume, model_dir)
-    run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
-    result_path = work / RESULT
-    if not result_path.is_file():
-        raise TrainingFailed(f"training finished without writing {result_path}: see the log above")
-    result = json.loads(result_path.read_text(encoding="utf-8"))
-    result_path.unlink()
+    spec = write_spec(ctx, work, upstream, resume, model_dir, token)
+    with in_use(work):
+        run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
     spec.unlink()
+    result_path = work / RESULT
+    result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
+    if result is None or result.get("launch") != token:
+        follow(ctx, work, result is not None)  # global rank 0 ran under another node's launch: it publishes
+    result_path.unlink()
+    (work / IN_USE).unlink(missing_ok=True)
+    result.pop("launch")
     result["initialized_from"] = initialized_from
     report(ctx, work, result)
     return result
+
+
+def follow(ctx, work: Path, shared: bool) -> None:
+    """A node whose workers finished without global rank 0 (torchrun's c10d rendezvous assigns ranks, so
+    "node 0" is whichever node got rank 0). On a shared workdir it waits for that node to publish (or fail);
+    on a workdir of its own there is nothing to publish here."""
+    version = work.name.removeprefix(".").removesuffix(".partial")
+    final = ctx.store.version_dir("train", version)
+    if not shared and not (final / "manifest.json").is_file():
+        raise PublishedElsewhere(final, f"global rank 0 trained on another node, which publishes version "
+                                        f"{version} in its own workdir; this node's part finished")
+    started, deadline = time.time(), time.monotonic() + FOLLOW_TIMEOUT_S
+    while not (final / "manifest.json").is_file():
+        last = ctx.store.last_failure("train") or {}
+        failure = last.get("error") if last.get("version") == version and last.get("at", 0) >= started else None
+        if failure or time.monotonic() > deadline:
+            raise TrainingFailed(f"this node's training finished, but the node running global rank 0 did not "
+                                 f"publish train version {version} within {FOLLOW_TIMEOUT_S} s"
+                                 + (f": {failure}" if failure else "; see that node's log"))
+        time.sleep(0.5)
+    raise PublishedElsewhere(final, f"global rank 0 trained on another node, which published {final}")
 
 
 def report(ctx, work: Path, result: dict) -> None:

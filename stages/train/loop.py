@@ -63,7 +63,8 @@ def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
 
 
 class Trainer:
-    def __init__(self, cfg, fam, model_dir: Path, data: Data, rank: int, world: int, device: torch.device):
+    def __init__(self, cfg, fam, model_dir: Path, data: Data, rank: int, world: int, device: torch.device,
+                 resume: Path | None = None):
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device)
@@ -71,9 +72,6 @@ class Trainer:
         self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device,
                                                       cfg.model.quantize)
         self.names = list(self.params)
-        distributed = dist.is_available() and dist.is_initialized() and world > 1
-        self.model = DDP(self.denoiser, device_ids=[device.index] if device.type == "cuda" else None) \
-            if distributed else self.denoiser
         # foreach: one kernel per op over all tensors; torch picks it only on CUDA by default, and per-tensor
         # updates of a model's hundreds of small tensors cost a CPU as much as a fifth of a step.
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=self.t.learning_rate,
@@ -84,6 +82,13 @@ class Trainer:
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
         self.sigmas = SigmaSampler.from_train(self.t)
         self.step, self.position, self.losses = 0, Position(), []
+        if resume is not None:
+            self.restore(resume)
+        # Wrapped after the restore: DDP broadcasts rank 0's weights when it wraps, so every rank (on every node)
+        # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
+        distributed = dist.is_available() and dist.is_initialized() and world > 1
+        self.model = DDP(self.denoiser, device_ids=[device.index] if device.type == "cuda" else None) \
+            if distributed else self.denoiser
 
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self, micro: list[MicroBatch]) -> float:

@@ -55,6 +55,7 @@ class Run:
     data: Data
     resume: Path | None
     eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
+    launch: str = ""  # the launching node's token; rank 0 names it in the result, so that node publishes
 
 
 def setup(spec: dict) -> Run:
@@ -83,16 +84,29 @@ def setup(spec: dict) -> Run:
                 sized=sized, rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
-               resume=Path(spec["resume"]) if spec.get("resume") else None)
+               resume=Path(spec["resume"]) if spec.get("resume") else None, launch=spec.get("launch", ""))
+
+
+def agree_on_resume(run: Run) -> None:
+    """Every rank (every node's launcher resolved train.resume on its own) must continue the same checkpoint."""
+    if not (dist.is_initialized() and run.world > 1):
+        return
+    mine = run.resume.name if run.resume else None
+    every: list = [None] * run.world
+    dist.all_gather_object(every, mine)
+    if len(set(every)) > 1:
+        found = ", ".join(f"rank {r}: {v or 'none'}" for r, v in enumerate(every))
+        raise ValueError(f"the nodes would resume from different checkpoints ({found}): nodes must share the "
+                         f"workdir (the train stage's checkpoints), or set train.resume to the same checkpoint "
+                         f"on every node")
 
 
 def fit(run: Run) -> Trainer:
     t = run.cfg.train
-    trainer = Trainer(run.cfg, run.family, run.model_dir, run.data, run.rank, run.world, run.device)
-    if run.resume is not None:
-        trainer.restore(run.resume)
-        if run.rank == 0:
-            print(f"resumed from {run.resume} at step {trainer.step}", flush=True)
+    agree_on_resume(run)
+    trainer = Trainer(run.cfg, run.family, run.model_dir, run.data, run.rank, run.world, run.device, run.resume)
+    if run.resume is not None and run.rank == 0:
+        print(f"resumed from {run.resume} at step {trainer.step}", flush=True)
     hooks = Hooks(run, trainer)
     rows = run.data.rows
     held = rows.held_rows()
@@ -131,7 +145,7 @@ def finish(run: Run, trainer: Trainer) -> None:
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
-        result = {"family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
+        result = {"launch": run.launch, "family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
                   "global_batch": t.batch_size * run.world * t.grad_accumulation, "ema": t.ema,
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
