@@ -74,7 +74,10 @@ class Family(Protocol):
         """Write a folder `DiffusionPipeline.from_pretrained(out_dir)` loads: the base components + `denoiser`."""
 
     # Validation ------------------------------------------------------------------------------
-    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any: ...
+    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                      denoiser: torch.nn.Module | None = None) -> Any: ...
+
+    def text_encoders_of(self, pipe: Any, max_length: int | None = None) -> TextEncoders: ...
 
     def prompt_kwargs(self, text: dict[str, torch.Tensor],
                       negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:

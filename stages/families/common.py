@@ -18,6 +18,9 @@ from stages.families import folders
 from stages.families.base import MicroCond, TextEncoders
 from stages.families.singlefile import convert_single_file
 
+# Components this process loaded from model folders, in order: what each stage holds is tested against it.
+LOADED: list[str] = []
+
 
 
 def diffusers_pipeline(name: str) -> type:
@@ -122,6 +125,7 @@ class DiffusersFamily:
         from diffusers import AutoencoderKL
 
         vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", dtype=dtype).to(device)
+        LOADED.append("vae")
         return vae.eval().requires_grad_(False)
 
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
@@ -133,6 +137,7 @@ class DiffusersFamily:
 
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
+        LOADED.append(self.denoiser_component)
         return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
@@ -144,8 +149,14 @@ class DiffusersFamily:
         config = cls.load_config(model_dir, subfolder="scheduler")
         return cls.from_config(config)
 
-    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
-        pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **self.pipeline_load_kwargs())
+    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                      denoiser: torch.nn.Module | None = None) -> Any:
+        """The folder's pipeline; a given live `denoiser` (training's) takes the place of the folder's own, which
+        is then never loaded. Its text encoders serve the renderer too (text_encoders_of): loaded once."""
+        parts: dict[str, Any] = {self.denoiser_component: denoiser} if denoiser is not None else {}
+        pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **parts, **self.pipeline_load_kwargs())
+        LOADED.extend(c for c, m in pipe.components.items() if m is not None and c not in parts
+                      and isinstance(m, torch.nn.Module))
         pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -158,6 +169,15 @@ class DiffusersFamily:
         for comp in self.text_components:
             enc = _first_type(types[comp]).from_pretrained(model_dir, subfolder=comp, dtype=dtype)
             encs.append(enc.to(device).eval().requires_grad_(False))
+            LOADED.append(comp)
+        length = max_length or self.facts.max_length
+        self.check_max_length(toks, length)
+        return TextEncoders(tokenizers=toks, encoders=encs, max_length=length)
+
+    def text_encoders_of(self, pipe: Any, max_length: int | None = None) -> TextEncoders:
+        """The pipeline's own tokenizers and text encoders, as load_text_encoders returns them."""
+        toks = [getattr(pipe, c) for c in self.tokenizer_components]
+        encs = [getattr(pipe, c).eval().requires_grad_(False) for c in self.text_components]
         length = max_length or self.facts.max_length
         self.check_max_length(toks, length)
         return TextEncoders(tokenizers=toks, encoders=encs, max_length=length)

@@ -80,6 +80,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     records = scan_records(models.artifact_dir(ctx, scan))
     fam, dev = models.family(cfg), models.device(cfg)
     vae = fam.load_vae(models.model_dir(ctx), models.dtype(cfg, dev), dev)
+    vae.decoder = None  # caching only encodes: the decoder is half the VAE's memory
     vae_dtype = str(vae.dtype).removeprefix("torch.")
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
     jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity)

@@ -4,6 +4,7 @@ Only rank 0 writes files (the trace, a debugging aid switched on by an environme
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 from contextlib import nullcontext
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from stages.common.models import dtypes
+from stages.families.common import LOADED
 from stages.text import effective_max_length
 from stages.train import checkpoint as ckpt
 from stages.train.loop import Trainer
@@ -26,10 +28,21 @@ SAMPLES = "samples"
 LOSS_PNG = "loss.png"
 
 
+def live_models() -> dict[str, int]:
+    """Model instances alive in this process by class (diffusers and transformers models): what training holds
+    between steps. For the trace only: it walks every object."""
+    found: dict[str, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith(("diffusers.models",
+                                                                                  "transformers.models")):
+            if hasattr(obj, "config"):
+                found[type(obj).__name__] = found.get(type(obj).__name__, 0) + 1
+    return found
+
+
 class Hooks:
     def __init__(self, run, trainer: Trainer):
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
-        self.renderer: Renderer | None = None
         self.last_checkpoint = trainer.step  # the step of the newest checkpoint (a resumed run starts at one)
         trace_dir = os.environ.get(TRACE_ENV)
         self.trace = Path(trace_dir) / f"trace-rank{run.rank}.jsonl" if trace_dir else None
@@ -45,7 +58,8 @@ class Hooks:
         with open(self.trace, "a", encoding="utf-8") as f:
             for m, mb in enumerate(micro):
                 paths = self.run.data.reader.batch(mb.bucket, mb.rows).paths
-                f.write(json.dumps({"step": step, "micro": m, "bucket": mb.bucket, "paths": list(paths)}) + "\n")
+                f.write(json.dumps({"step": step, "micro": m, "bucket": mb.bucket, "paths": list(paths),
+                                    "models": live_models(), "loaded": list(LOADED)}) + "\n")
 
     def after_step(self) -> None:
         step, t = self.trainer.step, self.t
@@ -75,19 +89,24 @@ class Hooks:
         if not self.writer:
             return
         tr, cfg = self.trainer, self.run.cfg
-        if self.renderer is None:
-            # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it.
-            dtype = dtypes()[cfg.model.dtype] if tr.autocast else torch.float32
-            self.renderer = Renderer.load(tr.fam, self.run.model_dir, tr.device, dtype, denoiser=tr.denoiser,
-                                          autocast=tr.autocast, max_length=effective_max_length(cfg))
+        # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it. It reuses
+        # the training denoiser; the VAE decoder and text encoders are loaded for this render only and freed after
+        # it, so training itself never holds them (for SD3/Flux they are tens of GB).
+        dtype = dtypes()[cfg.model.dtype] if tr.autocast else torch.float32
+        renderer = Renderer.load(tr.fam, self.run.model_dir, tr.device, dtype, denoiser=tr.denoiser,
+                                 autocast=tr.autocast, max_length=effective_max_length(cfg))
         v = cfg.validate_
         samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()
         try:
             with tr.ema.applied(tr.params) if tr.ema is not None else nullcontext():
-                images = self.renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
+                images = renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
         finally:
             tr.denoiser.train()
+            del renderer
+            gc.collect()
+            if tr.device.type == "cuda":
+                torch.cuda.empty_cache()
         out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
         out.parent.mkdir(exist_ok=True)
         grid(images).save(out)

@@ -44,13 +44,12 @@ class Renderer:
         """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/text/prompts.py)."""
-        pipe = fam.load_pipeline(model_dir, dtype, device)
+        pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
         if lora is not None:
             pipe.load_lora_weights(lora)
-        if denoiser is not None:
-            swap_denoiser(pipe, unwrap(denoiser))
+        pipe.vae.encoder = None  # rendering only decodes
         pipe.set_progress_bar_config(disable=True)
-        encoders = fam.load_text_encoders(model_dir, dtype, device, max_length=max_length)
+        encoders = fam.text_encoders_of(pipe, max_length)
         return cls(fam, pipe, encoders, device, autocast, prompt_cache)
 
     def render(self, samples: Sequence[Sample], width: int, height: int, steps: int, guidance: float,
@@ -83,15 +82,6 @@ class Renderer:
                                num_inference_steps=steps, guidance_scale=guidance, generator=gens,
                                output_type=output_type).images
         return list(images)
-
-
-def swap_denoiser(pipe, denoiser: torch.nn.Module) -> None:
-    """Put a live denoiser in the pipeline slot holding a model of the same class (no family names needed)."""
-    for name, component in pipe.components.items():
-        if type(component) is type(denoiser):
-            pipe.register_modules(**{name: denoiser})
-            return
-    raise ValueError(f"the pipeline has no {type(denoiser).__name__} component to replace")
 
 
 def grid(images: list[Image.Image], cols: int = 4) -> Image.Image:
