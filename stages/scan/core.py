@@ -165,13 +165,15 @@ def _records(ctx, src: Source) -> tuple[list[ImageRecord], list[Rejected], int]:
     captions = Captions(listing, _source_cfg(cfg, src))
     records, rejected, seen = [], [*listing.problems, *captions.problems], set()
     for resolution, policy in policies(cfg):
+        # With several folders records name their folder and their resolution (CONTRACT.md).
+        recorded = cfg.buckets.resolution if resolution is None and src.index is not None else resolution
         for probe in probes:
             r = make_record(probe, captions, policy, cfg)
             if isinstance(r, ImageRecord):
                 if (r.path, r.bucket_width, r.bucket_height) in seen:  # two resolutions, one bucket: cache it once
                     continue
                 seen.add((r.path, r.bucket_width, r.bucket_height))
-                records.append(r.model_copy(update={"resolution": resolution, "source": src.index}))
+                records.append(r.model_copy(update={"resolution": recorded, "source": src.index}))
             elif (r.path, r.reason) not in seen:  # an unreadable file is rejected once, not per resolution
                 seen.add((r.path, r.reason))
                 rejected.append(r)

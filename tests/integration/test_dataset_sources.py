@@ -62,6 +62,7 @@ def test_records_name_their_folder_and_each_folder_its_captions(built):
     scan = ctx.store.read(paths["scan"], ScanManifest)
     records = [ImageRecord.model_validate(r) for r in read_jsonl(paths["scan"] / "images.jsonl")]
     assert Counter(r.source for r in records) == {0: 4, 1: 3, 2: 2}
+    assert {r.resolution for r in records} == {cfg.buckets.resolution}
     assert {r.caption for r in records if r.source == 1} == {f"a blue square {i}" for i in range(3)}
     assert {r.path for r in records if r.source == 1} <= {r.path for r in records if r.source == 0}
     assert [(s.role, s.images) for s in scan.sources] == [("train", 4), ("regularization", 3), ("eval", 2)]
