@@ -111,6 +111,19 @@ def _write_index(store: ArtifactStore, stage: str, key: str, version: str) -> No
     os.replace(tmp, d / INDEX)
 
 
+def reusable_previous(ctx: StageContext, stage: str, cls: type[Manifest]) -> tuple[Path, Any] | None:
+    """(path, manifest) of the stage's latest published version, for incremental builds to copy rows from;
+    None with --force (trust nothing already built) or when that version fails its checks."""
+    path = ctx.store.latest(stage)
+    if path is None or ctx.force:
+        return None
+    try:
+        return path, ctx.store.read(path, cls)
+    except ArtifactError as err:
+        ctx.log.warning("%s: not reusing %s: %s", stage, path, err)
+        return None
+
+
 def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict:
     inputs = sd.inputs(ctx, upstream) | {"libraries": library_versions(sd.name)}
     return {"stage": sd.name, "code_version": sd.code_version, "config": sd.config(ctx.cfg), "inputs": inputs,

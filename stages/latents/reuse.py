@@ -13,7 +13,7 @@ import numpy as np
 
 from schemas.latents import LatentsManifest
 from schemas.scan import ImageRecord
-from stages.common.artifacts import ArtifactError
+from stages.common.stage import reusable_previous
 from stages.common.hashing import digest
 from stages.common.jsonl import read_jsonl
 from stages.latents import store
@@ -46,14 +46,10 @@ class PreviousRows:
 
     @classmethod
     def latest(cls, ctx, names: tuple[str, ...]) -> PreviousRows | None:
-        path = ctx.store.latest("latents")
-        if path is None or ctx.force:  # --force means: trust nothing already built
+        found = reusable_previous(ctx, "latents", LatentsManifest)
+        if found is None:
             return None
-        try:
-            manifest = ctx.store.read(path, LatentsManifest)
-        except ArtifactError as err:
-            ctx.log.warning("latents: not reusing %s: %s", path, err)
-            return None
+        path, manifest = found
         if not set(names) <= set(store.array_names(manifest.flip)):
             return None
         return cls(path, manifest, names)

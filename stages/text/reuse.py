@@ -13,7 +13,7 @@ import torch
 import zarr
 
 from schemas.text import TextManifest
-from stages.common.artifacts import ArtifactError
+from stages.common.stage import reusable_previous
 from stages.common.jsonl import read_jsonl
 from stages.text.store import STORE, STRINGS, take_rows
 
@@ -39,14 +39,10 @@ class PreviousStrings:
 
     @classmethod
     def latest(cls, ctx, parts: dict) -> PreviousStrings | None:
-        path = ctx.store.latest("text")
-        if path is None or ctx.force:  # --force means: trust nothing already built
+        found = reusable_previous(ctx, "text", TextManifest)
+        if found is None:
             return None
-        try:
-            m = ctx.store.read(path, TextManifest)
-        except ArtifactError as err:
-            ctx.log.warning("text: not reusing %s: %s", path, err)
-            return None
+        path, m = found
         mine = encoding_setup(parts)
         theirs = encoding_setup({"code_version": m.code_version, "config": m.config, "inputs": m.inputs})
         if not m.enabled or theirs != mine:
