@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.base import ConfigPath, Manifest, Strict
 
@@ -39,6 +39,13 @@ class TrainConfig(Strict):
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator; null = lora_rank (scale 1)")
+    lora_format: Literal["diffusers", "kohya", "both"] = Field(
+        "both", description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
+                            "diffusers' load_lora_weights), kohya (lora_kohya.safetensors, for ComfyUI, A1111, "
+                            "Forge), or both")
+    metadata_captions: bool = Field(False, description="put the training captions' tag frequencies "
+                                    "(ss_tag_frequency) into the LoRA files' metadata; off: no captions or "
+                                    "dataset paths leave the run in a shared file")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="autocast on CUDA (fp16 adds a gradient scaler); auto = bf16 where the GPU supports it, "
                             "else fp16; CPU always trains in float32 (auto/no only)")
@@ -128,6 +135,14 @@ class TrainConfig(Strict):
         return self.grad_accumulation
 
 
+class Export(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: str = Field(description="path relative to the train artifact directory ('final' for a pipeline folder)")
+    format: Literal["diffusers", "kohya", "single-file"]
+    bytes: int = Field(ge=0, description="file size, or a folder's total")
+    sha256: str | None = Field(description="the file's SHA-256; null for a folder (its files are in `files`)")
+
+
 class TrainManifest(Manifest):
     stage: Literal["train"] = "train"
     family: str
@@ -146,3 +161,22 @@ class TrainManifest(Manifest):
     losses: list[float] = Field(default_factory=list, description="loss per step (at most 500 points, averaged)")
     eval_losses: list[dict] = Field(default_factory=list, description="held-out loss: {step, loss, per_timestep} "
                                     "per evaluation (train.eval)")
+    exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
+
+    @model_validator(mode="after")
+    def _exports_listed(self) -> "TrainManifest":
+        """Once published (`files` set), each export agrees with the file list the store verifies against the
+        disk, so a consumer that checks `files` has checked the exports too."""
+        if not self.files:
+            return self
+        listed = {f.path: f for f in self.files}
+        for e in self.exports:
+            if e.sha256 is None:
+                inside = [f for p, f in listed.items() if p.startswith(e.file.rstrip("/") + "/")]
+                if not inside or sum(f.bytes for f in inside) != e.bytes:
+                    raise ValueError(f"exports: folder {e.file} ({e.bytes} bytes) does not match the files listed "
+                                     f"under it; rebuild with `tuneline stage train --force`")
+            elif e.file not in listed or (listed[e.file].bytes, listed[e.file].sha256) != (e.bytes, e.sha256):
+                raise ValueError(f"exports: {e.file} ({e.bytes} bytes, sha256 {e.sha256}) is not the file listed in "
+                                 f"the manifest; rebuild with `tuneline stage train --force`")
+        return self

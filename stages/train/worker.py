@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +32,7 @@ from stages.train import evaluation
 from stages.train.checkpoint import CheckpointError
 from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from stages.train.loop import Data, NonFiniteLoss, Trainer
+from stages.train.export import ExportInfo, resolution_edge
 from stages.train.model import save_final
 from stages.train.plan import micro_batches
 from stages.train.procwatch import worker_guard
@@ -53,6 +56,8 @@ class Run:
     data: Data
     resume: Path | None
     eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
+    export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
+    started_at: float = field(default_factory=time.time)
 
 
 def setup(spec: dict) -> Run:
@@ -80,7 +85,7 @@ def setup(spec: dict) -> Run:
                 shift=lat.shift_factor, sized=sized)
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
-               resume=Path(spec["resume"]) if spec.get("resume") else None)
+               resume=Path(spec["resume"]) if spec.get("resume") else None, export=spec.get("export", {}))
 
 
 def fit(run: Run) -> Trainer:
@@ -122,7 +127,7 @@ def finish(run: Run, trainer: Trainer) -> None:
         t = run.cfg.train
         if trainer.ema is not None:
             trainer.ema.copy_to(trainer.params)
-        save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final")
+        exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run))
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
@@ -132,9 +137,27 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,
-                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses}
+                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses, "exports": exports}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
+
+
+def export_info(run: Run) -> ExportInfo:
+    """The run's facts for the exported files' headers: training images (held-out ones excluded), resolution,
+    and caption tag counts only when train.metadata_captions allows captions to leave the run."""
+    cfg, t, reader = run.cfg, run.cfg.train, run.data.reader
+    images = sum(reader.counts().values())
+    if t.eval is not None:
+        images -= sum(len(v) for v in evaluation.split(reader, t.eval.fraction)[1].values())
+    tags: Counter = Counter()
+    if t.metadata_captions:
+        for rec in run.data.records.values():
+            tags.update(tag.strip() for tag in rec.caption.split(",") if tag.strip())
+    return ExportInfo(train_version=run.export.get("train_version", run.out.name),
+                      base_identity=run.export.get("base_identity", ""), steps=t.steps, num_train_images=images,
+                      resolution=resolution_edge(cfg.buckets.resolution, cfg.buckets.resolution_type),
+                      started_at=run.started_at, title=f"tuneline {run.family.facts.name} LoRA",
+                      tag_frequency=dict(tags))
 
 
 def downsample(values: list[float], points: int) -> list[float]:
