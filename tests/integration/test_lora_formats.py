@@ -40,7 +40,7 @@ def built(tmp_path_factory):
     return get
 
 
-def _trained(family: str, model_dir: Path, out: Path, **train) -> tuple[object, torch.nn.Module, TrainConfig, list]:
+def _trained(family: str, model_dir: Path, out: Path, info: ExportInfo = INFO, **train) -> tuple[object, torch.nn.Module, TrainConfig, list]:
     fam = get_family(family)
     t = TrainConfig(mode="lora", lora_rank=RANK, lora_alpha=ALPHA, **train)
     den, trainable = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
@@ -49,7 +49,7 @@ def _trained(family: str, model_dir: Path, out: Path, **train) -> tuple[object, 
         for name, p in trainable.items():
             if "lora_B" in name:  # peft starts B at zero; training would have moved it
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    exports = save_final(fam, model_dir, den, t, out, INFO)
+    exports = save_final(fam, model_dir, den, t, out, info)
     return fam, den, t, exports
 
 
@@ -207,6 +207,21 @@ def test_metadata_in_both_headers(built, tmp_path):
     with safe_open(str(tmp_path / "final" / DIFFUSERS_FILE), framework="pt") as f:
         adapter = json.loads(f.metadata()["lora_adapter_metadata"])
     assert adapter["unet.lora_alpha"] == ALPHA and adapter["unet.r"] == RANK
+
+
+def test_captions_only_with_metadata_captions(built, tmp_path):
+    """Tag counts (kohya's ss_tag_frequency, which model sites display) only when the user allows captions out."""
+    from dataclasses import replace
+
+    tagged = replace(INFO, tag_frequency={"red square": 3, "blue circle": 2})
+    _trained("sd15", built("sd15"), tmp_path / "off", tagged)
+    _trained("sd15", built("sd15"), tmp_path / "on", tagged, metadata_captions=True)
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        with safe_open(str(tmp_path / "off" / name), framework="pt") as f:
+            assert "ss_tag_frequency" not in f.metadata()
+        with safe_open(str(tmp_path / "on" / name), framework="pt") as f:
+            tags = json.loads(f.metadata()["ss_tag_frequency"])
+        assert tags == {"train": {"red square": 3, "blue circle": 2}}
 
 
 @pytest.mark.parametrize("fmt,files", [("diffusers", {DIFFUSERS_FILE}), ("kohya", {KOHYA_FILE})])
