@@ -231,3 +231,17 @@ def test_lora_format_writes_only_what_it_names(fmt, files, built, tmp_path):
     assert {p.name for p in (tmp_path / "final").iterdir()} == files
     assert [e["file"] for e in exports] == [f"final/{f}" for f in files]
     assert exports[0]["format"] == fmt and exports[0]["bytes"] == (tmp_path / "final" / files.pop()).stat().st_size
+
+
+def test_validation_reads_a_kohya_only_final(built, tmp_path):
+    """train.lora_format kohya leaves no diffusers file: the validate stage's renderer loads the kohya one."""
+    from stages.validate.render import Renderer
+
+    model_dir = built("sd15")
+    fam, den, _, _ = _trained("sd15", model_dir, tmp_path / "final", lora_format="kohya")
+    renderer = Renderer.load(fam, model_dir, CPU, torch.float32, lora=tmp_path / "final")
+    renderer.pipe.fuse_lora()
+    unet = renderer.pipe.unet
+    got = {n.removesuffix(".base_layer"): m.weight.detach() for n, m in unet.named_modules()
+           if isinstance(m, torch.nn.Linear)}
+    _compare(_expected(den), got)
