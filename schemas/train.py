@@ -43,6 +43,9 @@ class TrainConfig(Strict):
         "both", description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
                             "diffusers' load_lora_weights), kohya (lora_kohya.safetensors, for ComfyUI, A1111, "
                             "Forge), or both")
+    export_single_file: bool = Field(False, description="full fine-tune: also write final/model.safetensors, the "
+                                     "whole model as one file in the original (LDM) layout A1111/ComfyUI "
+                                     "checkpoint loaders read (sd15)")
     metadata_captions: bool = Field(False, description="put the training captions' tag frequencies "
                                     "(ss_tag_frequency) into the LoRA files' metadata; off: no captions or "
                                     "dataset paths leave the run in a shared file")
@@ -111,6 +114,9 @@ class TrainConfig(Strict):
             raise ValueError("train.resume: use auto, latest, a checkpoint directory, or null")
         if self.timestep_shift != "auto" and self.timestep_shift <= 0:
             raise ValueError(f"train.timestep_shift must be auto or a number > 0, not {self.timestep_shift}")
+        if self.export_single_file and self.mode != "full":
+            raise ValueError("train.export_single_file exports a full fine-tune's model; with train.mode lora the "
+                             "LoRA files are the export (train.lora_format): set train.export_single_file false")
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
                              "train.mode lora use init_from base")

@@ -5,7 +5,8 @@ Files (under the train artifact's `final/`):
 - `pytorch_lora_weights.safetensors`: diffusers/peft layout, for `pipe.load_lora_weights(final_dir)`.
 - `lora_kohya.safetensors`: kohya sd-scripts layout (stages/train/kohya.py), for ComfyUI `models/loras`,
   A1111/Forge `models/Lora`.
-- a full fine-tune: the diffusers pipeline folder `final/` itself.
+- a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
+  `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from stages.common.hashing import file_sha256
 from stages.train import kohya
+from stages.train.singlefile import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"
@@ -77,6 +79,19 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
     return meta
 
 
+def checkpoint_metadata(info: ExportInfo, family: str) -> dict[str, str]:
+    """The header of a full model's single file: the SAI model spec and ours (no LoRA keys)."""
+    started = datetime.fromtimestamp(info.started_at, timezone.utc)
+    return {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": ARCH.get(family, family),
+            "modelspec.implementation": IMPL.get(family, "diffusers"), "modelspec.title": info.title,
+            "modelspec.resolution": f"{info.resolution}x{info.resolution}",
+            "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
+            "ss_base_model_version": BASE_VERSION.get(family, family), "ss_steps": str(info.steps),
+            "ss_num_train_images": str(info.num_train_images),
+            "ss_training_started_at": repr(float(info.started_at)),
+            "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity}
+
+
 def add_metadata(path: Path, meta: dict[str, str]) -> None:
     """Rewrite a safetensors file with `meta` merged into its header (LoRA files are small)."""
     from safetensors import safe_open
@@ -122,7 +137,12 @@ def exports(root: Path, final: Path, mode: str) -> list[dict]:
     rel = final.relative_to(root).as_posix()
     if mode == "full":
         size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
-        return [{"file": rel, "format": "diffusers", "bytes": size, "sha256": None}]
+        out = [{"file": rel, "format": "diffusers", "bytes": size, "sha256": None}]
+        single = final / SINGLE_FILE
+        if single.is_file():
+            out.append({"file": f"{rel}/{SINGLE_FILE}", "format": "single-file", "bytes": single.stat().st_size,
+                        "sha256": file_sha256(single)})
+        return out
     found = [(DIFFUSERS_FILE, "diffusers"), (KOHYA_FILE, "kohya")]
     return [{"file": f"{rel}/{name}", "format": fmt, "bytes": (final / name).stat().st_size,
              "sha256": file_sha256(final / name)} for name, fmt in found if (final / name).is_file()]

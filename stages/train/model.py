@@ -12,8 +12,9 @@ import torch
 
 from schemas.train import TrainConfig
 from stages.families.common import unwrap
-from stages.train.export import ExportInfo, exports, save_lora
+from stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from stages.train.quantize import quantize_base
+from stages.train.singlefile import save_single_file
 
 
 def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
@@ -93,6 +94,8 @@ def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, 
     `exports` entries (paths relative to `out`'s parent, the artifact directory)."""
     if t.mode == "full":
         fam.save_pipeline(model_dir, unwrap(denoiser), out)
+        if getattr(t, "export_single_file", False):
+            save_single_file(fam, out, checkpoint_metadata(info, fam.facts.name) if info else {})
         return exports(out.parent, out, t.mode)
     from peft.utils import get_peft_model_state_dict
 

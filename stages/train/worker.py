@@ -156,7 +156,8 @@ def export_info(run: Run) -> ExportInfo:
     return ExportInfo(train_version=run.export.get("train_version", run.out.name),
                       base_identity=run.export.get("base_identity", ""), steps=t.steps, num_train_images=images,
                       resolution=resolution_edge(cfg.buckets.resolution, cfg.buckets.resolution_type),
-                      started_at=run.started_at, title=f"tuneline {run.family.facts.name} LoRA",
+                      started_at=run.started_at,
+                      title=f"tuneline {run.family.facts.name} {'LoRA' if t.mode == 'lora' else 'fine-tune'}",
                       tag_frequency=dict(tags))
 
 

@@ -125,3 +125,10 @@ def test_manifest_exports_must_match_the_listed_files():
                                                          "sha256": None}]))
     with pytest.raises(ValueError, match="format"):
         TrainManifest(**_manifest(exports=[{**good, "format": "ckpt"}]))
+
+
+def test_single_file_export_needs_a_full_fine_tune_of_a_supported_family():
+    refused({"train": {"mode": "lora", "export_single_file": True}}, "train.export_single_file", "train.mode")
+    refused({"model": {"family": "flux"}, "train": {"export_single_file": True}}, "train.export_single_file",
+            "flux")
+    assert parse_config({"train": {"export_single_file": True}}).train.export_single_file
