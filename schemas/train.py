@@ -45,7 +45,7 @@ class TrainConfig(Strict):
                             "Forge), or both")
     export_single_file: bool = Field(False, description="full fine-tune: also write final/model.safetensors, the "
                                      "whole model as one file in the original (LDM) layout A1111/ComfyUI "
-                                     "checkpoint loaders read (sd15)")
+                                     "checkpoint loaders read (sd15, sdxl)")
     metadata_captions: bool = Field(False, description="put the training captions' tag frequencies "
                                     "(ss_tag_frequency) into the LoRA files' metadata; off: no captions or "
                                     "dataset paths leave the run in a shared file")

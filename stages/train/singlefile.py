@@ -1,6 +1,7 @@
 """A full fine-tune as ONE .safetensors in the original (LDM) layout A1111, Forge and ComfyUI's checkpoint loaders
 read and model sites distribute: `model.diffusion_model.*` (UNet), `first_stage_model.*` (VAE),
-`cond_stage_model.transformer.*` (SD1.x's CLIP text encoder).
+`cond_stage_model.transformer.*` (SD1.x's CLIP text encoder); SDXL's encoders as
+`conditioner.embedders.0.transformer.*` (CLIP) and `conditioner.embedders.1.model.*` (OpenCLIP names).
 
 The names are the original Stable Diffusion modules': UNet levels flattened into `input_blocks` / `middle_block` /
 `output_blocks` (each a (resnet, attention) or a down/upsampler), resnets' `in_layers`/`emb_layers`/`out_layers`,
@@ -16,7 +17,7 @@ import torch
 from schemas.checks import SINGLE_FILE_FAMILIES
 
 SINGLE_FILE = "model.safetensors"
-SUPPORTED = SINGLE_FILE_FAMILIES  # SD1.x's UNet/VAE/CLIP layout
+SUPPORTED = SINGLE_FILE_FAMILIES  # SD1.x and SDXL layouts
 
 _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
            "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
@@ -90,9 +91,53 @@ def vae_name(key: str, levels: int) -> str | None:
     return None
 
 
-def ldm_state_dict(unet: torch.nn.Module, vae: torch.nn.Module, text_encoder: torch.nn.Module) -> dict:
-    """The original-layout state dict of a SD1.x pipeline's three models. Raises naming any weight it cannot place,
-    so the file never silently lacks part of the model."""
+def _clip(te: torch.nn.Module, prefix: str) -> dict:
+    """HF CLIP text encoder -> the original's `<prefix>text_model.*` (HF's own names under the wrapper)."""
+    return {f"{prefix}text_model.{k.removeprefix('text_model.')}": v for k, v in te.state_dict().items()
+            if not k.endswith("position_ids")}
+
+
+_OPEN_CLIP = {"embeddings.token_embedding.weight": "token_embedding.weight",
+              "embeddings.position_embedding.weight": "positional_embedding",
+              "final_layer_norm.weight": "ln_final.weight", "final_layer_norm.bias": "ln_final.bias"}
+_OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
+                    "self_attn.out_proj": "attn.out_proj"}
+
+
+def _open_clip(te: torch.nn.Module, prefix: str) -> tuple[dict, list[str]]:
+    """HF CLIPTextModelWithProjection -> OpenCLIP's names (SDXL's second encoder): q, k, v fused into
+    `attn.in_proj_*`, the projection as a matrix applied from the right (HF's weight transposed)."""
+    out, lost, qkv = {}, [], {}
+    for k, v in te.state_dict().items():
+        k = k.removeprefix("text_model.")
+        if k.endswith("position_ids"):
+            continue
+        if k in _OPEN_CLIP:
+            out[prefix + _OPEN_CLIP[k]] = v
+            continue
+        if k == "text_projection.weight":
+            out[prefix + "text_projection"] = v.T.contiguous()
+            continue
+        m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", k)
+        if not m:
+            lost.append(k)
+            continue
+        block = f"{prefix}transformer.resblocks.{m[1]}"
+        if m[2] in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            qkv.setdefault((block, m[3]), {})[m[2][-6]] = v
+        elif m[2] in _OPEN_CLIP_LAYER:
+            out[f"{block}.{_OPEN_CLIP_LAYER[m[2]]}.{m[3]}"] = v
+        else:
+            lost.append(k)
+    for (block, kind), parts in qkv.items():
+        out[f"{block}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out, [f"text_encoder_2.{k}" for k in lost]
+
+
+def ldm_state_dict(pipe) -> dict:
+    """The original-layout state dict of a SD1.x or SDXL pipeline (UNet, VAE, text encoders). Raises naming any
+    weight it cannot place, so the file never silently lacks part of the model."""
+    unet, vae = pipe.unet, pipe.vae
     per = unet.config.layers_per_block
     if not isinstance(per, int):
         raise ValueError("train.export_single_file: the UNet's layers_per_block varies per level; the original "
@@ -111,11 +156,13 @@ def ldm_state_dict(unet: torch.nn.Module, vae: torch.nn.Module, text_encoder: to
         if ".mid.attn_1." in name and name.endswith(".weight") and v.ndim == 2:
             v = v[:, :, None, None]  # the original VAE's attention projections are 1x1 convolutions
         out[f"first_stage_model.{name}"] = v
-    for k, v in text_encoder.state_dict().items():
-        if not k.endswith("position_ids"):
-            # The original wraps HF's CLIPTextModel (`transformer.text_model.*`); some transformers versions
-            # name the state dict without the `text_model.` level.
-            out[f"cond_stage_model.transformer.{k if k.startswith('text_model.') else 'text_model.' + k}"] = v
+    if getattr(pipe, "text_encoder_2", None) is None:
+        out.update(_clip(pipe.text_encoder, "cond_stage_model.transformer."))
+    else:  # SDXL (sgm): both encoders under `conditioner.embedders`
+        out.update(_clip(pipe.text_encoder, "conditioner.embedders.0.transformer."))
+        second, missed = _open_clip(pipe.text_encoder_2, "conditioner.embedders.1.model.")
+        out.update(second)
+        lost += missed
     if lost:
         raise ValueError(f"train.export_single_file: no original-layout name for {lost[:8]}"
                          f"{' …' if len(lost) > 8 else ''}; set train.export_single_file false")
@@ -130,7 +177,7 @@ def save_single_file(fam, final: Path, meta: dict[str, str]) -> Path:
         raise ValueError(f"train.export_single_file: model.family {fam.facts.name} has no single-file export "
                          f"(supported: {', '.join(SUPPORTED)}); set train.export_single_file false")
     pipe = fam.load_pipeline(final, torch.float32, torch.device("cpu"))
-    state = ldm_state_dict(pipe.unet, pipe.vae, pipe.text_encoder)
+    state = ldm_state_dict(pipe)
     path = final / SINGLE_FILE
     save_file(state, str(path), metadata={"format": "pt", **meta})
     return path
