@@ -132,3 +132,7 @@ def test_single_file_export_needs_a_full_fine_tune_of_a_supported_family():
     refused({"model": {"family": "flux"}, "train": {"export_single_file": True}}, "train.export_single_file",
             "flux")
     assert parse_config({"train": {"export_single_file": True}}).train.export_single_file
+
+
+def test_model_config_needs_a_single_file_path():
+    refused({"model": {"config": "some/folder"}}, "model.config", "model.path")
