@@ -137,7 +137,8 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,
-                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses, "exports": exports}
+                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
+                  "exports": exports}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
 
@@ -146,9 +147,11 @@ def export_info(run: Run) -> ExportInfo:
     """The run's facts for the exported files' headers: training images (held-out ones excluded), resolution,
     and caption tag counts only when train.metadata_captions allows captions to leave the run."""
     cfg, t, reader = run.cfg, run.cfg.train, run.data.reader
-    images = sum(reader.counts().values())
+    # Distinct images: with buckets.resolutions an image has a row per resolution.
+    paths = {p for rows in reader.paths.values() for p in rows}
     if t.eval is not None:
-        images -= sum(len(v) for v in evaluation.split(reader, t.eval.fraction)[1].values())
+        paths = {p for p in paths if not evaluation.held_out(p, t.eval.fraction)}
+    images = len(paths)
     tags: Counter = Counter()
     if t.metadata_captions:
         for rec in run.data.records.values():
