@@ -14,6 +14,7 @@ from schemas.families import FamilyFacts, facts
 if TYPE_CHECKING:
     from schemas.config import PipelineConfig
 
+SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile.py writes these
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (CONTRACT.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
 MAX_AREA_MEGAPIXELS = 16.0
@@ -138,6 +139,9 @@ def _training_mode(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         problems.append(f"train.mixed_precision {t.mixed_precision} needs a CUDA device and model.device is cpu, "
                         f"where training runs in float32; set train.mixed_precision to auto or no, or model.device "
                         f"to cuda/auto")
+    if t.export_single_file and fam.name not in SINGLE_FILE_FAMILIES:
+        problems.append(f"train.export_single_file: model.family {fam.name} has no single-file export (supported: "
+                        f"{', '.join(SINGLE_FILE_FAMILIES)}); set train.export_single_file false")
     if t.lora_alpha is not None and t.mode != "lora":
         problems.append(f"train.lora_alpha {t.lora_alpha:g} has no effect with train.mode {t.mode}; set "
                         f"train.mode lora or train.lora_alpha null")

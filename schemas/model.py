@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.base import ConfigPath, Strict
 
@@ -19,6 +19,10 @@ class ModelConfig(Strict):
     path: Annotated[str | None, ConfigPath()] = Field(
         None, description="local diffusers folder or single checkpoint file (relative: against the workdir); null = "
                           "the family's built-in tiny random-init flavor")
+    config: Annotated[str | None, ConfigPath()] = Field(
+        None, description="with model.path a single checkpoint file: a local diffusers folder of the same family "
+                          "whose configs and tokenizers (its weights are not read) describe the file's model, so the "
+                          "file loads offline; null = diffusers' own lookup (needs its Hugging Face cache)")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -39,3 +43,10 @@ class ModelConfig(Strict):
                              f"bfloat16 on a GPU (half the memory of float32) or float32; to keep a LoRA's frozen base in 8 bits "
                              f"use model.quantize (int8, or fp8 on a float8 GPU)")
         return v
+
+    @model_validator(mode="after")
+    def _config_needs_a_file(self) -> "ModelConfig":
+        if self.config is not None and self.path is None:
+            raise ValueError("model.config describes a single checkpoint file given as model.path; with model.path "
+                             "null (the tiny flavor) set model.config null")
+        return self

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.base import ConfigPath, Manifest, Strict
 
@@ -54,6 +54,16 @@ class TrainConfig(Strict):
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = Field(8, ge=1)
     lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator; null = lora_rank (scale 1)")
+    lora_format: Literal["diffusers", "kohya", "both"] = Field(
+        "both", description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
+                            "diffusers' load_lora_weights), kohya (lora_kohya.safetensors, for ComfyUI, A1111, "
+                            "Forge), or both")
+    export_single_file: bool = Field(False, description="full fine-tune: also write final/model.safetensors, the "
+                                     "whole model as one file in the original (LDM) layout A1111/ComfyUI "
+                                     "checkpoint loaders read (sd15, sdxl)")
+    metadata_captions: bool = Field(False, description="put the training captions' tag frequencies "
+                                    "(ss_tag_frequency) into the LoRA files' metadata; off: no captions or "
+                                    "dataset paths leave the run in a shared file")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="autocast on CUDA (fp16 adds a gradient scaler); auto = bf16 where the GPU supports it, "
                             "else fp16; CPU always trains in float32 (auto/no only)")
@@ -119,6 +129,9 @@ class TrainConfig(Strict):
             raise ValueError("train.resume: use auto, latest, a checkpoint directory, or null")
         if self.timestep_shift != "auto" and self.timestep_shift <= 0:
             raise ValueError(f"train.timestep_shift must be auto or a number > 0, not {self.timestep_shift}")
+        if self.export_single_file and self.mode != "full":
+            raise ValueError("train.export_single_file exports a full fine-tune's model; with train.mode lora the "
+                             "LoRA files are the export (train.lora_format): set train.export_single_file false")
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
                              "train.mode lora use init_from base")
@@ -143,6 +156,14 @@ class TrainConfig(Strict):
         return self.grad_accumulation
 
 
+class Export(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: str = Field(description="path relative to the train artifact directory ('final' for a pipeline folder)")
+    format: Literal["diffusers", "kohya", "single-file"]
+    bytes: int = Field(ge=0, description="file size, or a folder's total")
+    sha256: str | None = Field(description="the file's SHA-256; null for a folder (its files are in `files`)")
+
+
 class TrainManifest(Manifest):
     stage: Literal["train"] = "train"
     family: str
@@ -163,3 +184,22 @@ class TrainManifest(Manifest):
                                     "per evaluation (train.eval)")
     seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
                                         "{source, root, role, samples} (repeats and regularization share)")
+    exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
+
+    @model_validator(mode="after")
+    def _exports_listed(self) -> "TrainManifest":
+        """Once published (`files` set), each export agrees with the file list the store verifies against the
+        disk, so a consumer that checks `files` has checked the exports too."""
+        if not self.files:
+            return self
+        listed = {f.path: f for f in self.files}
+        for e in self.exports:
+            if e.sha256 is None:
+                inside = [f for p, f in listed.items() if p.startswith(e.file.rstrip("/") + "/")]
+                if not inside or sum(f.bytes for f in inside) != e.bytes:
+                    raise ValueError(f"exports: folder {e.file} ({e.bytes} bytes) does not match the files listed "
+                                     f"under it; rebuild with `tuneline stage train --force`")
+            elif e.file not in listed or (listed[e.file].bytes, listed[e.file].sha256) != (e.bytes, e.sha256):
+                raise ValueError(f"exports: {e.file} ({e.bytes} bytes, sha256 {e.sha256}) is not the file listed in "
+                                 f"the manifest; rebuild with `tuneline stage train --force`")
+        return self

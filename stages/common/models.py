@@ -40,7 +40,8 @@ def _model_dir(cfg: PipelineConfig, cache_dir: Path) -> Path:
     if ready.is_dir():  # an existing folder needs no model code, only a check of its files
         folders.check_folder(f, ready)
         return ready.resolve()
-    return family(cfg).ensure_model(cfg.model.path, cache_dir)  # builds the tiny flavor, converts a single file
+    # Builds the tiny flavor, or converts a single file (configs from model.config when set).
+    return family(cfg).ensure_model(cfg.model.path, cache_dir, cfg.model.config)
 
 
 def identity(ctx, component: str) -> str:

@@ -80,7 +80,7 @@ class DiffusersFamily:
         return {}
 
     # ---- model folders -----------------------------------------------------------------------
-    def ensure_model(self, path: str | None, cache_dir: Path) -> Path:
+    def ensure_model(self, path: str | None, cache_dir: Path, config: str | None = None) -> Path:
         cache_dir = Path(cache_dir)
         if path is None:
             return self._ensure_tiny(cache_dir)
@@ -89,7 +89,7 @@ class DiffusersFamily:
             self.check_folder(p)
             return p
         if p.is_file():
-            return convert_single_file(self, p, cache_dir)
+            return convert_single_file(self, p, cache_dir, config)
         raise ValueError(f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "
                          f"of family {self.facts.name!r})")
 

@@ -15,9 +15,34 @@ from typing import Any
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
 
-def convert_single_file(family: Any, file: Path, cache_dir: Path) -> Path:
+# The original checkpoints' families by a key prefix only that family's layout has (checked in this order; a
+# "model.diffusion_model." prefix, as ComfyUI and A1111 save flux/sd3, is looked through).
+LAYOUT_KEYS = (("sdxl", "conditioner.embedders.1."), ("sd15", "cond_stage_model.transformer."),
+               ("sd3", "joint_blocks."), ("flux", "double_blocks."))
+SAME_LAYOUT = {"tiny": "sd15"}  # the tiny family is SD1.5's architecture
+
+
+def checkpoint_family(file: Path) -> str | None:
+    """The family whose original layout a .safetensors file's tensor names have, or None (unknown, or .ckpt)."""
+    if file.suffix.lower() != ".safetensors":
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = [k.removeprefix("model.diffusion_model.") for k in f.keys()]
+    except Exception:  # an unreadable file: the conversion below reports it with the way out
+        return None
+    for name, prefix in LAYOUT_KEYS:
+        if any(k.startswith(prefix) for k in keys):
+            return name
+    return None
+
+
+def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | None = None) -> Path:
     """The cached diffusers folder for `file`, converting it on first use. Keyed by the file's path, size and
-    mtime so an edited checkpoint is converted again rather than silently reusing the old conversion."""
+    mtime (and the config folder) so an edited checkpoint is converted again rather than silently reusing the old
+    conversion."""
     name = family.facts.name
     if file.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise ValueError(f"model.path: {file} is neither a diffusers folder nor a single checkpoint file "
@@ -25,8 +50,19 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path) -> Path:
     if not hasattr(family.pipeline_class, "from_single_file"):
         raise ValueError(f"model.path: {file}: diffusers cannot load family {name!r} from a single file; "
                          f"convert it to a diffusers folder and point model.path at that")
+    found, want = checkpoint_family(file), SAME_LAYOUT.get(name, name)
+    if found is not None and found != want:
+        raise ValueError(f"model.path: {file} is a {found} checkpoint (its tensor names are {found}'s original "
+                         f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
+                         f"{want} checkpoint")
+    if config is not None:
+        try:
+            family.check_folder(Path(config))
+        except ValueError as err:  # the folder check names model.path; here the folder is model.config
+            raise ValueError(str(err).replace("model.path", "model.config", 1)) from None
     st = file.stat()
-    key = hashlib.sha256(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    ident = f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}" + (f"\0{Path(config).resolve()}" if config else "")
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     target = Path(cache_dir) / f"{name}-single-{file.stem}-{key}"
     if target.is_dir():
         family.check_folder(target)
@@ -34,7 +70,7 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path) -> Path:
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
     try:
-        _convert(family, file, tmp)
+        _convert(family, file, tmp, config)
         family.check_folder(tmp)
         try:
             os.replace(tmp, target)
@@ -46,14 +82,16 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path) -> Path:
     return target
 
 
-def _convert(family: Any, file: Path, out_dir: Path) -> None:
+def _convert(family: Any, file: Path, out_dir: Path, config: str | None) -> None:
+    extra = {"config": str(config)} if config is not None else {}
     try:
-        pipe = family.pipeline_class.from_single_file(str(file), local_files_only=True,
+        pipe = family.pipeline_class.from_single_file(str(file), local_files_only=True, **extra,
                                                       **family.pipeline_load_kwargs())
     except Exception as exc:  # diffusers raises many kinds here; the user needs the file name and the fix
         raise ValueError(
             f"model.path: cannot load {file} as a single-file {family.facts.name!r} checkpoint "
             f"({type(exc).__name__}: {exc}). diffusers needs the pipeline's configs, which cannot be downloaded "
-            f"here; convert the checkpoint to a diffusers folder where a model hub is reachable and point "
-            f"model.path at that folder") from exc
+            f"here; set model.config to a local diffusers folder of the same model (its configs and tokenizers "
+            f"are read, not its weights), or convert the checkpoint to a diffusers folder where a model hub is "
+            f"reachable and point model.path at that folder") from exc
     pipe.save_pretrained(out_dir, safe_serialization=True)

@@ -69,6 +69,9 @@ def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: 
         "upstream": {name: str(models.artifact_dir(ctx, m)) for name, m in upstream.items()},
         "resume": str(resume) if resume else None,
         "launch": token,
+        # For the LoRA files' metadata: this run's version (the directory it is published under) and the base.
+        "export": {"train_version": work.name.removeprefix(".").removesuffix(".partial"),
+                   "base_identity": models.identity(ctx, "denoiser")},
     }
     path = work / f"spec-{token}.json"  # one per node when nodes share the folder
     path.write_text(json.dumps(spec, indent=1), encoding="utf-8")

@@ -12,7 +12,9 @@ import torch
 
 from schemas.train import TrainConfig
 from stages.families.common import unwrap
+from stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from stages.train.quantize import quantize_base
+from stages.train.singlefile import save_single_file
 
 
 def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
@@ -85,13 +87,16 @@ def denoiser_component(model_dir: Path, denoiser: torch.nn.Module) -> tuple[str,
     raise ValueError(f"{model_dir}/model_index.json lists no {cls} component")
 
 
-def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, out: Path) -> None:
-    """`final/`: a pipeline folder for DiffusionPipeline.from_pretrained (full), or LoRA weights that the base
-    pipeline's load_lora_weights reads (lora), in diffusers' own layout for the denoiser's component."""
+def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, out: Path,
+               info: ExportInfo | None = None) -> list[dict]:
+    """`final/`: a pipeline folder for DiffusionPipeline.from_pretrained (full), or LoRA weights in the layouts
+    `train.lora_format` names (stages/train/export.py), with `info` in their headers. Returns the manifest's
+    `exports` entries (paths relative to `out`'s parent, the artifact directory)."""
     if t.mode == "full":
         fam.save_pipeline(model_dir, unwrap(denoiser), out)
-        return
-    import diffusers
+        if getattr(t, "export_single_file", False):
+            save_single_file(fam, out, checkpoint_metadata(info, fam.facts.name) if info else {})
+        return exports(out.parent, out, t.mode)
     from peft.utils import get_peft_model_state_dict
 
     pipe_name, comp = denoiser_component(model_dir, denoiser)
@@ -99,6 +104,5 @@ def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, 
               for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()}
     meta = lora_config(t, fam.lora_target_modules).to_dict()
     meta["target_modules"] = sorted(meta["target_modules"])
-    out.mkdir(parents=True, exist_ok=True)
-    getattr(diffusers, pipe_name).save_lora_weights(out, **{f"{comp}_lora_layers": layers,
-                                                            f"{comp}_lora_adapter_metadata": meta})
+    save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info)
+    return exports(out.parent, out, t.mode)

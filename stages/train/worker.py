@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +33,7 @@ from stages.train import evaluation
 from stages.train.checkpoint import CheckpointError
 from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from stages.train.loop import Data, NonFiniteLoss, Trainer
+from stages.train.export import ExportInfo, resolution_edge
 from stages.train.model import save_final
 from stages.train.plan import micro_batches
 from stages.train.rows import RowPlan
@@ -56,6 +59,8 @@ class Run:
     resume: Path | None
     eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
     launch: str = ""  # the launching node's token; rank 0 names it in the result, so that node publishes
+    export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
+    started_at: float = field(default_factory=time.time)
 
 
 def setup(spec: dict) -> Run:
@@ -84,7 +89,8 @@ def setup(spec: dict) -> Run:
                 sized=sized, rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
-               resume=Path(spec["resume"]) if spec.get("resume") else None, launch=spec.get("launch", ""))
+               resume=Path(spec["resume"]) if spec.get("resume") else None, launch=spec.get("launch", ""),
+               export=spec.get("export", {}))
 
 
 def agree_on_resume(run: Run) -> None:
@@ -140,7 +146,7 @@ def finish(run: Run, trainer: Trainer) -> None:
         t = run.cfg.train
         if trainer.ema is not None:
             trainer.ema.copy_to(trainer.params)
-        save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final")
+        exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run))
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
@@ -152,9 +158,31 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "resumed_from": str(run.resume) if run.resume else None,
                   "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
                   "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
-                                                                   dataset_sources(run.cfg))}
+                                                                   dataset_sources(run.cfg)),
+                  "exports": exports}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     dist.barrier()
+
+
+def export_info(run: Run) -> ExportInfo:
+    """The run's facts for the exported files' headers: training images (held-out ones excluded), resolution,
+    and caption tag counts only when train.metadata_captions allows captions to leave the run."""
+    cfg, t, reader = run.cfg, run.cfg.train, run.data.reader
+    # Distinct images: with buckets.resolutions an image has a row per resolution.
+    paths = {p for rows in reader.paths.values() for p in rows}
+    if t.eval is not None:
+        paths = {p for p in paths if not evaluation.held_out(p, t.eval.fraction)}
+    images = len(paths)
+    tags: Counter = Counter()
+    if t.metadata_captions:
+        for rec in run.data.records.values():
+            tags.update(tag.strip() for tag in rec.caption.split(",") if tag.strip())
+    return ExportInfo(train_version=run.export.get("train_version", run.out.name),
+                      base_identity=run.export.get("base_identity", ""), steps=t.steps, num_train_images=images,
+                      resolution=resolution_edge(cfg.buckets.resolution, cfg.buckets.resolution_type),
+                      started_at=run.started_at,
+                      title=f"tuneline {run.family.facts.name} {'LoRA' if t.mode == 'lora' else 'fine-tune'}",
+                      tag_frequency=dict(tags))
 
 
 def downsample(values: list[float], points: int) -> list[float]:

@@ -46,7 +46,10 @@ class Renderer:
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/text/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
         if lora is not None:
-            pipe.load_lora_weights(lora)
+            from stages.train.export import lora_source
+
+            folder, weight_name = lora_source(Path(lora))  # train.lora_format kohya writes only the kohya file
+            pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
         pipe.vae.encoder = None  # rendering only decodes
         pipe.set_progress_bar_config(disable=True)
         encoders = fam.text_encoders_of(pipe, max_length)

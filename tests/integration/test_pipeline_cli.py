@@ -39,6 +39,10 @@ def test_demo_publishes_exact_artifacts(demo_run):
     assert (latents / "latents.zarr").is_dir() and (latents / "rejected.jsonl").is_file()
     final = Path(rows["train"]["path"]) / "final"
     assert (final / "model_index.json").is_file() and (final / "unet").is_dir()
+    # A full fine-tune's export is the pipeline folder, listed with its total size (its files are in `files`).
+    tm = json.loads((final.parent / "manifest.json").read_text())
+    total = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    assert tm["exports"] == [{"file": "final", "format": "diffusers", "bytes": total, "sha256": None}]
     validate = Path(rows["validate"]["path"])
     vm = json.loads((validate / "manifest.json").read_text())
     pngs = sorted(p.name for p in validate.glob("*.png"))

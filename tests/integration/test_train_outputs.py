@@ -55,6 +55,28 @@ def test_lora_final_loads_with_load_lora_weights_and_changes_the_render(lora):
     assert image.size == (64, 64)
 
 
+def test_lora_exports_both_formats_listed_with_metadata(lora):
+    """train.lora_format's default `both`: each file in final/, listed in the manifest's exports with the size and
+    checksum the store verifies, its header naming this train version, the base model and the run's facts."""
+    from safetensors import safe_open
+
+    from stages.common.hashing import file_sha256
+
+    ctx, path, _ = lora
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert [(e["file"], e["format"]) for e in manifest["exports"]] == [
+        ("final/pytorch_lora_weights.safetensors", "diffusers"), ("final/lora_kohya.safetensors", "kohya")]
+    for e in manifest["exports"]:
+        assert e["bytes"] == (path / e["file"]).stat().st_size and e["sha256"] == file_sha256(path / e["file"])
+        with safe_open(str(path / e["file"]), framework="pt") as f:
+            meta = f.metadata()
+        assert meta["tuneline.train_version"] == path.name == manifest["fingerprint"]
+        assert meta["tuneline.base_identity"] == manifest["inputs"]["denoiser"]
+        assert meta["ss_steps"] == "4" and meta["ss_network_dim"] == "4" and float(meta["ss_network_alpha"]) == 8
+        assert int(meta["ss_num_train_images"]) > 0 and meta["ss_resolution"] == "(64, 64)"
+        assert "ss_tag_frequency" not in meta
+
+
 def test_lora_checkpoints_hold_adapter_optimizer_and_ema(lora):
     _, path, reporter = lora
     manifest = json.loads((path / "manifest.json").read_text())

@@ -1,0 +1,148 @@
+"""What `final/` holds and how it is listed: LoRA files in diffusers' and kohya's layouts with training metadata in
+their headers, and the `exports` entries of the train manifest.
+
+Files (under the train artifact's `final/`):
+- `pytorch_lora_weights.safetensors`: diffusers/peft layout, for `pipe.load_lora_weights(final_dir)`.
+- `lora_kohya.safetensors`: kohya sd-scripts layout (stages/train/kohya.py), for ComfyUI `models/loras`,
+  A1111/Forge `models/Lora`.
+- a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
+  `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from stages.common.hashing import file_sha256
+from stages.train import kohya
+from stages.train.singlefile import SINGLE_FILE
+
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
+KOHYA_FILE = "lora_kohya.safetensors"
+
+# kohya's ss_base_model_version values and the SAI model spec architecture (modelspec.architecture is
+# "<arch>/lora" for a LoRA) and original implementation per family.
+BASE_VERSION = {"sd15": "sd_v1", "tiny": "sd_v1", "sdxl": "sdxl_base_v1-0", "sd3": "sd3", "flux": "flux1"}
+ARCH = {"sd15": "stable-diffusion-v1", "tiny": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base",
+        "sd3": "stable-diffusion-3-medium", "flux": "flux-1-dev"}
+IMPL = {"sd15": "https://github.com/Stability-AI/generative-models", "tiny": "diffusers",
+        "sdxl": "https://github.com/Stability-AI/generative-models",
+        "sd3": "https://github.com/Stability-AI/sd3-ref", "flux": "https://github.com/black-forest-labs/flux"}
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What the train stage knows about a run that goes into the files' headers (no paths)."""
+
+    train_version: str
+    base_identity: str
+    steps: int
+    num_train_images: int
+    resolution: int  # the bucket edge in pixels
+    started_at: float  # Unix time training started
+    title: str = "tuneline LoRA"
+    tag_frequency: dict[str, int] = field(default_factory=dict)  # only with train.metadata_captions
+
+
+def resolution_edge(resolution: float, resolution_type: str) -> int:
+    """buckets.resolution as a square edge in pixels (area: megapixels of 1024 x 1024)."""
+    return round(math.sqrt(resolution) * 1024) if resolution_type == "area" else round(resolution)
+
+
+def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
+    """The safetensors header metadata (strings only) of a LoRA file in format `fmt`."""
+    alpha = t.lora_alpha or t.lora_rank
+    started = datetime.fromtimestamp(info.started_at, timezone.utc)
+    meta = {
+        "ss_network_module": "networks.lora", "ss_network_dim": str(t.lora_rank), "ss_network_alpha": str(alpha),
+        "ss_base_model_version": BASE_VERSION.get(family, family), "ss_v2": "False",
+        "ss_resolution": f"({info.resolution}, {info.resolution})", "ss_steps": str(info.steps),
+        "ss_max_train_steps": str(t.steps), "ss_num_train_images": str(info.num_train_images),
+        "ss_training_started_at": repr(float(info.started_at)), "ss_learning_rate": str(t.learning_rate),
+        "ss_lr_scheduler": t.lr_schedule, "ss_seed": str(t.seed), "ss_mixed_precision": t.mixed_precision,
+        "ss_batch_size_per_device": str(t.batch_size), "ss_gradient_accumulation_steps": str(t.grad_accumulation),
+        "ss_output_name": info.title,
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": f"{ARCH.get(family, family)}/lora",
+        "modelspec.implementation": "diffusers" if fmt == "diffusers" else IMPL.get(family, "diffusers"),
+        "modelspec.title": info.title, "modelspec.resolution": f"{info.resolution}x{info.resolution}",
+        "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
+        "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity,
+        "tuneline.lora_format": fmt,
+    }
+    if t.metadata_captions and info.tag_frequency:
+        meta["ss_tag_frequency"] = json.dumps({"train": info.tag_frequency}, sort_keys=True)
+    return meta
+
+
+def checkpoint_metadata(info: ExportInfo, family: str) -> dict[str, str]:
+    """The header of a full model's single file: the SAI model spec and ours (no LoRA keys)."""
+    started = datetime.fromtimestamp(info.started_at, timezone.utc)
+    return {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": ARCH.get(family, family),
+            "modelspec.implementation": IMPL.get(family, "diffusers"), "modelspec.title": info.title,
+            "modelspec.resolution": f"{info.resolution}x{info.resolution}",
+            "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
+            "ss_base_model_version": BASE_VERSION.get(family, family), "ss_steps": str(info.steps),
+            "ss_num_train_images": str(info.num_train_images),
+            "ss_training_started_at": repr(float(info.started_at)),
+            "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity}
+
+
+def add_metadata(path: Path, meta: dict[str, str]) -> None:
+    """Rewrite a safetensors file with `meta` merged into its header (LoRA files are small)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        old = f.metadata() or {}
+    save_file(tensors, str(path), metadata={**old, **meta})
+
+
+def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict[str, torch.Tensor],
+              adapter_meta: dict, t, out: Path, info: ExportInfo | None) -> None:
+    """Write the LoRA file(s) `train.lora_format` asks for into `out` (final/)."""
+    import diffusers
+
+    fmt = getattr(t, "lora_format", "both")
+    family = fam.facts.name
+    out.mkdir(parents=True, exist_ok=True)
+    if fmt in ("diffusers", "both"):
+        getattr(diffusers, pipe_name).save_lora_weights(out, weight_name=DIFFUSERS_FILE,
+                                                        **{f"{comp}_lora_layers": layers,
+                                                           f"{comp}_lora_adapter_metadata": adapter_meta})
+        if info is not None:
+            add_metadata(out / DIFFUSERS_FILE, metadata(info, t, family, "diffusers"))
+    if fmt in ("kohya", "both"):
+        from safetensors.torch import save_file
+
+        state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
+        meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
+        save_file(state, str(out / KOHYA_FILE), metadata=meta)
+
+
+def lora_source(final: Path) -> tuple[Path, str | None]:
+    """(folder, weight_name) for load_lora_weights: the diffusers file when written, else the kohya one."""
+    if (final / DIFFUSERS_FILE).is_file() or not (final / KOHYA_FILE).is_file():
+        return final, None
+    return final, KOHYA_FILE
+
+
+def exports(root: Path, final: Path, mode: str) -> list[dict]:
+    """Manifest `exports` entries, paths relative to the artifact directory `root`."""
+    rel = final.relative_to(root).as_posix()
+    if mode == "full":
+        size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+        out = [{"file": rel, "format": "diffusers", "bytes": size, "sha256": None}]
+        single = final / SINGLE_FILE
+        if single.is_file():
+            out.append({"file": f"{rel}/{SINGLE_FILE}", "format": "single-file", "bytes": single.stat().st_size,
+                        "sha256": file_sha256(single)})
+        return out
+    found = [(DIFFUSERS_FILE, "diffusers"), (KOHYA_FILE, "kohya")]
+    return [{"file": f"{rel}/{name}", "format": fmt, "bytes": (final / name).stat().st_size,
+             "sha256": file_sha256(final / name)} for name, fmt in found if (final / name).is_file()]
