@@ -71,6 +71,10 @@ class RowPlan:
     def epoch_plans(self, world: int) -> EpochPlan:
         return lambda epoch: self.plan(epoch, world)
 
+    def trained_refs(self) -> set[str]:
+        """The distinct images that train (with buckets.resolutions an image has a row per resolution)."""
+        return {self.reader.paths[b][r] for b, rows in self.train.items() for r in rows}
+
     def held_rows(self) -> Rows | None:
         return self.held if self.t.eval is not None else None
 

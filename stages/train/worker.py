@@ -167,12 +167,8 @@ def finish(run: Run, trainer: Trainer) -> None:
 def export_info(run: Run) -> ExportInfo:
     """The run's facts for the exported files' headers: training images (held-out ones excluded), resolution,
     and caption tag counts only when train.metadata_captions allows captions to leave the run."""
-    cfg, t, reader = run.cfg, run.cfg.train, run.data.reader
-    # Distinct images: with buckets.resolutions an image has a row per resolution.
-    paths = {p for rows in reader.paths.values() for p in rows}
-    if t.eval is not None:
-        paths = {p for p in paths if not evaluation.held_out(p, t.eval.fraction)}
-    images = len(paths)
+    cfg, t = run.cfg, run.cfg.train
+    images = len(run.data.rows.trained_refs())
     tags: Counter = Counter()
     if t.metadata_captions:
         for rec in run.data.records.values():
