@@ -73,7 +73,9 @@ def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: 
         "export": {"train_version": work.name.removeprefix(".").removesuffix(".partial"),
                    "base_identity": models.identity(ctx, "denoiser")},
     }
-    path = work / f"spec-{token}.json"  # one per node when nodes share the folder
+    # Beside the work folder, not in it: nodes sharing the folder each write one, and the publishing node must
+    # not list another node's file in the published version.
+    path = work.parent / f"{work.name}.spec-{token}.json"
     path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return path
 
@@ -167,15 +169,18 @@ def failure_message(work: Path, rc: int, tail: list[str]) -> str:
 
 def build(ctx, work: Path, upstream: dict) -> dict:
     token = uuid.uuid4().hex  # names this launch: global rank 0 writes it into the result
-    if ctx.cfg.train.nodes == 1:  # other nodes of a multi-node run may share this folder and be writing already
-        for name in (RESULT, ERROR):
-            (work / name).unlink(missing_ok=True)
+    # Left by an earlier attempt (another node of this attempt cannot have written yet: no rank runs before every
+    # node has joined the rendezvous).
+    for name in (RESULT, ERROR):
+        (work / name).unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
     spec = write_spec(ctx, work, upstream, resume, model_dir, token)
-    with in_use(work):
-        run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
-    spec.unlink()
+    try:
+        with in_use(work):
+            run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
+    finally:
+        spec.unlink(missing_ok=True)
     result_path = work / RESULT
     result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
     if result is None or result.get("launch") != token:
