@@ -55,21 +55,21 @@ def apply_plan(records: list[ImageRecord], plan: dict[Bucket, int],
     """Split records into kept / rejected (dropped buckets) and build the bucket table."""
     kept, dropped, rows = [], [], []
     for (bw, bh), recs in by_bucket(records).items():
-        rows.append(BucketRow(width=bw, height=bh, count=len(recs), samples=[r.path for r in recs[:SAMPLES]],
+        rows.append(BucketRow(width=bw, height=bh, count=len(recs), samples=[r.ref for r in recs[:SAMPLES]],
                               dropped=plan[(bw, bh)] == 0))
         if plan[(bw, bh)]:
             kept += recs
             continue
-        dropped += [Rejected(path=r.path, kind="small-bucket",
+        dropped += [Rejected(path=r.ref, kind="small-bucket",
                              reason=f"bucket {bw}x{bh} has {len(recs)} images, fewer than one batch of {batch}, and "
                                     f"buckets.small_bucket is drop; set it to repeat to keep them") for r in recs]
-    return sorted(kept, key=lambda r: r.path), dropped, rows
+    return sorted(kept, key=lambda r: r.ref), dropped, rows
 
 
 def duplicate_groups(records: list[ImageRecord]) -> list[list[str]]:
     groups: dict[str, set[str]] = defaultdict(set)
     for r in records:
-        groups[r.sha256].add(r.path)  # a set: with buckets.resolutions one image has a record per resolution
+        groups[r.sha256].add(r.ref)  # a set: with buckets.resolutions one image has a record per resolution
     return sorted(sorted(g) for g in groups.values() if len(g) > 1)
 
 
@@ -78,7 +78,7 @@ def reject_duplicates(records: list[ImageRecord], groups: list[list[str]]) -> tu
     later = {p: g[0] for g in groups for p in g[1:]}
     rejected = [Rejected(path=p, kind="duplicate", reason=f"same content as {first}; dataset.duplicates is reject")
                 for p, first in sorted(later.items())]
-    return [r for r in records if r.path not in later], rejected
+    return [r for r in records if r.ref not in later], rejected
 
 
 def table(rows: list[BucketRow], plan: dict[Bucket, int]) -> list[dict]:

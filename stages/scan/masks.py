@@ -56,7 +56,7 @@ def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageR
         with Image.open(mask) as im:
             size = im.size
         if size != (r.width, r.height):
-            rejected.append(Rejected(path=r.path, kind="mask", reason=(
+            rejected.append(Rejected(path=r.ref, kind="mask", reason=(
                 f"mask {mask} is {size[0]}x{size[1]} but image {r.path} is {r.width}x{r.height}: resize the mask "
                 f"to its image or remove it")))
             continue
