@@ -51,3 +51,17 @@ def test_duplicates_grouped_and_optionally_rejected():
     assert [r.path for r in kept] == ["a.png", "b.png"]
     assert [(r.path, r.kind) for r in rejected] == [("c.png", "duplicate"), ("d/a.png", "duplicate")]
     assert "same content as a.png" in rejected[0].reason
+
+
+def test_duplicates_across_folders_name_the_folder_and_keep_the_other_folders_same_name():
+    """dataset.sources: folder 1's copy of folder 0's b.png is the duplicate; folder 1's own a.png is not touched
+    although folder 0 has a different a.png."""
+    records = [rec("a.png", sha="1").model_copy(update={"source": 0}),
+               rec("b.png", sha="2").model_copy(update={"source": 0}),
+               rec("a.png", sha="3").model_copy(update={"source": 1}),
+               rec("c.png", sha="2").model_copy(update={"source": 1})]
+    groups = duplicate_groups(records)
+    assert groups == [["0//b.png", "1//c.png"]]
+    kept, rejected = reject_duplicates(records, groups)
+    assert [r.ref for r in kept] == ["0//a.png", "0//b.png", "1//a.png"]
+    assert [r.path for r in rejected] == ["1//c.png"]
