@@ -24,7 +24,7 @@ from stages.train import checkpoint as ckpt
 from stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
 from stages.train.objective import (loss_weights, noisy_and_target, offset_noise, prediction_type, scale_latents,
                                     weighted_mse)
-from stages.train.plan import MicroBatch, Position, shard, step_seed
+from stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
 from stages.train.rows import RowPlan
 from stages.train.schedule import EMA, lr_at
 from stages.train.timesteps import SigmaSampler
@@ -106,12 +106,14 @@ class Trainer:
     def micro_step(self, mb: MicroBatch, micro_index: int, sync: bool) -> torch.Tensor:
         t, data = self.t, self.data
         seed = step_seed(t.seed, self.rank, micro_index)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed)  # per-sample choices: flips, captions, timesteps
+        # Tensor-sized draws (latent eps, diffusion noise) on the training device, from its own generator.
+        dev = torch.Generator(self.device).manual_seed(device_seed(t.seed, self.rank, micro_index))
         torch.manual_seed(seed)  # dropout layers, if the denoiser has any
         batch = data.reader.batch(mb.bucket, mb.rows, self.flips(len(mb.rows), gen))
-        x0 = scale_latents(self.latents(batch, gen), data.scaling, data.shift)
+        x0 = scale_latents(self.latents(batch, dev), data.scaling, data.shift)
         cond = self.conditioning(batch.paths, gen)
-        noise = offset_noise(torch.randn(x0.shape, generator=gen), t.noise_offset, gen)
+        noise = offset_noise(torch.randn(x0.shape, generator=dev, device=self.device), t.noise_offset, dev)
         nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas,
                               patch=self.fam.facts.patch_size)
         weights = loss_weights(nz.snr, self.prediction, t.loss_weighting, t.min_snr_gamma)
@@ -137,8 +139,9 @@ class Trainer:
         return (torch.rand(n, generator=gen) < 0.5).tolist()
 
     def latents(self, batch, gen: torch.Generator) -> torch.Tensor:
+        """The batch's latents in float32 on `gen`'s device (the training device)."""
         if self.t.latent_sampling == "mean":
-            return self.data.reader.gather(batch)[0].float()
+            return self.data.reader.gather(batch)[0].to(gen.device).float()
         return self.data.reader.sample(batch, gen)
 
     def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator)
     if offset <= 0:
         return noise
     b, c = noise.shape[:2]
-    shift = torch.randn((b, c, *([1] * (noise.dim() - 2))), generator=generator)
+    shift = torch.randn((b, c, *([1] * (noise.dim() - 2))), generator=generator, device=noise.device)
     return noise + offset * shift
 
 
@@ -58,7 +58,7 @@ def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, prediction: str, sch
         else:
             tokens = (x0.shape[-2] // patch) * (x0.shape[-1] // patch)
             sigma = sigmas.sample(b, generator, scheduler.config if scheduler is not None else {}, tokens)
-        s = sigma.view(b, *([1] * (x0.dim() - 1)))
+        s = sigma.view(b, *([1] * (x0.dim() - 1))).to(x0.device)
         snr = ((1 - sigma) / sigma.clamp_min(1e-6)) ** 2
         return Noised((1 - s) * x0 + s * noise, sigma * 1000.0, noise - x0, snr)
     steps = scheduler.config.num_train_timesteps

@@ -60,3 +60,9 @@ def step_seed(seed: int, rank: int, micro_index: int) -> int:
     at any step reproducible from the step alone: a resumed run draws exactly what the uninterrupted one drew.
     """
     return int(np.random.SeedSequence([seed, rank, micro_index]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def device_seed(seed: int, rank: int, micro_index: int) -> int:
+    """The seed of the same micro-batch's generator on the training device (latent eps, diffusion noise): a
+    stream of its own, so the tensor-sized draws happen where they are used and never cross to the device."""
+    return int(np.random.SeedSequence([seed, rank, micro_index, 1]).generate_state(1, dtype=np.uint64)[0] >> 1)
