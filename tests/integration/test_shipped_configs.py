@@ -119,3 +119,34 @@ def test_file_that_does_not_fit_is_refused_naming_model_config(tmp_path, config)
     assert msg.startswith("model.config: ") and str(f) in msg and "[320, 1024]" in msg and "[320, 768]" in msg
     assert "Set model.config to a local diffusers folder" in msg
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+
+
+@pytest.mark.slow
+def test_real_size_sd15_file_converts_offline_with_the_shipped_config(tmp_path):
+    """A released-size SD1.5 file (random weights, fp16, ~2 GB) with model.config null converts through the shipped
+    folder and keeps the file's weights (about 30 s on 2 cores)."""
+    import types
+
+    from stages.train.singlefile import ldm_state_dict
+
+    parts = _meta_parts("sd15")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in parts.values():
+            m.to_empty(device="cpu")
+            for p in m.parameters():
+                p.normal_(0, 0.02, generator=gen)
+            for n, b in m.named_buffers():  # only CLIP's position ids: 0..76
+                b.copy_(torch.arange(b.shape[-1]).expand_as(b) if "position_ids" in n else torch.zeros_like(b))
+            m.half()
+    file = tmp_path / "sd15-released-size.safetensors"
+    save_file(ldm_state_dict(types.SimpleNamespace(**parts)), str(file))
+    keys = ("conv_in.weight", "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight")
+    want = {k: parts["unet"].state_dict()[k].float() for k in keys}
+    del parts
+    fam = get_family("sd15")
+    folder = fam.ensure_model(str(file), tmp_path / "cache", None)
+    tok = CLIPTokenizer.from_pretrained(folder / "tokenizer")
+    assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    got = fam.load_denoiser(folder, torch.float32, torch.device("cpu")).state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items()), "the converted UNet is not the file's"
