@@ -83,6 +83,22 @@ def test_shipped_files_are_small():
     assert 1_000_000 < total < 8_000_000
 
 
+def test_package_data_carries_every_shipped_file():
+    """A normal (non-editable) install carries only what pyproject's package-data patterns match."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    families = root / "stages" / "families"
+    files = [p.relative_to(families).as_posix() for p in (families / "configs").rglob("*")
+             if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
+    missed = [f for f in files if not any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/")
+                                          for pat in patterns["stages.families"])]
+    assert len(files) > 20 and missed == []
+
+
 def test_model_config_by_name_is_the_shipped_folder(tmp_path):
     cfg = parse_config({"model": {"family": "sd15", "path": "m.safetensors", "config": "sd15"}},
                        workdir=str(tmp_path))
