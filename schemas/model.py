@@ -11,6 +11,8 @@ FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux"]
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
 # denoiser use them. No stage keeps weights in fp8 while computing in bf16, so fp8 is refused up front.
+# Weightless pipeline folders shipped in stages/families/configs/ (name -> family): model.config may name one.
+SHIPPED_CONFIGS = {"sd15": "sd15", "sdxl": "sdxl"}
 FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "fp8")
 
 
@@ -19,10 +21,12 @@ class ModelConfig(Strict):
     path: Annotated[str | None, ConfigPath()] = Field(
         None, description="local diffusers folder or single checkpoint file (relative: against the workdir); null = "
                           "the family's built-in tiny random-init flavor")
-    config: Annotated[str | None, ConfigPath()] = Field(
-        None, description="with model.path a single checkpoint file: a local diffusers folder of the same family "
+    config: Annotated[str | None, ConfigPath(keywords=tuple(SHIPPED_CONFIGS))] = Field(
+        None, description="with model.path a single checkpoint file: a shipped config (sd15 = SD1.5, sdxl = SDXL "
+                          "base 1.0) or a local diffusers folder of the same model (./sd15 for a folder so named) "
                           "whose configs and tokenizers (its weights are not read) describe the file's model, so the "
-                          "file loads offline; null = diffusers' own lookup (needs its Hugging Face cache)")
+                          "file loads offline; null = the family's shipped config when the file's shapes fit it "
+                          "(sd15, sdxl), else diffusers' own lookup (needs its Hugging Face cache)")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -49,4 +53,9 @@ class ModelConfig(Strict):
         if self.config is not None and self.path is None:
             raise ValueError("model.config describes a single checkpoint file given as model.path; with model.path "
                              "null (the tiny flavor) set model.config null")
+        shipped_family = SHIPPED_CONFIGS.get(self.config or "")
+        if shipped_family is not None and shipped_family != self.family:
+            raise ValueError(f"model.config: {self.config} is the shipped {shipped_family} config but model.family is "
+                             f"{self.family}; set model.family {shipped_family}, or set model.config to a "
+                             f"{self.family} config")
         return self

@@ -12,6 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from schemas.model import SHIPPED_CONFIGS
+from stages.families.shipped import resolve_config
+
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
 
@@ -55,7 +58,8 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
         raise ValueError(f"model.path: {file} is a {found} checkpoint (its tensor names are {found}'s original "
                          f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
                          f"{want} checkpoint")
-    if config is not None:
+    config, shipped = resolve_config(name, file, config)
+    if config is not None and not shipped:  # shipped folders hold no weights; tests check them
         try:
             family.check_folder(Path(config))
         except ValueError as err:  # the folder check names model.path; here the folder is model.config
@@ -91,7 +95,7 @@ def _convert(family: Any, file: Path, out_dir: Path, config: str | None) -> None
         raise ValueError(
             f"model.path: cannot load {file} as a single-file {family.facts.name!r} checkpoint "
             f"({type(exc).__name__}: {exc}). diffusers needs the pipeline's configs, which cannot be downloaded "
-            f"here; set model.config to a local diffusers folder of the same model (its configs and tokenizers "
+            f"here; set model.config to a shipped config name ({', '.join(SHIPPED_CONFIGS)}) or a local diffusers folder of the same model (its configs and tokenizers "
             f"are read, not its weights), or convert the checkpoint to a diffusers folder where a model hub is "
             f"reachable and point model.path at that folder") from exc
     pipe.save_pretrained(out_dir, safe_serialization=True)

@@ -1,0 +1,90 @@
+"""The weightless pipeline folders shipped in stages/families/configs/ (configs + tokenizers of the released model
+sizes), which let an original-layout single checkpoint file load offline without a local diffusers folder.
+
+A shipped folder describes one size of model; a file of another size (an SD2 checkpoint given as sd15, an inpainting
+UNet with 9 input channels, a pruned or custom-width model) would convert into garbage or fail deep in diffusers, so
+the file's shapes of a few telling tensors are compared first and a mismatch names model.config.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from schemas.model import SHIPPED_CONFIGS
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+UNET = "model.diffusion_model."
+
+# Original-layout tensor name -> shape in the released model: the UNet's first conv (latent channels), cross-attention
+# widths (the text encoder's width), the depth of the deepest transformer stack, and the text encoders' widths.
+SIGNATURES: dict[str, dict[str, tuple[int, ...]]] = {
+    "sd15": {
+        UNET + "input_blocks.0.0.weight": (320, 4, 3, 3),
+        UNET + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": (320, 768),
+        UNET + "middle_block.1.transformer_blocks.0.attn2.to_k.weight": (1280, 768),
+        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": (49408, 768),
+        "first_stage_model.encoder.conv_in.weight": (128, 3, 3, 3),
+    },
+    "sdxl": {
+        UNET + "input_blocks.0.0.weight": (320, 4, 3, 3),
+        UNET + "input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight": (640, 2048),
+        UNET + "input_blocks.7.1.transformer_blocks.9.attn2.to_k.weight": (1280, 2048),
+        UNET + "label_emb.0.0.weight": (1280, 2816),
+        "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight": (49408, 768),
+        "conditioner.embedders.1.model.token_embedding.weight": (49408, 1280),
+        "first_stage_model.encoder.conv_in.weight": (128, 3, 3, 3),
+    },
+}
+
+
+def shipped_dir(name: str) -> Path:
+    return CONFIGS_DIR / name
+
+
+def file_shapes(file: Path, keys: list[str]) -> dict[str, tuple[int, ...]] | None:
+    """Shapes of `keys` present in the checkpoint (None: unreadable). .safetensors reads only the header; a .ckpt is
+    memory-mapped, so neither reads the weights."""
+    try:
+        if file.suffix.lower() == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                names = set(f.keys())
+                return {k: tuple(f.get_slice(k).get_shape()) for k in keys if k in names}
+        import torch
+
+        sd = torch.load(str(file), map_location="cpu", mmap=True, weights_only=True)
+        sd = sd.get("state_dict", sd) if isinstance(sd, dict) else {}
+        return {k: tuple(sd[k].shape) for k in keys if k in sd and hasattr(sd[k], "shape")}
+    except Exception:  # the caller reports an unreadable file with the way out
+        return None
+
+
+def misfits(file: Path, name: str) -> list[str]:
+    """How `file` differs from shipped config `name` ([] = it fits, or it cannot be read: the conversion then
+    reports the unreadable file with the way out)."""
+    want = SIGNATURES[name]
+    got = file_shapes(file, list(want))
+    if got is None:
+        return []
+    return [f"{k} is {'missing' if k not in got else list(got[k])} (the shipped {name} has {list(v)})"
+            for k, v in want.items() if got.get(k) != v]
+
+
+def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[str | None, bool]:
+    """(the model.config folder to convert `file` with, whether it is a shipped one). A shipped name, or null for a
+    family that has a shipped folder, must fit the file's shapes; null for another family keeps diffusers' own lookup
+    (its Hugging Face cache)."""
+    if config is None and family_name not in SIGNATURES:
+        return None, False
+    if config is not None and config not in SHIPPED_CONFIGS:
+        return config, False
+    name = config or family_name
+    problems = misfits(file, name)
+    if problems:
+        which = (f"model.config: {name} (the shipped config of the released {name} model)" if config else
+                 f"model.config: null uses the shipped {name} config (the released {name} model), which")
+        raise ValueError(
+            f"{which} does not fit model.path {file}: " + "; ".join(problems[:3]) + ". Set model.config to a local "
+            f"diffusers folder of this model (its configs and tokenizers are read, not its weights), or check "
+            f"model.family and model.path")
+    return str(shipped_dir(name)), True
