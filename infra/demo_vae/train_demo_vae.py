@@ -125,7 +125,9 @@ def train(steps: int, batch_size: int, lr: float, log_every: int) -> tuple[torch
     # Scaling factor as SD defines it: 1 / std of the latents; rounded so facts and file can agree exactly.
     scale = round(1.0 / mean.std().item(), 4)
     info = {"scaling_factor": scale, "demo_mse": round(mse, 6), "steps": steps, "batch_size": batch_size,
-            "lr": lr, "seed": SEED, "torch": torch.__version__, "seconds": round(time.monotonic() - start)}
+            "lr": lr, "seed": SEED, "torch": torch.__version__}
+    # Printed, not stored: the file must not depend on how long the run took.
+    print(f"trained in {time.monotonic() - start:.0f}s", flush=True)
     return vae, info
 
 
@@ -144,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in vae.state_dict().items()}
-    save_file(state, str(args.out), metadata={k: str(v) for k, v in info.items()})
+    # One metadata entry holding sorted JSON: safetensors writes several entries in no fixed order, which would make
+    # two identical trainings differ in bytes.
+    save_file(state, str(args.out), metadata={"demo_vae": json.dumps(info, sort_keys=True)})
     print(json.dumps(info), f"-> {args.out} ({args.out.stat().st_size} bytes)")
 
 

@@ -7,6 +7,7 @@ the text encoder and UNet stay random-init.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -21,8 +22,8 @@ POSTERIOR_LOGVAR = -12.0
 DEMO_VAE_FILE = Path(__file__).resolve().parent / "assets" / "demo_vae.safetensors"
 
 
-def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(state dict, metadata) of the shipped demo VAE."""
+def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, facts the pretraining script recorded: scaling_factor, steps, ...) of the shipped demo VAE."""
     from safetensors import safe_open
 
     if not DEMO_VAE_FILE.is_file():
@@ -30,7 +31,7 @@ def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                                 f"reinstall tuneline, or regenerate them with "
                                 f"`python infra/demo_vae/train_demo_vae.py` from a checkout")
     with safe_open(str(DEMO_VAE_FILE), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads((f.metadata() or {}).get("demo_vae", "{}"))
 
 
 class TinyFamily(SD15Family):

@@ -74,3 +74,18 @@ def test_dominant_color_is_the_shapes_palette_color():
 def test_color_accuracy_counts_prompted_colors():
     images = [_shape_on_grey(RGB["red"]), _shape_on_grey(RGB["blue"]), Image.new("RGB", (8, 8), (90, 90, 90))]
     assert color_accuracy(images, ["red", "red", "green"]) == 1 / 3
+
+
+def test_pretraining_script_is_byte_reproducible(tmp_path):
+    """Two short runs of the script give identical files (what makes the shipped weights reproducible)."""
+    import subprocess
+    import sys
+
+    outs = [tmp_path / f"vae{i}.safetensors" for i in range(2)]
+    for out in outs:
+        done = subprocess.run([sys.executable, str(ROOT / "infra" / "demo_vae" / "train_demo_vae.py"), "--steps", "3",
+                               "--out", str(out)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    _, info = demo_vae_weights()
+    assert info["steps"] >= 1000 and info["demo_mse"] < 0.02  # the shipped file is a full run, not a short one
