@@ -1,8 +1,9 @@
 """The demo's learning check: do samples for class c land nearest to class c's mean cached latent?
 
 Distances are Euclidean over whole latents in the denoiser's (scaled) space, against the class means of the
-cached latents of the same shape as the samples (the square bucket). Whole latents, not channel means: the tiny
-random-init VAE barely separates colors in its channel means, but does in the spatial pattern.
+cached latents of the same shape as the samples (the square bucket). Whole latents, not channel means: a tiny VAE
+need not separate colors in its channel means, but does in the spatial pattern. The same samples, decoded, feed
+the pixel-space check (colors.py).
 """
 from __future__ import annotations
 
