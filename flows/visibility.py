@@ -20,7 +20,8 @@ from schemas.config import PipelineConfig
 from stages.common.lineage import Version
 
 FACTS = ("accepted", "rejected", "count", "encoded", "reused", "resumed", "step", "world_size", "mode",
-         "class_separation_accuracy", "untrained_class_separation_accuracy")
+         "class_separation_accuracy", "untrained_class_separation_accuracy", "color_accuracy",
+         "untrained_color_accuracy")
 PLOT_WIDTH, PLOT_HEIGHT = 60, 10
 THUMB_SIDE, THUMB_BYTES = 768, 150_000  # an artifact is stored in Prefect's database: keep each image small
 

@@ -37,10 +37,10 @@ class FamilyFacts:
         return self.vae_factor * self.patch_size
 
 
-# Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values (tiny: calibrated for its random-init VAE,
+# Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values (tiny: measured on its pretrained demo VAE,
 # see stages/families/tiny.py); a real model's own VAE config wins at run time.
 FAMILY_FACTS: dict[str, FamilyFacts] = {
-    "tiny": FamilyFacts("tiny", 8, 1, 4, 5.38, 0.0, "epsilon", 16, max_length_limit=16, tiny_revision="2"),
+    "tiny": FamilyFacts("tiny", 8, 1, 4, 0.6722, 0.0, "epsilon", 16, max_length_limit=16, tiny_revision="3"),
     "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77, max_length_limit=77),
     "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77, max_length_limit=77,
                         pipeline="StableDiffusionXLPipeline", text_encoders=("text_encoder", "text_encoder_2"),

@@ -22,7 +22,8 @@ class ValidateConfig(Strict):
     aspect: float = Field(1.0, gt=0, description="width/height of rendered images")
     steps: int = Field(20, ge=1, description="sampler steps")
     guidance_scale: float = Field(4.0, ge=0)
-    learning_check: bool = Field(False, description="demo only: measure class separation in latent space")
+    learning_check: bool = Field(False, description="demo only: measure class separation in latent space and "
+                                 "whether renders show the prompted color")
     check_seeds: int = Field(4, ge=1, description="seeds per class for the learning check")
     check_steps: int = Field(10, ge=1, description="sampler steps for the learning check (it compares latent "
                              "channel means, which settle in fewer steps than a picture)")
@@ -44,3 +45,6 @@ class ValidateManifest(Manifest):
     grid: str
     class_separation_accuracy: float | None = None
     untrained_class_separation_accuracy: float | None = None
+    # The demo's pixel-space check: share of check renders whose dominant non-background color is the prompted one.
+    color_accuracy: float | None = None
+    untrained_color_accuracy: float | None = None

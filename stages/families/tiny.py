@@ -1,10 +1,14 @@
 """The demo's family: SD1.5's architecture at a size that trains in seconds on a CPU.
 
-Only the facts (16-token captions, the VAE's scaling factor), the tiny configs and a calibrated VAE differ from
-sd15; every behaviour is SD15Family's.
+Only the facts (16-token captions, the VAE's scaling factor), the tiny configs and a pretrained VAE differ from
+sd15; every behaviour is SD15Family's. The VAE's weights ship in the package (assets/demo_vae.safetensors, made by
+infra/demo_vae/train_demo_vae.py on the demo's shape domain), so demo renders show the prompted colors and shapes;
+the text encoder and UNet stay random-init.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -12,8 +16,22 @@ import torch
 from schemas.families import FAMILY_FACTS, FamilyFacts
 from stages.families.sd15 import SD15Family, tiny_vae
 
-# log-variance of the calibrated posterior: std e^-6, so sampled latents carry the image, not the VAE's noise.
+# log-variance of the posterior: std e^-6, so sampled latents carry the image, not the VAE's noise (a trained SD
+# VAE's posterior is as narrow). The pretraining script pins it too; set again here so the rule lives in one place.
 POSTERIOR_LOGVAR = -12.0
+DEMO_VAE_FILE = Path(__file__).resolve().parent / "assets" / "demo_vae.safetensors"
+
+
+def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, facts the pretraining script recorded: scaling_factor, steps, ...) of the shipped demo VAE."""
+    from safetensors import safe_open
+
+    if not DEMO_VAE_FILE.is_file():
+        raise FileNotFoundError(f"{DEMO_VAE_FILE}: the demo VAE's weights are missing from the installed package; "
+                                f"reinstall tuneline, or regenerate them with "
+                                f"`python infra/demo_vae/train_demo_vae.py` from a checkout")
+    with safe_open(str(DEMO_VAE_FILE), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads((f.metadata() or {}).get("demo_vae", "{}"))
 
 
 class TinyFamily(SD15Family):
@@ -22,11 +40,13 @@ class TinyFamily(SD15Family):
     tiny_text_length: ClassVar[int] = FAMILY_FACTS["tiny"].max_length
 
     def tiny_vae(self):
-        """A random-init VAE calibrated the way a trained one is: a near-deterministic posterior, and (in the
-        facts) the scaling factor that gives the demo's latent means unit std (measured: 1 / 0.186). With SD's
-        0.18215 and a random posterior the latents' std is ~0.03 and the sampling noise 5x the image signal:
-        diffusion training on that cannot learn the demo's classes in its budget."""
+        """The pretrained demo VAE. Its scaling factor (1 / std of the demo's latent means, measured by the
+        pretraining script) goes into the VAE config, which wins at run time; the facts carry the same number
+        (tests/unit/test_demo_vae.py checks they agree)."""
+        state, meta = demo_vae_weights()
         vae = tiny_vae(4, self.facts)
+        vae.load_state_dict(state, strict=True)
+        vae.register_to_config(scaling_factor=float(meta.get("scaling_factor", self.facts.scaling_factor)))
         c = vae.config.latent_channels
         with torch.no_grad():
             vae.quant_conv.weight[c:] = 0

@@ -7,7 +7,8 @@ from schemas.demo import DEMO_COLORS
 from schemas.validate import RenderedImage
 from stages.common import models
 from stages.text import effective_max_length
-from stages.validate.learning import class_means, learning_check
+from stages.validate.colors import color_accuracy
+from stages.validate.learning import class_means, render_check, separation
 from stages.validate.render import Renderer, Sample, grid, render_size_for
 
 
@@ -47,7 +48,8 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
 
 
 def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
-    """The demo's class-separation accuracy for the trained and the untrained model, same seeds and settings."""
+    """The demo's learning checks for the trained and the untrained model, same seeds and settings: class
+    separation of the sampled latents, and the prompted color's share of the decoded images (colors.py)."""
     cfg, lat = ctx.cfg, upstream["latents"]
     width, height = render_size_for(cfg, aspect=1.0)
     shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
@@ -57,17 +59,23 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
     except ValueError as err:
         ctx.log.warning("learning check skipped: %s", err)
         return {}
-    trained_acc = learning_check(trained, means, cfg, (width, height))
-    if trained_acc is None:
-        ctx.log.warning("learning check skipped: the %s pipeline's latents are not (C, H, W) like the cache",
-                        cfg.model.family)
-        return {}
-    ctx.reporter.progress("validate-progress", 0.75, "learning check: trained model done")
-    base = load_renderer(ctx, models.model_dir(ctx))
-    facts = {"class_separation_accuracy": trained_acc,
-             "untrained_class_separation_accuracy": learning_check(base, means, cfg, (width, height))}
-    ctx.log.info("learning check: trained %.2f, untrained %.2f", facts["class_separation_accuracy"],
-                 facts["untrained_class_separation_accuracy"])
+    facts = {}
+    for prefix, renderer in (("", trained), ("untrained_", None)):
+        renderer = renderer or load_renderer(ctx, models.model_dir(ctx))
+        colors, latents = render_check(renderer, cfg, (width, height))
+        keep = [i for i, c in enumerate(colors) if c in means]
+        acc = separation(latents[keep], [colors[i] for i in keep], means)
+        if acc is None:
+            ctx.log.warning("learning check skipped: the %s pipeline's latents are not (C, H, W) like the cache",
+                            cfg.model.family)
+            return {}
+        facts[f"{prefix}class_separation_accuracy"] = acc
+        facts[f"{prefix}color_accuracy"] = color_accuracy(renderer.decode(latents), colors)
+        ctx.reporter.progress("validate-progress", 0.75 if not prefix else 0.95,
+                              f"learning check: {'trained' if not prefix else 'untrained'} model done")
+    ctx.log.info("learning check: class separation trained %.2f, untrained %.2f; color accuracy trained %.2f, "
+                 "untrained %.2f", facts["class_separation_accuracy"], facts["untrained_class_separation_accuracy"],
+                 facts["color_accuracy"], facts["untrained_color_accuracy"])
     return facts
 
 
@@ -100,5 +108,7 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
             f"{link(train.loss_curve, models.artifact_dir(ctx, train))}")
     if "class_separation_accuracy" in facts:
         text += (f"\n\nLearning check: class separation accuracy {facts['class_separation_accuracy']:.2f} trained, "
-                 f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f})")
+                 f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f}); "
+                 f"prompted color rendered {facts['color_accuracy']:.2f} trained, "
+                 f"{facts['untrained_color_accuracy']:.2f} untrained")
     ctx.reporter.markdown("validate-images", text, "validation images")

@@ -1,8 +1,9 @@
 """The demo's learning check: do samples for class c land nearest to class c's mean cached latent?
 
 Distances are Euclidean over whole latents in the denoiser's (scaled) space, against the class means of the
-cached latents of the same shape as the samples (the square bucket). Whole latents, not channel means: the tiny
-random-init VAE barely separates colors in its channel means, but does in the spatial pattern.
+cached latents of the same shape as the samples (the square bucket). Whole latents, not channel means: a tiny VAE
+need not separate colors in its channel means, but does in the spatial pattern. The same samples, decoded, feed
+the pixel-space check (colors.py).
 """
 from __future__ import annotations
 
@@ -44,18 +45,36 @@ def class_means(latents_dir: Path, manifest: LatentsManifest, scan_dir: Path,
     return {c: np.mean(v, axis=0) for c, v in found.items()}
 
 
-def learning_check(renderer: Renderer, means: dict[str, np.ndarray], cfg, size: tuple[int, int]) -> float | None:
-    """Fraction of (class, seed) samples whose nearest class mean is their own class (all in one batched call).
-    None when the pipeline's latent output is not (C, H, W) like the cache (packed-token families)."""
+def check_samples(cfg) -> tuple[list[str], list[Sample]]:
+    """The check's (prompted color, sample) pairs: every demo color x check_seeds seeds, shapes alternating."""
+    colors = [c for c in DEMO_COLORS for _ in range(cfg.validate_.check_seeds)]
+    samples = [Sample(f"a {c} {DEMO_SHAPES[i % len(DEMO_SHAPES)]}", "", CHECK_SEED + i)
+               for c, i in zip(colors, list(range(cfg.validate_.check_seeds)) * len(DEMO_COLORS))]
+    return colors, samples
+
+
+def render_check(renderer: Renderer, cfg, size: tuple[int, int]) -> tuple[list[str], torch.Tensor]:
+    """(prompted colors, denoiser-space latents) of the check's samples, in one batched render."""
+    colors, samples = check_samples(cfg)
+    v = cfg.validate_
+    latents = renderer.render(samples, *size, v.check_steps, v.guidance_scale, output_type="latent")
+    return colors, torch.stack([torch.as_tensor(t) for t in latents]).float().cpu()
+
+
+def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.ndarray]) -> float | None:
+    """Fraction of samples whose nearest class mean is their own class. None when the latents are not (C, H, W)
+    like the cache (packed-token families)."""
     names = sorted(means)
     centers = np.stack([means[n] for n in names])
-    v = cfg.validate_
-    wanted = [(c, i) for c in names for i in range(v.check_seeds)]
-    samples = [Sample(f"a {c} {DEMO_SHAPES[i % len(DEMO_SHAPES)]}", "", CHECK_SEED + i) for c, i in wanted]
-    latents = renderer.render(samples, *size, v.check_steps, v.guidance_scale, output_type="latent")
-    x = torch.stack([torch.as_tensor(t) for t in latents]).float().cpu()
-    if tuple(x.shape[1:]) != centers.shape[1:]:
+    if tuple(latents.shape[1:]) != centers.shape[1:]:
         return None
-    dist = ((centers.reshape(len(names), -1)[None] - x.flatten(1).numpy()[:, None]) ** 2).sum(axis=2)
-    hits = sum(names[int(n)] == c for n, (c, _) in zip(dist.argmin(axis=1), wanted))
-    return hits / max(1, len(wanted))
+    dist = ((centers.reshape(len(names), -1)[None] - latents.flatten(1).numpy()[:, None]) ** 2).sum(axis=2)
+    hits = sum(names[int(n)] == c for n, c in zip(dist.argmin(axis=1), colors))
+    return hits / max(1, len(colors))
+
+
+def learning_check(renderer: Renderer, means: dict[str, np.ndarray], cfg, size: tuple[int, int]) -> float | None:
+    """Class-separation accuracy of freshly rendered check samples (classes without a mean are not sampled)."""
+    colors, latents = render_check(renderer, cfg, size)
+    keep = [i for i, c in enumerate(colors) if c in means]
+    return separation(latents[keep], [colors[i] for i in keep], means)

@@ -70,6 +70,16 @@ class Renderer:
                     out[i] = result
         return out
 
+    def decode(self, latents: torch.Tensor) -> list[Image.Image]:
+        """PIL images of denoiser-space (C, H, W) latents, decoded as the pipeline's own last step does (so a check
+        can look at the pixels of latents it already rendered instead of sampling them again)."""
+        vae = self.pipe.vae
+        scale, shift = self.fam.vae_factors(vae)
+        param = next(vae.parameters())
+        with torch.no_grad():
+            pixels = vae.decode(latents.to(param.device, param.dtype) / scale + shift, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(pixels.float(), output_type="pil")
+
     def _call(self, batch: list[Sample], width: int, height: int, steps: int, guidance: float,
               output_type: str) -> list:
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()

@@ -55,6 +55,11 @@ def test_demo_learns(demo_run):
     vm = json.loads((Path(_status(demo_run["workdir"])["validate"]["path"]) / "manifest.json").read_text())
     assert vm["class_separation_accuracy"] >= 0.9
     assert vm["untrained_class_separation_accuracy"] <= 0.5
+    # In pixels: the trained model's renders show the prompted color (the pretrained demo VAE decodes them);
+    # the untrained base's do not beyond chance.
+    assert vm["color_accuracy"] >= 0.9, vm
+    assert vm["untrained_color_accuracy"] < vm["color_accuracy"]
+    assert vm["untrained_color_accuracy"] <= 0.5, vm
 
 
 def test_trained_pipeline_loads_with_stock_diffusers(demo_run):

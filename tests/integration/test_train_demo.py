@@ -39,6 +39,7 @@ def test_learning_check_separates_the_classes(demo):
     m = _manifest(paths["validate"])
     assert m["class_separation_accuracy"] >= 0.9, m
     assert m["untrained_class_separation_accuracy"] <= 0.5, m
+    assert m["color_accuracy"] >= 0.9 and m["untrained_color_accuracy"] < m["color_accuracy"], m
 
 
 def test_train_artifact_layout(demo):

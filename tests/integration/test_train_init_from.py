@@ -7,9 +7,11 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
+from schemas.families import FAMILY_FACTS
 from schemas.train import TrainManifest
 from stages.common import gc
 from stages.common.stage import StageContext, status
+from stages.families.folders import tiny_dir
 from stages.pipeline import PIPELINE
 from tests.integration.test_train_support import build_upstream, small_config, train
 
@@ -39,7 +41,7 @@ def test_init_from_previous_continues_the_last_model_on_new_data(tmp_path):
     m2 = StageContext(cfg2).store.read(second, TrainManifest)
     assert m2.initialized_from == m1.fingerprint
     after, before = _unet(second / "final"), _unet(first / "final")
-    base = _unet(StageContext(cfg).workdir / "models" / "tiny-tiny-r2")
+    base = _unet(tiny_dir(FAMILY_FACTS["tiny"], StageContext(cfg).workdir / "models"))
     name = next(k for k in after if not torch.equal(before[k], base[k]))
     torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6)
 

@@ -1,5 +1,6 @@
 """The renderer: batched calls equal one call per sample, order and negative prompts kept, a live denoiser swapped
-in; the learning check's nearest-mean rule; the loss-curve PNG; render sizes in pixel and area units."""
+in, latents decoded as the pipeline does; the learning check's nearest-mean rule; the loss-curve PNG; render
+sizes in pixel and area units."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,6 +48,16 @@ def test_live_denoiser_swap_renders_like_the_folder(renderer):
     with torch.no_grad():
         next(live.parameters()).add_(1.0)
     assert not torch.allclose(_latents(swapped, samples), _latents(r, samples))
+
+
+def test_decode_of_rendered_latents_equals_the_pipelines_images(renderer):
+    r, _ = renderer
+    samples = [Sample("a red square", "", 3), Sample("a blue circle", "", 4)]
+    pil = r.render(samples, 64, 64, 2, 4.0)
+    decoded = r.decode(_latents(r, samples))
+    for a, b in zip(pil, decoded):
+        assert a.size == b.size == (64, 64)
+        assert np.abs(np.asarray(a, np.int16) - np.asarray(b, np.int16)).max() <= 1
 
 
 def test_learning_check_counts_nearest_class_means(renderer, monkeypatch):
