@@ -85,6 +85,6 @@ def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[st
                  f"model.config: null uses the shipped {name} config (the released {name} model), which")
         raise ValueError(
             f"{which} does not fit model.path {file}: " + "; ".join(problems[:3]) + ". Set model.config to a local "
-            f"diffusers folder of this model (its configs and tokenizers are read, not its weights), or check "
+            "diffusers folder of this model (its configs and tokenizers are read, not its weights), or check "
             f"model.family and model.path")
     return str(shipped_dir(name)), True
