@@ -86,5 +86,5 @@ def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[st
         raise ValueError(
             f"{which} does not fit model.path {file}: " + "; ".join(problems[:3]) + ". Set model.config to a local "
             "diffusers folder of this model (its configs and tokenizers are read, not its weights), or check "
-            f"model.family and model.path")
+            "model.family and model.path")
     return str(shipped_dir(name)), True
