@@ -27,7 +27,8 @@ def summary_lines(runs: dict[str, dict]) -> list[str]:
              for name, r in runs.items()]
     train = _manifest(runs.get("train"))
     if train.get("losses"):
-        lines.append(f"final loss: {train['losses'][-1]:.4f} (after {len(train['losses'])} steps)")
+        # `losses` is averaged down to at most 500 points; the step count is the manifest's own.
+        lines.append(f"final loss: {train['losses'][-1]:.4f} (after {train.get('step', len(train['losses']))} steps)")
     validate = _manifest(runs.get("validate"))
     figures = [f"{k} {validate[k]}" for k in LEARNING if validate.get(k) is not None]
     if figures:

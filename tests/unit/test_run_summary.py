@@ -14,13 +14,13 @@ def test_summary_names_built_reused_loss_learning_and_paths(tmp_path):
 
     def build_train():
         train.mkdir(parents=True)
-        (train / "manifest.json").write_text(json.dumps({"losses": [0.9, 0.5, 0.25]}))
+        (train / "manifest.json").write_text(json.dumps({"losses": [0.9, 0.5, 0.25], "step": 1000}))
         return str(train)
 
     runs = {"train": timed_stage(build_train), "validate": timed_stage(lambda: str(validate))}
     assert runs["train"]["built"] and not runs["validate"]["built"]
     text = "\n".join(summary_lines(runs))
     assert "train     built" in text and "validate  reused" in text
-    assert "final loss: 0.2500 (after 3 steps)" in text
+    assert "final loss: 0.2500 (after 1000 steps)" in text  # the step count, not the averaged points
     assert "color_accuracy 0.95" in text and "class_separation_accuracy 1.0" in text
     assert f"grid: {validate / 'grid.png'}" in text and f"final weights: {train / 'final'}" in text
