@@ -22,7 +22,7 @@ WORDS: tuple[str, ...] = (
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's reversible byte → printable-character map (the byte-level alphabet of CLIP's BPE)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -63,7 +63,7 @@ def _merge(seq: list[str], pair: tuple[str, str]) -> list[str]:
 
 def write_clip_vocab(folder: Path) -> None:
     """vocab.json + merges.txt in CLIP's layout: bytes, bytes+</w>, merged symbols, then the two specials."""
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = list(bytes_to_unicode().values())
     vocab_list = alphabet + [c + "</w>" for c in alphabet]
     merges = learn_bpe_merges(WORDS)
     vocab_list += ["".join(m) for m in merges if "".join(m) not in vocab_list]

@@ -16,20 +16,10 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))  # run as a script from anywhere
+
+from stages.families.vocab import bytes_to_unicode  # noqa: E402  (openai's byte-level alphabet, shared)
 N_MERGES = 49152 - 256 - 2  # openai's simple_tokenizer: the merges the released CLIP models use
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """openai's byte -> printable unicode character table (byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def clip_bpe(gz: Path) -> tuple[dict[str, int], list[str]]:
