@@ -43,7 +43,7 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
 
             write_demo_dataset(config.resolve(config.dataset.path))
         path, built = run_stage(ctx, stage(name), PIPELINE)
-    if config.ops.remote:
+    if config.ops.remote and (path / "manifest.json").is_file():  # a non-publishing node has nothing to push
         _push(config, name, path)
     visibility.report_stage(reporter, config, name, path, built)
     return str(path)
