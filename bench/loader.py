@@ -5,12 +5,13 @@ memory-mapped array, on the same latents in one run.
 way (Zarr, mean + std in block chunks, through stages.latents.store), as one `torch.save`d `.pt` per image
 (SimpleTuner's layout), one `.npz` per image (kohya's layout), and as one contiguous memory-mapped array per
 bucket (the limit: no files to open, no chunks to decode). Each loader produces the same epoch of shuffled
-bucket batches of 16, as the training step receives them: float32 (B, C, h, w) on the training device (this
-CPU). Ours is the trainer's own call sequence (`LatentReader.batch`, then `sample` with eps drawn from a
-generator: latent = mean + std * eps), synchronous, as the training loop runs it; the others load their stored
-latent (the per-file layouts store one fixed draw) or, for the limit, mean and std with the same eps draw.
-Every loader runs synchronously in one thread. Rounds alternate between loaders; the best round of each counts
-(shared, noisy machine).
+bucket batches of 16 as the training step receives them: float32 (B, C, h, w) on the training device (the GPU
+when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, one
+thread, two batches ahead) reads each batch's mean and std (`LatentReader.batch` + `gather`, pinned for a GPU),
+and the step draws latent = mean + std * eps on the training device from the micro-batch's device generator
+(`stages.latents.reader.draw`). The others run synchronously: the per-file layouts load their stored latent (one
+fixed draw) and copy it to the device; the limit gathers mean and std from the memory-mapped arrays and draws the
+same eps on the device. Rounds alternate between loaders; the best round of each counts (shared, noisy machine).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
 from stages.common.jsonl import write_jsonl  # noqa: E402
 from stages.latents import store  # noqa: E402
-from stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
+from stages.common.prefetch import ahead  # noqa: E402
+from stages.latents.reader import LatentReader, draw, epoch_plan  # noqa: E402
 
 BUCKETS = {"512x512": (4, 64, 64), "448x576": (4, 72, 56), "576x448": (4, 56, 72), "640x384": (4, 48, 80)}
 PER_BUCKET = 1000
@@ -68,10 +71,26 @@ def write_files(root: Path, data: dict[str, np.ndarray]) -> None:
                      crop_ltrb=np.array([0, 0, 0, 0]))
 
 
-def run_ours(reader: LatentReader, plan) -> int:
-    """The trainer's path (stages.train.loop.Trainer.latents): batch, then sample with eps from a generator."""
-    gen = torch.Generator().manual_seed(0)
-    return sum(len(reader.sample(reader.batch(bucket, rows), gen)) for bucket, rows in plan)
+def run_ours(reader: LatentReader, plan, device: torch.device) -> int:
+    """The trainer's path (stages.train.loop.Trainer.feed, prepare, latents): the feed thread reads, the step
+    draws."""
+    pin = device.type == "cuda"
+
+    def read(bucket_rows):
+        mean, std = reader.gather(reader.batch(*bucket_rows))
+        return (mean.pin_memory(), std.pin_memory()) if pin else (mean, std)
+
+    n = 0
+    with closing(ahead(plan, read, depth=2, name="bench-feed")) as feed:
+        for i, (mean, std) in enumerate(feed):
+            n += len(draw(mean, std, torch.Generator(device).manual_seed(i)))
+    return finish(n, device)
+
+
+def finish(n: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies and draws queued on the GPU are part of the work
+    return n
 
 
 def write_mmap(root: Path, data: dict[str, np.ndarray]) -> dict[str, tuple[np.memmap, np.memmap]]:
@@ -89,32 +108,31 @@ def write_mmap(root: Path, data: dict[str, np.ndarray]) -> dict[str, tuple[np.me
     return out
 
 
-def run_mmap(arrays, plan) -> int:
-    """The limit: rows gathered from contiguous memory-mapped arrays, sampled the same way."""
-    gen = torch.Generator().manual_seed(0)
+def run_mmap(arrays, plan, device: torch.device) -> int:
+    """The limit: rows gathered from contiguous memory-mapped arrays, sampled the same way on the device."""
     n = 0
-    for bucket, rows in plan:
+    for i, (bucket, rows) in enumerate(plan):
         idx = np.sort(rows)
         mean, std = (torch.from_numpy(np.ascontiguousarray(a[idx])) for a in arrays[bucket])
-        eps = torch.randn(mean.shape, generator=gen)
-        n += len(eps.mul_(std).add_(mean))
-    return n
+        n += len(draw(mean, std, torch.Generator(device).manual_seed(i)))
+    return finish(n, device)
 
 
-def load_pt(root: Path, bucket: str, rows) -> torch.Tensor:
-    return torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt", weights_only=True) for r in rows]).float()
+def load_pt(root: Path, bucket: str, rows, device: torch.device) -> torch.Tensor:
+    batch = torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt", weights_only=True) for r in rows])
+    return batch.to(device).float()
 
 
-def load_npz(root: Path, bucket: str, rows) -> torch.Tensor:
+def load_npz(root: Path, bucket: str, rows, device: torch.device) -> torch.Tensor:
     arrays = []
     for r in rows:
         with np.load(root / "npz" / bucket / f"{r}.npz") as z:
             arrays.append(z["latents"])
-    return torch.from_numpy(np.stack(arrays)).float()
+    return torch.from_numpy(np.stack(arrays)).to(device).float()
 
 
-def run_files(load, root: Path, plan) -> int:
-    return sum(len(load(root, bucket, rows)) for bucket, rows in plan)
+def run_files(load, root: Path, plan, device: torch.device) -> int:
+    return finish(sum(len(load(root, bucket, rows, device)) for bucket, rows in plan), device)
 
 
 def main() -> None:
@@ -128,23 +146,25 @@ def main() -> None:
         write_files(tmp, data)
         mapped = write_mmap(tmp, data)
         plan = epoch_plan(reader.counts(), BATCH, 1, seed=0, epoch=0, block_rows=BLOCK_ROWS)
-        runs = {"ours": lambda: run_ours(reader, plan), "mmap": lambda: run_mmap(mapped, plan),
-                "pt": lambda: run_files(load_pt, tmp, plan), "npz": lambda: run_files(load_npz, tmp, plan)}
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        runs = {"ours": lambda: run_ours(reader, plan, dev), "mmap": lambda: run_mmap(mapped, plan, dev),
+                "pt": lambda: run_files(load_pt, tmp, plan, dev), "npz": lambda: run_files(load_npz, tmp, plan, dev)}
         best = dict.fromkeys(runs, 0.0)
         for _ in range(ROUNDS):
             for name, fn in runs.items():
                 t = time.perf_counter()
                 n = fn()
                 best[name] = max(best[name], n / (time.perf_counter() - t))
-        report(best)
+        report(best, dev)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def report(best: dict[str, float]) -> None:
+def report(best: dict[str, float], device: torch.device) -> None:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{PER_BUCKET * len(BUCKETS)} latents in {len(BUCKETS)} buckets (4x64x64 class, float16), batch {BATCH}, "
-          f"synchronous, best of {ROUNDS} rounds; samples/s of float32 batches as the training step gets them")
-    print(f"ours (LatentReader.batch + sample, eps drawn): {best['ours']:.0f}")
+          f"best of {ROUNDS} rounds; samples/s of float32 batches on the training device ({where})")
+    print(f"ours (the trainer's feed thread reading, eps drawn on the device): {best['ours']:.0f}")
     print(f"limit, memory-mapped contiguous mean + std, same eps draw: {best['mmap']:.0f}")
     print(f".pt per image (SimpleTuner): {best['pt']:.0f}")
     print(f".npz per image (kohya):      {best['npz']:.0f}")

@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -59,13 +60,15 @@ def caches(workdir: Path):
 
 
 def time_loop(trainer: Trainer, stream, steps: int) -> tuple[float, list[str]]:
-    """Seconds for `steps` optimizer steps of the real loop, and the buckets it used."""
+    """Seconds for `steps` optimizer steps of the real loop (its feed reading ahead in its thread, as the worker
+    runs it), and the buckets it used."""
     buckets = []
     start = time.perf_counter()
-    for _ in range(steps):
-        micro = [next(stream) for _ in range(trainer.t.grad_accumulation)]
-        buckets += [mb.bucket for mb in micro]
-        trainer.train_step(micro)
+    with closing(trainer.feed(stream)) as feed:
+        for _ in range(steps):
+            micro = [next(feed) for _ in range(trainer.t.grad_accumulation)]
+            buckets += [fed.mb.bucket for fed in micro]
+            trainer.train_step(micro)
     return time.perf_counter() - start, buckets
 
 

@@ -11,15 +11,15 @@ are permuted; buckets are interleaved at random but each keeps its own order. A 
 most 2 x WINDOW_BLOCKS blocks per bucket in memory.
 
 The cache may be a local version directory or a pushed version's fsspec URL (Remote.version_url, with
-Remote.options as storage_options): then every block read is one GET per array, and the prefetch threads keep
-several in flight. Verify a remote manifest with stages.common.remote.read_remote_manifest before reading.
+Remote.options as storage_options): then every block read is one GET per array, and the training feed's threads
+(stages.train.loop.Trainer.feed) keep several in flight. Verify a remote manifest with
+stages.common.remote.read_remote_manifest before reading.
 """
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,34 +183,10 @@ class LatentReader:
 
     def sample(self, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         """mean + std * eps, on the generator's device, with eps drawn from `generator`."""
-        return _draw(*self.gather(batch), generator)
-
-    def prefetch(self, batches: Iterable[Batch], seed: int, *, workers: int = 2, depth: int = 4,
-                 device: str | torch.device = "cpu") -> Iterator[tuple[Batch, torch.Tensor]]:
-        """(batch, latents on `device`) for each batch, read and sampled `depth` batches ahead by `workers` threads.
-
-        eps of the i-th batch comes from a generator on `device` seeded with (seed, i), so the result does not
-        depend on thread timing and a run resumed at batch i reproduces it; pass a seed that differs per epoch
-        and rank. Reads and torch ops release the GIL, so the threads overlap with each other and the caller.
-        """
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="latents-read")
-        pending: deque[Future] = deque()
-        try:
-            for i, b in enumerate(batches):
-                pending.append(pool.submit(self._sample_nth, b, seed, i, torch.device(device)))
-                if len(pending) >= depth:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _sample_nth(self, batch: Batch, seed: int, i: int, device: torch.device) -> tuple[Batch, torch.Tensor]:
-        state = np.random.SeedSequence([seed, i]).generate_state(1, np.uint64)[0]
-        return batch, self.sample(batch, torch.Generator(device).manual_seed(int(state) >> 1))
+        return draw(*self.gather(batch), generator)
 
 
-def _draw(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def draw(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """float32 mean + std * eps on the generator's device.
 
     In place on eps with the stored (float16) operands: no float32 copies of mean and std are made, which

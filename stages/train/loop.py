@@ -5,6 +5,7 @@ benchmark drives the same class in-process.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from schemas.scan import ImageRecord
 from stages.common.models import dtypes
+from stages.common.prefetch import ahead
 from stages.families.base import MicroCond
+from stages.latents import store
 from stages.latents.masks import read as read_mask
-from stages.latents.reader import LatentReader
+from stages.latents.reader import Batch, LatentReader, draw
 from stages.text.live import LiveText
 from stages.text.store import TextCache
 from stages.train import checkpoint as ckpt
@@ -49,6 +52,21 @@ class Data:
     def record(self, path: str, bucket: str) -> ImageRecord:
         """The record sized for this bucket: with buckets.resolutions an image has one per resolution."""
         return self.sized.get((path, bucket)) or self.records[path]
+
+
+@dataclass
+class Fed:
+    """One micro-batch as the feed prepares it ahead of its step: what the step reads, on the CPU (pinned when the
+    training device is a GPU), and the micro-batch's CPU generator after the feed's draws (flips, caption dropout,
+    variants), from which the step goes on to draw timesteps."""
+
+    mb: MicroBatch
+    index: int  # micro-batch index since the run's first step: seeds its generators
+    gen: torch.Generator
+    batch: Batch
+    mean: torch.Tensor  # stored dtype
+    std: torch.Tensor | None  # None with train.latent_sampling: mean
+    cond: dict[str, torch.Tensor]
 
 
 def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
@@ -91,28 +109,49 @@ class Trainer:
             if distributed else self.denoiser
 
     # ---- one step ----------------------------------------------------------------------------
-    def train_step(self, micro: list[MicroBatch]) -> float:
+    def feed(self, stream: Iterator[MicroBatch]) -> Iterator[Fed]:
+        """The micro-batches of `stream` prepared in a background thread, two optimizer steps' worth ahead, so the
+        cache reads overlap the steps. Indices count from this trainer's current step (a resumed run continues
+        them), so every draw is the one the uninterrupted run made."""
+        first = self.step * self.t.grad_accumulation
+        # A remote cache pays one round trip per array and block: more reads in flight hide it.
+        workers = 4 if store.is_url(self.data.reader.dir) else 1
+        return ahead(((first + i, mb) for i, mb in enumerate(stream)), lambda item: self.prepare(*item),
+                     workers=workers, depth=2 * self.t.grad_accumulation, name="train-feed")
+
+    def prepare(self, index: int, mb: MicroBatch) -> Fed:
+        """Everything micro-batch `index` reads, drawn and read as the step would (thread-safe: it only reads)."""
+        gen = torch.Generator().manual_seed(step_seed(self.t.seed, self.rank, index))
+        batch = self.data.reader.batch(mb.bucket, mb.rows, self.flips(len(mb.rows), gen))
+        mean, std = self.data.reader.gather(batch)
+        if self.t.latent_sampling == "mean":
+            std = None
+        cond = self.conditioning(batch.paths, gen)
+        if self.device.type == "cuda":  # pinned: the step's copies to the GPU run asynchronously
+            mean, std = mean.pin_memory(), None if std is None else std.pin_memory()
+            cond = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in cond.items()}
+        return Fed(mb, index, gen, batch, mean, std, cond)
+
+    def train_step(self, micro: list[Fed]) -> float:
         """Accumulate gradients over `micro`, check every rank's loss, step. Returns the mean loss."""
         last = len(micro) - 1
-        local = [self.micro_step(mb, self.step * len(micro) + m, sync=m == last) for m, mb in enumerate(micro)]
+        local = [self.micro_step(fed, sync=m == last) for m, fed in enumerate(micro)]
         losses = self.gather(torch.stack(local))
         if not torch.isfinite(losses).all():
-            raise NonFiniteLoss(self.describe_nonfinite(losses, micro))
+            raise NonFiniteLoss(self.describe_nonfinite(losses, [fed.mb for fed in micro]))
         self.optimizer_step()
-        self.position = micro[-1].after
+        self.position = micro[-1].mb.after
         self.losses.append(float(losses.mean()))
         return self.losses[-1]
 
-    def micro_step(self, mb: MicroBatch, micro_index: int, sync: bool) -> torch.Tensor:
-        t, data = self.t, self.data
-        seed = step_seed(t.seed, self.rank, micro_index)
-        gen = torch.Generator().manual_seed(seed)  # per-sample choices: flips, captions, timesteps
+    def micro_step(self, fed: Fed, sync: bool) -> torch.Tensor:
+        t, data, mb, batch, gen = self.t, self.data, fed.mb, fed.batch, fed.gen
         # Tensor-sized draws (latent eps, diffusion noise) on the training device, from its own generator.
-        dev = torch.Generator(self.device).manual_seed(device_seed(t.seed, self.rank, micro_index))
-        torch.manual_seed(seed)  # dropout layers, if the denoiser has any
-        batch = data.reader.batch(mb.bucket, mb.rows, self.flips(len(mb.rows), gen))
-        x0 = scale_latents(self.latents(batch, dev), data.scaling, data.shift)
-        cond = self.conditioning(batch.paths, gen)
+        dev = torch.Generator(self.device).manual_seed(device_seed(t.seed, self.rank, fed.index))
+        torch.manual_seed(step_seed(t.seed, self.rank, fed.index))  # dropout layers, if the denoiser has any
+        x0 = scale_latents(self.latents(fed, dev), data.scaling, data.shift)
+        cond = {k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype, non_blocking=True)
+                for k, v in fed.cond.items()}
         noise = offset_noise(torch.randn(x0.shape, generator=dev, device=self.device), t.noise_offset, dev)
         nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas,
                               patch=self.fam.facts.patch_size)
@@ -138,21 +177,21 @@ class Trainer:
             return None
         return (torch.rand(n, generator=gen) < 0.5).tolist()
 
-    def latents(self, batch, gen: torch.Generator) -> torch.Tensor:
-        """The batch's latents in float32 on `gen`'s device (the training device)."""
-        if self.t.latent_sampling == "mean":
-            return self.data.reader.gather(batch)[0].to(gen.device).float()
-        return self.data.reader.sample(batch, gen)
+    def latents(self, fed: Fed, gen: torch.Generator) -> torch.Tensor:
+        """The batch's latents in float32 on `gen`'s device (the training device): the mean, or a draw
+        mean + std * eps with eps from `gen`."""
+        if fed.std is None:
+            return fed.mean.to(gen.device, non_blocking=True).float()
+        return draw(fed.mean, fed.std, gen)
 
     def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """Text tensors for the batch's captions, each sample a random one of the cached variants (tag shuffles);
-        caption dropout reads the cached empty caption."""
+        """Text tensors for the batch's captions (as the text source holds them), each sample a random one of the
+        cached variants (tag shuffles); caption dropout reads the cached empty caption."""
         captions = [self.data.records[p].caption for p in paths]
         drop = torch.rand(len(captions), generator=gen) < self.t.caption_dropout
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
         variants = torch.randint(0, self.data.text.variants, (len(captions),), generator=gen).tolist()
-        return {k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype)
-                for k, v in self.data.text.get(captions, variants).items()}
+        return self.data.text.get(captions, variants)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """(world, micro-batches) losses, identical on every rank, so all ranks agree on stopping."""

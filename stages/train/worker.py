@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -117,25 +118,26 @@ def fit(run: Run) -> Trainer:
     rows = run.data.rows
     held = rows.held_rows()
     evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
-    stream = micro_batches(rows.epoch_plans(run.world), t.batch_size, run.rank, trainer.position)
-    signals = StopSignals(t.checkpoint_minutes)
-    while trainer.step < t.steps:
-        micro = [next(stream) for _ in range(t.grad_accumulation)]
-        hooks.before_step(micro)
-        trainer.train_step(micro)
-        hooks.after_step()
-        if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
-            run.eval_losses.append(evaluator.evaluate())
-            print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
-        stop, save = signals.poll()
-        if save and hooks.last_checkpoint != trainer.step:
-            hooks.checkpoint()
-        if hooks.last_checkpoint == trainer.step:
-            signals.checkpointed()
-        if stop:
-            raise Interrupted(f"training was stopped (SIGTERM) at step {trainer.step} of {t.steps} after writing "
-                              f"checkpoint step-{trainer.step:07d}; run the stage again to continue from it "
-                              f"(train.resume: auto)")
+    feed = trainer.feed(micro_batches(rows.epoch_plans(run.world), t.batch_size, run.rank, trainer.position))
+    with closing(feed):  # the feed's thread stops with the loop, however it ends
+        signals = StopSignals(t.checkpoint_minutes)
+        while trainer.step < t.steps:
+            micro = [next(feed) for _ in range(t.grad_accumulation)]
+            hooks.before_step([fed.mb for fed in micro])
+            trainer.train_step(micro)
+            hooks.after_step()
+            if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
+                run.eval_losses.append(evaluator.evaluate())
+                print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
+            stop, save = signals.poll()
+            if save and hooks.last_checkpoint != trainer.step:
+                hooks.checkpoint()
+            if hooks.last_checkpoint == trainer.step:
+                signals.checkpointed()
+            if stop:
+                raise Interrupted(f"training was stopped (SIGTERM) at step {trainer.step} of {t.steps} after "
+                                  f"writing checkpoint step-{trainer.step:07d}; run the stage again to continue "
+                                  f"from it (train.resume: auto)")
     return trainer
 
 

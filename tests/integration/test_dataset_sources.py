@@ -100,5 +100,5 @@ def test_regularization_loss_is_weighted_by_its_source(built):
         data = Data(reader, open_text(txt, paths["text"], fam, model_dir, torch.device("cpu"), torch.float32),
                     records, lat.scaling_factor, lat.shift_factor, rows=RowPlan(reader, cfg.train, srcs))
         trainer = Trainer(cfg, fam, model_dir, data, 0, 1, torch.device("cpu"))
-        losses.append(float(trainer.micro_step(MicroBatch(bucket, reg, reg, Position()), 0, True)))
+        losses.append(float(trainer.micro_step(trainer.prepare(0, MicroBatch(bucket, reg, reg, Position())), True)))
     assert losses[1] == pytest.approx(0.5 * losses[0], rel=1e-5) and losses[0] > 0

@@ -31,10 +31,12 @@ def test_both_resolutions_are_cached_and_trained(tmp_path):
     epoch = reader.plan(t.batch_size, 1, t.seed, 0)
     stream = micro_batches(lambda e: reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0)
     shapes = set()
+    feed = trainer.feed(stream)
     for _ in range(len(epoch)):
-        mb = next(stream)
-        shapes.add(reader.shapes[mb.bucket][1:])
-        assert torch.isfinite(torch.tensor(trainer.train_step([mb])))
+        fed = next(feed)
+        shapes.add(reader.shapes[fed.mb.bucket][1:])
+        assert torch.isfinite(torch.tensor(trainer.train_step([fed])))
+    feed.close()
     assert len({min(s) for s in shapes}) == 2  # latents of both resolutions went through a training step
 
 

@@ -11,6 +11,7 @@ from zarr.storage import FsspecStore
 
 from schemas.latents import LatentsManifest
 from stages.common.artifacts import ArtifactStore
+from stages.common.prefetch import ahead
 from stages.common.remote import Remote, RemoteError, read_remote_manifest
 from stages.latents import store
 from stages.latents.reader import LatentReader, ReaderError
@@ -33,9 +34,11 @@ def _publish_and_push(workdir: Path, endpoint: str, prefix: str) -> tuple[Remote
 
 
 def _epoch(reader: LatentReader) -> list[torch.Tensor]:
-    """One epoch's latents, every other row of a batch flipped, sampled by the prefetch threads."""
+    """One epoch's latents, every other row of a batch flipped, read by two threads as the training feed reads a
+    remote cache (several GETs in flight)."""
     batches = [reader.batch(b, rows, flip=np.arange(len(rows)) % 2 == 1) for b, rows in reader.plan(3, 2, 11, 0)]
-    return [x for _, x in reader.prefetch(batches, seed=5, workers=2, depth=3)]
+    return list(ahead(enumerate(batches), lambda ib: reader.sample(ib[1], torch.Generator().manual_seed(ib[0])),
+                      workers=2, depth=3))
 
 
 def test_reader_on_the_s3_url_samples_what_the_local_reader_samples(tmp_path, s3):  # noqa: F811

@@ -40,8 +40,10 @@ def _steps(trainer: Trainer, n: int) -> None:
     t = trainer.t
     stream = micro_batches(lambda e: trainer.data.reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0,
                            trainer.position)
+    feed = trainer.feed(stream)
     for _ in range(n):
-        trainer.train_step([next(stream)])
+        trainer.train_step([next(feed)])
+    feed.close()
 
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])

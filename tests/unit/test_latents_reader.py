@@ -116,20 +116,6 @@ def test_reader_returns_rows_and_samples_mean_plus_std_eps(tmp_path):
     torch.testing.assert_close(x, mean.float() + std.float() * eps)
 
 
-def test_prefetch_is_deterministic_whatever_the_thread_count(tmp_path):
-    manifest, _ = make_cache(tmp_path)
-    reader = LatentReader(tmp_path, manifest)
-    batches = [reader.batch(b, rows) for b, rows in reader.plan(2, 1, seed=0, epoch=0)]
-    runs = [[x for _, x in reader.prefetch(iter(batches), seed=5, workers=w, depth=d)] for w, d in ((1, 1), (3, 5))]
-    assert len(runs[0]) == len(batches)
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
-    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([5, 2]).generate_state(1, np.uint64)[0]) >> 1)
-    assert torch.equal(runs[0][2], reader.sample(batches[2], gen))  # batch i draws from seed (5, i)
-    it = reader.prefetch(iter(batches), seed=5)
-    next(it)
-    it.close()  # stopping early leaves no thread behind
-
-
 def test_flipped_rows_come_from_the_flip_arrays(tmp_path):
     manifest, values = make_cache(tmp_path, flip=True)
     reader = LatentReader(tmp_path, manifest)
