@@ -6,9 +6,9 @@ way (Zarr, mean + std in block chunks, through stages.latents.store), as one `to
 (SimpleTuner's layout), one `.npz` per image (kohya's layout), and as one contiguous memory-mapped array per
 bucket (the limit: no files to open, no chunks to decode). Each loader produces the same epoch of shuffled
 bucket batches of 16 as the training step receives them: float32 (B, C, h, w) on the training device (the GPU
-when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, one
-thread, two batches ahead) reads each batch's mean and std (`LatentReader.batch` + `gather`, pinned for a GPU),
-and the step draws latent = mean + std * eps on the training device from the micro-batch's device generator
+when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, two
+threads for a GPU, one for a CPU, two batches ahead) reads each batch's mean and std (`LatentReader.batch` +
+`gather`, pinned for a GPU), and the step draws latent = mean + std * eps on the training device from the micro-batch's device generator
 (`stages.latents.reader.draw`). The others run synchronously: the per-file layouts load their stored latent (one
 fixed draw) and copy it to the device; the limit gathers mean and std from the memory-mapped arrays and draws the
 same eps on the device. Rounds alternate between loaders; the best round of each counts (shared, noisy machine).
@@ -32,6 +32,7 @@ from stages.common.jsonl import write_jsonl  # noqa: E402
 from stages.latents import store  # noqa: E402
 from stages.common.prefetch import ahead  # noqa: E402
 from stages.latents.reader import LatentReader, draw, epoch_plan  # noqa: E402
+from stages.train.loop import feed_workers  # noqa: E402
 
 BUCKETS = {"512x512": (4, 64, 64), "448x576": (4, 72, 56), "576x448": (4, 56, 72), "640x384": (4, 48, 80)}
 PER_BUCKET = 1000
@@ -39,6 +40,7 @@ BATCH = 16
 BLOCK_ROWS = 64
 ROUNDS = 3
 GOAL_PT, GOAL_NPZ, GOAL_MMAP = 3.0, 1.5, 0.5
+FEED_DEPTH = 2  # Trainer.feed's: two steps of one micro-batch ahead
 
 
 def write_ours(root: Path, data: dict[str, np.ndarray]) -> LatentReader:
@@ -77,11 +79,10 @@ def run_ours(reader: LatentReader, plan, device: torch.device) -> int:
     pin = device.type == "cuda"
 
     def read(bucket_rows):
-        mean, std = reader.gather(reader.batch(*bucket_rows))
-        return (mean.pin_memory(), std.pin_memory()) if pin else (mean, std)
+        return reader.gather(reader.batch(*bucket_rows), pin=pin)
 
     n = 0
-    with closing(ahead(plan, read, depth=2, name="bench-feed")) as feed:
+    with closing(ahead(plan, read, workers=feed_workers(device, reader), depth=FEED_DEPTH, name="bench-feed")) as feed:
         for i, (mean, std) in enumerate(feed):
             n += len(draw(mean, std, torch.Generator(device).manual_seed(i)))
     return finish(n, device)

@@ -9,7 +9,9 @@ DEMO_SHAPES = ("square", "circle")
 DEMO_CONFIG: dict = {
     "workdir": "./tuneline-work",
     "dataset": {"path": "demo-data", "demo": True},
-    "model": {"family": "tiny", "path": None},
+    # The CPU walkthrough on any machine: two gloo processes show DDP where a one-GPU machine could hold only one
+    # NCCL rank; a GPU run sets model.device: auto (or cuda) and one train.processes per GPU.
+    "model": {"family": "tiny", "path": None, "device": "cpu"},
     "buckets": {"resolution": 64, "resolution_type": "pixel"},
     # Tuned so both learning checks (latent class separation, prompted color in the renders) clear 0.9 in under
     # two minutes of training on 2 CPU cores (measured 1.0 at 1000 steps, 0.84 at 600): min-SNR weighting and noise

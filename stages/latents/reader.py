@@ -161,25 +161,28 @@ class LatentReader:
                 cache.popitem(last=False)
         return data
 
-    def gather(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of the batch's rows, (B, C, h, w) in the stored dtype, read a block at a time."""
+    def gather(self, batch: Batch, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the batch's rows, (B, C, h, w) in the stored dtype, read a block at a time. pin: written
+        straight into page-locked memory, so a copy to the GPU can run asynchronously without another copy."""
         rows = np.asarray(batch.rows, dtype=np.int64)
         flip = np.zeros(len(rows), bool) if batch.flip is None else np.asarray(batch.flip, dtype=bool)
         shape, count = self.shapes[batch.bucket], len(self.paths[batch.bucket])
         if len(flip) != len(rows) or rows.min(initial=0) < 0 or rows.max(initial=0) >= count:
             raise ReaderError(f"batch of bucket {batch.bucket} asks for rows {list(rows[:8])} (flip "
                               f"{batch.flip}); the bucket has rows 0..{count - 1}")
-        mean = np.empty((len(rows), *shape), self.manifest.dtype)
-        std = np.empty_like(mean)
+        dtype = getattr(torch, self.manifest.dtype)
+        mean_t, std_t = (torch.empty((len(rows), *shape), dtype=dtype, pin_memory=pin) for _ in range(2))
+        mean, std = mean_t.numpy(), std_t.numpy()
         blocks = rows // self.block_rows
+        variants = ((False, store.DIST), (True, store.FLIPPED)) if flip.any() else ((False, store.DIST),)
         for block in np.unique(blocks):
             data = self._block(batch.bucket, int(block))
-            for flipped, (m, s) in ((False, store.DIST), (True, store.FLIPPED)):
+            for flipped, (m, s) in variants:
                 at = np.flatnonzero((blocks == block) & (flip == flipped))
                 if len(at):
                     offsets = rows[at] - block * self.block_rows
                     mean[at], std[at] = data[m][offsets], data[s][offsets]
-        return torch.from_numpy(mean), torch.from_numpy(std)
+        return mean_t, std_t
 
     def sample(self, batch: Batch, generator: torch.Generator) -> torch.Tensor:
         """mean + std * eps, on the generator's device, with eps drawn from `generator`."""

@@ -151,6 +151,12 @@ def report_progress(ctx, line: str) -> None:
         ctx.reporter.progress("train-progress", step / total, f"step {step}/{total}")
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def failure_message(work: Path, rc: int, tail: list[str]) -> str:
     """The worker's own explanation when it left one (NaN loss, bad checkpoint), else the output's tail."""
     try:
@@ -167,7 +173,20 @@ def failure_message(work: Path, rc: int, tail: list[str]) -> str:
     return msg
 
 
+def gpu_problem(processes: int, device: str, gpus: int) -> str | None:
+    """Why `processes` ranks cannot each have a GPU on this node (NCCL refuses two ranks on one GPU), or None."""
+    if device != "cuda" or processes <= gpus:
+        return None
+    return (f"train.processes is {processes} but this node has {gpus} visible GPU(s), and each DDP process needs a "
+            f"GPU of its own: set train.processes: {gpus} (one per GPU; raise train.grad_accumulation to keep the "
+            f"global batch), or model.device: cpu to train with {processes} CPU processes")
+
+
 def build(ctx, work: Path, upstream: dict) -> dict:
+    dev = models.device(ctx.cfg)
+    problem = gpu_problem(ctx.cfg.train.processes, dev.type, gpu_count() if dev.type == "cuda" else 0)
+    if problem:
+        raise ValueError(problem)
     token = uuid.uuid4().hex  # names this launch: global rank 0 writes it into the result
     # Left by an earlier attempt (another node of this attempt cannot have written yet: no rank runs before every
     # node has joined the rendezvous).

@@ -69,6 +69,15 @@ class Fed:
     cond: dict[str, torch.Tensor]
 
 
+def feed_workers(device: torch.device, reader: LatentReader) -> int:
+    """Threads reading ahead. A remote cache pays one round trip per array and block: four reads in flight hide it.
+    A GPU step leaves the CPU free, and two threads keep a fast GPU fed from a local cache (block reads and row
+    copies release the GIL); a CPU step needs the cores itself, so one thread overlaps the reads with it."""
+    if store.is_url(reader.dir):
+        return 4
+    return 2 if device.type == "cuda" else 1
+
+
 def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
     """SDXL-style size conditioning from the scan's record: original size, crop corner in bucket pixels, bucket.
     A flipped image's crop starts as far from the left edge as the unflipped crop ends from the right one."""
@@ -114,23 +123,20 @@ class Trainer:
         cache reads overlap the steps. Indices count from this trainer's current step (a resumed run continues
         them), so every draw is the one the uninterrupted run made."""
         first = self.step * self.t.grad_accumulation
-        # A remote cache pays one round trip per array and block: more reads in flight hide it.
-        workers = 4 if store.is_url(self.data.reader.dir) else 1
         return ahead(((first + i, mb) for i, mb in enumerate(stream)), lambda item: self.prepare(*item),
-                     workers=workers, depth=2 * self.t.grad_accumulation, name="train-feed")
+                     workers=feed_workers(self.device, self.data.reader), depth=2 * self.t.grad_accumulation,
+                     name="train-feed")
 
     def prepare(self, index: int, mb: MicroBatch) -> Fed:
         """Everything micro-batch `index` reads, drawn and read as the step would (thread-safe: it only reads)."""
         gen = torch.Generator().manual_seed(step_seed(self.t.seed, self.rank, index))
         batch = self.data.reader.batch(mb.bucket, mb.rows, self.flips(len(mb.rows), gen))
-        mean, std = self.data.reader.gather(batch)
-        if self.t.latent_sampling == "mean":
-            std = None
+        pin = self.device.type == "cuda"  # page-locked: the step's copies to the GPU run asynchronously
+        mean, std = self.data.reader.gather(batch, pin=pin)
         cond = self.conditioning(batch.paths, gen)
-        if self.device.type == "cuda":  # pinned: the step's copies to the GPU run asynchronously
-            mean, std = mean.pin_memory(), None if std is None else std.pin_memory()
+        if pin:
             cond = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in cond.items()}
-        return Fed(mb, index, gen, batch, mean, std, cond)
+        return Fed(mb, index, gen, batch, mean, None if self.t.latent_sampling == "mean" else std, cond)
 
     def train_step(self, micro: list[Fed]) -> float:
         """Accumulate gradients over `micro`, check every rank's loss, step. Returns the mean loss."""
