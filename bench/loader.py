@@ -6,8 +6,8 @@ way (Zarr, mean + std in block chunks, through stages.latents.store), as one `to
 (SimpleTuner's layout), one `.npz` per image (kohya's layout), and as one contiguous memory-mapped array per
 bucket (the limit: no files to open, no chunks to decode). Each loader produces the same epoch of shuffled
 bucket batches of 16 as the training step receives them: float32 (B, C, h, w) on the training device (the GPU
-when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, two
-threads for a GPU, one for a CPU, two batches ahead) reads each batch's mean and std (`LatentReader.batch` +
+when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, one
+thread, two batches ahead) reads each batch's mean and std (`LatentReader.batch` +
 `gather`, pinned for a GPU), and the step draws latent = mean + std * eps on the training device from the micro-batch's device generator
 (`stages.latents.reader.draw`). The others run synchronously: the per-file layouts load their stored latent (one
 fixed draw) and copy it to the device; the limit gathers mean and std from the memory-mapped arrays and draws the
@@ -82,7 +82,7 @@ def run_ours(reader: LatentReader, plan, device: torch.device) -> int:
         return reader.gather(reader.batch(*bucket_rows), pin=pin)
 
     n = 0
-    with closing(ahead(plan, read, workers=feed_workers(device, reader), depth=FEED_DEPTH, name="bench-feed")) as feed:
+    with closing(ahead(plan, read, workers=feed_workers(reader), depth=FEED_DEPTH, name="bench-feed")) as feed:
         for i, (mean, std) in enumerate(feed):
             n += len(draw(mean, std, torch.Generator(device).manual_seed(i)))
     return finish(n, device)

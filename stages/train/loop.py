@@ -69,13 +69,11 @@ class Fed:
     cond: dict[str, torch.Tensor]
 
 
-def feed_workers(device: torch.device, reader: LatentReader) -> int:
-    """Threads reading ahead. A remote cache pays one round trip per array and block: four reads in flight hide it.
-    A GPU step leaves the CPU free, and two threads keep a fast GPU fed from a local cache (block reads and row
-    copies release the GIL); a CPU step needs the cores itself, so one thread overlaps the reads with it."""
-    if store.is_url(reader.dir):
-        return 4
-    return 2 if device.type == "cuda" else 1
+def feed_workers(reader: LatentReader) -> int:
+    """Threads reading ahead. One keeps up with an H100 step on a local cache (bench/loader.py measured one thread
+    ahead of two: the reads are short and the GIL is shared); a remote cache pays one round trip per array and
+    block, and four reads in flight hide it."""
+    return 4 if store.is_url(reader.dir) else 1
 
 
 def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
@@ -124,7 +122,7 @@ class Trainer:
         them), so every draw is the one the uninterrupted run made."""
         first = self.step * self.t.grad_accumulation
         return ahead(((first + i, mb) for i, mb in enumerate(stream)), lambda item: self.prepare(*item),
-                     workers=feed_workers(self.device, self.data.reader), depth=2 * self.t.grad_accumulation,
+                     workers=feed_workers(self.data.reader), depth=2 * self.t.grad_accumulation,
                      name="train-feed")
 
     def prepare(self, index: int, mb: MicroBatch) -> Fed:
