@@ -11,7 +11,6 @@ import io
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from schemas.scan import ImageRecord
@@ -99,6 +98,8 @@ def conversion_of(im: Image.Image) -> tuple[str, bool]:
 def to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     """The conversion `conversion_of` describes (this is where pixels are decoded)."""
     if im.mode in SIXTEEN_BIT_GRAY:
+        import numpy as np  # here, not at the top: a scan process never converts pixels and saves numpy's import
+
         # PIL's own I;16 -> L clips at 255 (almost everything turns white); scale the 16-bit range instead.
         arr = np.asarray(im, dtype=np.float64) / 257.0
         return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8)).convert("RGB")
