@@ -43,6 +43,7 @@ class Captions:
         self.cfg = cfg
         self.problems: list[Rejected] = []
         self.metadata: dict[str, str] = {}
+        self._answers: dict[str, tuple[str, str] | CaptionError] = {}
         for entry in sorted(listing.metadata, key=lambda e: e.rel):
             try:
                 with open(entry.path, "rb") as f:
@@ -98,7 +99,23 @@ class Captions:
         return _decode(raw, key)
 
     def caption_for(self, rel: str) -> tuple[str, str]:
-        """(caption, source) for an image, or CaptionError naming what to fix."""
+        """(caption, source) for an image, or CaptionError naming what to fix.
+
+        Remembered per image: with several buckets.resolutions every image is asked once per resolution, and
+        its sidecar is read once.
+        """
+        got = self._answers.get(rel)
+        if got is None:
+            try:
+                got = self._caption_for(rel)
+            except CaptionError as err:
+                got = err
+            self._answers[rel] = got
+        if isinstance(got, CaptionError):
+            raise got
+        return got
+
+    def _caption_for(self, rel: str) -> tuple[str, str]:
         text, source = self._sidecar(rel), "sidecar"
         if text is None:
             text, source = self.metadata.get(rel), "metadata"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ LISTING_KEY = "scan-listing"
 # Hashing releases the GIL and header parsing is short, so a few threads keep the disk busy.
 WORKERS = min(8, 2 * (os.cpu_count() or 1))
 CHUNK = 64
+PROGRESS_EVERY_S = 0.5
 REPORT_ROWS = 500  # rejected files listed in the Prefect markdown artifact; rejected.jsonl has them all
 
 
@@ -108,12 +110,21 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
             done[e.rel] = p
         else:
             todo.append(e)
-    chunks = [todo[i:i + CHUNK] for i in range(0, len(todo), CHUNK)]  # one future per file costs more than a probe
+    # Largest files first, in chunks small enough that every thread gets several: the last chunk left running
+    # alone is then a few small files, not one thread hashing big TIFFs while the others idle.
+    todo.sort(key=lambda e: -e.size)
+    size = max(1, min(CHUNK, len(todo) // (WORKERS * 8)))
+    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]  # one future per file costs more than a probe
+    read, reported = 0, time.monotonic()
     with ThreadPoolExecutor(WORKERS) as pool:
         for n, probes in enumerate(pool.map(_probe_chunk, chunks), 1):
             done.update((p.path, p) for p in probes)
-            ctx.reporter.progress("scan-progress", n / len(chunks), f"{min(n * CHUNK, len(todo))}/{len(todo)} "
-                                                                   f"new or changed images read")
+            read += len(probes)
+            # A Prefect progress update is an API call: a few per second, not one per chunk of a huge folder.
+            if n == len(chunks) or time.monotonic() - reported >= PROGRESS_EVERY_S:
+                reported = time.monotonic()
+                ctx.reporter.progress("scan-progress", n / len(chunks),
+                                      f"{read}/{len(todo)} new or changed images read")
     return [done[e.rel] for e in entries], len(todo)
 
 

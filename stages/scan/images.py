@@ -1,16 +1,16 @@
 """Reading images: the scan's header probe and `load_rgb`, the one way later stages decode an image.
 
-The probe reads a file's bytes once (for the content hash) and parses only the header: size, mode, EXIF
-orientation. `load_rgb` decodes and applies exactly the orientation and mode conversion the scan recorded,
+The probe reads a file's bytes once, hashes them and parses only the header from the same bytes: size, mode,
+EXIF orientation. `load_rgb` decodes and applies exactly the orientation and mode conversion the scan recorded,
 so the latents stage sees the image the scan measured.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from schemas.scan import ImageRecord
@@ -26,6 +26,10 @@ TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 
 # because some writers append padding or trailers after them.
 END_MARKERS = {"JPEG": b"\xff\xd9", "MPO": b"\xff\xd9", "PNG": b"IEND"}
 TAIL = 4096
+# Files up to this size are read whole and hashed and parsed from memory (a few threads hold one each);
+# larger ones stream through STREAM_BUFFER.
+WHOLE = 64 << 20
+STREAM_BUFFER = 1 << 20
 # File signatures, to tell a corrupt image (PIL says only "cannot identify") from a file that is no image.
 MAGIC = ((b"\x89PNG", "PNG"), (b"\xff\xd8", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"),
          (b"MM\x00*", "TIFF"), (b"RIFF", "WebP"))
@@ -94,6 +98,8 @@ def conversion_of(im: Image.Image) -> tuple[str, bool]:
 def to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     """The conversion `conversion_of` describes (this is where pixels are decoded)."""
     if im.mode in SIXTEEN_BIT_GRAY:
+        import numpy as np  # here, not at the top: a scan process never converts pixels and saves numpy's import
+
         # PIL's own I;16 -> L clips at 255 (almost everything turns white); scale the 16-bit range instead.
         arr = np.asarray(im, dtype=np.float64) / 257.0
         return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8)).convert("RGB")
@@ -105,12 +111,8 @@ def to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     return im if im.mode == "RGB" else im.convert("RGB")
 
 
-def _header(base: Probe, f) -> Probe:
-    """Header facts from an open file; the caller has hashed it and left it positioned at its end."""
-    size = f.tell()
-    f.seek(max(0, size - TAIL))
-    tail = f.read()
-    f.seek(0)
+def _header(base: Probe, f, tail: bytes) -> Probe:
+    """Header facts from a file object at offset 0; `tail` is the file's last TAIL bytes."""
     im = Image.open(f, formats=FORMATS)  # PIL refuses bombs beyond twice its limit; our limit is applied later
     marker = END_MARKERS.get(im.format)
     if marker and marker not in tail:
@@ -129,9 +131,7 @@ def _fail(base: Probe, kind: str, reason: str) -> Probe:
     return replace(base, error=reason, kind=kind)
 
 
-def _unidentified(base: Probe, f) -> Probe:
-    f.seek(0)
-    head = f.read(12)
+def _unidentified(base: Probe, head: bytes) -> Probe:
     fmt = next((name for magic, name in MAGIC if head.startswith(magic)), None)
     if fmt:
         return _fail(base, "unreadable", f"corrupt {fmt} header (the file starts like a {fmt} but cannot be "
@@ -140,30 +140,54 @@ def _unidentified(base: Probe, f) -> Probe:
                                     "remove it or re-export it in one of them")
 
 
-def probe_file(path: str | Path, rel: str, size_bytes: int, mtime_ns: int) -> Probe:
-    """Read one file once: content hash + header facts, or the reason it cannot be used.
+def _read(f, size_hint: int) -> tuple[str, int, io.BytesIO | None, bytes]:
+    """(SHA-256, size, the bytes as a file object or None, the last TAIL bytes) of an open file.
 
-    The hash streams through a small buffer, so a 500 MB TIFF costs no 500 MB of memory.
+    A file up to WHOLE bytes is read in one call and both hashed and parsed from memory: one pass over the
+    bytes, no second read for the header or the tail. A larger one streams through a buffer (a 500 MB TIFF
+    costs no 500 MB of memory) and the header is read from the file again.
     """
-    base = Probe(rel, size_bytes, mtime_ns)
+    if size_hint <= WHOLE:  # the listing's size; a file grown since is still read whole, up to its end
+        data = f.read()  # readall: loops until end of file, so a short read (network filesystems) loses nothing
+        return hashlib.sha256(data).hexdigest(), len(data), io.BytesIO(data), data[-TAIL:]
+    sha = hashlib.sha256()
+    buf = bytearray(STREAM_BUFFER)
+    view = memoryview(buf)
+    size = 0
+    while n := f.readinto(buf):
+        sha.update(view[:n])  # releases the GIL: other threads parse headers meanwhile
+        size += n
+    f.seek(max(0, size - TAIL))
+    tail = f.read()
+    f.seek(0)
+    return sha.hexdigest(), size, None, tail
+
+
+def probe_file(path: str | Path, rel: str, size_bytes: int, mtime_ns: int) -> Probe:
+    """Read one file once: content hash + header facts, or the reason it cannot be used."""
     try:
-        f = open(path, "rb")
+        f = open(path, "rb", buffering=0)  # unbuffered: a whole-file read goes straight into its bytes object
     except OSError as err:
-        return _fail(base, "unreadable", f"cannot read the file ({err.strerror or err}): check its permissions")
+        return _fail(Probe(rel, size_bytes, mtime_ns),
+                     "unreadable", f"cannot read the file ({err.strerror or err}): check its permissions")
     with f:
         try:
-            sha = hashlib.file_digest(f, "sha256").hexdigest()
+            sha, size, memory, tail = _read(f, size_bytes)
         except OSError as err:
-            return _fail(base, "unreadable", f"cannot read the file ({err.strerror or err}): a disk or network error")
-        if f.tell() == 0:
+            return _fail(Probe(rel, size_bytes, mtime_ns),
+                         "unreadable", f"cannot read the file ({err.strerror or err}): a disk or network error")
+        base = Probe(rel, size, mtime_ns, sha256=sha)
+        if size == 0:
             return _fail(base, "empty-file", "zero-byte file (an interrupted copy?): re-copy or remove it")
-        base = replace(base, size_bytes=f.tell(), sha256=sha)
+        # The streamed case parses through a buffered reader: PIL reads headers in many small pieces.
+        source = memory if memory is not None else io.BufferedReader(f)
         try:
-            return _header(base, f)
+            return _header(base, source, tail)
         except Image.DecompressionBombError as err:
             return _fail(base, "bomb", f"decompression-bomb guard: {err}")
         except UnidentifiedImageError:
-            return _unidentified(base, f)
+            source.seek(0)
+            return _unidentified(base, source.read(12))
         except UnsupportedMode as err:
             return _fail(base, "mode", str(err))
         except (OSError, SyntaxError, EOFError, IndexError, KeyError, ValueError) as err:  # PIL's parsers raise these

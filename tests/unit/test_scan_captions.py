@@ -84,3 +84,17 @@ def test_empty_caption_reject_names_the_fix(tmp_path):
 
 def test_filename_caption():
     assert filename_caption("dir/A_photo--of_a-cat.JPG") == "A photo of a cat"
+
+
+def test_each_sidecar_is_read_once_and_errors_repeat(tmp_path):
+    """With several buckets.resolutions the scan asks once per resolution: one read, the same answer each time."""
+    touch_images(tmp_path, "a.png", "b.png")
+    (tmp_path / "a.txt").write_text("first", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"caf\xe9")  # Latin-1, not UTF-8
+    c = captions(tmp_path)
+    assert c.caption_for("a.png") == ("first", "sidecar")
+    (tmp_path / "a.txt").unlink()  # a second read would now fail
+    assert c.caption_for("a.png") == ("first", "sidecar")
+    for _ in range(2):
+        with pytest.raises(CaptionError, match=r"b\.txt is not UTF-8"):
+            c.caption_for("b.png")

@@ -1,6 +1,7 @@
 """The scan's header probe and `load_rgb`: every mode, format and bad-input kind of issue 3."""
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from schemas.scan import ImageRecord
+from stages.scan import images as images_mod
 from stages.scan.images import load_rgb, probe_file
 
 BG = (0, 255, 0)
@@ -150,6 +152,24 @@ def test_each_bad_input_kind_is_named(tmp_path):
         assert p.error and not p.width
     gone = probe_file(tmp_path / "missing.png", "missing.png", 10, 0)
     assert gone.kind == "unreadable" and "cannot read" in gone.error
+
+
+def test_streamed_large_files_probe_like_files_read_whole(tmp_path, monkeypatch):
+    """Files above images.WHOLE stream through a buffer; every fact and rejection must match the in-memory read."""
+    kinds = bad_files(tmp_path)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    save(tmp_path, "o.jpg", half_red(), exif=exif)
+    save(tmp_path, "a.tiff", half_red())
+    names = [*kinds, "o.jpg", "a.tiff", "full.jpg"]
+    whole = {n: probe(tmp_path / n) for n in names}
+    monkeypatch.setattr(images_mod, "WHOLE", 0)
+    monkeypatch.setattr(images_mod, "STREAM_BUFFER", 100)  # many buffer refills per file
+    for n in names:
+        assert probe(tmp_path / n) == whole[n], n
+    assert whole["o.jpg"].orientation == 6 and (whole["o.jpg"].width, whole["o.jpg"].height) == (20, 40)
+    assert whole["full.jpg"].sha256 == hashlib.sha256((tmp_path / "full.jpg").read_bytes()).hexdigest()
+    assert [whole[n].kind for n in kinds] == list(kinds.values())
 
 
 def test_load_rgb_refuses_a_file_changed_since_the_scan(tmp_path):
