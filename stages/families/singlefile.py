@@ -146,10 +146,16 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
 
 
 def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing: list[str]) -> None:
-    extra = {"config": str(config)} if config is not None else {}
+    extra: dict[str, Any] = {"config": str(config)} if config is not None else {}
     if missing and config is not None:
         extra.update(components_from_folder(family, file, Path(config), missing))
     try:
+        if SAME_LAYOUT.get(family.facts.name, family.facts.name) == "flux" and config is not None \
+                and file.suffix.lower() == ".safetensors":
+            from stages.families.flux_layout import load_flux_transformer
+
+            # diffusers' Flux converter has FLUX.1's width written in; this one reads it from the file
+            extra["transformer"] = load_flux_transformer(file, Path(config))
         pipe = family.pipeline_class.from_single_file(str(file), local_files_only=True, **extra,
                                                       **family.pipeline_load_kwargs())
     except Exception as exc:  # diffusers raises many kinds here; the user needs the file name and the fix
