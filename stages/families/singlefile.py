@@ -162,7 +162,8 @@ def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing
         raise ValueError(
             f"model.path: cannot load {file} as a single-file {family.facts.name!r} checkpoint "
             f"({type(exc).__name__}: {exc}). diffusers needs the pipeline's configs, which cannot be downloaded "
-            f"here; set model.config to a shipped config name ({', '.join(SHIPPED_CONFIGS)}) or a local diffusers folder of the same model (its configs and tokenizers "
-            f"are read, not its weights), or convert the checkpoint to a diffusers folder where a model hub is "
+            f"here; set model.config to a shipped config name ({', '.join(SHIPPED_CONFIGS)}) or a local diffusers "
+            f"folder of the same model (its configs and tokenizers are read, and the weights of components the "
+            f"file lacks), or convert the checkpoint to a diffusers folder where a model hub is "
             f"reachable and point model.path at that folder") from exc
     pipe.save_pretrained(out_dir, safe_serialization=True)
