@@ -124,3 +124,18 @@ def test_file_of_another_size_is_refused_naming_model_config(tmp_path, name):
     msg = str(err.value)
     assert msg.startswith(f"model.config: {name} ") and f"{first} is [1024," in msg
     assert "Set model.config to a local diffusers folder" in msg
+
+
+def test_flux_reader_matches_diffusers_converter_at_flux1_width():
+    """At FLUX.1's width (3072, which diffusers' converter has written in) tuneline's reader gives diffusers' tensors
+    value for value: one double and one single block, random bytes (the conversion only renames, splits and
+    swaps, so uint8 keeps it to ~0.6 GB a copy)."""
+    cfg = dict(FluxTransformer2DModel.load_config(shipped_dir("flux") / "transformer"), num_layers=1,
+               num_single_layers=1)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in flux_original(FluxTransformer2DModel.from_config(cfg).state_dict()).items()}
+    gen = torch.Generator().manual_seed(0)
+    original = {k: torch.randint(0, 255, s, dtype=torch.uint8, generator=gen) for k, s in shapes.items()}
+    ours = flux_to_diffusers(original)
+    theirs = sfu.convert_flux_transformer_checkpoint_to_diffusers(dict(original))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
