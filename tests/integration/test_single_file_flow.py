@@ -1,7 +1,8 @@
 """SD3 and Flux single files, offline: a transformer-only file in the original layout (SAI's
 "model.diffusion_model." names for SD3, BFL's unprefixed names for Flux) with model.config a local diffusers folder
-of the same model loads its transformer from the file and the VAE and text encoders from the folder, and trains; a
-file of the other family is refused naming both families."""
+of the same model loads its transformer from the file and the VAE and text encoders from the folder (a VAE the
+file holds comes from the file), and trains; a file of the other family is refused naming both families, and a tiny
+file against the shipped (released-size) config naming model.config."""
 from __future__ import annotations
 
 import pytest
@@ -17,20 +18,32 @@ CPU = torch.device("cpu")
 WRITE = {"sd3": sd3_original, "flux": flux_original}
 
 
-def _transformer_file(family: str, tmp_path, shift: float = 0.0):
-    """(the tiny model's transformer, moved by `shift`, written in the original layout alone; the tiny folder; the
-    transformer's state dict)."""
+def _transformer_file(family: str, tmp_path, shift: float = 0.0, vae: bool = False):
+    """(the tiny model's transformer, moved by `shift`, written in the original layout, alone or with its VAE
+    moved by `shift` under "first_stage_model."; the tiny folder; the state dicts written)."""
+    from diffusers import AutoencoderKL
+
+    from stages.train.singlefile import vae_name
+
     fam = get_family(family)
     folder = fam.ensure_model(None, tmp_path / "models")
     state = {k: v + shift for k, v in fam.load_denoiser(folder, torch.float32, CPU).state_dict().items()}
+    tensors = WRITE[family](state)
+    vae_state = {}
+    if vae:
+        model = AutoencoderKL.from_pretrained(folder, subfolder="vae")
+        vae_state = {k: v + shift for k, v in model.state_dict().items()}
+        levels = len(model.config.block_out_channels)
+        tensors.update({f"first_stage_model.{vae_name(k, levels)}": v for k, v in vae_state.items()})
     path = tmp_path / f"{family}-transformer.safetensors"
-    save_file({k: v.contiguous() for k, v in WRITE[family](state).items()}, str(path))
-    return path, folder, state
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return path, folder, {"transformer": state, "vae": vae_state}
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_transformer_only_file_with_model_config_loads_offline_and_trains(tmp_path, family):
-    path, folder, want = _transformer_file(family, tmp_path, shift=0.01)
+@pytest.mark.parametrize("family,vae", [("sd3", False), ("flux", False), ("sd3", True)])
+def test_transformer_only_file_with_model_config_loads_offline_and_trains(tmp_path, family, vae):
+    path, folder, written = _transformer_file(family, tmp_path, shift=0.01, vae=vae)
+    want = written["transformer"]
     cfg = small_config(tmp_path / "work", {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1,
                                            "batch_size": 2},
                        model={"family": family, "path": str(path), "config": str(folder), "device": "cpu"})
@@ -40,11 +53,11 @@ def test_transformer_only_file_with_model_config_loads_offline_and_trains(tmp_pa
     got = get_family(family).load_denoiser(converted, torch.float32, CPU).state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), \
         "the converted transformer is not the file's"
-    from safetensors.torch import load_file  # the VAE came from model.config's folder, unchanged
+    from safetensors.torch import load_file  # the VAE: the file's when it has one, else model.config's
 
-    vae = load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors"))
-    assert all(torch.equal(load_file(str(converted / "vae" / "diffusion_pytorch_model.safetensors"))[k], v)
-               for k, v in vae.items())
+    want_vae = written["vae"] or load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors"))
+    got_vae = load_file(str(converted / "vae" / "diffusion_pytorch_model.safetensors"))
+    assert got_vae.keys() == want_vae.keys() and all(torch.equal(got_vae[k], v) for k, v in want_vae.items())
     out = train(cfg)
     assert (out / "final" / "pytorch_lora_weights.safetensors").is_file()
 
