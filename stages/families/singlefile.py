@@ -1,7 +1,9 @@
 """Single checkpoint files (.safetensors / .ckpt) converted once into a diffusers folder in the cache.
 
-diffusers' `from_single_file` needs the pipeline's configs; with no model hub here it finds them only in the local
-Hugging Face cache (or not at all), so a failure becomes an error naming the file and the way out.
+diffusers' `from_single_file` needs the pipeline's configs; with no model hub here they come from model.config (a
+shipped weightless folder, stages/families/shipped.py, or a local diffusers folder), and a failure becomes an error
+naming the file and the way out. Components the file has no tensors for (SD3/Flux files often hold only the
+transformer) are loaded from model.config's weights; Flux transformers are read by flux_layout.py at any width.
 """
 from __future__ import annotations
 
@@ -111,11 +113,11 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
     config, shipped = resolve_config(name, file, config)
     missing = missing_components(file, want)
     if missing and (shipped or config is None):
-        where = (f"the shipped {Path(config).name} config (configs and tokenizers only)" if shipped else
-                 "no model.config folder")
+        where = (f"the shipped {Path(config).name} config (configs and tokenizers only) has none to add" if shipped
+                 else "model.config is null")
         raise ValueError(
             f"model.path: {file} holds the {family.denoiser_component} but no weights for "
-            f"{', '.join(missing)}, and {where} has none to add; set model.config to a local diffusers folder of "
+            f"{', '.join(missing)}, and {where}; set model.config to a local diffusers folder of "
             f"the same {name} model that holds them (its {', '.join(missing)} are loaded from it, the "
             f"{family.denoiser_component} from the file), or use a checkpoint file that includes them")
     if config is not None and not shipped:  # shipped folders hold no weights; tests check them
