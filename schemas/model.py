@@ -12,7 +12,7 @@ FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux"]
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
 # denoiser use them. No stage keeps weights in fp8 while computing in bf16, so fp8 is refused up front.
 # Weightless pipeline folders shipped in stages/families/configs/ (name -> family): model.config may name one.
-SHIPPED_CONFIGS = {"sd15": "sd15", "sdxl": "sdxl"}
+SHIPPED_CONFIGS = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux"}
 FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "fp8")
 
 
@@ -23,10 +23,11 @@ class ModelConfig(Strict):
                           "the family's built-in tiny random-init flavor")
     config: Annotated[str | None, ConfigPath(keywords=tuple(SHIPPED_CONFIGS))] = Field(
         None, description="with model.path a single checkpoint file: a shipped config (sd15 = SD1.5, sdxl = SDXL "
-                          "base 1.0) or a local diffusers folder of the same model (./sd15 for a folder so named) "
-                          "whose configs and tokenizers (its weights are not read) describe the file's model, so the "
-                          "file loads offline; null = the family's shipped config when the file's shapes fit it "
-                          "(sd15, sdxl), else diffusers' own lookup (needs its Hugging Face cache)")
+                          "base 1.0, sd3 = SD3 medium, flux = FLUX.1-dev: configs and tokenizers, no weights) or a "
+                          "local diffusers folder of the same model (./sd15 for a folder so named) whose configs and "
+                          "tokenizers describe the file's model, so the file loads offline; components the file "
+                          "lacks (the VAE and text encoders of a transformer-only flux/sd3 file) are loaded from "
+                          "that folder's weights; null = the family's shipped config when the file's shapes fit it")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"

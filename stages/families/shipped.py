@@ -33,6 +33,27 @@ SIGNATURES: dict[str, dict[str, tuple[int, ...]]] = {
         "conditioner.embedders.1.model.token_embedding.weight": (49408, 1280),
         "first_stage_model.encoder.conv_in.weight": (128, 3, 3, 3),
     },
+    # The MMDiT and Flux transformers' names as in the original files, with or without ComfyUI's
+    # "model.diffusion_model." prefix (BFL's flux1-dev.safetensors has none): the patch embedding (latent channels,
+    # width), the first and last block (width, depth), the text projections (T5 / pooled CLIP widths) and what
+    # tells SD3 medium from SD3.5 (its 384-position embedding) and FLUX.1-dev from schnell (no guidance input).
+    "sd3": {
+        "x_embedder.proj.weight": (1536, 16, 2, 2),
+        "pos_embed": (1, 192 * 192, 1536),
+        "joint_blocks.0.x_block.attn.qkv.weight": (3 * 1536, 1536),
+        "joint_blocks.23.context_block.attn.qkv.weight": (3 * 1536, 1536),
+        "context_embedder.weight": (1536, 4096),
+        "y_embedder.mlp.0.weight": (1536, 2048),
+    },
+    "flux": {
+        "img_in.weight": (3072, 64),
+        "double_blocks.0.img_attn.qkv.weight": (3 * 3072, 3072),
+        "double_blocks.18.img_attn.qkv.weight": (3 * 3072, 3072),
+        "single_blocks.37.linear1.weight": (3 * 3072 + 4 * 3072, 3072),
+        "txt_in.weight": (3072, 4096),
+        "vector_in.in_layer.weight": (3072, 768),
+        "guidance_in.in_layer.weight": (3072, 256),
+    },
 }
 
 
@@ -41,20 +62,22 @@ def shipped_dir(name: str) -> Path:
 
 
 def file_shapes(file: Path, keys: list[str]) -> dict[str, tuple[int, ...]] | None:
-    """Shapes of `keys` present in the checkpoint (None: unreadable). .safetensors reads only the header; a .ckpt is
-    memory-mapped, so neither reads the weights."""
+    """Shapes of `keys` present in the checkpoint, each also looked up under the "model.diffusion_model." prefix
+    (None: unreadable). .safetensors reads only the header; a .ckpt is memory-mapped, so neither reads the weights."""
+    def found(names) -> dict[str, str]:
+        return {k: n for k in keys for n in (k, UNET + k) if n in names}
+
     try:
         if file.suffix.lower() == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(file), framework="pt") as f:
-                names = set(f.keys())
-                return {k: tuple(f.get_slice(k).get_shape()) for k in keys if k in names}
+                return {k: tuple(f.get_slice(n).get_shape()) for k, n in found(set(f.keys())).items()}
         import torch
 
         sd = torch.load(str(file), map_location="cpu", mmap=True, weights_only=True)
         sd = sd.get("state_dict", sd) if isinstance(sd, dict) else {}
-        return {k: tuple(sd[k].shape) for k in keys if k in sd and hasattr(sd[k], "shape")}
+        return {k: tuple(sd[n].shape) for k, n in found(sd).items() if hasattr(sd[n], "shape")}
     except Exception:  # the caller reports an unreadable file with the way out
         return None
 

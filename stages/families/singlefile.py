@@ -1,7 +1,9 @@
 """Single checkpoint files (.safetensors / .ckpt) converted once into a diffusers folder in the cache.
 
-diffusers' `from_single_file` needs the pipeline's configs; with no model hub here it finds them only in the local
-Hugging Face cache (or not at all), so a failure becomes an error naming the file and the way out.
+diffusers' `from_single_file` needs the pipeline's configs; with no model hub here they come from model.config (a
+shipped weightless folder, stages/families/shipped.py, or a local diffusers folder), and a failure becomes an error
+naming the file and the way out. Components the file has no tensors for (SD3/Flux files often hold only the
+transformer) are loaded from model.config's weights; Flux transformers are read by flux_layout.py at any width.
 """
 from __future__ import annotations
 
@@ -24,6 +26,19 @@ LAYOUT_KEYS = (("sdxl", "conditioner.embedders.1."), ("sd15", "cond_stage_model.
                ("sd3", "joint_blocks."), ("flux", "double_blocks."))
 SAME_LAYOUT = {"tiny": "sd15"}  # the tiny family is SD1.5's architecture
 
+# Where each weighted component other than the denoiser lives in the original layouts. Many SD3 and Flux files hold
+# the denoiser alone (BFL's flux1-dev.safetensors, SD3 files without text encoders): diffusers then needs the rest
+# from elsewhere, so it is taken from model.config's weights, and a shipped (weightless) config is refused up front.
+_VAE = ("first_stage_model.", "vae.")
+COMPONENT_PREFIXES = {
+    "sd15": {"vae": _VAE, "text_encoder": ("cond_stage_model.",)},
+    "sdxl": {"vae": _VAE, "text_encoder": ("conditioner.embedders.0.",),
+             "text_encoder_2": ("conditioner.embedders.1.",)},
+    "sd3": {"vae": _VAE, "text_encoder": ("text_encoders.clip_l.",), "text_encoder_2": ("text_encoders.clip_g.",),
+            "text_encoder_3": ("text_encoders.t5xxl.",)},
+    "flux": {"vae": _VAE, "text_encoder": ("text_encoders.clip_l.",), "text_encoder_2": ("text_encoders.t5xxl.",)},
+}
+
 
 def checkpoint_family(file: Path) -> str | None:
     """The family whose original layout a .safetensors file's tensor names have, or None (unknown, or .ckpt)."""
@@ -40,6 +55,43 @@ def checkpoint_family(file: Path) -> str | None:
         if any(k.startswith(prefix) for k in keys):
             return name
     return None
+
+
+def missing_components(file: Path, layout: str) -> list[str]:
+    """The weighted components (vae, text_encoder...) a .safetensors file of `layout` has no tensors for ([] for a
+    .ckpt or an unreadable file: diffusers then reports what it cannot find)."""
+    if file.suffix.lower() != ".safetensors" or layout not in COMPONENT_PREFIXES:
+        return []
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+    except Exception:
+        return []
+    return [c for c, prefixes in COMPONENT_PREFIXES[layout].items()
+            if not any(k.startswith(prefixes) for k in keys)]
+
+
+def components_from_folder(family: Any, file: Path, folder: Path, names: list[str]) -> dict[str, Any]:
+    """The components `file` lacks, loaded from the diffusers folder model.config names (its model_index.json
+    says each one's class)."""
+    import importlib
+    import json
+
+    index = json.loads((folder / "model_index.json").read_text())
+    out = {}
+    for name in names:
+        library, cls = index[name]
+        try:
+            out[name] = getattr(importlib.import_module(library), cls).from_pretrained(
+                str(folder), subfolder=name, local_files_only=True)
+        except Exception as exc:  # no weights there, or unreadable ones: name the folder and the component
+            raise ValueError(
+                f"model.config: {folder} has no loadable {name} weights ({type(exc).__name__}: {exc}), and "
+                f"model.path {file} holds none for it; set model.config to a local diffusers folder of the "
+                f"{family.facts.name} model that holds its {', '.join(names)} weights") from exc
+    return out
 
 
 def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | None = None) -> Path:
@@ -59,6 +111,15 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
                          f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
                          f"{want} checkpoint")
     config, shipped = resolve_config(name, file, config)
+    missing = missing_components(file, want)
+    if missing and (shipped or config is None):
+        where = (f"the shipped {Path(config).name} config (configs and tokenizers only) has none to add" if shipped
+                 else "model.config is null")
+        raise ValueError(
+            f"model.path: {file} holds the {family.denoiser_component} but no weights for "
+            f"{', '.join(missing)}, and {where}; set model.config to a local diffusers folder of "
+            f"the same {name} model that holds them (its {', '.join(missing)} are loaded from it, the "
+            f"{family.denoiser_component} from the file), or use a checkpoint file that includes them")
     if config is not None and not shipped:  # shipped folders hold no weights; tests check them
         try:
             family.check_folder(Path(config))
@@ -74,7 +135,7 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
     try:
-        _convert(family, file, tmp, config)
+        _convert(family, file, tmp, config, missing)
         family.check_folder(tmp)
         try:
             os.replace(tmp, target)
@@ -86,16 +147,25 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
     return target
 
 
-def _convert(family: Any, file: Path, out_dir: Path, config: str | None) -> None:
-    extra = {"config": str(config)} if config is not None else {}
+def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing: list[str]) -> None:
+    extra: dict[str, Any] = {"config": str(config)} if config is not None else {}
+    if missing and config is not None:
+        extra.update(components_from_folder(family, file, Path(config), missing))
     try:
+        if SAME_LAYOUT.get(family.facts.name, family.facts.name) == "flux" and config is not None \
+                and file.suffix.lower() == ".safetensors":
+            from stages.families.flux_layout import load_flux_transformer
+
+            # diffusers' Flux converter has FLUX.1's width written in; this one reads it from the file
+            extra["transformer"] = load_flux_transformer(file, Path(config))
         pipe = family.pipeline_class.from_single_file(str(file), local_files_only=True, **extra,
                                                       **family.pipeline_load_kwargs())
     except Exception as exc:  # diffusers raises many kinds here; the user needs the file name and the fix
         raise ValueError(
             f"model.path: cannot load {file} as a single-file {family.facts.name!r} checkpoint "
             f"({type(exc).__name__}: {exc}). diffusers needs the pipeline's configs, which cannot be downloaded "
-            f"here; set model.config to a shipped config name ({', '.join(SHIPPED_CONFIGS)}) or a local diffusers folder of the same model (its configs and tokenizers "
-            f"are read, not its weights), or convert the checkpoint to a diffusers folder where a model hub is "
+            f"here; set model.config to a shipped config name ({', '.join(SHIPPED_CONFIGS)}) or a local diffusers "
+            f"folder of the same model (its configs and tokenizers are read, and the weights of components the "
+            f"file lacks), or convert the checkpoint to a diffusers folder where a model hub is "
             f"reachable and point model.path at that folder") from exc
     pipe.save_pretrained(out_dir, safe_serialization=True)
