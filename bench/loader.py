@@ -7,9 +7,9 @@ way (Zarr, mean + std in block chunks, through stages.latents.store), as one `to
 bucket (the limit: no files to open, no chunks to decode). Each loader produces the same epoch of shuffled
 bucket batches of 16 as the training step receives them: float32 (B, C, h, w) on the training device (the GPU
 when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, one
-thread, two batches ahead) reads each batch's mean and std (`LatentReader.batch` +
-`gather`, pinned for a GPU), and the step draws latent = mean + std * eps on the training device from the micro-batch's device generator
-(`stages.latents.reader.draw`). The others run synchronously: the per-file layouts load their stored latent (one
+thread, two batches ahead) reads each batch's mean and std (`LatentReader.batch` + `gather`, pinned for a
+GPU), and the step draws latent = mean + std * eps on the training device from the micro-batch's device
+generator (`stages.latents.reader.draw`). The others run synchronously: the per-file layouts load their stored latent (one
 fixed draw) and copy it to the device; the limit gathers mean and std from the memory-mapped arrays and draws the
 same eps on the device. Rounds alternate between loaders; the best round of each counts (shared, noisy machine).
 """
