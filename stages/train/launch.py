@@ -69,15 +69,20 @@ def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: 
         "upstream": {name: str(models.artifact_dir(ctx, m)) for name, m in upstream.items()},
         "resume": str(resume) if resume else None,
         "launch": token,
+        "seen": str(beside(work, "seen", token)),
         # For the LoRA files' metadata: this run's version (the directory it is published under) and the base.
         "export": {"train_version": work.name.removeprefix(".").removesuffix(".partial"),
                    "base_identity": models.identity(ctx, "denoiser")},
     }
-    # Beside the work folder, not in it: nodes sharing the folder each write one, and the publishing node must
-    # not list another node's file in the published version.
-    path = work.parent / f"{work.name}.spec-{token}.json"
+    path = beside(work, "spec", token)
     path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
     return path
+
+
+def beside(work: Path, kind: str, token: str) -> Path:
+    """A launch's own file beside the work folder, not in it: nodes sharing the folder each write one, and the
+    publishing node must not list another node's file in the published version."""
+    return work.parent / f"{work.name}.{kind}-{token}.json"
 
 
 def torchrun_command(cfg, spec: Path) -> list[str]:
@@ -195,15 +200,20 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
     spec = write_spec(ctx, work, upstream, resume, model_dir, token)
+    seen = beside(work, "seen", token)
     try:
         with in_use(work):
             run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
+        # Written by this node's local rank 0 after rank 0's result existed: read before another node can consume
+        # the result, so it tells a shared workdir from a node's own even when the result is already gone.
+        result_here = seen.is_file() and json.loads(seen.read_text(encoding="utf-8")).get("result_here", False)
     finally:
         spec.unlink(missing_ok=True)
+        seen.unlink(missing_ok=True)
     result_path = work / RESULT
     result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
     if result is None or result.get("launch") != token:
-        follow(ctx, work, result is not None)  # global rank 0 ran under another node's launch: it publishes
+        follow(ctx, work, result_here)  # global rank 0 ran under another node's launch: it publishes
     result_path.unlink()
     (work / IN_USE).unlink(missing_ok=True)
     result.pop("launch")

@@ -60,6 +60,7 @@ class Run:
     resume: Path | None
     eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
     launch: str = ""  # the launching node's token; rank 0 names it in the result, so that node publishes
+    seen: str = ""  # where this node's local rank 0 tells its launcher whether rank 0's result reached its folder
     export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
     started_at: float = field(default_factory=time.time)
 
@@ -91,6 +92,7 @@ def setup(spec: dict) -> Run:
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,
                resume=Path(spec["resume"]) if spec.get("resume") else None, launch=spec.get("launch", ""),
+               seen=spec.get("seen", ""),
                export=spec.get("export", {}))
 
 
@@ -163,6 +165,11 @@ def finish(run: Run, trainer: Trainer) -> None:
                                                                    dataset_sources(run.cfg)),
                   "exports": exports}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
+    dist.barrier()
+    # Whether the nodes share a workdir shows in whether rank 0's result is in this node's work folder; each node
+    # looks before any can leave (the publishing node's launcher consumes the result once its workers exit).
+    if run.seen and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        Path(run.seen).write_text(json.dumps({"result_here": (run.out / RESULT).is_file()}), encoding="utf-8")
     dist.barrier()
 
 
