@@ -41,6 +41,7 @@ ctx = StageContext(parse_config(json.loads(open(sys.argv[1]).read())))
 path, built = run_stage(ctx, stage(sys.argv[2]), PIPELINE)
 m = ctx.store.read(path, LatentsManifest) if sys.argv[2] == "latents" else None
 print(json.dumps({"built": built, "encoded": m.encoded if m else None, "reused": m.reused if m else None}))
+import gc; gc.freeze()  # as the tuneline command ends (flows/cli.py main)
 """
 
 

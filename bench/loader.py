@@ -6,12 +6,14 @@ way (Zarr, mean + std in block chunks, through stages.latents.store), as one `to
 (SimpleTuner's layout), one `.npz` per image (kohya's layout), and as one contiguous memory-mapped array per
 bucket (the limit: no files to open, no chunks to decode). Each loader produces the same epoch of shuffled
 bucket batches of 16 as the training step receives them: float32 (B, C, h, w) on the training device (the GPU
-when there is one, else this CPU). Ours is the trainer's own path: its feed (stages.common.prefetch.ahead, one
-thread, two batches ahead) reads each batch's mean and std (`LatentReader.batch` + `gather`, pinned for a
-GPU), and the step draws latent = mean + std * eps on the training device from the micro-batch's device
-generator (`stages.latents.reader.draw`). The others run synchronously: the per-file layouts load their stored latent (one
-fixed draw) and copy it to the device; the limit gathers mean and std from the memory-mapped arrays and draws the
-same eps on the device. Rounds alternate between loaders; the best round of each counts (shared, noisy machine).
+when there is one, else this CPU), and every loader runs the way the trainer runs its own: through the trainer's
+feed (stages.common.prefetch.ahead with `feed_workers` threads, two batches ahead), the CPU side of its work in the
+feed and the device side in the consuming step. Ours is the trainer's path: `LatentReader.batch` + `gather` (pinned
+for a GPU), and latent = mean + std * eps drawn from the micro-batch's generator on the training device where the
+trainer draws it (`stages.train.loop.samples_in_feed`: in the feed on a CPU, in the step on a GPU). The per-file
+layouts load their stored latent (one fixed draw), stack and convert it; the limit gathers mean and std from the
+memory-mapped arrays and draws the same eps. Rounds alternate between loaders; the best round of each counts
+(shared, noisy machine).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -31,8 +34,8 @@ from schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
 from stages.common.jsonl import write_jsonl  # noqa: E402
 from stages.latents import store  # noqa: E402
 from stages.common.prefetch import ahead  # noqa: E402
-from stages.latents.reader import LatentReader, draw, epoch_plan  # noqa: E402
-from stages.train.loop import feed_workers  # noqa: E402
+from stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
+from stages.train.loop import feed_workers, sample_latents, samples_in_feed  # noqa: E402
 
 BUCKETS = {"512x512": (4, 64, 64), "448x576": (4, 72, 56), "576x448": (4, 56, 72), "640x384": (4, 48, 80)}
 PER_BUCKET = 1000
@@ -73,25 +76,57 @@ def write_files(root: Path, data: dict[str, np.ndarray]) -> None:
                      crop_ltrb=np.array([0, 0, 0, 0]))
 
 
-def run_ours(reader: LatentReader, plan, device: torch.device) -> int:
-    """The trainer's path (stages.train.loop.Trainer.feed, prepare, latents): the feed thread reads, the step
-    draws."""
-    pin = device.type == "cuda"
-
-    def read(bucket_rows):
-        return reader.gather(reader.batch(*bucket_rows), pin=pin)
-
+def through_feed(plan, prepare: Callable, finish: Callable, workers: int) -> int:
+    """One loader as the trainer runs it: `prepare` (the CPU side: reads, and on a CPU training device the eps
+    draw too) in the feed's threads ahead of the consumer, `finish` (the device side) in the consuming step."""
     n = 0
-    with closing(ahead(plan, read, workers=feed_workers(reader), depth=FEED_DEPTH, name="bench-feed")) as feed:
-        for i, (mean, std) in enumerate(feed):
-            n += len(draw(mean, std, torch.Generator(device).manual_seed(i)))
-    return finish(n, device)
-
-
-def finish(n: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the copies and draws queued on the GPU are part of the work
+    with closing(ahead(enumerate(plan), prepare, workers=workers, depth=FEED_DEPTH, name="bench-feed")) as feed:
+        for item in feed:
+            n += len(finish(item))
     return n
+
+
+def synchronous(plan, prepare: Callable, finish: Callable) -> int:
+    """The same loader with no threads: a reference's own best when its reads hold the GIL (torch.load does)."""
+    return sum(len(finish(prepare(item))) for item in enumerate(plan))
+
+
+def sampler(gather: Callable, device: torch.device) -> tuple[Callable, Callable]:
+    """(prepare, finish) of a loader that stores mean + std and draws latent = mean + std * eps where the trainer
+    draws it (stages.train.loop.samples_in_feed), from the micro-batch's generator on the training device."""
+    def prepare(item):
+        i, (bucket, rows) = item
+        mean, std = gather(bucket, rows)
+        return sample_latents(mean, std, torch.Generator(device).manual_seed(i)) if in_feed else (i, mean, std)
+
+    def finish(x):
+        return x if in_feed else sample_latents(x[1], x[2], torch.Generator(device).manual_seed(x[0]))
+
+    in_feed = samples_in_feed(device)
+    return prepare, finish
+
+
+def ours(reader: LatentReader, device: torch.device) -> tuple[Callable, Callable]:
+    """The trainer's path (stages.train.loop.Trainer.prepare / micro_step): block reads, pinned for a GPU."""
+    return sampler(lambda bucket, rows: reader.gather(reader.batch(bucket, rows), pin=device.type == "cuda"), device)
+
+
+def limit(arrays, device: torch.device) -> tuple[Callable, Callable]:
+    """Rows gathered from contiguous memory-mapped arrays, sampled the same way."""
+    def gather(bucket, rows):
+        idx = np.sort(rows)
+        return tuple(torch.from_numpy(np.ascontiguousarray(a[idx])) for a in arrays[bucket])
+    return sampler(gather, device)
+
+
+def files(load: Callable, root: Path, device: torch.device) -> tuple[Callable, Callable]:
+    """A per-image layout: its stored latent (one fixed draw) per file, stacked, in float32 on the device."""
+    def prepare(item):
+        _, (bucket, rows) = item
+        batch = load(root, bucket, rows)
+        return batch.float() if device.type == "cpu" else batch  # the CPU side of the conversion, as ours
+
+    return prepare, lambda batch: batch.to(device, non_blocking=True).float()
 
 
 def write_mmap(root: Path, data: dict[str, np.ndarray]) -> dict[str, tuple[np.memmap, np.memmap]]:
@@ -109,31 +144,16 @@ def write_mmap(root: Path, data: dict[str, np.ndarray]) -> dict[str, tuple[np.me
     return out
 
 
-def run_mmap(arrays, plan, device: torch.device) -> int:
-    """The limit: rows gathered from contiguous memory-mapped arrays, sampled the same way on the device."""
-    n = 0
-    for i, (bucket, rows) in enumerate(plan):
-        idx = np.sort(rows)
-        mean, std = (torch.from_numpy(np.ascontiguousarray(a[idx])) for a in arrays[bucket])
-        n += len(draw(mean, std, torch.Generator(device).manual_seed(i)))
-    return finish(n, device)
+def load_pt(root: Path, bucket: str, rows) -> torch.Tensor:
+    return torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt", weights_only=True) for r in rows])
 
 
-def load_pt(root: Path, bucket: str, rows, device: torch.device) -> torch.Tensor:
-    batch = torch.stack([torch.load(root / "pt" / bucket / f"{r}.pt", weights_only=True) for r in rows])
-    return batch.to(device).float()
-
-
-def load_npz(root: Path, bucket: str, rows, device: torch.device) -> torch.Tensor:
+def load_npz(root: Path, bucket: str, rows) -> torch.Tensor:
     arrays = []
     for r in rows:
         with np.load(root / "npz" / bucket / f"{r}.npz") as z:
             arrays.append(z["latents"])
-    return torch.from_numpy(np.stack(arrays)).to(device).float()
-
-
-def run_files(load, root: Path, plan, device: torch.device) -> int:
-    return finish(sum(len(load(root, bucket, rows, device)) for bucket, rows in plan), device)
+    return torch.from_numpy(np.stack(arrays))
 
 
 def main() -> None:
@@ -148,27 +168,39 @@ def main() -> None:
         mapped = write_mmap(tmp, data)
         plan = epoch_plan(reader.counts(), BATCH, 1, seed=0, epoch=0, block_rows=BLOCK_ROWS)
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        runs = {"ours": lambda: run_ours(reader, plan, dev), "mmap": lambda: run_mmap(mapped, plan, dev),
-                "pt": lambda: run_files(load_pt, tmp, plan, dev), "npz": lambda: run_files(load_npz, tmp, plan, dev)}
-        best = dict.fromkeys(runs, 0.0)
+        workers = feed_workers(reader, dev)
+        loaders = {"ours": ours(reader, dev), "mmap": limit(mapped, dev), "pt": files(load_pt, tmp, dev),
+                   "npz": files(load_npz, tmp, dev)}
+        # Ours runs as training runs it; each reference runs both through the same feed and synchronously, and its
+        # better way counts (the GIL makes a thread pool slower for loaders whose reads are Python work).
+        runs = [("ours", "feed")] + [(name, way) for name in ("mmap", "pt", "npz") for way in ("feed", "sync")]
+        rate = dict.fromkeys(runs, 0.0)
         for _ in range(ROUNDS):
-            for name, fn in runs.items():
+            for name, way in runs:
+                prepare, finish = loaders[name]
                 t = time.perf_counter()
-                n = fn()
-                best[name] = max(best[name], n / (time.perf_counter() - t))
-        report(best, dev)
+                n = through_feed(plan, prepare, finish, workers) if way == "feed" else synchronous(plan, prepare, finish)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)  # the copies and draws queued on the GPU are part of the work
+                rate[name, way] = max(rate[name, way], n / (time.perf_counter() - t))
+        report(rate, dev, workers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def report(best: dict[str, float], device: torch.device) -> None:
+def report(rate: dict[tuple[str, str], float], device: torch.device, workers: int) -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{PER_BUCKET * len(BUCKETS)} latents in {len(BUCKETS)} buckets (4x64x64 class, float16), batch {BATCH}, "
-          f"best of {ROUNDS} rounds; samples/s of float32 batches on the training device ({where})")
-    print(f"ours (the trainer's feed thread reading, eps drawn on the device): {best['ours']:.0f}")
-    print(f"limit, memory-mapped contiguous mean + std, same eps draw: {best['mmap']:.0f}")
-    print(f".pt per image (SimpleTuner): {best['pt']:.0f}")
-    print(f".npz per image (kohya):      {best['npz']:.0f}")
+          f"best of {ROUNDS} rounds; samples/s of float32 batches on the training device ({where}); the trainer's "
+          f"feed: {workers} thread(s), {FEED_DEPTH} batches ahead")
+    drawn = "in the feed" if samples_in_feed(device) else "by the step, on the device"
+    print(f"ours (the trainer's feed: block reads, eps drawn {drawn}): {rate['ours', 'feed']:.0f}")
+    best = {"ours": rate["ours", "feed"]}
+    for name, what in (("mmap", "limit, memory-mapped contiguous mean + std, same eps draw"),
+                       ("pt", ".pt per image (SimpleTuner)"), ("npz", ".npz per image (kohya)")):
+        feed, sync = rate[name, "feed"], rate[name, "sync"]
+        best[name] = max(feed, sync)
+        print(f"{what}: {feed:.0f} through the feed, {sync:.0f} synchronous; the better counts")
     r_pt, r_npz, r_mmap = (best["ours"] / best[k] for k in ("pt", "npz", "mmap"))
     print(f"loader_vs_npz {r_npz:.2f} goal >= {GOAL_NPZ} {'PASS' if r_npz >= GOAL_NPZ else 'FAIL'}")
     print(f"loader_vs_mmap_limit {r_mmap:.2f} goal >= {GOAL_MMAP} {'PASS' if r_mmap >= GOAL_MMAP else 'FAIL'}")

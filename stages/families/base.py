@@ -44,6 +44,9 @@ class Family(Protocol):
     # Latents ---------------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module: ...
 
+    def load_vae_encoder(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """What caching needs of the VAE: `encode(x).latent_dist` (mean, std), `dtype` and `config`."""
+
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         """(scaling_factor, shift_factor) from the VAE's own config, facts as fallback."""
 

@@ -128,6 +128,19 @@ class DiffusersFamily:
         LOADED.append("vae")
         return vae.eval().requires_grad_(False)
 
+    def load_vae_encoder(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """The VAE's encode path only: built without importing diffusers when the folder has the plain AutoencoderKL
+        layout (stages.families.vae_encoder says why), else diffusers' VAE without its decoder."""
+        from stages.families.vae_encoder import load
+
+        encoder = load(Path(model_dir) / "vae", dtype, device)
+        if encoder is None:
+            encoder = self.load_vae(model_dir, dtype, device)
+            encoder.decoder = None  # caching only encodes: the decoder is half the VAE's memory
+        else:
+            LOADED.append("vae")
+        return encoder
+
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         cfg = vae.config
         scale = getattr(cfg, "scaling_factor", None)

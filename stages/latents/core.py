@@ -22,7 +22,7 @@ from stages.common.sizing import latent_shape
 from stages.latents import masks, size_policy, store
 from stages.latents.encode import Encoder
 from stages.latents.reuse import PreviousRows, row_identity, row_key
-from stages.latents.writer import BucketJob, BucketResult, BucketWriter, Settings, fill
+from stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
 from stages.scan.masks import mask_root
 
 PROGRESS_KEY = "latents-progress"
@@ -79,8 +79,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     scan: ScanManifest = upstream["scan"]
     records = scan_records(models.artifact_dir(ctx, scan))
     fam, dev = models.family(cfg), models.device(cfg)
-    vae = fam.load_vae(models.model_dir(ctx), models.dtype(cfg, dev), dev)
-    vae.decoder = None  # caching only encodes: the decoder is half the VAE's memory
+    vae = fam.load_vae_encoder(models.model_dir(ctx), models.dtype(cfg, dev), dev)
     vae_dtype = str(vae.dtype).removeprefix("torch.")
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
     jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity)
@@ -98,7 +97,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
 
 def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, total: int) -> list[BucketResult]:
     previous = PreviousRows.latest(ctx, s.names)
-    copy = previous if previous is not None else (lambda key: None)
+    reuse = previous if previous is not None else NO_REUSE
     progress = Progress(ctx.reporter, total)
     results = []
     try:
@@ -107,7 +106,7 @@ def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, tot
                 writer = BucketWriter(s, job)
                 start = writer.resume()
                 progress.advance(start)
-                results.append(fill(writer, start, encoder, copy, pool, progress.advance))
+                results.append(fill(writer, start, encoder, reuse, pool, progress.advance))
     finally:
         progress.close()
     return results

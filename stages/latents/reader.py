@@ -7,8 +7,9 @@ plan without talking.
 
 Shuffling is block-aware, so the reader reads each block once per epoch instead of one block per row: the
 blocks of a bucket are permuted, grouped into windows of WINDOW_BLOCKS blocks, and the rows of each window
-are permuted; buckets are interleaved at random but each keeps its own order. A reader therefore holds at
-most 2 x WINDOW_BLOCKS blocks per bucket in memory.
+are permuted; buckets are interleaved at random but each keeps its own order. A reader of a remote cache therefore
+holds at most 2 x WINDOW_BLOCKS blocks per bucket in memory; a local cache's chunk files stay memory-mapped
+(up to MAPPED_BLOCKS blocks), so a later epoch reads pages the process already maps.
 
 The cache may be a local version directory or a pushed version's fsspec URL (Remote.version_url, with
 Remote.options as storage_options): then every block read is one GET per array, and the training feed's threads
@@ -31,6 +32,10 @@ from stages.common.artifacts import fix_hint
 from stages.latents import store
 
 WINDOW_BLOCKS = 4
+# Local blocks kept mapped: a mapping per array and block (well under Linux's default 65,530 mappings per process).
+# Mapping a chunk file anew every epoch costs a page fault per 4 KiB on first touch: a third of the training
+# feed's time on a CPU (bench/loader.py). Mapped pages are the page cache's: the kernel can reclaim them.
+MAPPED_BLOCKS = 4096
 DEFAULT_BLOCK_ROWS = 64  # LatentsConfig.block_rows' default
 
 
@@ -96,6 +101,9 @@ class LatentReader:
         self.paths = self._index()
         self.arrays = {b.array: self._open(b) for b in manifest.buckets}
         self._blocks: dict[str, OrderedDict[int, dict[str, np.ndarray]]] = {b: OrderedDict() for b in self.shapes}
+        self._keep = 2 * WINDOW_BLOCKS  # per bucket
+        if not store.is_url(self.dir):
+            self._keep = max(self._keep, MAPPED_BLOCKS // max(1, len(self.shapes)))
         self._lock = threading.Lock()
 
     def _fail(self, what: str) -> ReaderError:
@@ -157,7 +165,7 @@ class LatentReader:
                                  f"the manifest says {self.shapes[bucket]} {self.manifest.dtype}")
         with self._lock:
             cache[block] = data
-            while len(cache) > 2 * WINDOW_BLOCKS:
+            while len(cache) > self._keep:
                 cache.popitem(last=False)
         return data
 

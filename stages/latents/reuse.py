@@ -1,4 +1,5 @@
-"""Incremental builds: rows of the previous published version whose content key matches are copied.
+"""Incremental builds: rows of the previous published version whose content key matches are reused: a block
+that matches one of the previous version's blocks row for row shares its chunk files, other rows are copied.
 
 A row's key hashes everything its latents depend on (image bytes, bucket, crop, background, VAE identity,
 VAE and stored dtypes, flip, pixel pipeline version), so a match means encoding would give the same row.
@@ -6,7 +7,7 @@ Only the latest published version is consulted, after the artifact store has ver
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from stages.common.stage import reusable_previous
 from stages.common.hashing import digest
 from stages.common.jsonl import read_jsonl
 from stages.latents import store
+from stages.latents.writer import Link
 
 # Bump when to_pixels changes what an image becomes (filter, value range): old rows stop matching.
 PIXELS_VERSION = 1
@@ -35,11 +37,12 @@ def row_key(rec: ImageRecord, identity: dict) -> str:
 
 
 class PreviousRows:
-    """Rows of one published version by key, read a whole block at a time."""
+    """Rows of one published version by key (stages.latents.writer.Reuse), read a whole block at a time."""
 
     def __init__(self, path: Path, manifest: LatentsManifest, names: tuple[str, ...]):
         self.dir, self.names, self.block_rows = path, names, manifest.block_rows
         self.where = {row["key"]: (row["bucket"], row["row"]) for row in read_jsonl(path / store.INDEX)}
+        self.counts = Counter(bucket for bucket, _ in self.where.values())
         self.fingerprint = manifest.fingerprint
         self._arrays: dict[str, dict] = {}
         self._blocks: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
@@ -54,21 +57,42 @@ class PreviousRows:
             return None
         return cls(path, manifest, names)
 
-    def __call__(self, key: str) -> dict[str, np.ndarray] | None:
-        where = self.where.get(key)
-        if where is None:
-            return None
-        bucket, row = where
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def rows(self, key: str) -> dict[str, np.ndarray]:
+        bucket, row = self.where[key]
         block, offset = divmod(row, self.block_rows)
         return {name: arr[offset] for name, arr in self._block(bucket, block).items()}
+
+    def link(self, keys: list[str], block_rows: int, final: bool) -> Link | None:
+        """The previous block holding exactly `keys` in order (a whole block; the bucket's last one may be short
+        when the new block is its bucket's last too), with its record's digest, if its files can be shared."""
+        first = self.where.get(keys[0]) if keys else None
+        if first is None or block_rows != self.block_rows or not (final or len(keys) == block_rows):
+            return None
+        bucket, row = first
+        block = row // block_rows
+        if row % block_rows or min(block_rows, self.counts[bucket] - row) != len(keys):
+            return None
+        if any(self.where.get(k) != (bucket, row + j) for j, k in enumerate(keys)):
+            return None
+        record = store.read_record(self.dir, bucket, block)
+        arrays = self._open(bucket)
+        if record is None or record.get("keys") != keys or not all(store.can_link(a) for a in arrays.values()):
+            return None
+        return Link(arrays, block, record["digest"])
+
+    def _open(self, bucket: str) -> dict:
+        if bucket not in self._arrays:
+            self._arrays[bucket] = store.open_arrays(self.dir, bucket, self.names)
+        return self._arrays[bucket]
 
     def _block(self, bucket: str, block: int) -> dict[str, np.ndarray]:
         at = (bucket, block)
         if at not in self._blocks:
-            if bucket not in self._arrays:
-                self._arrays[bucket] = store.open_arrays(self.dir, bucket, self.names)
             start = block * self.block_rows
-            self._blocks[at] = store.read_arrays(self._arrays[bucket], start, start + self.block_rows)
+            self._blocks[at] = store.read_arrays(self._open(bucket), start, start + self.block_rows)
             if len(self._blocks) > CACHED_BLOCKS:
                 self._blocks.popitem(last=False)
         self._blocks.move_to_end(at)

@@ -139,11 +139,16 @@ def write_record(root: Path, bucket: str, block: int, record: dict) -> None:
 def read_records(root: Path, bucket: str) -> list[dict]:
     """Finished blocks in order, stopping at the first gap or unreadable record."""
     out = []
-    while True:
-        try:
-            out.append(json.loads(_record_path(root, bucket, len(out)).read_text(encoding="utf-8")))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return out
+    while (record := read_record(root, bucket, len(out))) is not None:
+        out.append(record)
+    return out
+
+
+def read_record(root: Path, bucket: str, block: int) -> dict | None:
+    try:
+        return json.loads(_record_path(root, bucket, block).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def drop_records(root: Path, bucket: str, first: int) -> None:
@@ -197,15 +202,49 @@ def raw_layout_problem(arr: zarr.Array) -> str | None:
     return None
 
 
+def _chunk_key(arr: zarr.Array, block: int) -> str:
+    return arr.metadata.chunk_key_encoding.encode_chunk_key((block,) + (0,) * (arr.ndim - 1))
+
+
+def _chunk_file(arr: zarr.Array, block: int) -> Path:
+    return Path(arr.store.root) / arr.path / _chunk_key(arr, block)
+
+
+def can_link(arr: zarr.Array) -> bool:
+    """Whether link_block can share this array's chunk files: raw chunks in a local folder."""
+    return isinstance(arr.store, LocalStore) and raw_layout_problem(arr) is None
+
+
+def link_block(src: dict[str, zarr.Array], src_block: int, dst: dict[str, zarr.Array], dst_block: int) -> None:
+    """dst's block `dst_block` becomes src's block `src_block`: the same chunk files (both raw, same chunk shape
+    and dtype), hard-linked where the filesystem allows, else copied. Sharing is safe because a chunk file is
+    never changed in place: Zarr replaces a chunk by writing a new file and renaming it over the old name."""
+    for name, arr in dst.items():
+        source, target = _chunk_file(src[name], src_block), _chunk_file(arr, dst_block)
+        if src[name].chunks != arr.chunks or src[name].dtype != arr.dtype:
+            raise ValueError(f"cannot link {source} into {target}: chunks {src[name].chunks} {src[name].dtype} "
+                             f"vs {arr.chunks} {arr.dtype}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".link")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+
+
 def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
     """The rows of one chunk, read straight from its file or object (see raw_layout_problem for when that is valid)."""
-    key = arr.metadata.chunk_key_encoding.encode_chunk_key((block,) + (0,) * (arr.ndim - 1))
+    key = _chunk_key(arr, block)
     dtype = arr.dtype.newbyteorder("<")
     if isinstance(arr.store, LocalStore):
-        where = Path(arr.store.root) / arr.path / key
+        where = _chunk_file(arr, block)
         # Mapped, not read: the reader copies the rows it needs straight from the page cache, where a read into
         # fresh memory costs a page fault per 4 KiB and halves the training feed's rate (bench/loader.py).
-        flat = np.memmap(where, dtype=dtype, mode="r") if where.stat().st_size else np.empty(0, dtype)
+        # A plain view of the map: np.memmap's own indexing wraps every result in a new memmap object.
+        flat = (np.memmap(where, dtype=dtype, mode="r").view(np.ndarray) if where.stat().st_size
+                else np.empty(0, dtype))
     else:
         flat, where = _fetch_chunk(arr.store, f"{arr.path}/{key}", dtype)
     if flat.size != math.prod(arr.chunks):

@@ -1,16 +1,19 @@
-"""Writing one bucket block by block: resume finished blocks, copy reusable rows, encode the rest.
+"""Writing one bucket block by block: resume finished blocks, reuse unchanged rows, encode the rest.
 
 A block is `block_rows` consecutive rows. It is assembled in memory (rows copied from the previous version
-and rows encoded now), written as one chunk per array, then recorded in `blocks/`. Decoding runs ahead in
-the worker pool while the VAE encodes, so the VAE rarely waits for pixels.
+and rows encoded now), written as one chunk per array, then recorded in `blocks/`. A block that equals a
+block of the previous version row for row (the common case when a folder grows: buckets without new images,
+and the blocks before the first new image of a bucket) shares that block's chunk files instead, so an
+incremental build costs what changed, not the cache's size. Decoding runs ahead in the worker pool while the
+VAE encodes, so the VAE rarely waits for pixels.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -47,6 +50,40 @@ class Settings:
     block_rows: int
     batch_size: int
     names: tuple[str, ...]  # arrays per bucket
+
+
+@dataclass(frozen=True)
+class Link:
+    """A block of the previous version whose chunk files a new block can share: its arrays, index and digest."""
+
+    arrays: dict
+    block: int
+    digest: str
+
+
+class Reuse(Protocol):
+    """Rows of an earlier build by row key (stages.latents.reuse.PreviousRows; NO_REUSE for a first build)."""
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def rows(self, key: str) -> dict[str, np.ndarray]: ...
+
+    def link(self, keys: list[str], block_rows: int, final: bool) -> Link | None:
+        """The earlier block that holds exactly these rows in this order, when a new block may share its files."""
+
+
+class _NoReuse:
+    def __contains__(self, key: str) -> bool:
+        return False
+
+    def rows(self, key: str) -> dict[str, np.ndarray]:
+        raise KeyError(key)
+
+    def link(self, keys: list[str], block_rows: int, final: bool) -> Link | None:
+        return None
+
+
+NO_REUSE: Reuse = _NoReuse()
 
 
 class BucketWriter:
@@ -106,6 +143,16 @@ class BucketWriter:
         store.write_record(self.s.work, self.job.key, self.blocks, record)
         self._adopt(paths, keys, rejected)
 
+    def link(self, link: Link, paths: list[str], keys: list[str]) -> None:
+        """A whole block taken from the previous version: its chunk files, then its record."""
+        start = len(self.out.index)
+        assert start == self.blocks * self.s.block_rows, "a linked block starts at a block boundary"
+        store.link_block(link.arrays, link.block, self._ensure_arrays(), self.blocks)
+        record = {"start": start, "paths": paths, "keys": keys, "digest": link.digest, "rejected": []}
+        store.write_record(self.s.work, self.job.key, self.blocks, record)
+        self._adopt(paths, keys, [])
+        self.out.reused += len(paths)
+
     def finish(self, trailing: list[Rejected]) -> BucketResult:
         self.out.rejected += trailing
         if not self.out.index:
@@ -160,29 +207,54 @@ class _Assembly:
         self._reset()
 
 
-def _sources(s: Settings, job: BucketJob, start: int, copy: Callable[[str], dict | None],
-             pool: ThreadPoolExecutor) -> Iterator[tuple[ImageRecord, str, dict | Future]]:
-    """Each remaining record with its copied arrays or its decode job; decoding runs two blocks ahead."""
-    pending: deque = deque()
-    for rec, key in zip(job.records[start:], job.row_keys[start:]):
-        copied = copy(key)
-        pending.append((rec, key, copied if copied is not None else pool.submit(prepare, s.roots[rec.source], rec)))
-        if len(pending) > 2 * s.block_rows:
-            yield pending.popleft()
-    yield from pending
+class _Decodes:
+    """Decode jobs for the records that need encoding, submitted up to two blocks ahead of the writer."""
+
+    def __init__(self, s: Settings, job: BucketJob, reuse: Reuse, pool: ThreadPoolExecutor):
+        self.s, self.job, self.reuse, self.pool = s, job, reuse, pool
+        self.next = 0
+        self.jobs: dict[int, Future] = {}
+
+    def ahead_of(self, i: int) -> None:
+        end = min(len(self.job.records), i + 2 * self.s.block_rows)
+        self.next = max(self.next, i)
+        for k in range(self.next, end):
+            if self.job.row_keys[k] not in self.reuse:
+                rec = self.job.records[k]
+                self.jobs[k] = self.pool.submit(prepare, self.s.roots[rec.source], rec)
+        self.next = max(self.next, end)
+
+    def take(self, i: int) -> torch.Tensor | str:
+        self.ahead_of(i)
+        return self.jobs.pop(i).result()
 
 
-def fill(w: BucketWriter, start: int, encoder: Callable, copy: Callable[[str], dict | None],
-         pool: ThreadPoolExecutor, advance: Callable[[int], None]) -> BucketResult:
-    """Write every block of the bucket from record `start` on (the ones before were resumed)."""
+def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: ThreadPoolExecutor,
+         advance: Callable[[int], None]) -> BucketResult:
+    """Write every block of the bucket from record `start` on (the ones before were resumed). A block that is a
+    whole block of the previous version, row for row, takes its chunk files; other rows are copied one by one or
+    encoded."""
+    job, size = w.job, w.s.block_rows
     asm = _Assembly(w, encoder, advance)
-    for rec, key, src in _sources(w.s, w.job, start, copy, pool):
-        if isinstance(src, Future):
-            src = src.result()
+    decodes = _Decodes(w.s, job, reuse, pool)
+    i = start
+    while i < len(job.records):
+        decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
+        keys = job.row_keys[i:i + size]
+        at_boundary = not (asm.paths or asm.rejected)  # pending rejects belong to the next written block's record
+        link = reuse.link(keys, size, final=i + size >= len(job.records)) if at_boundary else None
+        if link is not None:
+            w.link(link, [r.ref for r in job.records[i:i + size]], keys)
+            advance(len(keys))
+            i += len(keys)
+            continue
+        rec, key = job.records[i], job.row_keys[i]
+        src = reuse.rows(key) if key in reuse else decodes.take(i)
         if isinstance(src, str):
             asm.rejected.append(Rejected(path=rec.ref, reason=src, kind="decode"))
-            continue
-        asm.add(rec.ref, key, src)
+        else:
+            asm.add(rec.ref, key, src)
+        i += 1
     if asm.paths:
         asm.commit()
     advance(len(asm.rejected))

@@ -58,7 +58,8 @@ class Data:
 class Fed:
     """One micro-batch as the feed prepares it ahead of its step: what the step reads, on the CPU (pinned when the
     training device is a GPU), and the micro-batch's CPU generator after the feed's draws (flips, caption dropout,
-    variants), from which the step goes on to draw timesteps."""
+    variants), from which the step goes on to draw timesteps. On a CPU training device the feed also samples the
+    latents (`sampled`), leaving `dev`, the micro-batch's device generator, where the step continues drawing."""
 
     mb: MicroBatch
     index: int  # micro-batch index since the run's first step: seeds its generators
@@ -67,13 +68,33 @@ class Fed:
     mean: torch.Tensor  # stored dtype
     std: torch.Tensor | None  # None with train.latent_sampling: mean
     cond: dict[str, torch.Tensor]
+    sampled: torch.Tensor | None = None  # float32 latents on the training device, drawn from `dev`
+    dev: torch.Generator | None = None
 
 
-def feed_workers(reader: LatentReader) -> int:
-    """Threads reading ahead. One keeps up with an H100 step on a local cache (bench/loader.py measured one thread
-    ahead of two: the reads are short and the GIL is shared); a remote cache pays one round trip per array and
-    block, and four reads in flight hide it."""
-    return 4 if store.is_url(reader.dir) else 1
+def feed_workers(reader: LatentReader, device: torch.device) -> int:
+    """Threads preparing micro-batches ahead. For a GPU one keeps up with an H100 step on a local cache
+    (bench/loader.py measured one thread ahead of two: the reads are short and the GIL is shared). For a CPU
+    training device the feed also draws eps (GIL-free, longer than the reads), and two threads draw two
+    micro-batches at once. A remote cache pays one round trip per array and block: four reads in flight hide it."""
+    if store.is_url(reader.dir):
+        return 4
+    return 2 if samples_in_feed(device) else 1
+
+
+def samples_in_feed(device: torch.device) -> bool:
+    """Where latent = mean + std * eps is drawn. On a CPU training device the draw is CPU work like the reads, so
+    the feed's threads do it ahead of the step; on a GPU it is a kernel the step queues on its own stream, with
+    the micro-batch's rows copied from page-locked memory."""
+    return device.type == "cpu"
+
+
+def sample_latents(mean: torch.Tensor, std: torch.Tensor | None, dev: torch.Generator) -> torch.Tensor:
+    """The batch's latents in float32 on `dev`'s device (the training device): the mean, or a draw
+    mean + std * eps with eps from `dev`."""
+    if std is None:
+        return mean.to(dev.device, non_blocking=True).float()
+    return draw(mean, std, dev)
 
 
 def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
@@ -122,7 +143,7 @@ class Trainer:
         them), so every draw is the one the uninterrupted run made."""
         first = self.step * self.t.grad_accumulation
         return ahead(((first + i, mb) for i, mb in enumerate(stream)), lambda item: self.prepare(*item),
-                     workers=feed_workers(self.data.reader), depth=2 * self.t.grad_accumulation,
+                     workers=feed_workers(self.data.reader, self.device), depth=2 * self.t.grad_accumulation,
                      name="train-feed")
 
     def prepare(self, index: int, mb: MicroBatch) -> Fed:
@@ -134,7 +155,15 @@ class Trainer:
         cond = self.conditioning(batch.paths, gen)
         if pin:
             cond = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in cond.items()}
-        return Fed(mb, index, gen, batch, mean, None if self.t.latent_sampling == "mean" else std, cond)
+        fed = Fed(mb, index, gen, batch, mean, None if self.t.latent_sampling == "mean" else std, cond)
+        if samples_in_feed(self.device):
+            self.sample(fed)
+        return fed
+
+    def sample(self, fed: Fed) -> None:
+        """Draw the micro-batch's latents from its own device generator (the step's draws continue from it)."""
+        fed.dev = torch.Generator(self.device).manual_seed(device_seed(self.t.seed, self.rank, fed.index))
+        fed.sampled = sample_latents(fed.mean, fed.std, fed.dev)
 
     def train_step(self, micro: list[Fed]) -> float:
         """Accumulate gradients over `micro`, check every rank's loss, step. Returns the mean loss."""
@@ -151,9 +180,11 @@ class Trainer:
     def micro_step(self, fed: Fed, sync: bool) -> torch.Tensor:
         t, data, mb, batch, gen = self.t, self.data, fed.mb, fed.batch, fed.gen
         # Tensor-sized draws (latent eps, diffusion noise) on the training device, from its own generator.
-        dev = torch.Generator(self.device).manual_seed(device_seed(t.seed, self.rank, fed.index))
+        if fed.sampled is None:
+            self.sample(fed)
+        dev = fed.dev
         torch.manual_seed(step_seed(t.seed, self.rank, fed.index))  # dropout layers, if the denoiser has any
-        x0 = scale_latents(self.latents(fed, dev), data.scaling, data.shift)
+        x0 = scale_latents(fed.sampled, data.scaling, data.shift)
         cond = {k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype, non_blocking=True)
                 for k, v in fed.cond.items()}
         noise = offset_noise(torch.randn(x0.shape, generator=dev, device=self.device), t.noise_offset, dev)
@@ -180,13 +211,6 @@ class Trainer:
         if not (self.t.flip and self.data.reader.manifest.flip):
             return None
         return (torch.rand(n, generator=gen) < 0.5).tolist()
-
-    def latents(self, fed: Fed, gen: torch.Generator) -> torch.Tensor:
-        """The batch's latents in float32 on `gen`'s device (the training device): the mean, or a draw
-        mean + std * eps with eps from `gen`."""
-        if fed.std is None:
-            return fed.mean.to(gen.device, non_blocking=True).float()
-        return draw(fed.mean, fed.std, gen)
 
     def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
         """Text tensors for the batch's captions (as the text source holds them), each sample a random one of the

@@ -5,6 +5,7 @@ Training only reads the caches; it never encodes images or text.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -214,6 +215,7 @@ def main(argv: list[str]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.freeze()  # the exit's last garbage collection would walk every object torch and diffusers made
 
 
 if __name__ == "__main__":

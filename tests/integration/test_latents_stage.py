@@ -223,8 +223,8 @@ def test_bad_vae_output_fails_naming_the_image_and_publishes_nothing(tiny_models
     write_images(tmp_path / "data", range(5))
     ctx = context(tmp_path / "work", tmp_path / "data", tiny_models)
     fam = models.family(ctx.cfg)
-    real = fam.load_vae
-    monkeypatch.setattr(fam, "load_vae", lambda *a: BrokenVAE(real(*a), how))
+    real = fam.load_vae_encoder
+    monkeypatch.setattr(fam, "load_vae_encoder", lambda *a: BrokenVAE(real(*a), how))
     with pytest.raises(LatentShapeError, match=message):
         build(ctx)
     assert ctx.store.latest("latents") is None

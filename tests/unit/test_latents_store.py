@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,8 +16,9 @@ from PIL import Image
 from schemas.scan import ImageRecord
 from stages.latents import store
 from stages.latents.encode import LatentShapeError, check_latents
-from stages.latents.reuse import row_identity, row_key
-from stages.latents.writer import BucketJob, BucketWriter, Settings, fill
+from stages.common.jsonl import write_jsonl
+from stages.latents.reuse import PreviousRows, row_identity, row_key
+from stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Settings, fill
 
 SHAPE = (4, 2, 2)
 IDENTITY = row_identity("vae", "float32", "float16", False)
@@ -62,16 +65,37 @@ class FakeEncoder:
         return {"mean": mean, "std": np.abs(mean) * np.float16(0.1) + np.float16(0.01)}
 
 
-def run(tmp: Path, job: BucketJob, encoder, copy=lambda key: None):
-    s = Settings(roots={None: tmp}, work=tmp / "work", dtype="float16", block_rows=4, batch_size=3, names=store.DIST)
+class Known(dict):
+    """Rows known by key, none of them shareable as a block (the writer's Reuse protocol)."""
+
+    def rows(self, key):
+        return self[key]
+
+    def link(self, keys, block_rows, final):
+        return None
+
+
+def run(tmp: Path, job: BucketJob, encoder, reuse=NO_REUSE, work: str = "work"):
+    s = Settings(roots={None: tmp}, work=tmp / work, dtype="float16", block_rows=4, batch_size=3, names=store.DIST)
     writer = BucketWriter(s, job)
     start = writer.resume()
     with ThreadPoolExecutor(2) as pool:
-        return start, fill(writer, start, encoder, copy, pool, lambda n: None)
+        return start, fill(writer, start, encoder, reuse, pool, lambda n: None)
 
 
-def stored(tmp: Path) -> np.ndarray:
-    return zarr.open_group(str(tmp / "work" / store.STORE / "16x16"), mode="r")["mean"][:]
+def stored(tmp: Path, work: str = "work") -> np.ndarray:
+    return zarr.open_group(str(tmp / work / store.STORE / "16x16"), mode="r")["mean"][:]
+
+
+def published(tmp: Path, out, work: str = "work") -> PreviousRows:
+    """A finished build as the next build sees the previous version."""
+    write_jsonl(tmp / work / store.INDEX, out.index)
+    return PreviousRows(tmp / work, SimpleNamespace(block_rows=4, fingerprint="previous"), store.DIST)
+
+
+def chunk_inodes(tmp: Path, work: str) -> list[int]:
+    folder = tmp / work / store.STORE / "16x16" / "mean" / "c"
+    return [os.stat(folder / str(b) / "0" / "0" / "0").st_ino for b in range(len(os.listdir(folder)))]
 
 
 def test_writes_blocks_in_path_order_and_rejects_undecodable_images(tmp_path):
@@ -128,9 +152,44 @@ def test_rows_with_a_known_key_are_copied_not_encoded(tmp_path):
     known = {job.row_keys[i]: {"mean": np.full(SHAPE, i, np.float16), "std": np.ones(SHAPE, np.float16)}
              for i in (0, 1, 4)}
     enc = FakeEncoder()
-    _, out = run(tmp_path, job, enc, copy=known.get)
+    _, out = run(tmp_path, job, enc, reuse=Known(known))
     assert out.reused == 3 and out.encoded == 3 == enc.images
     np.testing.assert_array_equal(stored(tmp_path)[4], np.full(SHAPE, 4, np.float16))
+
+
+def test_unchanged_blocks_share_the_previous_versions_chunk_files(tmp_path):
+    job = make_job(tmp_path, 10)  # blocks of 4: rows 0-3, 4-7, 8-9
+    _, first = run(tmp_path, job, FakeEncoder())
+    previous = published(tmp_path, first)
+    grown = make_job(tmp_path, 14)  # img10..13 sort last: blocks 0 and 1 are unchanged, block 2 gains rows
+    enc = FakeEncoder()
+    _, out = run(tmp_path, grown, enc, reuse=previous, work="next")
+    assert enc.images == 4 and (out.encoded, out.reused) == (4, 10)
+    assert chunk_inodes(tmp_path, "next")[:2] == chunk_inodes(tmp_path, "work")[:2]  # linked, not rewritten
+    assert chunk_inodes(tmp_path, "next")[2] != chunk_inodes(tmp_path, "work")[2]
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    _, ref = run(clean, make_job(clean, 14), FakeEncoder())
+    np.testing.assert_array_equal(stored(tmp_path, "next"), stored(clean))
+    assert store.read_records(tmp_path / "next", "16x16") == store.read_records(clean / "work", "16x16")
+    enc = FakeEncoder()  # the records of linked blocks verify: a rerun resumes every block
+    start, again = run(tmp_path, grown, enc, reuse=previous, work="next")
+    assert start == 14 and enc.images == 0 and again.resumed == 14
+
+
+def test_a_shifted_or_partly_rejected_block_is_copied_row_by_row(tmp_path):
+    job = make_job(tmp_path, 8)
+    _, first = run(tmp_path, job, FakeEncoder())
+    previous = published(tmp_path, first)
+    (tmp_path / "img00.png").write_bytes(corrupt_png())  # now rejected: every later row moves up by one
+    moved = make_job(tmp_path, 8, bad=(0,))
+    moved.records[1:] = job.records[1:]
+    moved.row_keys[1:] = job.row_keys[1:]
+    enc = FakeEncoder()
+    _, out = run(tmp_path, moved, enc, reuse=previous, work="next")
+    assert enc.images == 0 and out.reused == 7 and [r.path for r in out.rejected] == ["img00.png"]
+    assert not set(chunk_inodes(tmp_path, "next")) & set(chunk_inodes(tmp_path, "work"))
+    np.testing.assert_array_equal(stored(tmp_path, "next"), stored(tmp_path)[1:])
 
 
 def test_row_key_covers_content_bucket_crop_and_identity(tmp_path):
