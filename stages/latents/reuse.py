@@ -91,8 +91,7 @@ class PreviousRows:
     def _block(self, bucket: str, block: int) -> dict[str, np.ndarray]:
         at = (bucket, block)
         if at not in self._blocks:
-            start = block * self.block_rows
-            self._blocks[at] = store.read_arrays(self._open(bucket), start, start + self.block_rows)
+            self._blocks[at] = store.read_blocks(self._open(bucket), block)
             if len(self._blocks) > CACHED_BLOCKS:
                 self._blocks.popitem(last=False)
         self._blocks.move_to_end(at)
