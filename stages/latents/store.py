@@ -246,11 +246,7 @@ def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
     dtype = arr.dtype.newbyteorder("<")
     if isinstance(arr.store, LocalStore):
         where = _chunk_file(arr, block)
-        # Mapped, not read: the reader copies the rows it needs straight from the page cache, where a read into
-        # fresh memory costs a page fault per 4 KiB and halves the training feed's rate (bench/loader.py).
-        # A plain view of the map: np.memmap's own indexing wraps every result in a new memmap object.
-        flat = (np.memmap(where, dtype=dtype, mode="r").view(np.ndarray) if where.stat().st_size
-                else np.empty(0, dtype))
+        flat = _mapped(where, dtype)
     else:
         flat, where = _fetch_chunk(arr.store, f"{arr.path}/{key}", dtype)
     if flat.size != math.prod(arr.chunks):
@@ -258,6 +254,21 @@ def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
                          f"(truncated or edited)")
     rows = min(arr.chunks[0], arr.shape[0] - block * arr.chunks[0])
     return flat.reshape(arr.chunks)[:rows]
+
+
+def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
+    """The file's values, memory-mapped. Mapped, not read: the reader copies the rows it needs straight from the page
+    cache, where a read into fresh memory costs a page fault per 4 KiB and halves the training feed's rate
+    (bench/loader.py). Through torch.from_file, not np.memmap: np.memmap holds a file descriptor per map, and a
+    training reader keeps thousands of maps (reader.MAPPED_BLOCKS) where 1,024 descriptors is a common limit. The
+    pages are private: a write to the array would never reach the file."""
+    import torch  # only readers map chunks: the writer and `tuneline status` stay torch-free
+
+    count = path.stat().st_size // dtype.itemsize
+    if not count:
+        return np.empty(0, dtype)
+    kind = torch.from_numpy(np.empty(0, dtype)).dtype
+    return torch.from_file(str(path), shared=False, size=count, dtype=kind).numpy()
 
 
 def _fetch_chunk(fsstore: FsspecStore, key: str, dtype: np.dtype) -> tuple[np.ndarray, str]:

@@ -1,6 +1,7 @@
 """The training reader over a hand-built cache: epoch plans, block reads, checks, sampling, prefetch."""
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -147,6 +148,22 @@ def test_open_refuses_compressed_arrays(tmp_path):
     group.create_array("std", shape=(3, 4, 8, 8), chunks=(BLOCK, 4, 8, 8), dtype="float16", overwrite=True)
     with pytest.raises(ReaderError, match="cannot be read block-wise: its codecs"):
         LatentReader(tmp_path, manifest)
+
+
+def test_a_later_epoch_reads_no_block_again_and_maps_hold_no_descriptors(tmp_path, monkeypatch):
+    manifest, values = make_cache(tmp_path, counts={"64x64": 200})  # 50 blocks of 4 rows
+    reader = LatentReader(tmp_path, manifest)
+    reads = []
+    real = store.read_chunk
+    monkeypatch.setattr(store, "read_chunk", lambda arr, block: reads.append(block) or real(arr, block))
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for epoch in range(2):
+        for bucket, rows in reader.plan(8, 1, seed=0, epoch=epoch):
+            mean, std = reader.gather(reader.batch(bucket, rows))
+            np.testing.assert_array_equal(mean.numpy(), values[bucket]["mean"][rows])
+            np.testing.assert_array_equal(std.numpy(), values[bucket]["std"][rows])
+    assert sorted(reads) == sorted(list(range(50)) * 2)  # each block once per array (mean, std), in epoch 0 only
+    assert len(os.listdir("/proc/self/fd")) <= descriptors + 2  # 100 maps kept, no file left open for them
 
 
 def test_per_batch_checks_name_the_problem(tmp_path):
