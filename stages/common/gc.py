@@ -85,4 +85,6 @@ def collect(p: GcPlan, *, partial: bool = False) -> int:
 
 
 def tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """What deleting `path` gives back: a file that a kept version still links (a latent chunk file an incremental
+    build shared, stages.latents.store.link_block) frees nothing."""
+    return sum(st.st_size for f in path.rglob("*") if f.is_file() and (st := f.stat()).st_nlink == 1)

@@ -59,6 +59,17 @@ def test_keep_newest_plus_protected(store):
     assert not any(d.name.startswith(".") for d in store.stage_dir("scan").iterdir()), "no trash left behind"
 
 
+def test_a_file_a_kept_version_still_links_frees_nothing(store):
+    shared = store.version_dir("latents", "l2") / "data.bin"
+    os.unlink(shared)
+    os.link(store.version_dir("latents", "l3") / "data.bin", shared)  # an incremental build's shared chunk
+    p = plan(store, STAGES, {"train": "t1"}, keep=1)
+    assert _names(p.remove) == {"s2", "s3", "l2"}
+    expected = sum(f.stat().st_size for d in p.remove for f in d.rglob("*") if f.is_file() and f != shared)
+    assert collect(p) == expected  # l2's manifest, not its data.bin: that stays l3's
+    assert (store.version_dir("latents", "l3") / "data.bin").read_bytes() == b"x" * 1000
+
+
 def test_keep_zero_removes_everything_unprotected(store):
     p = plan(store, STAGES, {"scan": "s3"}, keep=0)
     collect(p)
