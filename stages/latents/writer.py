@@ -240,14 +240,14 @@ def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: Thr
     i = start
     while i < len(job.records):
         decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
-        keys = job.row_keys[i:i + size]
-        at_boundary = not (asm.paths or asm.rejected)  # pending rejects belong to the next written block's record
-        link = reuse.link(keys, size, final=i + size >= len(job.records)) if at_boundary else None
-        if link is not None:
-            w.link(link, [r.ref for r in job.records[i:i + size]], keys)
-            advance(len(keys))
-            i += len(keys)
-            continue
+        if not (asm.paths or asm.rejected):  # a block boundary (pending rejects go in the next written record)
+            keys = job.row_keys[i:i + size]
+            link = reuse.link(keys, size, final=i + size >= len(job.records))
+            if link is not None:
+                w.link(link, [r.ref for r in job.records[i:i + size]], keys)
+                advance(len(keys))
+                i += len(keys)
+                continue
         rec, key = job.records[i], job.row_keys[i]
         src = reuse.rows(key) if key in reuse else decodes.take(i)
         if isinstance(src, str):
