@@ -4,7 +4,8 @@ The model is the tiny family's pipeline with its VAE replaced by the SD VAE arch
 ResNet layers each, 4 latent channels), narrowed to (32, 64, 128, 128) channels so a run fits in minutes on
 2 CPU cores. The dataset is photo-like JPEGs and PNGs at 1.5-3x their bucket size (128 px shorter edge, three
 aspect buckets), so decoding and resizing cost what they cost on real data. In one run, on the same images:
-  limit  the encoder alone, batches of `batch_size` within a bucket, on tensors decoded and resized beforehand;
+  limit  the stage's own encoder alone (stages/families/vae_encoder.py), batches of `batch_size` within a bucket,
+         on tensors decoded and resized beforehand;
   stage  `run_stage` of the latents stage on a fresh workdir (scan done beforehand, untimed): VAE load, decode
          pool, encoding, checks, Zarr writes, index, manifest and publish;
   naive  decode one image, encode it alone, `torch.save` its latent to a `.pt` (SimpleTuner-style); timed on
@@ -102,11 +103,11 @@ def time_stage(ctx: StageContext) -> float:
 
 
 def time_limit(ctx: StageContext, data: Path) -> float:
-    """The encoder's forward alone, same batches as the stage, pixels decoded beforehand."""
+    """The stage's own encoder's forward alone, same batches as the stage, pixels decoded beforehand."""
     by_bucket = defaultdict(list)
     for r in sorted(records(ctx), key=lambda r: r.path):
         by_bucket[(r.bucket_width, r.bucket_height)].append(to_pixels(load_rgb(data / r.path, r), r))
-    vae = load_vae(ctx)
+    vae = models.family(ctx.cfg).load_vae_encoder(models.model_dir(ctx), torch.float32, torch.device("cpu"))
     t = time.perf_counter()
     with torch.no_grad():
         for pixels in by_bucket.values():
@@ -116,7 +117,8 @@ def time_limit(ctx: StageContext, data: Path) -> float:
 
 
 def time_naive(ctx: StageContext, data: Path, out: Path) -> float:
-    """Seconds for all the images, measured on every NAIVE_EVERY-th one."""
+    """Seconds for all the images, measured on every NAIVE_EVERY-th one, with diffusers' AutoencoderKL as a
+    script of its own would load it."""
     out.mkdir(parents=True)
     recs = records(ctx)[::NAIVE_EVERY]
     vae = load_vae(ctx)

@@ -83,8 +83,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     vae_dtype = str(vae.dtype).removeprefix("torch.")
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
     jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity)
-    if ctx.force:
-        shutil.rmtree(work / store.BLOCKS, ignore_errors=True)  # --force: resume nothing either
+    if ctx.force:  # --force: resume nothing either
+        for done in (store.BLOCKS, store.STORE):
+            shutil.rmtree(work / done, ignore_errors=True)
     settings = Settings(roots=scan.roots(), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
                         batch_size=lc.batch_size, names=store.array_names(lc.flip))
     results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))

@@ -9,7 +9,7 @@ Shuffling is block-aware, so the reader reads each block once per epoch instead 
 blocks of a bucket are permuted, grouped into windows of WINDOW_BLOCKS blocks, and the rows of each window
 are permuted; buckets are interleaved at random but each keeps its own order. A reader of a remote cache therefore
 holds at most 2 x WINDOW_BLOCKS blocks per bucket in memory; a local cache's chunk files stay memory-mapped
-(up to MAPPED_BLOCKS blocks), so a later epoch reads pages the process already maps.
+(up to MAPPED_BYTES), so a later epoch reads pages the process already maps.
 
 The cache may be a local version directory or a pushed version's fsspec URL (Remote.version_url, with
 Remote.options as storage_options): then every block read is one GET per array, and the training feed's threads
@@ -32,10 +32,11 @@ from stages.common.artifacts import fix_hint
 from stages.latents import store
 
 WINDOW_BLOCKS = 4
-# Local blocks kept mapped: a mapping per array and block (well under Linux's default 65,530 mappings per process).
-# Mapping a chunk file anew every epoch costs a page fault per 4 KiB on first touch: a third of the training
-# feed's time on a CPU (bench/loader.py). Mapped pages are the page cache's: the kernel can reclaim them.
-MAPPED_BLOCKS = 4096
+# Local blocks stay mapped, up to this many bytes (1,024 blocks of SD1.5's 4x64x64 float16 mean + std) and blocks
+# (a mapping per array: well under Linux's 65,530 per process) per reader: mapping a chunk file anew every epoch
+# costs a page fault per 4 KiB on first touch, a third of the training feed's time on a CPU (bench/loader.py).
+# Mapped pages are the page cache's: the kernel can reclaim them.
+MAPPED_BYTES, MAPPED_BLOCKS = 4 << 30, 8192
 DEFAULT_BLOCK_ROWS = 64  # LatentsConfig.block_rows' default
 
 
@@ -101,10 +102,17 @@ class LatentReader:
         self.paths = self._index()
         self.arrays = {b.array: self._open(b) for b in manifest.buckets}
         self._blocks: dict[str, OrderedDict[int, dict[str, np.ndarray]]] = {b: OrderedDict() for b in self.shapes}
-        self._keep = 2 * WINDOW_BLOCKS  # per bucket
-        if not store.is_url(self.dir):
-            self._keep = max(self._keep, MAPPED_BLOCKS // max(1, len(self.shapes)))
+        remote = store.is_url(self.dir)
+        self._keep = {b: 2 * WINDOW_BLOCKS if remote else max(2 * WINDOW_BLOCKS, self._mapped_blocks(b))
+                      for b in self.shapes}  # blocks held per bucket
         self._lock = threading.Lock()
+
+    def _mapped_blocks(self, bucket: str) -> int:
+        """How many blocks of `bucket` a local reader keeps mapped: its share of MAPPED_BYTES and MAPPED_BLOCKS."""
+        share = max(1, len(self.shapes))
+        block_bytes = (self.block_rows * int(np.prod(self.shapes[bucket])) * len(self.names)
+                       * np.dtype(self.manifest.dtype).itemsize)
+        return min(MAPPED_BLOCKS // share, MAPPED_BYTES // share // block_bytes)
 
     def _fail(self, what: str) -> ReaderError:
         return ReaderError(f"latent cache {self.dir}: {what}; {fix_hint('latents')}")
@@ -165,7 +173,7 @@ class LatentReader:
                                  f"the manifest says {self.shapes[bucket]} {self.manifest.dtype}")
         with self._lock:
             cache[block] = data
-            while len(cache) > self._keep:
+            while len(cache) > self._keep[bucket]:
                 cache.popitem(last=False)
         return data
 

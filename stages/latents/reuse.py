@@ -7,7 +7,7 @@ Only the latest published version is consulted, after the artifact store has ver
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,6 @@ class PreviousRows:
     def __init__(self, path: Path, manifest: LatentsManifest, names: tuple[str, ...]):
         self.dir, self.names, self.block_rows = path, names, manifest.block_rows
         self.where = {row["key"]: (row["bucket"], row["row"]) for row in read_jsonl(path / store.INDEX)}
-        self.counts = Counter(bucket for bucket, _ in self.where.values())
         self.fingerprint = manifest.fingerprint
         self._arrays: dict[str, dict] = {}
         self._blocks: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
@@ -65,23 +64,18 @@ class PreviousRows:
         block, offset = divmod(row, self.block_rows)
         return {name: arr[offset] for name, arr in self._block(bucket, block).items()}
 
-    def link(self, keys: list[str], block_rows: int, final: bool) -> Link | None:
-        """The previous block holding exactly `keys` in order (a whole block; the bucket's last one may be short
-        when the new block is its bucket's last too), with its record's digest, if its files can be shared."""
-        first = self.where.get(keys[0]) if keys else None
-        if first is None or block_rows != self.block_rows or not (final or len(keys) == block_rows):
+    def link(self, keys: list[str], block_rows: int) -> Link | None:
+        """The previous block whose rows are exactly `keys`, in order (its record says so), with the record's digest,
+        when its chunk files can be shared. A short `keys` (a bucket's last block) matches only a short block."""
+        first = self.where.get(keys[0]) if keys and block_rows == self.block_rows else None
+        if first is None or first[1] % block_rows:
             return None
-        bucket, row = first
-        block = row // block_rows
-        if row % block_rows or min(block_rows, self.counts[bucket] - row) != len(keys):
-            return None
-        if any(self.where.get(k) != (bucket, row + j) for j, k in enumerate(keys)):
-            return None
+        bucket, block = first[0], first[1] // block_rows
         record = store.read_record(self.dir, bucket, block)
-        arrays = self._open(bucket)
-        if record is None or record.get("keys") != keys or not all(store.can_link(a) for a in arrays.values()):
+        if record is None or record.get("keys") != keys:
             return None
-        return Link(arrays, block, record["digest"])
+        arrays = self._open(bucket)
+        return Link(arrays, block, record["digest"]) if all(store.can_link(a) for a in arrays.values()) else None
 
     def _open(self, bucket: str) -> dict:
         if bucket not in self._arrays:

@@ -224,20 +224,20 @@ def can_link(arr: zarr.Array) -> bool:
 def link_block(src: dict[str, zarr.Array], src_block: int, dst: dict[str, zarr.Array], dst_block: int) -> None:
     """dst's block `dst_block` becomes src's block `src_block`: the same chunk files (both raw, same chunk shape
     and dtype), hard-linked where the filesystem allows, else copied. Sharing is safe because a chunk file is
-    never changed in place: Zarr replaces a chunk by writing a new file and renaming it over the old name."""
+    never changed in place: Zarr (3.1.3 and later) replaces a chunk by writing a new file and renaming it over the
+    old name, and an existing target is unlinked first, never written into. No temporary name is needed: until the
+    block's record is written after this, a resumed build redoes the block."""
     for name, arr in dst.items():
         source, target = _chunk_file(src[name], src_block), _chunk_file(arr, dst_block)
         if src[name].chunks != arr.chunks or src[name].dtype != arr.dtype:
             raise ValueError(f"cannot link {source} into {target}: chunks {src[name].chunks} {src[name].dtype} "
                              f"vs {arr.chunks} {arr.dtype}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".link")
-        tmp.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)  # an interrupted attempt's chunk, possibly itself a link: never write into it
         try:
-            os.link(source, tmp)
+            os.link(source, target)
         except OSError:  # another filesystem, or one without hard links
-            shutil.copyfile(source, tmp)
-        os.replace(tmp, target)
+            shutil.copyfile(source, target)
 
 
 def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
@@ -257,18 +257,19 @@ def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
 
 
 def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
-    """The file's values, memory-mapped. Mapped, not read: the reader copies the rows it needs straight from the page
-    cache, where a read into fresh memory costs a page fault per 4 KiB and halves the training feed's rate
-    (bench/loader.py). Through torch.from_file, not np.memmap: np.memmap holds a file descriptor per map, and a
-    training reader keeps thousands of maps (reader.MAPPED_BLOCKS) where 1,024 descriptors is a common limit. The
-    pages are private: a write to the array would never reach the file."""
-    import torch  # only readers map chunks: the writer and `tuneline status` stay torch-free
+    """The file's values, memory-mapped and read-only. Mapped, not read: the reader copies the rows it needs straight
+    from the page cache, where a read into fresh memory costs a page fault per 4 KiB and halves the training feed's
+    rate (bench/loader.py). Through torch.from_file, not np.memmap: np.memmap holds a file descriptor per map, and a
+    training reader keeps thousands of maps (reader.MAPPED_BLOCKS) where 1,024 descriptors is a common limit."""
+    import torch  # only processes that read chunks (training, the latents stage) map them; `tuneline status` never
 
     count = path.stat().st_size // dtype.itemsize
     if not count:
         return np.empty(0, dtype)
     kind = torch.from_numpy(np.empty(0, dtype)).dtype
-    return torch.from_file(str(path), shared=False, size=count, dtype=kind).numpy()
+    values = torch.from_file(str(path), shared=False, size=count, dtype=kind).numpy()
+    values.flags.writeable = False  # private pages: a stray write would change this process's view, never the file
+    return values
 
 
 def _fetch_chunk(fsstore: FsspecStore, key: str, dtype: np.dtype) -> tuple[np.ndarray, str]:

@@ -68,7 +68,7 @@ class Reuse(Protocol):
 
     def rows(self, key: str) -> dict[str, np.ndarray]: ...
 
-    def link(self, keys: list[str], block_rows: int, final: bool) -> Link | None:
+    def link(self, keys: list[str], block_rows: int) -> Link | None:
         """The earlier block that holds exactly these rows in this order, when a new block may share its files."""
 
 
@@ -79,7 +79,7 @@ class _NoReuse:
     def rows(self, key: str) -> dict[str, np.ndarray]:
         raise KeyError(key)
 
-    def link(self, keys: list[str], block_rows: int, final: bool) -> Link | None:
+    def link(self, keys: list[str], block_rows: int) -> Link | None:
         return None
 
 
@@ -225,7 +225,7 @@ class _Decodes:
         self.next = max(self.next, end)
 
     def take(self, i: int) -> torch.Tensor | str:
-        self.ahead_of(i)
+        """Record i's pixels or rejection reason (its job was submitted by ahead_of, called at or before i)."""
         return self.jobs.pop(i).result()
 
 
@@ -242,7 +242,7 @@ def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: Thr
         decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
         if not (asm.paths or asm.rejected):  # a block boundary (pending rejects go in the next written record)
             keys = job.row_keys[i:i + size]
-            link = reuse.link(keys, size, final=i + size >= len(job.records))
+            link = reuse.link(keys, size)
             if link is not None:
                 w.link(link, [r.ref for r in job.records[i:i + size]], keys)
                 advance(len(keys))

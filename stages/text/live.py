@@ -2,6 +2,7 @@
 the fly, and `open_text`, which gives a consumer whichever of the two its text artifact calls for."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ class LiveText:
         self.augment = augment or TagAugment()
         self.variants = self.augment.variants
         self.enc = fam.load_text_encoders(Path(model_dir), dtype, device, max_length=max_length)
+        # The training feed calls get() from several threads; a fast tokenizer's padding/truncation state is not
+        # safe to share ("Already borrowed"), and two encoder passes at once would only compete for the cores.
+        self._lock = threading.Lock()
 
     def strings(self, captions: list[str], variant_ids: list[int] | None = None) -> list[str]:
         """The exact string encoded for each sample (variant 0: the caption as written)."""
@@ -35,7 +39,8 @@ class LiveText:
         strings = self.strings(captions, variant_ids)
         # Each distinct string once, as in the cache (a batch often repeats the empty caption).
         row = {s: i for i, s in enumerate(dict.fromkeys(strings))}
-        out = encode_strings(self.fam, self.enc, list(row), self.batch_size)
+        with self._lock:
+            out = encode_strings(self.fam, self.enc, list(row), self.batch_size)
         pos = torch.tensor([row[s] for s in strings], dtype=torch.long)
         return {k: v[pos.to(v.device)] for k, v in out.items()}
 

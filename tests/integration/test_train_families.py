@@ -113,3 +113,20 @@ def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path):
     _steps(quant, 3)
     assert all(n.startswith("lora") or "lora_" in n for n in quant.params), "only the LoRA trains"
     torch.testing.assert_close(torch.tensor(quant.losses), torch.tensor(plain.losses), rtol=0.05, atol=1e-3)
+
+
+def test_latents_sampled_in_the_feed_are_the_ones_the_step_would_draw(tmp_path, monkeypatch):
+    """On a CPU training device the feed's threads draw mean + std * eps; the step then draws the diffusion noise from
+    the same generator. Drawing everything in the step instead (as on a GPU) must give the same losses and weights."""
+    from stages.train import loop
+
+    cfg = small_config(tmp_path, TRAIN, model={"family": "sdxl", "device": "cpu"})
+    ctx = build_upstream(cfg)
+    in_feed = _trainer(cfg, ctx)
+    _steps(in_feed, 2)
+    monkeypatch.setattr(loop, "samples_in_feed", lambda device: False)
+    in_step = _trainer(cfg, ctx)
+    _steps(in_step, 2)
+    assert in_feed.losses == in_step.losses and len(in_feed.losses) == 2
+    for name, p in in_feed.params.items():
+        assert torch.equal(in_step.params[name], p), name

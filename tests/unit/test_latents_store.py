@@ -71,7 +71,7 @@ class Known(dict):
     def rows(self, key):
         return self[key]
 
-    def link(self, keys, block_rows, final):
+    def link(self, keys, block_rows):
         return None
 
 
@@ -175,6 +175,21 @@ def test_unchanged_blocks_share_the_previous_versions_chunk_files(tmp_path):
     enc = FakeEncoder()  # the records of linked blocks verify: a rerun resumes every block
     start, again = run(tmp_path, grown, enc, reuse=previous, work="next")
     assert start == 14 and enc.images == 0 and again.resumed == 14
+    before = stored(tmp_path).copy()  # a linked block written again (a redone block) leaves the old version alone
+    arrays = store.create_arrays(tmp_path / "next", "16x16", SHAPE, 14, "float16", 4, store.DIST)
+    store.write_block(arrays, 0, {name: np.full((4, *SHAPE), 7, np.float16) for name in store.DIST})
+    np.testing.assert_array_equal(stored(tmp_path), before)
+    assert (stored(tmp_path, "next")[:4] == 7).all()
+
+
+def test_an_unchanged_bucket_links_every_block_the_short_last_one_too(tmp_path):
+    job = make_job(tmp_path, 10)  # blocks of 4, 4 and 2 rows
+    _, first = run(tmp_path, job, FakeEncoder())
+    enc = FakeEncoder()
+    _, out = run(tmp_path, make_job(tmp_path, 10), enc, reuse=published(tmp_path, first), work="next")
+    assert enc.images == 0 and out.reused == 10
+    assert chunk_inodes(tmp_path, "next") == chunk_inodes(tmp_path, "work")
+    np.testing.assert_array_equal(stored(tmp_path, "next"), stored(tmp_path))
 
 
 def test_a_shifted_or_partly_rejected_block_is_copied_row_by_row(tmp_path):
