@@ -29,15 +29,15 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.config import parse_config  # noqa: E402
-from schemas.scan import ImageRecord  # noqa: E402
-from stages.common import models  # noqa: E402
-from stages.common.jsonl import read_jsonl  # noqa: E402
-from stages.common.stage import StageContext, run_stage  # noqa: E402
-from stages.families.registry import get_family  # noqa: E402
-from stages.latents.encode import to_pixels  # noqa: E402
-from stages.pipeline import PIPELINE, stage  # noqa: E402
-from stages.scan.images import load_rgb  # noqa: E402
+from tuneline.schemas.config import parse_config  # noqa: E402
+from tuneline.schemas.scan import ImageRecord  # noqa: E402
+from tuneline.stages.common import models  # noqa: E402
+from tuneline.stages.common.jsonl import read_jsonl  # noqa: E402
+from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
+from tuneline.stages.families.registry import get_family  # noqa: E402
+from tuneline.stages.latents.encode import to_pixels  # noqa: E402
+from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402
+from tuneline.stages.scan.images import load_rgb  # noqa: E402
 
 N_IMAGES = 48
 ROUNDS = 3

@@ -35,10 +35,10 @@ GOAL = 0.03
 
 STAGE = """
 import json, sys
-from schemas.config import parse_config
-from schemas.latents import LatentsManifest
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE, stage
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
 ctx = StageContext(parse_config(json.loads(open(sys.argv[1]).read())))
 path, built = run_stage(ctx, stage(sys.argv[2]), PIPELINE)
 m = ctx.store.read(path, LatentsManifest) if sys.argv[2] == "latents" else None
@@ -61,7 +61,7 @@ def run(spec: Path, name: str) -> tuple[float, dict]:
 
 def import_seconds() -> float:
     """What a fresh process pays to import what an encoding latents run needs, measured inside it."""
-    code = ("import time; t = time.perf_counter(); import torch, stages.latents.core, stages.families.vae_encoder; "
+    code = ("import time; t = time.perf_counter(); import torch, tuneline.stages.latents.core, tuneline.stages.families.vae_encoder; "
             "print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, check=True)

@@ -2,15 +2,15 @@
 memory-mapped array, on the same latents in one run.
 
 ~4,000 latents of SD1.5-at-512px size (4 x 64 x 64 and three nearby aspect buckets, float16) are written our
-way (Zarr, mean + std in block chunks, through stages.latents.store), as one `torch.save`d `.pt` per image
+way (Zarr, mean + std in block chunks, through tuneline.stages.latents.store), as one `torch.save`d `.pt` per image
 (SimpleTuner's layout), one `.npz` per image (kohya's layout), and as one contiguous memory-mapped array per
 bucket (the limit: no files to open, no chunks to decode). Each loader produces the same epoch of shuffled
 bucket batches of 16 as the training step receives them: float32 (B, C, h, w) on the training device (the GPU
 when there is one, else this CPU), and every loader runs the way the trainer runs its own: through the trainer's
-feed (stages.common.prefetch.ahead with `feed_workers` threads, two batches ahead), the CPU side of its work in the
+feed (tuneline.stages.common.prefetch.ahead with `feed_workers` threads, two batches ahead), the CPU side of its work in the
 feed and the device side in the consuming step. Ours is the trainer's path: `LatentReader.batch` + `gather` (pinned
 for a GPU), and latent = mean + std * eps drawn from the micro-batch's generator on the training device where the
-trainer draws it (`stages.train.loop.samples_in_feed`: in the feed on a CPU, in the step on a GPU). The per-file
+trainer draws it (`tuneline.stages.train.loop.samples_in_feed`: in the feed on a CPU, in the step on a GPU). The per-file
 layouts load their stored latent (one fixed draw), stack and convert it; the limit gathers mean and std from the
 memory-mapped arrays and draws the same eps. Rounds alternate between loaders; the best round of each counts
 (shared, noisy machine).
@@ -30,12 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
-from stages.common.jsonl import write_jsonl  # noqa: E402
-from stages.latents import store  # noqa: E402
-from stages.common.prefetch import ahead  # noqa: E402
-from stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
-from stages.train.loop import feed_workers, sample_latents, samples_in_feed  # noqa: E402
+from tuneline.schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
+from tuneline.stages.common.jsonl import write_jsonl  # noqa: E402
+from tuneline.stages.latents import store  # noqa: E402
+from tuneline.stages.common.prefetch import ahead  # noqa: E402
+from tuneline.stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
+from tuneline.stages.train.loop import feed_workers, sample_latents, samples_in_feed  # noqa: E402
 
 BUCKETS = {"512x512": (4, 64, 64), "448x576": (4, 72, 56), "576x448": (4, 56, 72), "640x384": (4, 48, 80)}
 PER_BUCKET = 1000
@@ -93,7 +93,7 @@ def synchronous(plan, prepare: Callable, finish: Callable) -> int:
 
 def sampler(gather: Callable, device: torch.device) -> tuple[Callable, Callable]:
     """(prepare, finish) of a loader that stores mean + std and draws latent = mean + std * eps where the trainer
-    draws it (stages.train.loop.samples_in_feed), from the micro-batch's generator on the training device."""
+    draws it (tuneline.stages.train.loop.samples_in_feed), from the micro-batch's generator on the training device."""
     def prepare(item):
         i, (bucket, rows) = item
         mean, std = gather(bucket, rows)
@@ -107,7 +107,7 @@ def sampler(gather: Callable, device: torch.device) -> tuple[Callable, Callable]
 
 
 def ours(reader: LatentReader, device: torch.device) -> tuple[Callable, Callable]:
-    """The trainer's path (stages.train.loop.Trainer.prepare / micro_step): block reads, pinned for a GPU."""
+    """The trainer's path (tuneline.stages.train.loop.Trainer.prepare / micro_step): block reads, pinned for a GPU."""
     return sampler(lambda bucket, rows: reader.gather(reader.batch(bucket, rows), pin=device.type == "cuda"), device)
 
 

@@ -71,9 +71,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 # The stages, each in a fresh process as a user's command runs them.
 STAGE = """
 import json, resource, sys
-from schemas.config import parse_config
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE, stage
+from tuneline.schemas.config import parse_config
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
 cfg = parse_config(json.loads(open(sys.argv[1]).read()))
 run_stage(StageContext(cfg), stage(sys.argv[2]), PIPELINE)
 who = resource.RUSAGE_CHILDREN if sys.argv[2] == "train" else resource.RUSAGE_SELF
@@ -88,7 +88,7 @@ def make_model(root: Path) -> Path:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from stages.families.registry import get_family
+    from tuneline.stages.families.registry import get_family
 
     fam = get_family("sd15")
     assert fam.lora_target_modules == LORA_TARGETS, "the bare reference must train the same LoRA layers"
@@ -132,7 +132,7 @@ def peak_mb(args: list[str]) -> float:
 def main() -> None:
     # This process stays small: a child's peak RSS starts at its parent's size when it is forked, so the model is
     # built and every stage runs in a child of its own.
-    from schemas.config import parse_config
+    from tuneline.schemas.config import parse_config
 
     with tempfile.TemporaryDirectory(prefix="tuneline-memory-") as tmp:
         root = Path(tmp)

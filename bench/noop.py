@@ -23,7 +23,7 @@ from PIL import Image, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from schemas.demo import DEMO_CONFIG  # noqa: E402
+from tuneline.schemas.demo import DEMO_CONFIG  # noqa: E402
 
 IMAGES = 1000
 STEPS = 100
@@ -54,7 +54,7 @@ def timed_run(*args: str) -> float:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PYTHONPATH"] = str(ROOT)
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", *args], cwd=ROOT, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tuneline.flows.cli", "run", *args], cwd=ROOT, env=env, capture_output=True,
                          text=True)
     seconds = time.perf_counter() - start
     if out.returncode != 0:

@@ -33,10 +33,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.config import parse_config  # noqa: E402
-from stages.common.stage import StageContext, run_stage  # noqa: E402
-from stages.scan import STAGE  # noqa: E402
-from stages.scan.core import WORKERS as SCAN_WORKERS  # noqa: E402
+from tuneline.schemas.config import parse_config  # noqa: E402
+from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
+from tuneline.stages.scan import STAGE  # noqa: E402
+from tuneline.stages.scan.core import WORKERS as SCAN_WORKERS  # noqa: E402
 
 N_IMAGES = 1000
 GENERATOR_VERSION = "3"

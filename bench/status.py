@@ -20,7 +20,7 @@ GOAL = 2.5
 
 
 def tuneline(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tuneline.flows.cli", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def timed(cmd: list[str]) -> float:
@@ -36,7 +36,7 @@ def main() -> None:
         run = tuneline("run", "--workdir", str(WORKDIR))
         if run.returncode != 0:
             sys.exit(f"demo run failed:\n{run.stderr[-3000:]}")
-    cmd = [sys.executable, "-m", "flows.cli", "status", "--workdir", str(WORKDIR)]
+    cmd = [sys.executable, "-m", "tuneline.flows.cli", "status", "--workdir", str(WORKDIR)]
     times = [timed(cmd) for _ in range(3)]
     floor = [timed([sys.executable, "-c", "pass"]) for _ in range(3)]
     print(f"tuneline status: {', '.join(f'{t:.2f}' for t in times)} s; python start alone: "

@@ -1,6 +1,6 @@
 """Benchmark: the training loop against the pure forward/backward/optimizer step, in one run.
 
-The loop is the real one (stages.train.loop.Trainer on the demo's caches, one process): plan walking, cached
+The loop is the real one (tuneline.stages.train.loop.Trainer on the demo's caches, one process): plan walking, cached
 latents sampled per micro-batch, caption dropout over the text cache, noise and timesteps, min-SNR weighting,
 the loss check, clipping, the learning-rate schedule. The reference runs the same denoiser call, MSE,
 backward and AdamW step on tensors already in memory, with the same bucket shapes in the same order. Each round
@@ -23,20 +23,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.config import parse_config  # noqa: E402
-from schemas.demo import DEMO_CONFIG  # noqa: E402
-from schemas.latents import LatentsManifest  # noqa: E402
-from schemas.scan import ImageRecord  # noqa: E402
-from schemas.text import TextManifest  # noqa: E402
-from stages.common import models  # noqa: E402
-from stages.common.jsonl import read_jsonl  # noqa: E402
-from stages.common.stage import StageContext, run_stage  # noqa: E402
-from stages.latents.reader import LatentReader  # noqa: E402
-from stages.pipeline import PIPELINE, stage  # noqa: E402
-from stages.scan.demo import write_demo_dataset  # noqa: E402
-from stages.text.live import open_text  # noqa: E402
-from stages.train.loop import Data, Trainer  # noqa: E402
-from stages.train.plan import micro_batches  # noqa: E402
+from tuneline.schemas.config import parse_config  # noqa: E402
+from tuneline.schemas.demo import DEMO_CONFIG  # noqa: E402
+from tuneline.schemas.latents import LatentsManifest  # noqa: E402
+from tuneline.schemas.scan import ImageRecord  # noqa: E402
+from tuneline.schemas.text import TextManifest  # noqa: E402
+from tuneline.stages.common import models  # noqa: E402
+from tuneline.stages.common.jsonl import read_jsonl  # noqa: E402
+from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
+from tuneline.stages.latents.reader import LatentReader  # noqa: E402
+from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402
+from tuneline.stages.scan.demo import write_demo_dataset  # noqa: E402
+from tuneline.stages.text.live import open_text  # noqa: E402
+from tuneline.stages.train.loop import Data, Trainer  # noqa: E402
+from tuneline.stages.train.plan import micro_batches  # noqa: E402
 
 STEPS = 30  # per round
 ROUNDS = 6

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-import flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
-from schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
+import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
+from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Diffusion fine-tuning as Prefect flows.")
 config_app = typer.Typer(no_args_is_help=True, help="Example config and JSON schema.")
@@ -55,11 +55,11 @@ def _load(config: Path | None, workdir: str | None) -> PipelineConfig:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from stages.common.artifacts import ArtifactError
-    from stages.common.lock import StoreLocked
-    from stages.common.remote import RemoteError
-    from stages.common.stage import StageFailed
-    from stages.train.launch import TrainingFailed
+    from tuneline.stages.common.artifacts import ArtifactError
+    from tuneline.stages.common.lock import StoreLocked
+    from tuneline.stages.common.remote import RemoteError
+    from tuneline.stages.common.stage import StageFailed
+    from tuneline.stages.train.launch import TrainingFailed
 
     return (ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError, FileNotFoundError,
             ValueError)
@@ -72,13 +72,13 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
     cfg = _load(config, workdir)
     runs = None if force else _nothing_to_run(cfg)
     if runs is None:
-        from flows.pipeline import pipeline_flow
+        from tuneline.flows.pipeline import pipeline_flow
 
         try:
             runs = pipeline_flow(config=cfg, force=force)
         except _user_errors() as err:
             _fail(str(err))
-    from flows.summary import summary_lines
+    from tuneline.flows.summary import summary_lines
 
     typer.echo(f"artifacts: {cfg.workdir_path() / 'artifacts'}")
     typer.echo(f"validation images: {runs['validate']['path']}")
@@ -93,11 +93,11 @@ def _nothing_to_run(cfg: PipelineConfig) -> dict[str, dict] | None:
     if get_current_settings().api.url or cfg.ops.remote:
         return None  # a server shows every run, even a no-op one; a remote may still need its push
     if cfg.dataset.demo:
-        from stages.scan.demo import write_demo_dataset
+        from tuneline.stages.scan.demo import write_demo_dataset
 
         write_demo_dataset(cfg.resolve(cfg.dataset.path))  # what the scan flow does first (a no-op when current)
-    from stages.common.stage import StageContext, status as stage_status
-    from stages.pipeline import PIPELINE
+    from tuneline.stages.common.stage import StageContext, status as stage_status
+    from tuneline.stages.pipeline import PIPELINE
 
     try:
         rows = stage_status(StageContext(cfg), PIPELINE)
@@ -114,12 +114,12 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
           config: ConfigArg = None, workdir: WorkdirOpt = None,
           force: Annotated[bool, typer.Option("--force", help="rebuild even if fresh")] = False) -> None:
     """Run one stage as its own flow run (its upstream artifacts must be fresh)."""
-    from stages.pipeline import STAGE_NAMES
+    from tuneline.stages.pipeline import STAGE_NAMES
 
     if name not in STAGE_NAMES:
         _fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
     cfg = _load(config, workdir)
-    from flows.stage_flows import STAGE_FLOWS
+    from tuneline.flows.stage_flows import STAGE_FLOWS
 
     try:
         path = STAGE_FLOWS[name](config=cfg, force=force)
@@ -134,8 +134,8 @@ def status(config: ConfigArg = None, workdir: WorkdirOpt = None,
     """Per stage: fresh / stale / missing / failed, version, path, reason."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = _load(config, workdir)
-    from stages.common.stage import StageContext, status as stage_status
-    from stages.pipeline import PIPELINE
+    from tuneline.stages.common.stage import StageContext, status as stage_status
+    from tuneline.stages.pipeline import PIPELINE
 
     try:
         rows = stage_status(StageContext(cfg), PIPELINE)
@@ -168,7 +168,7 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
     cfg = _load(config, workdir)
     from prefect.settings import PREFECT_API_URL
 
-    from flows.deploy import deploy as register
+    from tuneline.flows.deploy import deploy as register
 
     if not PREFECT_API_URL.value():
         typer.echo("warning: PREFECT_API_URL is not set, so the deployments go to the local ephemeral database, "
@@ -188,7 +188,7 @@ def worker(pool: Annotated[str, typer.Option("--pool", help="work pool to serve"
            limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="flow runs at once")] = None) -> None:
     """Start a Prefect process worker for the pool (created if missing); restarted if it crashes."""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s")
-    from flows.worker import serve
+    from tuneline.flows.worker import serve
 
     raise typer.Exit(serve(pool, limit))
 
@@ -199,7 +199,7 @@ def lineage(config: ConfigArg = None, workdir: WorkdirOpt = None,
     """Every published version: stage, version, upstream versions, created, fresh for this config."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = _load(config, workdir)
-    from flows.ops import lineage_rows
+    from tuneline.flows.ops import lineage_rows
 
     try:
         rows = lineage_rows(cfg)
@@ -223,7 +223,7 @@ def gc(config: ConfigArg = None, workdir: WorkdirOpt = None,
     """Delete old versions: keep the newest K per stage and everything fresh or used by a fresh version."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = _load(config, workdir)
-    from flows.ops import gc as collect
+    from tuneline.flows.ops import gc as collect
 
     try:
         p, freed = collect(cfg, cfg.ops.keep_versions if keep is None else keep, dry_run=dry_run, partial=partial)
@@ -245,7 +245,7 @@ def remote_push(config: ConfigArg = None, workdir: WorkdirOpt = None,
                 ) -> None:
     """Upload each stage's fresh version to ops.remote (versions already there are skipped)."""
     cfg = _load(config, workdir)
-    from flows.ops import push
+    from tuneline.flows.ops import push
 
     try:
         for url in push(cfg, stages):
@@ -259,7 +259,7 @@ def remote_pull(stage_name: Annotated[str, typer.Argument(metavar="STAGE")], ver
                 config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
     """Download one version from ops.remote into the workdir, checking every file's checksum."""
     cfg = _load(config, workdir)
-    from flows.ops import pull
+    from tuneline.flows.ops import pull
 
     try:
         typer.echo(pull(cfg, stage_name, version))
@@ -271,8 +271,8 @@ def remote_pull(stage_name: Annotated[str, typer.Argument(metavar="STAGE")], ver
 def remote_ls(config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
     """Published versions on ops.remote: stage, version, URL (tab-separated)."""
     cfg = _load(config, workdir)
-    from flows.ops import remote
-    from stages.pipeline import STAGE_NAMES
+    from tuneline.flows.ops import remote
+    from tuneline.stages.pipeline import STAGE_NAMES
 
     try:
         r = remote(cfg)

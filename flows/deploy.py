@@ -1,6 +1,6 @@
 """`tuneline deploy`: one deployment per stage plus the pipeline, on a work pool (a process pool by default).
 
-Entrypoints are module paths (`flows.stage_flows.train_flow`): the worker imports the installed tuneline,
+Entrypoints are module paths (`tuneline.flows.stage_flows.train_flow`): the worker imports the installed tuneline,
 so no code storage or image is needed for a process pool, and a container image with tuneline installed
 serves a Kubernetes pool the same way. The config becomes every deployment's default `config` parameter
 (a typed form in the UI), with its workdir made absolute because a worker runs flows in a temporary folder.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.config import PipelineConfig
+from tuneline.schemas.config import PipelineConfig
 
 TAGS = ["tuneline"]
 
@@ -29,8 +29,8 @@ def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
     """The RunnerDeployments for a config (nothing registered yet): the pipeline first, then each stage."""
     from prefect.types.entrypoint import EntrypointType
 
-    from flows.pipeline import pipeline_flow
-    from flows.stage_flows import STAGE_FLOWS
+    from tuneline.flows.pipeline import pipeline_flow
+    from tuneline.flows.stage_flows import STAGE_FLOWS
 
     cfg = cfg.model_copy(update={"workdir": str(cfg.workdir_path())})
     params = {"config": cfg.dump()}
@@ -50,7 +50,7 @@ def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
 
 def deploy(cfg: PipelineConfig, pool: str | None = None) -> list[Deployed]:
     """Register (create or update) the deployments, creating missing pools and the training limit."""
-    from flows.limits import ensure_train_limit
+    from tuneline.flows.limits import ensure_train_limit
 
     ensure_train_limit(cfg.ops.train_concurrency, update=True)
     out = []

@@ -1,14 +1,14 @@
 """Operations over a workdir that need the pipeline's stage list: lineage, gc, remote push/pull."""
 from __future__ import annotations
 
-from schemas.config import PipelineConfig
-from stages.common.artifacts import ArtifactStore
-from stages.common.gc import GcPlan, collect, plan
-from stages.common.lineage import Version, lineage
-from stages.common.lock import store_lock
-from stages.common.remote import Remote
-from stages.common.stage import StageContext, status
-from stages.pipeline import PIPELINE, STAGE_NAMES
+from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common.artifacts import ArtifactStore
+from tuneline.stages.common.gc import GcPlan, collect, plan
+from tuneline.stages.common.lineage import Version, lineage
+from tuneline.stages.common.lock import store_lock
+from tuneline.stages.common.remote import Remote
+from tuneline.stages.common.stage import StageContext, status
+from tuneline.stages.pipeline import PIPELINE, STAGE_NAMES
 
 
 def fresh_versions(cfg: PipelineConfig) -> dict[str, str | None]:

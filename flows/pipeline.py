@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows import ops, visibility
-from flows.summary import timed_stage
-from flows.reporter import PrefectReporter
-from flows.stage_flows import STAGE_FLOWS
-from schemas.config import PipelineConfig
-from stages.pipeline import STAGE_NAMES
+from tuneline.flows import ops, visibility
+from tuneline.flows.summary import timed_stage
+from tuneline.flows.reporter import PrefectReporter
+from tuneline.flows.stage_flows import STAGE_FLOWS
+from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.pipeline import STAGE_NAMES
 
 
 @flow(name="tuneline-pipeline", log_prints=True)

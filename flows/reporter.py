@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import re
 
-from stages.common.report import Reporter
+from tuneline.stages.common.report import Reporter
 
 log = logging.getLogger("tuneline")
 

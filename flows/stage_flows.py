@@ -11,14 +11,14 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows import visibility
-from flows.limits import train_slot
-from flows.reporter import PrefectReporter
-from schemas.checks import check_config
-from schemas.config import PipelineConfig
-from stages.common.lock import store_lock
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE, stage
+from tuneline.flows import visibility
+from tuneline.flows.limits import train_slot
+from tuneline.flows.reporter import PrefectReporter
+from tuneline.schemas.checks import check_config
+from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common.lock import store_lock
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
 
 log = logging.getLogger("tuneline")
 
@@ -39,7 +39,7 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
     slot = train_slot(config.ops.train_concurrency) if name == "train" else contextlib.nullcontext()
     with slot, whole():
         if name == "scan" and config.dataset.demo:
-            from stages.scan.demo import write_demo_dataset
+            from tuneline.stages.scan.demo import write_demo_dataset
 
             write_demo_dataset(config.resolve(config.dataset.path))
         path, built = run_stage(ctx, stage(name), PIPELINE)
@@ -56,8 +56,8 @@ def _purpose(name: str) -> str:
 
 
 def _push(config: PipelineConfig, name: str, path: Path) -> None:
-    from stages.common.artifacts import ArtifactStore
-    from stages.common.remote import Remote
+    from tuneline.stages.common.artifacts import ArtifactStore
+    from tuneline.stages.common.remote import Remote
 
     remote = Remote(config.ops.remote, config.ops.remote_options)
     if remote.push(ArtifactStore(config.workdir_path()), name, path.name):

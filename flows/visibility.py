@@ -15,9 +15,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from flows.reporter import PrefectReporter
-from schemas.config import PipelineConfig
-from stages.common.lineage import Version
+from tuneline.flows.reporter import PrefectReporter
+from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common.lineage import Version
 
 FACTS = ("accepted", "rejected", "count", "encoded", "reused", "resumed", "step", "world_size", "mode",
          "class_separation_accuracy", "untrained_class_separation_accuracy", "color_accuracy",
@@ -100,7 +100,7 @@ def image_url(cfg: PipelineConfig, stage: str, version: str, rel: str) -> str | 
     if cfg.ops.report_url:
         return f"{cfg.ops.report_url.rstrip('/')}/{stage}/{version}/{rel}"
     if cfg.ops.remote:
-        from stages.common.remote import Remote
+        from tuneline.stages.common.remote import Remote
 
         return Remote(cfg.ops.remote, cfg.ops.remote_options).signed_url(stage, version, rel)
     return None

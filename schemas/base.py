@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 @dataclass(frozen=True)
 class ConfigPath:
     """Marks a config field holding a filesystem path (`Annotated[str | None, ConfigPath()]`): relative values are
-    made absolute against the workdir once, when the config is loaded (schemas.config.resolve_paths). Values in
+    made absolute against the workdir once, when the config is loaded (tuneline.schemas.config.resolve_paths). Values in
     `keywords` are not paths (e.g. train.resume `auto`)."""
 
     keywords: tuple[str, ...] = ()

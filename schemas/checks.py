@@ -9,10 +9,10 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from schemas.families import FamilyFacts, facts
+from tuneline.schemas.families import FamilyFacts, facts
 
 if TYPE_CHECKING:
-    from schemas.config import PipelineConfig
+    from tuneline.schemas.config import PipelineConfig
 
 SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile.py writes these
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (CONTRACT.md)
@@ -23,7 +23,7 @@ ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 def check_config(cfg: PipelineConfig, source: str) -> None:
-    from schemas.config import ConfigError
+    from tuneline.schemas.config import ConfigError
 
     fam = facts(cfg.model.family)
     problems: list[str] = []

@@ -6,14 +6,14 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from schemas.base import ConfigPath, Strict
-from schemas.latents import LatentsConfig
-from schemas.model import ModelConfig
-from schemas.ops import OpsConfig
-from schemas.scan import BucketConfig, DatasetConfig
-from schemas.text import TextConfig
-from schemas.train import TrainConfig
-from schemas.validate import ValidateConfig
+from tuneline.schemas.base import ConfigPath, Strict
+from tuneline.schemas.latents import LatentsConfig
+from tuneline.schemas.model import ModelConfig
+from tuneline.schemas.ops import OpsConfig
+from tuneline.schemas.scan import BucketConfig, DatasetConfig
+from tuneline.schemas.text import TextConfig
+from tuneline.schemas.train import TrainConfig
+from tuneline.schemas.validate import ValidateConfig
 
 DEFAULT_WORKDIR = "./tuneline-work"
 
@@ -110,7 +110,7 @@ def parse_config(data: dict, source: str = "<config>", workdir: str | None = Non
         cfg = PipelineConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
-    from schemas.checks import check_config  # family-aware checks live beside the registry facts
+    from tuneline.schemas.checks import check_config  # family-aware checks live beside the registry facts
 
     if resolve:
         cfg = resolve_paths(cfg)
@@ -133,7 +133,7 @@ def load_config(path: str | Path | None, workdir: str | None = None) -> Pipeline
 
 
 def demo_config(workdir: str | None = None, *, resolve: bool = True) -> PipelineConfig:
-    from schemas.demo import DEMO_CONFIG
+    from tuneline.schemas.demo import DEMO_CONFIG
 
     return parse_config(DEMO_CONFIG, "<built-in demo>", workdir, resolve=resolve)
 

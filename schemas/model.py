@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.base import ConfigPath, Strict
+from tuneline.schemas.base import ConfigPath, Strict
 
 FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux"]
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group

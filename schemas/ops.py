@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from schemas.base import Strict
+from tuneline.schemas.base import Strict
 
 # Five cron fields, or one of the @-macros Prefect's scheduler understands.
 _CRON = re.compile(r"^(@(yearly|annually|monthly|weekly|daily|hourly)|(\S+\s+){4}\S+)$")

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.base import ConfigPath, Manifest, Strict
+from tuneline.schemas.base import ConfigPath, Manifest, Strict
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.

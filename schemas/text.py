@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.base import Manifest, Strict
+from tuneline.schemas.base import Manifest, Strict
 
 # The adapters pad every caption to exactly max_length tokens (stages/families/common.tokenize), so each
 # field has one shape and the cache is a dense array; recorded so a different padding would change the key.

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.base import ConfigPath, Manifest, Strict
+from tuneline.schemas.base import ConfigPath, Manifest, Strict
 
 
 class EvalConfig(Strict):

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.base import Manifest, Strict
+from tuneline.schemas.base import Manifest, Strict
 
 
 class ValidationPrompt(Strict):

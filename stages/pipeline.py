@@ -1,12 +1,12 @@
 """The stages in pipeline order."""
 from __future__ import annotations
 
-from stages.common.stage import StageDef
-from stages.latents import STAGE as LATENTS
-from stages.scan import STAGE as SCAN
-from stages.text import STAGE as TEXT
-from stages.train import STAGE as TRAIN
-from stages.validate import STAGE as VALIDATE
+from tuneline.stages.common.stage import StageDef
+from tuneline.stages.latents import STAGE as LATENTS
+from tuneline.stages.scan import STAGE as SCAN
+from tuneline.stages.text import STAGE as TEXT
+from tuneline.stages.train import STAGE as TRAIN
+from tuneline.stages.validate import STAGE as VALIDATE
 
 PIPELINE: list[StageDef] = [SCAN, LATENTS, TEXT, TRAIN, VALIDATE]
 STAGE_NAMES = [s.name for s in PIPELINE]

@@ -19,7 +19,7 @@ def tuneline(*args: str, timeout: int = 1200, env: dict | None = None, cwd: Path
     (default: the repository root) with this checkout importable, as an installed tuneline would be."""
     full_env = dict(os.environ) | (env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tuneline.flows.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or ROOT)
 
 

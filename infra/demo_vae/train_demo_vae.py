@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -34,14 +33,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from schemas.demo import DEMO_COLORS, DEMO_SHAPES  # noqa: E402
-from schemas.families import FAMILY_FACTS  # noqa: E402
-from stages.families.sd15 import tiny_vae  # noqa: E402
-from stages.families.tiny import DEMO_VAE_FILE, POSTERIOR_LOGVAR  # noqa: E402
-from stages.scan.demo import RGB, SIZES, _draw  # noqa: E402
+from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES  # noqa: E402
+from tuneline.schemas.families import FAMILY_FACTS  # noqa: E402
+from tuneline.stages.families.sd15 import tiny_vae  # noqa: E402
+from tuneline.stages.families.tiny import DEMO_VAE_FILE, POSTERIOR_LOGVAR  # noqa: E402
+from tuneline.stages.scan.demo import RGB, SIZES, _draw  # noqa: E402
 
 SEED = 0
 THREADS = 1

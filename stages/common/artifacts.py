@@ -15,8 +15,8 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from schemas.base import MANIFEST_SCHEMA_VERSION, FileEntry, Manifest
-from stages.common.hashing import canonical_json, file_sha256
+from tuneline.schemas.base import MANIFEST_SCHEMA_VERSION, FileEntry, Manifest
+from tuneline.stages.common.hashing import canonical_json, file_sha256
 
 M = TypeVar("M", bound=Manifest)
 

@@ -2,8 +2,8 @@
 
 Each stage's version string lives in stages/code_versions.json beside a hash of the source files that decide its
 output. tests/unit/test_code_versions.py fails when those files change and the recorded hash does not: then either
-the output changes (bump the version: `python -m stages.common.codeident --bump STAGE`, every published version of
-that stage becomes stale) or it does not (`python -m stages.common.codeident --record STAGE`, a refactor or a
+the output changes (bump the version: `python -m tuneline.stages.common.codeident --bump STAGE`, every published version of
+that stage becomes stale) or it does not (`python -m tuneline.stages.common.codeident --record STAGE`, a refactor or a
 comment). The libraries that compute a stage's output are part of its key by major.minor, so an upgrade that can
 change numbers makes caches stale, while a patch release does not.
 """
@@ -80,7 +80,7 @@ def _write(stage: str, bump: bool) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[0] not in ("--record", "--bump") or argv[1] not in SOURCES:
-        sys.exit(f"usage: python -m stages.common.codeident --record|--bump {'|'.join(SOURCES)}")
+        sys.exit(f"usage: python -m tuneline.stages.common.codeident --record|--bump {'|'.join(SOURCES)}")
     _write(argv[1], bump=argv[0] == "--bump")
 
 

@@ -12,9 +12,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common.artifacts import ArtifactStore
-from stages.common.lineage import read_version
-from stages.common.lock import is_in_use
+from tuneline.stages.common.artifacts import ArtifactStore
+from tuneline.stages.common.lineage import read_version
+from tuneline.stages.common.lock import is_in_use
 
 TRASH_SUFFIX = ".gc"
 
@@ -86,5 +86,5 @@ def collect(p: GcPlan, *, partial: bool = False) -> int:
 
 def tree_bytes(path: Path) -> int:
     """What deleting `path` gives back: a file that a kept version still links (a latent chunk file an incremental
-    build shared, stages.latents.store.link_block) frees nothing."""
+    build shared, tuneline.stages.latents.store.link_block) frees nothing."""
     return sum(st.st_size for f in path.rglob("*") if f.is_file() and (st := f.stat()).st_nlink == 1)

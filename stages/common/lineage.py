@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common.artifacts import MANIFEST, ArtifactStore
+from tuneline.stages.common.artifacts import MANIFEST, ArtifactStore
 
 
 @dataclass

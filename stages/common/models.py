@@ -1,20 +1,20 @@
 """Resolve the configured model once per run: family adapter, model folder, device, dtype.
 
-Folder checks and identities are file work (stages.families.folders): planning and `tuneline status` never
+Folder checks and identities are file work (tuneline.stages.families.folders): planning and `tuneline status` never
 import torch or diffusers unless a model must be built or converted first."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from schemas.config import PipelineConfig
-from schemas.families import facts
-from stages.families import folders
+from tuneline.schemas.config import PipelineConfig
+from tuneline.schemas.families import facts
+from tuneline.stages.families import folders
 
 if TYPE_CHECKING:
     import torch
 
-    from stages.families.base import Family
+    from tuneline.stages.families.base import Family
 
 
 def dtypes() -> dict[str, "torch.dtype"]:
@@ -24,7 +24,7 @@ def dtypes() -> dict[str, "torch.dtype"]:
 
 
 def family(cfg: PipelineConfig) -> "Family":
-    from stages.families.registry import get_family
+    from tuneline.stages.families.registry import get_family
 
     return get_family(cfg.model.family)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import fsspec
 
-from schemas.base import FileEntry
-from stages.common.artifacts import (MANIFEST, ArtifactError, ArtifactStore, M, file_problem, parse_manifest,
+from tuneline.schemas.base import FileEntry
+from tuneline.stages.common.artifacts import (MANIFEST, ArtifactError, ArtifactStore, M, file_problem, parse_manifest,
                                      safe_join)
 
 OPTIONS_ENV = "TUNELINE_REMOTE_OPTIONS"

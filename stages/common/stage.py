@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas.base import Manifest
-from schemas.config import PipelineConfig
-from stages.common.artifacts import ArtifactError, ArtifactStore, fix_hint
-from stages.common.codeident import library_versions
-from stages.common.hashing import digest
-from stages.common.report import Reporter
+from tuneline.schemas.base import Manifest
+from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore, fix_hint
+from tuneline.stages.common.codeident import library_versions
+from tuneline.stages.common.hashing import digest
+from tuneline.stages.common.report import Reporter
 
 TOOL_VERSION = "0.1.0"
 INDEX = ".index.json"

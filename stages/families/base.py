@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
-from schemas.families import FamilyFacts
+from tuneline.schemas.families import FamilyFacts
 
 
 @dataclass

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from schemas.families import FamilyFacts
-from stages.families import folders
-from stages.families.base import MicroCond, TextEncoders
-from stages.families.singlefile import convert_single_file
+from tuneline.schemas.families import FamilyFacts
+from tuneline.stages.families import folders
+from tuneline.stages.families.base import MicroCond, TextEncoders
+from tuneline.stages.families.singlefile import convert_single_file
 
 # Components this process loaded from model folders, in order: what each stage holds is tested against it.
 LOADED: list[str] = []
@@ -130,8 +130,8 @@ class DiffusersFamily:
 
     def load_vae_encoder(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         """The VAE's encode path only: built without importing diffusers when the folder has the plain AutoencoderKL
-        layout (stages.families.vae_encoder says why), else diffusers' VAE without its decoder."""
-        from stages.families.vae_encoder import load
+        layout (tuneline.stages.families.vae_encoder says why), else diffusers' VAE without its decoder."""
+        from tuneline.stages.families.vae_encoder import load
 
         encoder = load(Path(model_dir) / "vae", dtype, device)
         if encoder is None:

@@ -7,12 +7,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from schemas.families import FAMILY_FACTS, FamilyFacts
-from stages.families.base import MicroCond, TextEncoders
-from stages.families.common import DiffusersFamily, module_device, tokenize, unwrap
-from stages.families.sd3 import CLIP_LENGTH, T5_LIMIT, flow_vae, t5_embeds, tiny_t5
-from stages.families.sd15 import tiny_clip_config
-from stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
+from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
+from tuneline.stages.families.base import MicroCond, TextEncoders
+from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize, unwrap
+from tuneline.stages.families.sd3 import CLIP_LENGTH, T5_LIMIT, flow_vae, t5_embeds, tiny_t5
+from tuneline.stages.families.sd15 import tiny_clip_config
+from tuneline.stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

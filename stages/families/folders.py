@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from schemas.families import FamilyFacts
-from stages.common.hashing import HashCache
+from tuneline.schemas.families import FamilyFacts
+from tuneline.stages.common.hashing import HashCache
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
 # Files of a tokenizer folder that change what token ids come out.

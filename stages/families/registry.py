@@ -4,16 +4,16 @@ from __future__ import annotations
 from functools import cache
 from importlib import import_module
 
-from schemas.families import FAMILY_FACTS
-from stages.families.base import Family
+from tuneline.schemas.families import FAMILY_FACTS
+from tuneline.stages.families.base import Family
 
 # Imported lazily: each adapter pulls in diffusers pipelines, which take seconds to import.
 _ADAPTERS: dict[str, tuple[str, str]] = {
-    "tiny": ("stages.families.tiny", "TinyFamily"),
-    "sd15": ("stages.families.sd15", "SD15Family"),
-    "sdxl": ("stages.families.sdxl", "SDXLFamily"),
-    "sd3": ("stages.families.sd3", "SD3Family"),
-    "flux": ("stages.families.flux", "FluxFamily"),
+    "tiny": ("tuneline.stages.families.tiny", "TinyFamily"),
+    "sd15": ("tuneline.stages.families.sd15", "SD15Family"),
+    "sdxl": ("tuneline.stages.families.sdxl", "SDXLFamily"),
+    "sd3": ("tuneline.stages.families.sd3", "SD3Family"),
+    "flux": ("tuneline.stages.families.flux", "FluxFamily"),
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

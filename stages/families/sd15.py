@@ -6,10 +6,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from schemas.families import FAMILY_FACTS, FamilyFacts
-from stages.families.base import MicroCond, TextEncoders
-from stages.families.common import DiffusersFamily, module_device, tokenize
-from stages.families.vocab import build_clip_tokenizer
+from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
+from tuneline.stages.families.base import MicroCond, TextEncoders
+from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize
+from tuneline.stages.families.vocab import build_clip_tokenizer
 
 
 def tiny_clip_config(tokenizer: Any, max_positions: int, projection_dim: int | None = None) -> dict[str, Any]:

@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from schemas.families import FAMILY_FACTS, FamilyFacts
-from stages.families.base import MicroCond, TextEncoders
-from stages.families.common import DiffusersFamily, module_device, tokenize
-from stages.families.sd15 import tiny_clip_config, tiny_vae
-from stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
+from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
+from tuneline.stages.families.base import MicroCond, TextEncoders
+from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize
+from tuneline.stages.families.sd15 import tiny_clip_config, tiny_vae
+from tuneline.stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
 
 CLIP_LENGTH = 77  # SD3 and Flux always run CLIP at its full context; only the T5 length is a choice
 T5_LIMIT = 512  # T5 has relative positions; 512 is what SD3/Flux tokenizers declare and pipelines accept

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.model import SHIPPED_CONFIGS
+from tuneline.schemas.model import SHIPPED_CONFIGS
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 UNET = "model.diffusion_model."

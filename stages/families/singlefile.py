@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from schemas.model import SHIPPED_CONFIGS
-from stages.families.shipped import resolve_config
+from tuneline.schemas.model import SHIPPED_CONFIGS
+from tuneline.stages.families.shipped import resolve_config
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -154,7 +154,7 @@ def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing
     try:
         if SAME_LAYOUT.get(family.facts.name, family.facts.name) == "flux" and config is not None \
                 and file.suffix.lower() == ".safetensors":
-            from stages.families.flux_layout import load_flux_transformer
+            from tuneline.stages.families.flux_layout import load_flux_transformer
 
             # diffusers' Flux converter has FLUX.1's width written in; this one reads it from the file
             extra["transformer"] = load_flux_transformer(file, Path(config))

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from schemas.families import FAMILY_FACTS, FamilyFacts
-from stages.families.sd15 import SD15Family, tiny_vae
+from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
+from tuneline.stages.families.sd15 import SD15Family, tiny_vae
 
 # log-variance of the posterior: std e^-6, so sampled latents carry the image, not the VAE's noise (a trained SD
 # VAE's posterior is as narrow). The pretraining script pins it too; set again here so the rule lives in one place.

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from schemas.families import facts
-from schemas.latents import LatentsManifest
-from schemas.scan import ScanManifest
-from stages.common import models
-from stages.common.artifacts import ArtifactError
-from stages.common.codeident import code_version
-from stages.common.sizing import size_policy as make_policy
-from stages.common.stage import StageDef
+from tuneline.schemas.families import facts
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ScanManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.artifacts import ArtifactError
+from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.sizing import size_policy as make_policy
+from tuneline.stages.common.stage import StageDef
 
 CODE_VERSION = code_version("latents")  # stages/code_versions.json
 
@@ -41,7 +41,7 @@ def _inputs(ctx, upstream) -> dict:
 
 
 def _build(ctx, work, upstream):
-    from stages.latents.core import build  # torch/diffusers load only when the stage runs
+    from tuneline.stages.latents.core import build  # torch/diffusers load only when the stage runs
 
     return build(ctx, work, upstream)
 

@@ -14,16 +14,16 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from schemas.scan import ImageRecord, ScanManifest
-from stages.common import models
-from stages.common.artifacts import ArtifactError
-from stages.common.jsonl import read_jsonl, write_jsonl
-from stages.common.sizing import latent_shape
-from stages.latents import masks, size_policy, store
-from stages.latents.encode import Encoder
-from stages.latents.reuse import PreviousRows, row_identity, row_key
-from stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
-from stages.scan.masks import mask_root
+from tuneline.schemas.scan import ImageRecord, ScanManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.artifacts import ArtifactError
+from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.common.sizing import latent_shape
+from tuneline.stages.latents import masks, size_policy, store
+from tuneline.stages.latents.encode import Encoder
+from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
+from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
+from tuneline.stages.scan.masks import mask_root
 
 PROGRESS_KEY = "latents-progress"
 PROGRESS_EVERY_S = 1.0  # Prefect progress artifacts are API calls: update at most this often

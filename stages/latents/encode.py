@@ -8,11 +8,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from schemas.scan import ImageRecord
-from stages.common.artifacts import safe_join
-from stages.common.hashing import file_sha256
-from stages.latents import store
-from stages.scan.images import load_rgb
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.common.artifacts import safe_join
+from tuneline.stages.common.hashing import file_sha256
+from tuneline.stages.latents import store
+from tuneline.stages.scan.images import load_rgb
 
 # What PIL raises on a file whose header parsed but whose pixel data is broken (truncated, bad zlib stream).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, zlib.error,

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from schemas.scan import ImageRecord
-from stages.latents.store import bucket_key
-from stages.scan.images import TRANSPOSE
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.latents.store import bucket_key
+from tuneline.stages.scan.images import TRANSPOSE
 
 FOLDER = "masks"
 

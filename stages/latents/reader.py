@@ -13,8 +13,8 @@ holds at most 2 x WINDOW_BLOCKS blocks per bucket in memory; a local cache's chu
 
 The cache may be a local version directory or a pushed version's fsspec URL (Remote.version_url, with
 Remote.options as storage_options): then every block read is one GET per array, and the training feed's threads
-(stages.train.loop.Trainer.feed) keep several in flight. Verify a remote manifest with
-stages.common.remote.read_remote_manifest before reading.
+(tuneline.stages.train.loop.Trainer.feed) keep several in flight. Verify a remote manifest with
+tuneline.stages.common.remote.read_remote_manifest before reading.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from schemas.latents import LatentsManifest
-from stages.common.artifacts import fix_hint
-from stages.latents import store
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.stages.common.artifacts import fix_hint
+from tuneline.stages.latents import store
 
 WINDOW_BLOCKS = 4
 # Local blocks stay mapped, up to this many bytes (1,024 blocks of SD1.5's 4x64x64 float16 mean + std) and blocks

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.latents import LatentsManifest
-from schemas.scan import ImageRecord
-from stages.common.stage import reusable_previous
-from stages.common.hashing import digest
-from stages.common.jsonl import read_jsonl
-from stages.latents import store
-from stages.latents.writer import Link
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.common.stage import reusable_previous
+from tuneline.stages.common.hashing import digest
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.latents import store
+from tuneline.stages.latents.writer import Link
 
 # Bump when to_pixels changes what an image becomes (filter, value range): old rows stop matching.
 PIXELS_VERSION = 1
@@ -37,7 +37,7 @@ def row_key(rec: ImageRecord, identity: dict) -> str:
 
 
 class PreviousRows:
-    """Rows of one published version by key (stages.latents.writer.Reuse), read a whole block at a time."""
+    """Rows of one published version by key (tuneline.stages.latents.writer.Reuse), read a whole block at a time."""
 
     def __init__(self, path: Path, manifest: LatentsManifest, names: tuple[str, ...]):
         self.dir, self.names, self.block_rows = path, names, manifest.block_rows

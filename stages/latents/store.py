@@ -46,7 +46,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
-from stages.common.jsonl import read_jsonl
+from tuneline.stages.common.jsonl import read_jsonl
 
 RAW_CODECS = ({"name": "bytes", "configuration": {"endian": "little"}},)
 STORE = "latents.zarr"

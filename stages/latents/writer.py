@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from schemas.scan import ImageRecord, Rejected
-from stages.latents import store
-from stages.latents.encode import prepare
+from tuneline.schemas.scan import ImageRecord, Rejected
+from tuneline.stages.latents import store
+from tuneline.stages.latents.encode import prepare
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Link:
 
 
 class Reuse(Protocol):
-    """Rows of an earlier build by row key (stages.latents.reuse.PreviousRows; NO_REUSE for a first build)."""
+    """Rows of an earlier build by row key (tuneline.stages.latents.reuse.PreviousRows; NO_REUSE for a first build)."""
 
     def __contains__(self, key: str) -> bool: ...
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from schemas.config import PipelineConfig
-from schemas.scan import BucketRow, ImageRecord, Rejected
+from tuneline.schemas.config import PipelineConfig
+from tuneline.schemas.scan import BucketRow, ImageRecord, Rejected
 
 SAMPLES = 3
 Bucket = tuple[int, int]

@@ -10,8 +10,8 @@ import json
 import posixpath
 import re
 
-from schemas.scan import DatasetConfig, Rejected
-from stages.scan.listing import Listing
+from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.stages.scan.listing import Listing
 
 AUTO_FIELDS = ("text", "caption", "prompt")
 

@@ -8,19 +8,19 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from schemas.config import PipelineConfig
-from schemas.families import facts
-from schemas.scan import ImageRecord, Rejected
-from schemas.sources import Source, dataset_sources
-from stages.common.codeident import code_version
-from stages.common.hashing import digest
-from stages.common.jsonl import read_jsonl, write_jsonl
-from stages.common.stage import StageFailed
-from stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
-from stages.scan import buckets as bk
-from stages.scan import images, masks
-from stages.scan.captions import CaptionError, Captions
-from stages.scan.listing import Entry, Listing, walk
+from tuneline.schemas.config import PipelineConfig
+from tuneline.schemas.families import facts
+from tuneline.schemas.scan import ImageRecord, Rejected
+from tuneline.schemas.sources import Source, dataset_sources
+from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.hashing import digest
+from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
+from tuneline.stages.scan import buckets as bk
+from tuneline.stages.scan import images, masks
+from tuneline.stages.scan.captions import CaptionError, Captions
+from tuneline.stages.scan.listing import Entry, Listing, walk
 
 CODE_VERSION = code_version("scan")  # stages/code_versions.json
 LISTING_KEY = "scan-listing"

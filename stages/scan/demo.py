@@ -12,8 +12,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from schemas.config import ConfigError
-from schemas.demo import DEMO_COLORS, DEMO_SHAPES
+from tuneline.schemas.config import ConfigError
+from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
 
 # Bump when the generated content changes: an older demo folder is then regenerated, never mixed.
 DEMO_VERSION = "1"

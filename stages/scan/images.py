@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from schemas.scan import ImageRecord
+from tuneline.schemas.scan import ImageRecord
 
 # Only these parsers ever see a dataset's bytes: fewer exotic decoders exposed to arbitrary files.
 FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # JPEG also opens MPO (camera JPEGs)

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.scan import DatasetConfig, Rejected
-from stages.common.hashing import digest
+from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.stages.common.hashing import digest
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from schemas.config import PipelineConfig
-from schemas.scan import IMAGE_EXTENSIONS, ImageRecord, Rejected
-from stages.common.hashing import digest, file_sha256
-from stages.common.stage import StageFailed
+from tuneline.schemas.config import PipelineConfig
+from tuneline.schemas.scan import IMAGE_EXTENSIONS, ImageRecord, Rejected
+from tuneline.stages.common.hashing import digest, file_sha256
+from tuneline.stages.common.stage import StageFailed
 
 ALPHA = "alpha"
 

@@ -2,12 +2,12 @@
 once, in Zarr; with text.enabled false an artifact that records how to encode live instead."""
 from __future__ import annotations
 
-from schemas.families import facts
-from schemas.text import PADDING, TextManifest
-from stages.common import models
-from stages.common.codeident import code_version
-from stages.common.stage import StageDef
-from stages.text.variants import TagAugment
+from tuneline.schemas.families import facts
+from tuneline.schemas.text import PADDING, TextManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.stage import StageDef
+from tuneline.stages.text.variants import TagAugment
 
 CODE_VERSION = code_version("text")  # stages/code_versions.json
 
@@ -34,7 +34,7 @@ def _inputs(ctx, upstream) -> dict:
 
 
 def _build(ctx, work, upstream):
-    from stages.text.core import build
+    from tuneline.stages.text.core import build
 
     return build(ctx, work, upstream)
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.scan import ScanManifest
-from schemas.text import PADDING
-from stages.common import models
-from stages.common.jsonl import read_jsonl, write_jsonl
-from stages.common.stage import key_parts
-from stages.text import STAGE, effective_max_length
-from stages.text.encode import encode_strings, storage_tensor
-from stages.text.reuse import PreviousStrings
-from stages.text.store import INDEX, STORE, STRINGS, ArrayWriter
-from stages.text.variants import TagAugment, index_strings
+from tuneline.schemas.scan import ScanManifest
+from tuneline.schemas.text import PADDING
+from tuneline.stages.common import models
+from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.common.stage import key_parts
+from tuneline.stages.text import STAGE, effective_max_length
+from tuneline.stages.text.encode import encode_strings, storage_tensor
+from tuneline.stages.text.reuse import PreviousStrings
+from tuneline.stages.text.store import INDEX, STORE, STRINGS, ArrayWriter
+from tuneline.stages.text.variants import TagAugment, index_strings
 
 
 def unique_captions(scan_dir: Path) -> list[str]:

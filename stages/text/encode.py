@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from stages.families.base import Family, TextEncoders
+from tuneline.stages.families.base import Family, TextEncoders
 
 
 def encode_batches(fam: Family, enc: TextEncoders, strings: list[str], batch_size: int

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from schemas.text import TextManifest
-from stages.families.base import Family
-from stages.text.encode import encode_strings
-from stages.text.store import TextCache
-from stages.text.variants import TagAugment
+from tuneline.schemas.text import TextManifest
+from tuneline.stages.families.base import Family
+from tuneline.stages.text.encode import encode_strings
+from tuneline.stages.text.store import TextCache
+from tuneline.stages.text.variants import TagAugment
 
 
 class LiveText:

@@ -14,8 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from stages.families.base import Family, TextEncoders
-from stages.text.encode import encode_strings
+from tuneline.stages.families.base import Family, TextEncoders
+from tuneline.stages.text.encode import encode_strings
 
 Encoded = dict[str, dict[str, torch.Tensor]]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import zarr
 
-from schemas.text import TextManifest
-from stages.common.stage import reusable_previous
-from stages.common.jsonl import read_jsonl
-from stages.text.store import STORE, STRINGS, take_rows
+from tuneline.schemas.text import TextManifest
+from tuneline.stages.common.stage import reusable_previous
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.text.store import STORE, STRINGS, take_rows
 
 # Settings that pick the strings rather than shape each row's tensors.
 STRING_CHOICE = ("caption_variants", "augment")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import zarr
 
-from stages.common.jsonl import read_jsonl
+from tuneline.stages.common.jsonl import read_jsonl
 
 STORE = "text.zarr"
 INDEX = "captions.jsonl"
@@ -84,7 +84,7 @@ class TextCache:
         self.dir = Path(artifact_dir)
         if not (self.dir / STORE).is_dir():
             raise ValueError(f"text artifact {self.dir} holds no cache (built with text.enabled false): encode "
-                             f"live with stages.text.live.open_text, or set text.enabled true and run "
+                             f"live with tuneline.stages.text.live.open_text, or set text.enabled true and run "
                              f"`tuneline stage text`")
         group = zarr.open_group(str(self.dir / STORE), mode="r")
         self.index: dict[str, list[int]] = {r["caption"]: r["rows"] for r in read_jsonl(self.dir / INDEX)}

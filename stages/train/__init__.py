@@ -1,13 +1,13 @@
 """Train stage: DDP training (torchrun; gloo on CPU, NCCL on CUDA) reading only the caches."""
 from __future__ import annotations
 
-from schemas.sources import training_settings
-from schemas.train import TrainManifest
-from stages.common import models
-from stages.common.artifacts import ArtifactError
-from stages.common.codeident import code_version
-from stages.common.hashing import file_sha256
-from stages.common.stage import StageDef
+from tuneline.schemas.sources import training_settings
+from tuneline.schemas.train import TrainManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.artifacts import ArtifactError
+from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.hashing import file_sha256
+from tuneline.stages.common.stage import StageDef
 
 CODE_VERSION = code_version("train")  # stages/code_versions.json
 
@@ -76,7 +76,7 @@ def _check(ctx, upstream) -> None:
                             f"`tuneline stage latents --force`")
     # Open the cache the way every rank will (index, shapes, dtypes, chunking) so a damaged one is refused here,
     # with the reader's message, before any training process starts.
-    from stages.latents.reader import LatentReader, ReaderError
+    from tuneline.stages.latents.reader import LatentReader, ReaderError
 
     try:
         LatentReader(models.artifact_dir(ctx, lat), lat)
@@ -85,7 +85,7 @@ def _check(ctx, upstream) -> None:
 
 
 def _build(ctx, work, upstream):
-    from stages.train.launch import build
+    from tuneline.stages.train.launch import build
 
     return build(ctx, work, upstream)
 

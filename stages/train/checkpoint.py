@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.common.artifacts import fsync_file
-from stages.common.hashing import file_sha256
+from tuneline.stages.common.artifacts import fsync_file
+from tuneline.stages.common.hashing import file_sha256
 
 STATE = "state.json"
 NAME = re.compile(r"^step-(\d+)$")

@@ -1,4 +1,4 @@
-"""Held-out eval loss (train.eval): the loss of the held-out rows (stages.train.rows) at fixed timesteps and noise.
+"""Held-out eval loss (train.eval): the loss of the held-out rows (tuneline.stages.train.rows) at fixed timesteps and noise.
 
 The noise is seeded by the image and the timestep, so two evaluations of the same weights give the same number
 and curves compare across runs.
@@ -10,9 +10,9 @@ import hashlib
 import numpy as np
 import torch
 
-from stages.train.loop import Trainer, micro_cond
-from stages.train.objective import scale_latents
-from stages.train.rows import Rows
+from tuneline.stages.train.loop import Trainer, micro_cond
+from tuneline.stages.train.objective import scale_latents
+from tuneline.stages.train.rows import Rows
 
 
 def _noise(path: str, t: int, shape: tuple[int, ...]) -> torch.Tensor:

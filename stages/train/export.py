@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from stages.common.hashing import file_sha256
-from stages.train import kohya
-from stages.train.singlefile import SINGLE_FILE
+from tuneline.stages.common.hashing import file_sha256
+from tuneline.stages.train import kohya
+from tuneline.stages.train.singlefile import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"

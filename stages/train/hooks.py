@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from stages.common.models import dtypes
-from stages.families.common import LOADED
-from stages.text import effective_max_length
-from stages.train import checkpoint as ckpt
-from stages.train.loop import Trainer
-from stages.train.plan import MicroBatch
-from stages.validate.plots import loss_curve
-from stages.validate.render import Renderer, Sample, grid, render_size_for
+from tuneline.stages.common.models import dtypes
+from tuneline.stages.families.common import LOADED
+from tuneline.stages.text import effective_max_length
+from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train.loop import Trainer
+from tuneline.stages.train.plan import MicroBatch
+from tuneline.stages.validate.plots import loss_curve
+from tuneline.stages.validate.render import Renderer, Sample, grid, render_size_for
 
 TRACE_ENV = "TUNELINE_TRAIN_TRACE"  # a directory: each rank appends the images of every micro-batch it trains
 LOG_EVERY = 10

@@ -11,14 +11,14 @@ import time
 import uuid
 from pathlib import Path
 
-from schemas.train import TrainManifest
-from stages.common import models
-from stages.common.lock import IN_USE, in_use
-from stages.common.stage import PublishedElsewhere
-from stages.train import checkpoint as ckpt, init_source
-from stages.train.hooks import CHECKPOINTS
-from stages.train.procwatch import PARENT_ENV
-from stages.train.worker import ERROR, RESULT
+from tuneline.schemas.train import TrainManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.lock import IN_USE, in_use
+from tuneline.stages.common.stage import PublishedElsewhere
+from tuneline.stages.train import checkpoint as ckpt, init_source
+from tuneline.stages.train.hooks import CHECKPOINTS
+from tuneline.stages.train.procwatch import PARENT_ENV
+from tuneline.stages.train.worker import ERROR, RESULT
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 STOP_GRACE_S = 120  # how long a stopped training may take to write its checkpoint
@@ -48,7 +48,7 @@ def resume_target(ctx, work: Path) -> Path | None:
 
 def previous_model(ctx, upstream: dict) -> tuple[Path, str | None]:
     """The pipeline folder training starts from: the base model, or with train.init_from previous the train
-    version the key names (stages.train.init_source)."""
+    version the key names (tuneline.stages.train.init_source)."""
     if ctx.cfg.train.init_from != "previous":
         return models.model_dir(ctx), None
     source = init_source(ctx.store, {name: m.fingerprint for name, m in upstream.items()})
@@ -87,13 +87,13 @@ def beside(work: Path, kind: str, token: str) -> Path:
 
 def torchrun_command(cfg, spec: Path) -> list[str]:
     t = cfg.train
-    cmd = [sys.executable, "-m", "stages.train.procwatch", f"--nproc_per_node={t.processes}"]
+    cmd = [sys.executable, "-m", "tuneline.stages.train.procwatch", f"--nproc_per_node={t.processes}"]
     if t.nodes > 1:
         cmd += [f"--nnodes={t.nodes}", f"--node_rank={t.node_rank}", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={t.rdzv_endpoint}", f"--rdzv_id={t.rdzv_id}"]
     else:
         cmd += ["--standalone"]
-    return cmd + ["-m", "stages.train.worker", str(spec)]
+    return cmd + ["-m", "tuneline.stages.train.worker", str(spec)]
 
 
 def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
@@ -121,7 +121,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
             report_progress(ctx, line)
         rc = proc.wait()
     except BaseException:
-        # torchrun forwards SIGTERM to its workers, which finish the step, checkpoint and exit (stages.train.stopping).
+        # torchrun forwards SIGTERM to its workers, which finish the step, checkpoint and exit (tuneline.stages.train.stopping).
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=STOP_GRACE_S)

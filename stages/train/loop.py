@@ -14,23 +14,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from schemas.scan import ImageRecord
-from stages.common.models import dtypes
-from stages.common.prefetch import ahead
-from stages.families.base import MicroCond
-from stages.latents import store
-from stages.latents.masks import read as read_mask
-from stages.latents.reader import Batch, LatentReader, draw
-from stages.text.live import LiveText
-from stages.text.store import TextCache
-from stages.train import checkpoint as ckpt
-from stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
-from stages.train.objective import (loss_weights, noisy_and_target, offset_noise, prediction_type, scale_latents,
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.common.models import dtypes
+from tuneline.stages.common.prefetch import ahead
+from tuneline.stages.families.base import MicroCond
+from tuneline.stages.latents import store
+from tuneline.stages.latents.masks import read as read_mask
+from tuneline.stages.latents.reader import Batch, LatentReader, draw
+from tuneline.stages.text.live import LiveText
+from tuneline.stages.text.store import TextCache
+from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
+from tuneline.stages.train.objective import (loss_weights, noisy_and_target, offset_noise, prediction_type, scale_latents,
                                     weighted_mse)
-from stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
-from stages.train.rows import RowPlan
-from stages.train.schedule import EMA, lr_at
-from stages.train.timesteps import SigmaSampler
+from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
+from tuneline.stages.train.rows import RowPlan
+from tuneline.stages.train.schedule import EMA, lr_at
+from tuneline.stages.train.timesteps import SigmaSampler
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -265,7 +265,7 @@ class Trainer:
                  "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
                  "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
                  "lr": self.opt.param_groups[0]["lr"], "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
-                 "rng": "derived per micro-batch from (seed, rank, micro-batch index): see stages.train.plan"}
+                 "rng": "derived per micro-batch from (seed, rank, micro-batch index): see tuneline.stages.train.plan"}
         return tensors, state
 
     def restore(self, path: Path) -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from schemas.train import TrainConfig
-from stages.families.common import unwrap
-from stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
-from stages.train.quantize import quantize_base
-from stages.train.singlefile import save_single_file
+from tuneline.schemas.train import TrainConfig
+from tuneline.stages.families.common import unwrap
+from tuneline.stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
+from tuneline.stages.train.quantize import quantize_base
+from tuneline.stages.train.singlefile import save_single_file
 
 
 def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:

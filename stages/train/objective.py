@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.train.timesteps import SigmaSampler
+from tuneline.stages.train.timesteps import SigmaSampler
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, prediction: str, sch
     """Noise one batch and name what the model must predict.
 
     epsilon / v_prediction: DDPM timesteps in [0, T) and the scheduler's own noising.
-    flow_matching: sigma from `sigmas` (stages.train.timesteps; default U(0, 1) unshifted), x_t = (1 - sigma) x0 +
+    flow_matching: sigma from `sigmas` (tuneline.stages.train.timesteps; default U(0, 1) unshifted), x_t = (1 - sigma) x0 +
     sigma noise, target = noise - x0, and the timestep passed on is sigma * 1000 (the convention family adapters
     expect). `patch` is the denoiser's patch size: the image's token count sets a resolution-dependent shift.
     """

@@ -12,9 +12,9 @@ from collections import Counter
 
 import numpy as np
 
-from schemas.sources import Source
-from stages.latents.reader import LatentReader, epoch_plan
-from stages.train.plan import EpochPlan, Position, micro_batches
+from tuneline.schemas.sources import Source
+from tuneline.stages.latents.reader import LatentReader, epoch_plan
+from tuneline.stages.train.plan import EpochPlan, Position, micro_batches
 
 Rows = dict[str, np.ndarray]  # bucket -> row ids
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from schemas.checks import SINGLE_FILE_FAMILIES
+from tuneline.schemas.checks import SINGLE_FILE_FAMILIES
 
 SINGLE_FILE = "model.safetensors"
 SUPPORTED = SINGLE_FILE_FAMILIES  # SD1.x and SDXL layouts

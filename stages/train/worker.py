@@ -1,6 +1,6 @@
 """One DDP training process (started by torchrun). Spine: setup -> resume -> fit -> finish.
 
-Run as `python -m stages.train.worker SPEC.json` under torchrun; the stage's launcher does that.
+Run as `python -m tuneline.stages.train.worker SPEC.json` under torchrun; the stage's launcher does that.
 Training only reads the caches; it never encodes images or text.
 """
 from __future__ import annotations
@@ -19,29 +19,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from schemas.config import parse_config
-from schemas.sources import dataset_sources
-from schemas.latents import LatentsManifest
-from schemas.scan import ImageRecord, ScanManifest
-from schemas.text import TextManifest
-from stages.common import models
-from stages.common.artifacts import ArtifactError, ArtifactStore
-from stages.common.jsonl import read_jsonl, write_jsonl
-from stages.families.registry import get_family
-from stages.latents.reader import LatentReader, ReaderError
-from stages.latents.store import bucket_key
-from stages.text.live import open_text
-from stages.train import evaluation
-from stages.train.checkpoint import CheckpointError
-from stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
-from stages.train.loop import Data, NonFiniteLoss, Trainer
-from stages.train.export import ExportInfo, resolution_edge
-from stages.train.model import save_final
-from stages.train.plan import micro_batches
-from stages.train.rows import RowPlan
-from stages.train.procwatch import worker_guard
-from stages.train.stopping import Interrupted, StopSignals
-from stages.validate.plots import loss_curve
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.sources import dataset_sources
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ImageRecord, ScanManifest
+from tuneline.schemas.text import TextManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
+from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.latents.reader import LatentReader, ReaderError
+from tuneline.stages.latents.store import bucket_key
+from tuneline.stages.text.live import open_text
+from tuneline.stages.train import evaluation
+from tuneline.stages.train.checkpoint import CheckpointError
+from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
+from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
+from tuneline.stages.train.export import ExportInfo, resolution_edge
+from tuneline.stages.train.model import save_final
+from tuneline.stages.train.plan import micro_batches
+from tuneline.stages.train.rows import RowPlan
+from tuneline.stages.train.procwatch import worker_guard
+from tuneline.stages.train.stopping import Interrupted, StopSignals
+from tuneline.stages.validate.plots import loss_curve
 
 RESULT = "result.json"
 ERROR = "error.json"  # rank 0's one-line explanation of a failure the user can act on

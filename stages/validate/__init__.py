@@ -1,10 +1,10 @@
 """Validate stage: render validation prompts (and the demo's learning check) from the trained result."""
 from __future__ import annotations
 
-from schemas.validate import ValidateManifest
-from stages.common.artifacts import ArtifactError
-from stages.common.codeident import code_version
-from stages.common.stage import StageDef
+from tuneline.schemas.validate import ValidateManifest
+from tuneline.stages.common.artifacts import ArtifactError
+from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.stage import StageDef
 
 CODE_VERSION = code_version("validate")  # stages/code_versions.json
 
@@ -30,7 +30,7 @@ def _check(ctx, upstream) -> None:
 
 
 def _build(ctx, work, upstream):
-    from stages.validate.core import build
+    from tuneline.stages.validate.core import build
 
     return build(ctx, work, upstream)
 

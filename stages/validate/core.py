@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schemas.demo import DEMO_COLORS
-from schemas.validate import RenderedImage
-from stages.common import models
-from stages.text import effective_max_length
-from stages.validate.colors import color_accuracy
-from stages.validate.learning import class_means, render_check, separation
-from stages.validate.render import Renderer, Sample, grid, render_size_for
+from tuneline.schemas.demo import DEMO_COLORS
+from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.common import models
+from tuneline.stages.text import effective_max_length
+from tuneline.stages.validate.colors import color_accuracy
+from tuneline.stages.validate.learning import class_means, render_check, separation
+from tuneline.stages.validate.render import Renderer, Sample, grid, render_size_for
 
 
 def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer:

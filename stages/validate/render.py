@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from schemas.families import facts as family_facts
-from stages.common.sizing import render_size
-from stages.families.common import unwrap
-from stages.text.prompts import batch_of, encode_prompts
+from tuneline.schemas.families import facts as family_facts
+from tuneline.stages.common.sizing import render_size
+from tuneline.stages.families.common import unwrap
+from tuneline.stages.text.prompts import batch_of, encode_prompts
 
 MAX_BATCH = 16  # samples per pipeline call (x2 with classifier-free guidance)
 
@@ -46,7 +46,7 @@ class Renderer:
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/text/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
         if lora is not None:
-            from stages.train.export import lora_source
+            from tuneline.stages.train.export import lora_source
 
             folder, weight_name = lora_source(Path(lora))  # train.lora_format kohya writes only the kohya file
             pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))

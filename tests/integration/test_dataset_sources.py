@@ -11,19 +11,19 @@ import pytest
 import torch
 from PIL import Image
 
-from schemas.latents import LatentsManifest
-from schemas.scan import ImageRecord, ScanManifest
-from schemas.sources import dataset_sources
-from schemas.text import TextManifest
-from stages.common import models
-from stages.common.jsonl import read_jsonl
-from stages.common.stage import StageContext, run_stage
-from stages.latents.reader import LatentReader
-from stages.pipeline import PIPELINE, stage
-from stages.text.live import open_text
-from stages.train.loop import Data, Trainer
-from stages.train.plan import MicroBatch, Position
-from stages.train.rows import RowPlan
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ImageRecord, ScanManifest
+from tuneline.schemas.sources import dataset_sources
+from tuneline.schemas.text import TextManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.latents.reader import LatentReader
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.text.live import open_text
+from tuneline.stages.train.loop import Data, Trainer
+from tuneline.stages.train.plan import MicroBatch, Position
+from tuneline.stages.train.rows import RowPlan
 from tests.integration.test_train_support import small_config
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from schemas.latents import LatentsManifest
-from stages.common.artifacts import ArtifactStore
-from stages.latents.reader import LatentReader
-from stages.train.hooks import TRACE_ENV
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.stages.common.artifacts import ArtifactStore
+from tuneline.stages.latents.reader import LatentReader
+from tuneline.stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
 
 # 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
@@ -28,9 +28,9 @@ TRAIN = {"steps": 12, "checkpoint_every": 4, "batch_size": 4, "grad_accumulation
 
 DRIVER = """
 import json, sys
-from schemas.config import parse_config
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE, stage
+from tuneline.schemas.config import parse_config
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
 run_stage(StageContext(parse_config(json.loads(sys.argv[1]))), stage("train"), PIPELINE)
 """
 
@@ -78,7 +78,7 @@ def _workers_of(spec_dir: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if proc.name.isdigit() and str(spec_dir) in cmd and "stages.train" in cmd:
+        if proc.name.isdigit() and str(spec_dir) in cmd and "tuneline.stages.train" in cmd:
             found.append(int(proc.name))
     return found
 
@@ -134,7 +134,7 @@ def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, t
     cfg_file.write_text(yaml.safe_dump(cfg.dump()))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(tmp_path / "cli.log", "w") as log:
-        cli = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", str(cfg_file)], cwd=ROOT,
+        cli = subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)], cwd=ROOT,
                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob("artifacts/train/.*.partial/checkpoints/step-0000004")):

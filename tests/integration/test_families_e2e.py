@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from schemas.config import parse_config
-from schemas.text import TextManifest
-from schemas.train import TrainManifest
-from schemas.validate import ValidateManifest
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.text import TextManifest
+from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.validate import ValidateManifest
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE
 
 CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.families.registry import family_names, get_family
+from tuneline.stages.families.registry import family_names, get_family
 
 FAMILIES = family_names()
 CPU = torch.device("cpu")

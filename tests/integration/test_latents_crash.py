@@ -14,19 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schemas.latents import LatentsManifest
-from stages.common.hashing import digest
-from stages.common.stage import key_parts, run_stage
-from stages.latents import store
-from stages.pipeline import PIPELINE, stage
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.stages.common.hashing import digest
+from tuneline.stages.common.stage import key_parts, run_stage
+from tuneline.stages.latents import store
+from tuneline.stages.pipeline import PIPELINE, stage
 from tests.integration.test_latents_stage import context, rows_by_path, tiny_model_dir, write_images
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_LATENTS = """
 import json, sys
-from schemas.config import parse_config
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE, stage
+from tuneline.schemas.config import parse_config
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
 run_stage(StageContext(parse_config(json.loads(sys.argv[1]), workdir=sys.argv[2])), stage("latents"), PIPELINE)
 """
 

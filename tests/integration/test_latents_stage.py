@@ -13,19 +13,19 @@ import pytest
 import torch
 from PIL import Image
 
-from schemas.config import parse_config
-from schemas.latents import LatentsManifest
-from schemas.scan import ImageRecord
-from stages.common import models
-from stages.common.report import Reporter
-from stages.common.sizing import latent_shape
-from stages.common.stage import StageContext, run_stage, status
-from stages.families.registry import get_family
-from stages.latents import store
-from stages.latents.encode import LatentShapeError, to_pixels
-from stages.latents.reader import LatentReader
-from stages.pipeline import PIPELINE, stage
-from stages.scan.images import load_rgb
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.common import models
+from tuneline.stages.common.report import Reporter
+from tuneline.stages.common.sizing import latent_shape
+from tuneline.stages.common.stage import StageContext, run_stage, status
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.latents import store
+from tuneline.stages.latents.encode import LatentShapeError, to_pixels
+from tuneline.stages.latents.reader import LatentReader
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.scan.images import load_rgb
 
 SIZES = [(64, 64), (96, 64), (64, 96), (80, 58)]
 

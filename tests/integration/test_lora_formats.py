@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from schemas.train import TrainConfig
-from stages.families.common import unwrap
-from stages.families.registry import get_family
-from stages.train import kohya
-from stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, ExportInfo
-from stages.train.model import prepare_denoiser, save_final
+from tuneline.schemas.train import TrainConfig
+from tuneline.stages.families.common import unwrap
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.train import kohya
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, ExportInfo
+from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
 RANK, ALPHA = 4, 2.0
@@ -235,7 +235,7 @@ def test_lora_format_writes_only_what_it_names(fmt, files, built, tmp_path):
 
 def test_validation_reads_a_kohya_only_final(built, tmp_path):
     """train.lora_format kohya leaves no diffusers file: the validate stage's renderer loads the kohya one."""
-    from stages.validate.render import Renderer
+    from tuneline.stages.validate.render import Renderer
 
     model_dir = built("sd15")
     fam, den, _, _ = _trained("sd15", model_dir, tmp_path / "final", lora_format="kohya")

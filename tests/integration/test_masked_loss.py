@@ -7,9 +7,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from stages.common.jsonl import read_jsonl
-from stages.latents.masks import mask_file
-from stages.scan.demo import write_demo_dataset
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.latents.masks import mask_file
+from tuneline.stages.scan.demo import write_demo_dataset
 from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config
 

@@ -7,11 +7,11 @@ from collections import Counter
 import pytest
 import torch
 
-from schemas.config import ConfigError
-from stages.common.jsonl import read_jsonl
+from tuneline.schemas.config import ConfigError
+from tuneline.stages.common.jsonl import read_jsonl
 from tests.integration.test_train_families import _trainer
 from tests.integration.test_train_support import build_upstream, small_config
-from stages.train.plan import micro_batches
+from tuneline.stages.train.plan import micro_batches
 
 TRAIN = {"steps": 4, "processes": 1, "batch_size": 2}
 

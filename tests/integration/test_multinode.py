@@ -18,9 +18,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from schemas.train import TrainManifest
-from stages.common.stage import StageContext, status
-from stages.pipeline import PIPELINE
+from tuneline.schemas.train import TrainManifest
+from tuneline.stages.common.stage import StageContext, status
+from tuneline.stages.pipeline import PIPELINE
 from tests.integration.test_train_support import ROOT, build_upstream, small_config
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def _start_nodes(wd: Path, port: int) -> list[subprocess.Popen]:
         # Each node is its own machine: its own Prefect (ephemeral) home, one shared workdir.
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(wd / f"prefect-{rank}")}
         log = open(wd / f"node{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", str(path)], cwd=ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(path)], cwd=ROOT,
                                       env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return procs
 

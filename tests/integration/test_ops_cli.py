@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
+from tuneline.flows.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 RESOLUTIONS = (64, 48, 32)  # built in this order: 64 is the oldest version, 32 the newest
@@ -20,10 +20,10 @@ RESOLUTIONS = (64, 48, 32)  # built in this order: 64 is the oldest version, 32 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Three scan versions (one per resolution) of the demo dataset, built in-process; configs per resolution."""
-    from schemas.config import demo_config
-    from stages.common.stage import StageContext, run_stage
-    from stages.pipeline import PIPELINE, stage
-    from stages.scan.demo import write_demo_dataset
+    from tuneline.schemas.config import demo_config
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
+    from tuneline.stages.scan.demo import write_demo_dataset
 
     root = tmp_path_factory.mktemp("ops")
     configs, versions = {}, {}
@@ -73,7 +73,7 @@ def test_gc_refuses_while_another_process_holds_the_store(store):
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from stages.common.lock import store_lock
+        from tuneline.stages.common.lock import store_lock
         with store_lock({str(store['workdir'])!r}, timeout=0, purpose="stage train, flow run busy-otter"):
             print("locked", flush=True)
             time.sleep(60)

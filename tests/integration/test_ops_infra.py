@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.config import ConfigError, demo_config, load_config, parse_config
+from tuneline.schemas.config import ConfigError, demo_config, load_config, parse_config
 from tests.helpers import STAGES
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
@@ -62,7 +62,7 @@ def test_ops_config_errors_name_the_field(ops, field):
 
 
 def test_ops_section_never_changes_a_stage_version():
-    from stages.pipeline import PIPELINE
+    from tuneline.stages.pipeline import PIPELINE
 
     base = demo_config()
     other = parse_config(base.dump() | {"ops": {"schedule": {"cron": "@daily"}, "remote": "s3://b/p",
@@ -72,7 +72,7 @@ def test_ops_section_never_changes_a_stage_version():
 
 
 def test_loss_plot_and_cache_text():
-    from flows.visibility import cache_description, loss_markdown, loss_plot
+    from tuneline.flows.visibility import cache_description, loss_markdown, loss_plot
 
     plot = loss_plot([1.0 - i / 100 for i in range(100)], width=20, height=5).splitlines()
     assert len(plot) == 7 and plot[0].startswith("   0.9800 |*") and plot[4].startswith("   0.0300 |")
@@ -83,7 +83,7 @@ def test_loss_plot_and_cache_text():
 
 
 def test_deployments_carry_schedule_pools_and_an_absolute_workdir(tmp_path, monkeypatch):
-    from flows.deploy import deployments
+    from tuneline.flows.deploy import deployments
 
     monkeypatch.chdir(tmp_path)
     cfg = parse_config(demo_config().dump() | {"ops": {"schedule": {"cron": "0 3 * * *", "active": False},
@@ -96,7 +96,7 @@ def test_deployments_carry_schedule_pools_and_an_absolute_workdir(tmp_path, monk
     assert [(s.schedule.cron, s.active) for s in pipeline.schedules] == [("0 3 * * *", False)]
     assert all(d.schedules == [] for s, d in by_stage.items() if s != "pipeline")  # [] clears an old schedule
     assert by_stage["train"].concurrency_limit == 2
-    assert pipeline.entrypoint == "flows.pipeline.pipeline_flow"
+    assert pipeline.entrypoint == "tuneline.flows.pipeline.pipeline_flow"
     assert pipeline.parameters["config"]["workdir"] == str(tmp_path / "tuneline-work")
     assert "PipelineConfig" in pipeline._parameter_openapi_schema.definitions
     unscheduled = deployments(demo_config())[0]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from schemas.config import parse_config
-from stages.common.stage import StageContext, run_stage, status
-from stages.families.registry import get_family
-from stages.pipeline import PIPELINE, stage
+from tuneline.schemas.config import parse_config
+from tuneline.stages.common.stage import StageContext, run_stage, status
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.pipeline import PIPELINE, stage
 from tests.integration.test_train_support import small_config
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def _cfg(workdir: Path, **edits):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    from stages.scan.demo import write_demo_dataset
+    from tuneline.stages.scan.demo import write_demo_dataset
 
     wd = tmp_path_factory.mktemp("table") / "w"
     shutil.copytree(get_family("tiny").ensure_model(None, wd / "models"), wd / "model")
@@ -142,8 +142,8 @@ def test_an_edited_caption_encodes_one_string_and_no_image(built, tmp_path):
     import numpy as np
     import zarr
 
-    from schemas.latents import LatentsManifest
-    from schemas.text import TextManifest
+    from tuneline.schemas.latents import LatentsManifest
+    from tuneline.schemas.text import TextManifest
 
     w = tmp_path / "w"
     shutil.copytree(built, w, symlinks=True)

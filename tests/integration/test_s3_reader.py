@@ -9,12 +9,12 @@ import pytest
 import torch
 from zarr.storage import FsspecStore
 
-from schemas.latents import LatentsManifest
-from stages.common.artifacts import ArtifactStore
-from stages.common.prefetch import ahead
-from stages.common.remote import Remote, RemoteError, read_remote_manifest
-from stages.latents import store
-from stages.latents.reader import LatentReader, ReaderError
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.stages.common.artifacts import ArtifactStore
+from tuneline.stages.common.prefetch import ahead
+from tuneline.stages.common.remote import Remote, RemoteError, read_remote_manifest
+from tuneline.stages.latents import store
+from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tests.integration.test_s3_remote import BUCKET, CREDS, s3  # noqa: F401  (s3: the moto server fixture)
 from tests.unit.test_latents_reader import make_cache
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
+from tuneline.flows.cli import app
 from tests.helpers import tuneline
 
 BUCKET = "tuneline-test"
@@ -50,10 +50,10 @@ def _credentials(monkeypatch):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, s3):
     """scan + latents of the demo dataset, run in-process (no Prefect needed for the store itself)."""
-    from schemas.config import demo_config
-    from stages.common.stage import StageContext, run_stage
-    from stages.pipeline import PIPELINE, stage
-    from stages.scan.demo import write_demo_dataset
+    from tuneline.schemas.config import demo_config
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
+    from tuneline.stages.scan.demo import write_demo_dataset
 
     workdir = tmp_path_factory.mktemp("s3-src") / "work"
     cfg = demo_config(str(workdir))
@@ -64,14 +64,14 @@ def built(tmp_path_factory, s3):
 
 
 def _remote(endpoint: str, prefix: str):
-    from stages.common.remote import Remote
+    from tuneline.stages.common.remote import Remote
 
     return Remote(f"s3://{BUCKET}/{prefix}", {"endpoint_url": endpoint})
 
 
 def test_push_then_pull_gives_an_identical_verified_version(built, s3, tmp_path):
-    from schemas.latents import LatentsManifest
-    from stages.common.artifacts import ArtifactStore
+    from tuneline.schemas.latents import LatentsManifest
+    from tuneline.stages.common.artifacts import ArtifactStore
 
     remote, src = _remote(s3, "roundtrip"), built["paths"]["latents"]
     store = ArtifactStore(built["cfg"].workdir_path())
@@ -88,8 +88,8 @@ def test_push_then_pull_gives_an_identical_verified_version(built, s3, tmp_path)
 
 
 def test_interrupted_push_is_invisible_and_redone(built, s3, tmp_path, monkeypatch):
-    from stages.common.artifacts import ArtifactStore
-    from stages.common.remote import RemoteError
+    from tuneline.stages.common.artifacts import ArtifactStore
+    from tuneline.stages.common.remote import RemoteError
 
     remote, src = _remote(s3, "interrupted"), built["paths"]["scan"]
     store = ArtifactStore(built["cfg"].workdir_path())
@@ -110,8 +110,8 @@ def test_interrupted_push_is_invisible_and_redone(built, s3, tmp_path, monkeypat
 
 
 def test_pull_refuses_a_corrupted_remote_file(built, s3, tmp_path):
-    from stages.common.artifacts import ArtifactStore
-    from stages.common.remote import RemoteError
+    from tuneline.stages.common.artifacts import ArtifactStore
+    from tuneline.stages.common.remote import RemoteError
 
     remote, src = _remote(s3, "corrupt"), built["paths"]["scan"]
     remote.push(ArtifactStore(built["cfg"].workdir_path()), "scan", src.name)
@@ -128,7 +128,7 @@ def test_zarr_latents_open_straight_from_the_s3_url(built, s3):
     """What the training reader needs: zarr reads the cache through fsspec from the version's URL."""
     import zarr
 
-    from stages.common.artifacts import ArtifactStore
+    from tuneline.stages.common.artifacts import ArtifactStore
 
     remote, src = _remote(s3, "zarr"), built["paths"]["latents"]
     remote.push(ArtifactStore(built["cfg"].workdir_path()), "latents", src.name)

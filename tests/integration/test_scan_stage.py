@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from schemas.config import ConfigError, parse_config
-from schemas.scan import ImageRecord
-from stages.common.jsonl import read_jsonl
-from stages.common.report import Reporter
-from stages.common.stage import StageContext, StageFailed, run_stage, status
-from stages.scan import STAGE
-from stages.scan import demo as demo_mod
-from stages.scan import images as images_mod
+from tuneline.schemas.config import ConfigError, parse_config
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.report import Reporter
+from tuneline.stages.common.stage import StageContext, StageFailed, run_stage, status
+from tuneline.stages.scan import STAGE
+from tuneline.stages.scan import demo as demo_mod
+from tuneline.stages.scan import images as images_mod
 
 
 class Recorder(Reporter):

@@ -106,7 +106,7 @@ def deployed(server, tmp_path_factory):
     log = open(root / "worker.log", "w")
     elsewhere = tmp_path_factory.mktemp("worker-cwd")
     # --limit 1: the pipeline must not deadlock waiting for its stage runs (they are in-process subflows).
-    worker = subprocess.Popen([sys.executable, "-m", "flows.cli", "worker", "--limit", "1"], cwd=elsewhere,
+    worker = subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", "worker", "--limit", "1"], cwd=elsewhere,
                               env=dict(os.environ, **server["env"], PYTHONPATH=str(Path(__file__).parents[2])),
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -238,7 +238,7 @@ def test_scheduled_run_without_changes_rebuilds_nothing(server, deployed, client
 def test_failed_stage_run_retried_after_the_cause_is_fixed(server, deployed, client):
     """Another process holds the store lock -> validate refuses naming it; released -> the retry of that same
     flow run completes, rebuilding validate from the published upstream versions (none of them rebuilt)."""
-    from stages.common.lock import store_lock
+    from tuneline.stages.common.lock import store_lock
 
     before = _manifests(deployed["workdir"])
     validate = _deployment(client, "validate")

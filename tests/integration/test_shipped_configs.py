@@ -11,10 +11,10 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from schemas.config import parse_config
-from stages.families.registry import get_family
-from stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
-from stages.train.singlefile import _clip, _open_clip, _upsampler, unet_name, vae_name
+from tuneline.schemas.config import parse_config
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
+from tuneline.stages.train.singlefile import _clip, _open_clip, _upsampler, unet_name, vae_name
 
 # Published sizes: SD1.5 UNet 859,520,964; SDXL UNet 2,567,463,684; the KL VAE 83,653,863; CLIP ViT-L/14 text
 # 123,060,480; OpenCLIP ViT-bigG/14 text with projection 694,659,840.
@@ -95,7 +95,7 @@ def test_package_data_carries_every_shipped_file():
     files = [p.relative_to(families).as_posix() for p in (families / "configs").rglob("*")
              if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
     missed = [f for f in files if not any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/")
-                                          for pat in patterns["stages.families"])]
+                                          for pat in patterns["tuneline.stages.families"])]
     assert len(files) > 20 and missed == []
 
 
@@ -143,7 +143,7 @@ def test_real_size_sd15_file_converts_offline_with_the_shipped_config(tmp_path):
     folder and keeps the file's weights (about 30 s on 2 cores)."""
     import types
 
-    from stages.train.singlefile import ldm_state_dict
+    from tuneline.stages.train.singlefile import ldm_state_dict
 
     parts = _meta_parts("sd15")
     gen = torch.Generator().manual_seed(0)

@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
                           T5EncoderModel, T5Tokenizer)
 
-from schemas.config import parse_config
-from stages.families.flux_layout import flux_to_diffusers
-from stages.families.registry import get_family
-from stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
+from tuneline.schemas.config import parse_config
+from tuneline.stages.families.flux_layout import flux_to_diffusers
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
 from tests.integration.original_layout import flux_original, sd3_original
 
 # Published sizes: SD3 medium MMDiT 2,028,328,000; FLUX.1-dev transformer 11,901,408,320; their 16-channel VAE

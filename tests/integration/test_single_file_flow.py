@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from stages.common import models
-from stages.families.registry import get_family
+from tuneline.stages.common import models
+from tuneline.stages.families.registry import get_family
 from tests.integration.original_layout import flux_original, sd3_original
 from tests.integration.test_train_support import build_upstream, small_config, train
 
@@ -23,7 +23,7 @@ def _transformer_file(family: str, tmp_path, shift: float = 0.0, vae: bool = Fal
     moved by `shift` under "first_stage_model."; the tiny folder; the state dicts written)."""
     from diffusers import AutoencoderKL
 
-    from stages.train.singlefile import vae_name
+    from tuneline.stages.train.singlefile import vae_name
 
     fam = get_family(family)
     folder = fam.ensure_model(None, tmp_path / "models")

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from stages.common import models
-from stages.families.registry import get_family
-from stages.train.singlefile import ldm_state_dict
+from tuneline.stages.common import models
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.train.singlefile import ldm_state_dict
 from tests.integration.test_train_support import build_upstream, small_config, train
 
 CPU = torch.device("cpu")

@@ -6,18 +6,18 @@ import os
 
 import pytest
 
-from stages.common.jsonl import read_jsonl
-from stages.common.stage import StageContext, run_stage
-from stages.families.common import LOADED
-from stages.pipeline import PIPELINE, stage
-from stages.train.hooks import TRACE_ENV
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.families.common import LOADED
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_support import small_config, train
 
 pytestmark = pytest.mark.slow
 
 
 def test_each_stage_loads_only_its_models(tmp_path, monkeypatch):
-    from stages.scan.demo import write_demo_dataset
+    from tuneline.stages.scan.demo import write_demo_dataset
 
     cfg = small_config(tmp_path, {"steps": 3, "processes": 1, "validate_every": 1, "checkpoint_every": 3})
     write_demo_dataset(cfg.resolve(cfg.dataset.path))

@@ -9,16 +9,16 @@ import pytest
 import torch
 from PIL import Image
 
-from schemas.config import parse_config
-from schemas.text import TextManifest
-from stages.common import models
-from stages.common.jsonl import read_jsonl
-from stages.common.stage import StageContext, run_stage, status
-from stages.pipeline import PIPELINE, stage
-from stages.text.live import LiveText, open_text
-from stages.text.prompts import batch_of, encode_prompts
-from stages.text.store import TextCache
-from stages.text.variants import TagAugment
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.text import TextManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import StageContext, run_stage, status
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.text.live import LiveText, open_text
+from tuneline.stages.text.prompts import batch_of, encode_prompts
+from tuneline.stages.text.store import TextCache
+from tuneline.stages.text.variants import TagAugment
 
 CPU = torch.device("cpu")
 # Duplicates and an uncaptioned image on purpose: each distinct string is encoded once, "" is row 0.

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 
-from stages.common.jsonl import read_jsonl
-from schemas.sources import dataset_sources
-from stages.train.evaluation import Evaluator
-from stages.train.rows import RowPlan, held_out
-from stages.train.hooks import TRACE_ENV
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.schemas.sources import dataset_sources
+from tuneline.stages.train.evaluation import Evaluator
+from tuneline.stages.train.rows import RowPlan, held_out
+from tuneline.stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config, train
 

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from schemas.latents import LatentsManifest
-from schemas.scan import ImageRecord
-from schemas.text import TextManifest
-from stages.common import models
-from stages.common.jsonl import read_jsonl
-from stages.latents.reader import LatentReader
-from stages.text.live import open_text
-from stages.train import checkpoint as ckpt
-from stages.train.loop import Data, Trainer
-from stages.train.model import save_final
-from stages.train.plan import micro_batches
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ImageRecord
+from tuneline.schemas.text import TextManifest
+from tuneline.stages.common import models
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.latents.reader import LatentReader
+from tuneline.stages.text.live import open_text
+from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train.loop import Data, Trainer
+from tuneline.stages.train.model import save_final
+from tuneline.stages.train.plan import micro_batches
 from tests.integration.test_train_support import build_upstream, small_config
 
 CPU = torch.device("cpu")
@@ -118,7 +118,7 @@ def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path):
 def test_latents_sampled_in_the_feed_are_the_ones_the_step_would_draw(tmp_path, monkeypatch):
     """On a CPU training device the feed's threads draw mean + std * eps; the step then draws the diffusion noise from
     the same generator. Drawing everything in the step instead (as on a GPU) must give the same losses and weights."""
-    from stages.train import loop
+    from tuneline.stages.train import loop
 
     cfg = small_config(tmp_path, TRAIN, model={"family": "sdxl", "device": "cpu"})
     ctx = build_upstream(cfg)

@@ -7,12 +7,12 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from schemas.families import FAMILY_FACTS
-from schemas.train import TrainManifest
-from stages.common import gc
-from stages.common.stage import StageContext, status
-from stages.families.folders import tiny_dir
-from stages.pipeline import PIPELINE
+from tuneline.schemas.families import FAMILY_FACTS
+from tuneline.schemas.train import TrainManifest
+from tuneline.stages.common import gc
+from tuneline.stages.common.stage import StageContext, status
+from tuneline.stages.families.folders import tiny_dir
+from tuneline.stages.pipeline import PIPELINE
 from tests.integration.test_train_support import build_upstream, small_config, train
 
 

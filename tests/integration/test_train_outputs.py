@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages.common import models
-from stages.common.stage import StageContext, run_stage
-from stages.pipeline import PIPELINE, stage
-from stages.train.launch import TrainingFailed
+from tuneline.stages.common import models
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.train.launch import TrainingFailed
 from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
 
 LORA = {"mode": "lora", "lora_rank": 4, "lora_alpha": 8, "steps": 4, "processes": 1, "batch_size": 4,
@@ -60,7 +60,7 @@ def test_lora_exports_both_formats_listed_with_metadata(lora):
     checksum the store verifies, its header naming this train version, the base model and the run's facts."""
     from safetensors import safe_open
 
-    from stages.common.hashing import file_sha256
+    from tuneline.stages.common.hashing import file_sha256
 
     ctx, path, _ = lora
     manifest = json.loads((path / "manifest.json").read_text())

@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from schemas.config import PipelineConfig, parse_config
-from schemas.demo import DEMO_CONFIG
-from stages.common.stage import StageContext, run_stage
-from stages.common.report import Reporter
-from stages.pipeline import PIPELINE, stage
-from stages.scan.demo import write_demo_dataset
+from tuneline.schemas.config import PipelineConfig, parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.common.report import Reporter
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.scan.demo import write_demo_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 

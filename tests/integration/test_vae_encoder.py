@@ -1,4 +1,4 @@
-"""The latents stage's VAE encoder (stages.families.vae_encoder, built without importing diffusers) against
+"""The latents stage's VAE encoder (tuneline.stages.families.vae_encoder, built without importing diffusers) against
 diffusers' own AutoencoderKL.encode: the same mean and std for every family's VAE and for layouts no tiny family
 has; folders it does not reproduce are loaded through diffusers; a caching process never imports diffusers."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.families.registry import family_names, get_family
-from stages.families.vae_encoder import VAEEncoder, load
+from tuneline.stages.families.registry import family_names, get_family
+from tuneline.stages.families.vae_encoder import VAEEncoder, load
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_folders_it_does_not_reproduce_go_through_diffusers(tmp_path, pixels):
 def test_a_caching_process_does_not_import_diffusers(tmp_path):
     """The point of the lean encoder: a latents run that encodes pays no diffusers import."""
     folder = get_family("tiny").ensure_model(None, tmp_path)
-    code = ("import sys, torch; from stages.families.registry import get_family; "
+    code = ("import sys, torch; from tuneline.stages.families.registry import get_family; "
             f"enc = get_family('tiny').load_vae_encoder({str(folder)!r}, torch.float32, torch.device('cpu')); "
             "enc.encode(torch.zeros(1, 3, 64, 64)); "
             "print(type(enc).__name__, sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'peft')))")

@@ -34,7 +34,7 @@ def small_config(data_dir: Path, **overrides) -> dict:
 
     The dataset lives outside every workdir at an absolute path, so copies of a prepared workdir stay fresh
     (the scan fingerprints the dataset path)."""
-    out = subprocess.run([PY, "-m", "flows.cli", "config", "example"], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([PY, "-m", "tuneline.flows.cli", "config", "example"], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     cfg = yaml.safe_load(out.stdout)
     cfg["dataset"].update(path=str(data_dir), demo=True)
@@ -53,7 +53,7 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 
 def cli_args(*args: str) -> list[str]:
-    return [PY, "-m", "flows.cli", *args]
+    return [PY, "-m", "tuneline.flows.cli", *args]
 
 
 def tuneline(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -104,14 +104,14 @@ class PrefectServer:
 
 # What a killed run must leave behind -------------------------------------------------------------------------
 def manifest_classes() -> dict:
-    from stages.pipeline import PIPELINE
+    from tuneline.stages.pipeline import PIPELINE
 
     return {sd.name: sd.manifest_cls for sd in PIPELINE}
 
 
 def visible_partials(workdir: Path) -> list[str]:
     """Every directory under artifacts/<stage>/ without a leading dot must be a published version that verifies."""
-    from stages.common.artifacts import ArtifactError, ArtifactStore
+    from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
 
     store, classes, problems = ArtifactStore(workdir), manifest_classes(), []
     for stage_dir in sorted(p for p in store.root.glob("*") if p.is_dir()):
@@ -227,8 +227,8 @@ def remember_tree(pid: int, seen: dict[int, float]) -> None:
 
 
 def count_workers(seen: dict[int, float]) -> int:
-    """Training workers (`-m stages.train.worker`) among the live processes seen."""
-    return sum(any("stages.train.worker" == a for a in _cmd(p)) for p in _alive(seen))
+    """Training workers (`-m tuneline.stages.train.worker`) among the live processes seen."""
+    return sum(any("tuneline.stages.train.worker" == a for a in _cmd(p)) for p in _alive(seen))
 
 
 def check_after_kill(workdir: Path, seen: dict[int, float]) -> list[str]:

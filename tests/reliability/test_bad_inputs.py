@@ -80,9 +80,9 @@ def build_corpus(root: Path, outside: Path) -> None:
 @pytest.fixture(scope="module")
 def corpus_run(tmp_path_factory):
     """scan + latents on the corpus, in-process through the stage runner (no Prefect needed for the cores)."""
-    from schemas.config import parse_config
-    from stages.common.stage import StageContext, run_stage
-    from stages.pipeline import PIPELINE, stage
+    from tuneline.schemas.config import parse_config
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
 
     tmp = tmp_path_factory.mktemp("corpus")
     build_corpus(tmp / "data", tmp / "outside")

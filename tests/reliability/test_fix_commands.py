@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.artifacts import manifest_digest
+from tuneline.stages.common.artifacts import manifest_digest
 from tests.reliability import faultlib as fl
 from tests.reliability.test_tampered import CASES, _version, edited_fact
 
@@ -75,9 +75,9 @@ def _refusal(workdir: Path, config: Path, env: dict, victim: str, consumer: str)
 
 def _states(workdir: Path, config: Path) -> dict[str, str]:
     """What `tuneline status` computes, in-process (saves a CLI start per case)."""
-    from schemas.config import load_config
-    from stages.common.stage import StageContext, status
-    from stages.pipeline import PIPELINE
+    from tuneline.schemas.config import load_config
+    from tuneline.stages.common.stage import StageContext, status
+    from tuneline.stages.pipeline import PIPELINE
 
     return {r.stage: r.state for r in status(StageContext(load_config(config, str(workdir))), PIPELINE)}
 

@@ -98,8 +98,8 @@ def test_yaml_python_tags_are_refused_and_never_run(tmp_path, payload):
 # Paths from artifacts and datasets -------------------------------------------------------------------------
 @pytest.mark.parametrize("entry", ["../../../../../../etc/passwd", "/etc/passwd", "a/../../../outside.txt"])
 def test_manifest_file_entry_cannot_escape_the_artifact(tmp_path, entry):
-    from schemas.base import Manifest
-    from stages.common.artifacts import ArtifactError, ArtifactStore, manifest_digest
+    from tuneline.schemas.base import Manifest
+    from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore, manifest_digest
 
     art = _fake_artifact(tmp_path)
     m = json.loads((art / "manifest.json").read_text())
@@ -115,8 +115,8 @@ def test_manifest_file_entry_cannot_escape_the_artifact(tmp_path, entry):
 
 
 def test_symlink_inside_an_artifact_cannot_point_outside(tmp_path):
-    from schemas.base import Manifest
-    from stages.common.artifacts import ArtifactError, ArtifactStore
+    from tuneline.schemas.base import Manifest
+    from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
 
     art = _fake_artifact(tmp_path)
     outside = tmp_path / "outside.txt"
@@ -129,8 +129,8 @@ def test_symlink_inside_an_artifact_cannot_point_outside(tmp_path):
 
 def _fake_artifact(tmp_path: Path) -> Path:
     """A minimal published artifact that verifies, built through the store's own publish."""
-    from schemas.base import Manifest
-    from stages.common.artifacts import ArtifactStore
+    from tuneline.schemas.base import Manifest
+    from tuneline.stages.common.artifacts import ArtifactStore
 
     store = ArtifactStore(tmp_path / "w")
     work = store.start("text", "feedbeeffeedbeef")
@@ -143,10 +143,10 @@ def _fake_artifact(tmp_path: Path) -> Path:
 
 def test_scan_record_path_cannot_leave_the_dataset_root(tmp_path):
     """A scan record (images.jsonl) naming ../ or an absolute path: latents refuses it, never reads the file."""
-    from schemas.scan import ImageRecord
-    from stages.common.artifacts import ArtifactError
-    from stages.common.hashing import file_sha256
-    from stages.latents.encode import prepare
+    from tuneline.schemas.scan import ImageRecord
+    from tuneline.stages.common.artifacts import ArtifactError
+    from tuneline.stages.common.hashing import file_sha256
+    from tuneline.stages.latents.encode import prepare
 
     root, secret = tmp_path / "data", tmp_path / "secret.png"
     root.mkdir()
@@ -163,9 +163,9 @@ def test_scan_record_path_cannot_leave_the_dataset_root(tmp_path):
 
 
 def test_captions_and_metadata_cannot_reach_outside_the_dataset_root(tmp_path):
-    from schemas.config import parse_config
-    from stages.common.stage import StageContext, run_stage
-    from stages.pipeline import PIPELINE, stage
+    from tuneline.schemas.config import parse_config
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
 
     root, outside = tmp_path / "data", tmp_path / "outside"
     root.mkdir()

@@ -88,9 +88,9 @@ CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksu
 @pytest.mark.parametrize("tamper", CASES, ids=lambda c: c.__name__)
 def test_status_no_longer_calls_a_tampered_artifact_fresh(workcopy, small_config, tamper):
     """What `tuneline status` computes, in-process (saves a CLI start per case)."""
-    from schemas.config import load_config
-    from stages.common.stage import StageContext, status
-    from stages.pipeline import PIPELINE
+    from tuneline.schemas.config import load_config
+    from tuneline.stages.common.stage import StageContext, status
+    from tuneline.stages.pipeline import PIPELINE
 
     victim, _ = tamper(workcopy)
     rows = {r.stage: r for r in status(StageContext(load_config(small_config, str(workcopy))), PIPELINE)}

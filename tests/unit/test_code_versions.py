@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from stages.common import codeident
-from stages.pipeline import PIPELINE
+from tuneline.stages.common import codeident
+from tuneline.stages.pipeline import PIPELINE
 
 
 @pytest.mark.parametrize("stage", list(codeident.SOURCES))
 def test_source_change_is_versioned_or_recorded(stage):
     assert codeident.source_hash(stage) == codeident.recorded()[stage]["source"], (
         f"the source of stage {stage} changed since its version was recorded. If its output can change, run "
-        f"`python -m stages.common.codeident --bump {stage}` (published {stage} versions become stale); if not "
-        f"(a refactor, a comment), run `python -m stages.common.codeident --record {stage}`")
+        f"`python -m tuneline.stages.common.codeident --bump {stage}` (published {stage} versions become stale); if not "
+        f"(a refactor, a comment), run `python -m tuneline.stages.common.codeident --record {stage}`")
 
 
 def test_every_stage_takes_its_version_from_the_record():

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from schemas.config import ConfigError, demo_config, parse_config
-from schemas.demo import DEMO_CONFIG
+from tuneline.schemas.config import ConfigError, demo_config, parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
 
 
 def refused(data: dict, *fields: str) -> str:

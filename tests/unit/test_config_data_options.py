@@ -1,7 +1,7 @@
 """The data options (masks, held-out eval, multi-resolution) are refused at load naming their fields."""
 from __future__ import annotations
 
-from schemas.config import parse_config
+from tuneline.schemas.config import parse_config
 from tests.unit.test_config_checks import refused
 
 

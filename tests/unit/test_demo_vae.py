@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from schemas.demo import DEMO_COLORS, DEMO_SHAPES
-from schemas.families import FAMILY_FACTS
-from stages.families.registry import get_family
-from stages.families.tiny import DEMO_VAE_FILE, POSTERIOR_LOGVAR, demo_vae_weights
-from stages.scan.demo import RGB, _draw
-from stages.validate.colors import color_accuracy, dominant_color
+from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
+from tuneline.schemas.families import FAMILY_FACTS
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.tiny import DEMO_VAE_FILE, POSTERIOR_LOGVAR, demo_vae_weights
+from tuneline.stages.scan.demo import RGB, _draw
+from tuneline.stages.validate.colors import color_accuracy, dominant_color
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_weights_ship_in_the_package_and_are_small():
     assert DEMO_VAE_FILE.is_file() and DEMO_VAE_FILE.stat().st_size <= 2 * 1024 * 1024
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     rel = DEMO_VAE_FILE.relative_to(ROOT / "stages" / "families")
-    assert any(rel.match(p) for p in package_data["stages.families"]), package_data
+    assert any(rel.match(p) for p in package_data["tuneline.stages.families"]), package_data
 
 
 def test_scaling_factor_agrees_between_file_vae_config_and_facts():

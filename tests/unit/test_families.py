@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas.families import FAMILY_FACTS, facts
-from stages.families.base import MicroCond
-from stages.families.common import unwrap
-from stages.families.flux import image_ids, pack_latents, unpack_latents
-from stages.families.folders import required_components
-from stages.families.registry import family_names, get_family
-from stages.families.vocab import WORDS, build_clip_tokenizer, build_t5_tokenizer, learn_bpe_merges, write_clip_vocab
+from tuneline.schemas.families import FAMILY_FACTS, facts
+from tuneline.stages.families.base import MicroCond
+from tuneline.stages.families.common import unwrap
+from tuneline.stages.families.flux import image_ids, pack_latents, unpack_latents
+from tuneline.stages.families.folders import required_components
+from tuneline.stages.families.registry import family_names, get_family
+from tuneline.stages.families.vocab import WORDS, build_clip_tokenizer, build_t5_tokenizer, learn_bpe_merges, write_clip_vocab
 
 
 def test_registry_covers_every_family_with_facts():

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.artifacts import ArtifactStore
-from stages.common.gc import collect, plan, protected
-from stages.common.lineage import lineage
+from tuneline.stages.common.artifacts import ArtifactStore
+from tuneline.stages.common.gc import collect, plan, protected
+from tuneline.stages.common.lineage import lineage
 
 STAGES = ["scan", "latents", "train"]
 

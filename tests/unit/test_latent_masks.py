@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from schemas.scan import ImageRecord
-from stages.latents.masks import _plane
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.latents.masks import _plane
 
 
 def _record(path: str, **kw) -> ImageRecord:

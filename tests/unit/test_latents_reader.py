@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.latents import LatentBucket, LatentsManifest
-from stages.common.jsonl import write_jsonl
-from stages.latents import store
-from stages.latents.reader import WINDOW_BLOCKS, Batch, LatentReader, ReaderError, block_shuffle, epoch_plan
+from tuneline.schemas.latents import LatentBucket, LatentsManifest
+from tuneline.stages.common.jsonl import write_jsonl
+from tuneline.stages.latents import store
+from tuneline.stages.latents.reader import WINDOW_BLOCKS, Batch, LatentReader, ReaderError, block_shuffle, epoch_plan
 
 SHAPES = {"64x64": (4, 8, 8), "96x64": (4, 8, 12)}
 COUNTS = {"64x64": 21, "96x64": 9}

@@ -13,12 +13,12 @@ import pytest
 import zarr
 from PIL import Image
 
-from schemas.scan import ImageRecord
-from stages.latents import store
-from stages.latents.encode import LatentShapeError, check_latents
-from stages.common.jsonl import write_jsonl
-from stages.latents.reuse import PreviousRows, row_identity, row_key
-from stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Settings, fill
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.latents import store
+from tuneline.stages.latents.encode import LatentShapeError, check_latents
+from tuneline.stages.common.jsonl import write_jsonl
+from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
+from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Settings, fill
 
 SHAPE = (4, 2, 2)
 IDENTITY = row_identity("vae", "float32", "float16", False)

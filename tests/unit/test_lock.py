@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.lock import StoreLocked, holder, store_lock
+from tuneline.stages.common.lock import StoreLocked, holder, store_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def _holder(workdir: Path, seconds: float) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from stages.common.lock import store_lock
+        from tuneline.stages.common.lock import store_lock
         with store_lock({str(workdir)!r}, timeout=0, purpose="holder under test"):
             print("locked", flush=True)
             time.sleep({seconds})

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from schemas.base import FileEntry
-from schemas.config import example_yaml, parse_config
-from schemas.train import TrainManifest
-from stages.train import kohya
+from tuneline.schemas.base import FileEntry
+from tuneline.schemas.config import example_yaml, parse_config
+from tuneline.schemas.train import TrainManifest
+from tuneline.stages.train import kohya
 from tests.unit.test_config_checks import refused
 
 
@@ -23,7 +23,7 @@ def test_lora_format_is_checked_and_defaults_to_both():
 
 
 def test_export_settings_are_in_the_train_key_and_the_example():
-    from stages.train import _config
+    from tuneline.stages.train import _config
 
     base = _config(parse_config({}))
     assert base["train"]["lora_format"] == "both" and base["train"]["metadata_captions"] is False

@@ -1,4 +1,4 @@
-"""The bounded background prefetch the training feed runs on (stages.common.prefetch.ahead)."""
+"""The bounded background prefetch the training feed runs on (tuneline.stages.common.prefetch.ahead)."""
 from __future__ import annotations
 
 import random
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from stages.common.prefetch import ahead
+from tuneline.stages.common.prefetch import ahead
 
 
 def _slow_square(x: int) -> tuple[int, str]:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from stages.train.quantize import check_supported
+from tuneline.stages.train.quantize import check_supported
 
 
 def test_fp8_refused_on_cpu_naming_the_field():

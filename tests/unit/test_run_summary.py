@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from flows.summary import summary_lines, timed_stage
+from tuneline.flows.summary import summary_lines, timed_stage
 
 
 def test_summary_names_built_reused_loss_learning_and_paths(tmp_path):

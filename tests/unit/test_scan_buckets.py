@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.config import PipelineConfig
-from schemas.scan import ImageRecord
-from stages.scan.buckets import (NoBatchError, apply_plan, bucket_plan, duplicate_groups, global_batch,
+from tuneline.schemas.config import PipelineConfig
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.scan.buckets import (NoBatchError, apply_plan, bucket_plan, duplicate_groups, global_batch,
                                  reject_duplicates, table)
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from schemas.scan import DatasetConfig
-from stages.scan.captions import CaptionError, Captions, filename_caption
-from stages.scan.listing import walk
+from tuneline.schemas.scan import DatasetConfig
+from tuneline.stages.scan.captions import CaptionError, Captions, filename_caption
+from tuneline.stages.scan.listing import walk
 
 
 def captions(root: Path, **cfg) -> Captions:

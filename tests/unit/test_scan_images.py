@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from schemas.scan import ImageRecord
-from stages.scan import images as images_mod
-from stages.scan.images import load_rgb, probe_file
+from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.scan import images as images_mod
+from tuneline.stages.scan.images import load_rgb, probe_file
 
 BG = (0, 255, 0)
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.families import FAMILY_FACTS
-from stages.common.sizing import (SizePolicy, bucket_size, clamp_aspect, crop_box, latent_shape, render_size,
+from tuneline.schemas.families import FAMILY_FACTS
+from tuneline.stages.common.sizing import (SizePolicy, bucket_size, clamp_aspect, crop_box, latent_shape, render_size,
                                   size_problem, usable_region)
 
 sizes = st.integers(16, 8000)

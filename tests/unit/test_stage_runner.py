@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from schemas.base import Manifest
-from schemas.config import parse_config
-from stages.common.artifacts import ArtifactError, ArtifactStore
-from stages.common.stage import StageContext, StageDef, run_stage, status
+from tuneline.schemas.base import Manifest
+from tuneline.schemas.config import parse_config
+from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
+from tuneline.stages.common.stage import StageContext, StageDef, run_stage, status
 
 
 class NumManifest(Manifest):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.common.jsonl import write_jsonl
-from stages.text import store
-from stages.text.store import INDEX, STORE, STRINGS, ArrayWriter, TextCache
+from tuneline.stages.common.jsonl import write_jsonl
+from tuneline.stages.text import store
+from tuneline.stages.text.store import INDEX, STORE, STRINGS, ArrayWriter, TextCache
 
 
 def _write(tmp_path, rows: int, batch: int, chunk_bytes: int, monkeypatch) -> dict[str, torch.Tensor]:

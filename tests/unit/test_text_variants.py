@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.config import parse_config
-from stages.pipeline import stage
-from stages.text import effective_max_length
-from stages.text.variants import TagAugment, index_strings
+from tuneline.schemas.config import parse_config
+from tuneline.stages.pipeline import stage
+from tuneline.stages.text import effective_max_length
+from tuneline.stages.text.variants import TagAugment, index_strings
 
 CAPTION = "sks person, red hat, smiling, outdoors, photo"
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
-from schemas.config import ConfigError, example_yaml, parse_config
-from stages.train.objective import loss_weights, noisy_and_target, prediction_type
-from stages.train.timesteps import SigmaSampler, auto_shift, shift_sigmas
+from tuneline.schemas.config import ConfigError, example_yaml, parse_config
+from tuneline.stages.train.objective import loss_weights, noisy_and_target, prediction_type
+from tuneline.stages.train.timesteps import SigmaSampler, auto_shift, shift_sigmas
 
 N = 40_000
 
@@ -122,8 +122,8 @@ def test_prediction_type_comes_from_the_scheduler_config(tmp_path):
     import json
     import shutil
 
-    from stages.families import folders
-    from stages.families.registry import get_family
+    from tuneline.stages.families import folders
+    from tuneline.stages.families.registry import get_family
 
     fam = get_family("tiny")
     base = fam.ensure_model(None, tmp_path / "models")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from stages.train import checkpoint as ckpt
+from tuneline.stages.train import checkpoint as ckpt
 
 
 def _trained_optimizer(seed: int = 0) -> tuple[dict[str, torch.nn.Parameter], torch.optim.AdamW]:

@@ -2,9 +2,9 @@
 CPU walkthrough that runs the same on a GPU machine."""
 from __future__ import annotations
 
-from schemas.config import parse_config
-from schemas.demo import DEMO_CONFIG
-from stages.train.launch import gpu_problem
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
+from tuneline.stages.train.launch import gpu_problem
 
 
 def test_more_processes_than_gpus_is_refused_naming_the_field_and_the_fix():

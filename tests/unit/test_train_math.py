@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from schemas.config import parse_config
-from stages.train.objective import loss_weights, noisy_and_target, offset_noise, weighted_mse
-from stages.train.plan import MicroBatch, Position, micro_batches, shard, step_seed
-from stages.train.schedule import EMA, lr_at
+from tuneline.schemas.config import parse_config
+from tuneline.stages.train.objective import loss_weights, noisy_and_target, offset_noise, weighted_mse
+from tuneline.stages.train.plan import MicroBatch, Position, micro_batches, shard, step_seed
+from tuneline.stages.train.schedule import EMA, lr_at
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_step_seed_differs_per_rank_and_micro_batch():
 
 
 def test_cpu_trains_in_float32_and_refuses_half_precision():
-    from stages.train.model import autocast_dtype, grad_scaler
+    from tuneline.stages.train.model import autocast_dtype, grad_scaler
 
     cpu = torch.device("cpu")
     assert autocast_dtype("auto", cpu) is None and autocast_dtype("no", cpu) is None
@@ -143,7 +143,7 @@ def test_cpu_trains_in_float32_and_refuses_half_precision():
 
 
 def test_manifest_losses_are_downsampled_by_averaging():
-    from stages.train.worker import downsample
+    from tuneline.stages.train.worker import downsample
 
     assert downsample([1.0, 2.0], 500) == [1.0, 2.0]
     assert downsample([float(i) for i in range(10)], 4) == [1.0, 4.0, 7.0, 9.0]

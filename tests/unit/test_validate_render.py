@@ -8,11 +8,11 @@ import pytest
 import torch
 from PIL import Image
 
-from schemas.config import parse_config
-from stages.families.registry import get_family
-from stages.validate import learning
-from stages.validate.plots import loss_curve, smooth
-from stages.validate.render import Renderer, Sample, grid, render_size_for
+from tuneline.schemas.config import parse_config
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.validate import learning
+from tuneline.stages.validate.plots import loss_curve, smooth
+from tuneline.stages.validate.render import Renderer, Sample, grid, render_size_for
 
 CPU = torch.device("cpu")
 
@@ -102,7 +102,7 @@ def test_prompts_encoded_at_training_length_and_cached(renderer, tmp_path):
     assert short.enc.max_length == 8
     samples = [Sample("a red square", "a blue circle", 2)]
     first = _latents(short, samples)
-    from stages.text.prompts import load_prompts
+    from tuneline.stages.text.prompts import load_prompts
 
     stored = load_prompts(cache, "k8")
     assert set(stored) == {"a red square", "a blue circle"}
@@ -117,7 +117,7 @@ def test_inline_png_is_a_capped_data_uri(tmp_path):
     import io
     import random
 
-    from flows.visibility import inline_png
+    from tuneline.flows.visibility import inline_png
 
     noisy = Image.frombytes("RGB", (1024, 1024), random.Random(0).randbytes(1024 * 1024 * 3))  # incompressible
     noisy.save(tmp_path / "big.png")

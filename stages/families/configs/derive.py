@@ -22,9 +22,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[2]))  # run as a script from anywhere
-
-from stages.families.vocab import bytes_to_unicode  # noqa: E402  (openai's byte-level alphabet, shared)
+from tuneline.stages.families.vocab import bytes_to_unicode  # (openai's byte-level alphabet, shared)
 N_MERGES = 49152 - 256 - 2  # openai's simple_tokenizer: the merges the released CLIP models use
 
 

@@ -1,0 +1,1 @@
+"""Model family adapters behind one interface (base.py), listed by registry.py."""
