@@ -14,7 +14,6 @@ from prefect import flow
 from tuneline.flows import visibility
 from tuneline.flows.limits import train_slot
 from tuneline.flows.reporter import PrefectReporter
-from tuneline.schemas.checks import check_config
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lock import store_lock
 from tuneline.stages.common.stage import StageContext, run_stage
@@ -24,8 +23,7 @@ log = logging.getLogger("tuneline")
 
 
 def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
-    # Flow parameters from the UI/API are validated by pydantic only; the family-aware checks run here.
-    check_config(config, "(flow parameters)")
+    # Flow parameters from the UI/API went through PipelineConfig's validators, the CLI's rules included.
     reporter = PrefectReporter()
     ctx = StageContext(config, reporter=reporter, log=log, force=force)
     lock = functools.partial(store_lock, config.workdir_path(), timeout=config.ops.lock_timeout,

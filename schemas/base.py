@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -17,9 +19,18 @@ class ConfigPath:
 
 
 class Strict(BaseModel):
-    """Config sections reject unknown keys so a typo is an error, not a silent default."""
+    """A config section, refused at load rather than minutes later: unknown keys (a typo is an error, not a silent
+    default), values of the wrong type (no `true` read as 1, no "8" read as 8), infinities and NaN. Frozen once
+    validated: what was checked is what runs."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+# Seeds feed numpy's and torch's generators, which take non-negative 64-bit values.
+Seed = Annotated[int, Field(ge=0, lt=2**63, description="random seed, 0 <= seed < 2**63")]
+# Values past what any machine holds (a batch of 1e9 samples, a rank-1e9 LoRA) fail minutes later, after the
+# scan and caches ran; refusing them at load names the field instead.
+MAX_BATCH = 65_536
 
 
 class FileEntry(BaseModel):

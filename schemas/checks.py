@@ -1,38 +1,41 @@
-"""Cross-field config checks that need family facts. Each problem names every field involved and the fix.
+"""Cross-field config rules, the ones that span sections or need family facts. Each problem names every field
+involved and the fix.
 
-Checks collect problems instead of stopping at the first, so one load reports everything to fix. Single-field
-rules live in the section schemas (e.g. fp8 in schemas/model.py, bfloat16 storage in schemas/text.py).
+PipelineConfig's model validator runs them (schemas/config.py), so every way a config is built (the CLI's YAML, the
+Prefect UI form, `PipelineConfig.model_validate`) refuses the same configs with the same message. Checks collect
+problems instead of stopping at the first, so one load reports everything to fix. Single-field rules and rules
+within one section live in the section schemas (e.g. fp8 in schemas/model.py, bfloat16 storage in schemas/text.py).
+A new cross-section rule is one more function in RULES.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tuneline.schemas.families import FamilyFacts, facts
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: config.py imports this module, never the other way round
     from tuneline.schemas.config import PipelineConfig
 
 SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile.py writes these
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (CONTRACT.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
 MAX_AREA_MEGAPIXELS = 16.0
+# No family trains or renders an edge past this (64 megapixels square); above it a run dies allocating, minutes in.
+MAX_EDGE = 8192
 # host:port or [ipv6]:port, as torchrun's --rdzv_endpoint takes it.
 ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
-def check_config(cfg: PipelineConfig, source: str) -> None:
-    from tuneline.schemas.config import ConfigError
-
+def problems(cfg: PipelineConfig) -> list[str]:
+    """Every cross-field problem of a config whose sections are each valid; empty when it is consistent."""
     fam = facts(cfg.model.family)
-    problems: list[str] = []
-    for check in (_alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length,
-                  _rendezvous, _training_mode, _prompts, _objective, _masks,
-                  _quantize):
-        problems += check(cfg, fam)
-    if problems:
-        raise ConfigError(f"invalid config {source}:\n" + "\n".join(f"  - {p}" for p in problems))
+    out: list[str] = []
+    for rule in RULES:
+        out += rule(cfg, fam)
+    return out
 
 
 def _alignment_source(cfg: PipelineConfig, fam: FamilyFacts) -> tuple[int, str]:
@@ -61,6 +64,9 @@ def _edge_problem(res: float, rtype: str, align: int, align_src: str, res_key: s
                 f"{math.sqrt(res) * MEGAPIXEL_EDGE:.0f} px square); area takes megapixels (1.0 = 1024x1024): did "
                 f"you mean {unit_key} pixel?")
     edge = math.sqrt(res) * MEGAPIXEL_EDGE if rtype == "area" else res
+    if edge > MAX_EDGE:
+        return (f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, past the {MAX_EDGE} px any "
+                f"family trains or renders at; lower {res_key}")
     if edge >= align:
         return None
     hint = f" Did you mean {unit_key} area (1.0 = 1024x1024)?" if rtype != "area" and res <= 16 else ""
@@ -71,9 +77,11 @@ def _edge_problem(res: float, rtype: str, align: int, align_src: str, res_key: s
 def _bucket_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     align, src = _alignment_source(cfg, fam)
     b = cfg.buckets
-    problem = _edge_problem(b.resolution, b.resolution_type, align, src, "buckets.resolution",
-                            "buckets.resolution_type", "buckets.resolution_type")
-    return [problem] if problem else []
+    out = [_edge_problem(b.resolution, b.resolution_type, align, src, "buckets.resolution",
+                         "buckets.resolution_type", "buckets.resolution_type")]
+    out += [_edge_problem(r, b.resolution_type, align, src, f"buckets.resolutions.{i}", "buckets.resolution_type",
+                          "buckets.resolution_type") for i, r in enumerate(b.resolutions or ()) if r != b.resolution]
+    return [p for p in out if p]
 
 
 def _validate_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
@@ -198,3 +206,14 @@ def _masks(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         return ["train.masked_loss is true but dataset.masks is null: set dataset.masks to alpha or a folder of "
                 "mask images, or set train.masked_loss false"]
     return []
+
+
+def _cpu_dtype(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    if cfg.model.dtype == "float16" and cfg.model.device == "cpu":
+        return ["model.dtype float16 is not supported with model.device cpu: use float32 or bfloat16"]
+    return []
+
+
+RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
+    _alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length, _rendezvous, _training_mode,
+    _prompts, _objective, _masks, _quantize, _cpu_dtype)

@@ -1,11 +1,18 @@
-"""The pipeline config: one section per stage, loaded from YAML with errors that name the field."""
+"""The pipeline config: one section per stage, loaded from YAML with errors that name the field.
+
+Every rule is a pydantic validator (on a section, or on PipelineConfig for rules across sections,
+schemas/checks.py), so `parse_config`, Prefect's UI form and `PipelineConfig.model_validate` refuse the same configs
+with the same message. A validated config is frozen: what was checked is what runs.
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from tuneline.schemas import checks
 from tuneline.schemas.base import ConfigPath, Strict
 from tuneline.schemas.latents import LatentsConfig
 from tuneline.schemas.model import ModelConfig
@@ -14,8 +21,11 @@ from tuneline.schemas.scan import BucketConfig, DatasetConfig
 from tuneline.schemas.text import TextConfig
 from tuneline.schemas.train import TrainConfig
 from tuneline.schemas.validate import ValidateConfig
+from tuneline.schemas.yamlfile import YamlProblem, load_yaml
 
 DEFAULT_WORKDIR = "./tuneline-work"
+# Prefect refuses a flow run whose parameters (the config, as JSON) exceed this, only when the run is created.
+MAX_CONFIG_BYTES = 512 * 1024
 
 
 class ConfigError(ValueError):
@@ -35,13 +45,36 @@ class PipelineConfig(Strict):
 
     model_config = Strict.model_config | {"populate_by_name": True}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _learning_check_on_demo_only(cls, data):
+        """validate.learning_check measures the demo's known classes; on other data it would measure nothing, so
+        it reads as false there (decided on the input, before validation: a validated config never changes)."""
+        if not isinstance(data, dict):
+            return data
+        dataset, key = data.get("dataset"), "validate" if "validate" in data else "validate_"
+        if dataset is not None and not isinstance(dataset, (dict, DatasetConfig)):
+            return data  # refused by the field's own validation
+        demo = dataset.demo if isinstance(dataset, DatasetConfig) else (dataset or {}).get("demo", False)
+        section = data.get(key)
+        if demo is True or section is None:
+            return data
+        if isinstance(section, ValidateConfig):
+            return {**data, key: section.model_copy(update={"learning_check": False})}
+        if isinstance(section, dict) and section.get("learning_check"):
+            return {**data, key: {**section, "learning_check": False}}
+        return data
+
     @model_validator(mode="after")
-    def _cross_checks(self) -> "PipelineConfig":
-        if self.validate_.learning_check and not self.dataset.demo:
-            # The check needs the demo's known classes; on other data it would measure nothing.
-            object.__setattr__(self.validate_, "learning_check", False)
-        if self.model.dtype == "float16" and self.model.device == "cpu":
-            raise ValueError("model.dtype float16 is not supported with model.device cpu: use float32 or bfloat16")
+    def _cross_field(self) -> "PipelineConfig":
+        problems = checks.problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        size = len(json.dumps(self.dump()))
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"the config is {size:,} bytes as JSON, over the {MAX_CONFIG_BYTES:,} Prefect accepts "
+                             f"as a flow run's parameters; {_largest_field(self.dump())} holds most of it: shorten "
+                             f"it")
         return self
 
     # Paths ---------------------------------------------------------------------------------------
@@ -58,15 +91,27 @@ class PipelineConfig(Strict):
         return self.model_dump(mode="json", by_alias=True)
 
 
+def _largest_field(data, path: str = "") -> str:
+    """The key path of the deepest field still holding most of `data`'s JSON size."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    sizes = [(len(json.dumps(v)), f"{path}.{k}" if path else str(k), v) for k, v in items]
+    if not sizes:
+        return path or "(top level)"
+    size, name, value = max(sizes, key=lambda s: s[0])
+    return _largest_field(value, name) if size * 2 > len(json.dumps(data)) else (path or "(top level)")
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if x != "validate_") or "(top level)"
-        loc = loc.replace("validate_", "validate")
-        msg = e["msg"]
+        loc = ".".join(str(x) for x in e["loc"]).replace("validate_", "validate")
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `tuneline config schema` lists every key)"
-        lines.append(f"  - {loc}: {msg}")
+        if not loc:  # a rule across sections: its message names every field itself
+            lines += [f"  - {line}" for line in msg.splitlines()]
+        else:
+            lines.append(f"  - {loc}: {msg}")
     return "\n".join(lines)
 
 
@@ -110,12 +155,7 @@ def parse_config(data: dict, source: str = "<config>", workdir: str | None = Non
         cfg = PipelineConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, source)) from None
-    from tuneline.schemas.checks import check_config  # family-aware checks live beside the registry facts
-
-    if resolve:
-        cfg = resolve_paths(cfg)
-    check_config(cfg, source)
-    return cfg
+    return resolve_paths(cfg) if resolve else cfg
 
 
 def load_config(path: str | Path | None, workdir: str | None = None) -> PipelineConfig:
@@ -126,9 +166,11 @@ def load_config(path: str | Path | None, workdir: str | None = None) -> Pipeline
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist: pass a YAML file (see `tuneline config example`)")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))  # safe_load: config content is never executed
+        data = load_yaml(p.read_text(encoding="utf-8"))  # a safe loader: config content is never executed
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+    except YamlProblem as err:
+        raise ConfigError(f"invalid config {p}:\n  - {err}") from None
     return parse_config(data or {}, str(p), workdir)
 
 

@@ -5,15 +5,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuneline.schemas.base import Manifest, Strict
+from tuneline.schemas.base import MAX_BATCH, Manifest, Strict
 
 
 class LatentsConfig(Strict):
-    batch_size: int = Field(8, ge=1, description="images per VAE forward (always within one bucket); does not "
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH, description="images per VAE forward (always within one bucket); does not "
                             "change the cache, so it is not part of its version")
     dtype: Literal["float16", "float32"] = Field("float16", description="stored dtype (Zarr has no bfloat16)")
     flip: bool = Field(False, description="also cache the horizontally flipped variant of every image")
-    workers: int = Field(2, ge=1, description="decode/resize worker threads overlapping the VAE; does not change "
+    workers: int = Field(2, ge=1, le=1024, description="decode/resize worker threads overlapping the VAE; does not change "
                          "the cache")
     block_rows: int = Field(64, ge=1, le=4096, description="rows per block: the unit of writing, resuming and "
                             "reading (one Zarr chunk per array); larger blocks read faster and cost more memory "

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tuneline.schemas.base import ConfigPath, Manifest, Strict
+from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.
@@ -54,7 +54,7 @@ class DatasetConfig(Strict):
         "keep", description="missing/empty caption: keep it empty (unconditional sample), reject the image, "
                             "or caption it from its file name")
     background: tuple[Channel, Channel, Channel] = Field(
-        (255, 255, 255), description="RGB (0-255) that transparent pixels are composited on")
+        (255, 255, 255), strict=False, description="RGB (0-255) that transparent pixels are composited on")
     max_image_pixels: int = Field(89_478_485, ge=1, le=PIL_BOMB_LIMIT,
                                   description="decompression-bomb guard: larger images are rejected unread")
     duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
@@ -114,7 +114,7 @@ class BucketConfig(Strict):
     upscale: bool = Field(True, description="allow images smaller than the target to be upscaled to it")
     min_edge: int = Field(0, ge=0, description="reject images whose shorter edge (px, after EXIF rotation) is below")
     crop: Literal["center", "random", "corner"] = "center"
-    seed: int = 0
+    seed: Seed = 0
     small_bucket: Literal["repeat", "drop"] = Field(
         "repeat", description="a bucket with fewer images than one global batch (train.batch_size x "
                               "train.processes x gradient accumulation): repeat its images to fill a batch, or drop "

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tuneline.schemas.base import Manifest, Strict
+from tuneline.schemas.base import MAX_BATCH, Manifest, Seed, Strict
 
 # The adapters pad every caption to exactly max_length tokens (stages/families/common.tokenize), so each
 # field has one shape and the cache is a dense array; recorded so a different padding would change the key.
@@ -15,7 +15,7 @@ PADDING = "max_length"
 class TextConfig(Strict):
     enabled: bool = Field(True, description="cache embeddings; false = encoders run live in training/validation")
     max_length: int | None = Field(None, ge=1, description="token length; null = the family's default")
-    batch_size: int = Field(32, ge=1, description="captions per encoder forward; does not change the cache")
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="captions per encoder forward; does not change the cache")
     dtype: Literal["float16", "float32"] = Field("float32", description="stored dtype of float tensors (Zarr "
                                                  "has no bfloat16); integer/bool tensors keep their own")
     caption_variants: int = Field(1, ge=1, le=64, description="K caption variants per caption (variant 0 is the "
@@ -26,7 +26,7 @@ class TextConfig(Strict):
     tag_dropout: float = Field(0.0, ge=0, lt=1, description="variants drop each tag with this probability, "
                                "keeping at least one (needs caption_variants > 1)")
     keep_tags: int = Field(0, ge=0, description="leading tags never shuffled or dropped (e.g. a trigger word)")
-    seed: int = Field(0, description="seed of the variants: same seed, same variants")
+    seed: Seed = Field(0, description="seed of the variants: same seed, same variants")
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -5,7 +5,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tuneline.schemas.base import ConfigPath, Manifest, Strict
+from tuneline.schemas.base import MAX_BATCH, ConfigPath, Manifest, Seed, Strict
+
+
+# Past these no machine holds the run: more processes than any node has cores, a rank wider than any layer.
+MAX_PROCESSES = 1024
+MAX_LORA_RANK = 8192
 
 
 class EvalConfig(Strict):
@@ -43,8 +48,8 @@ class EvalConfig(Strict):
 
 class TrainConfig(Strict):
     steps: int = Field(300, ge=1, description="optimizer steps for this run")
-    batch_size: int = Field(8, ge=1, description="samples per process per micro-batch")
-    grad_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step (each from one bucket)")
+    batch_size: int = Field(8, ge=1, le=MAX_BATCH, description="samples per process per micro-batch")
+    grad_accumulation: int = Field(1, ge=1, le=MAX_BATCH, description="micro-batches per optimizer step (each from one bucket)")
     learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="after warmup: keep the "
@@ -52,7 +57,7 @@ class TrainConfig(Strict):
     warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 (shrinks to a quarter of `steps`)")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm; null = no clipping")
     mode: Literal["full", "lora"] = "full"
-    lora_rank: int = Field(8, ge=1)
+    lora_rank: int = Field(8, ge=1, le=MAX_LORA_RANK, description="LoRA rank (at most the widest layer any family has)")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator; null = lora_rank (scale 1)")
     lora_format: Literal["diffusers", "kohya", "both"] = Field(
         "both", description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
@@ -92,7 +97,7 @@ class TrainConfig(Strict):
                               "its mean (deterministic; for VAEs whose posterior noise would drown the image)")
     flip: bool = Field(True, description="with a cache holding flipped variants (latents.flip), train on a random "
                        "half of them")
-    seed: int = 0
+    seed: Seed = 0
     caption_dropout: float = Field(0.1, ge=0, lt=1, description="probability of training on the empty caption")
     checkpoint_every: int = Field(100, ge=1, description="steps between checkpoints (shrinks to fit `steps`); the "
                                   "last step is always checkpointed")
@@ -109,8 +114,8 @@ class TrainConfig(Strict):
                                                    "(scheduled retraining continues the last model; full mode)")
     validate_every: int = Field(0, ge=0, description="render the validation prompts every N steps during training "
                                 "(rank 0; shrinks to fit `steps`); 0 = off")
-    processes: int = Field(2, ge=1, description="DDP processes per node (torchrun --nproc_per_node)")
-    threads_per_process: int = Field(1, ge=1, description="OMP_NUM_THREADS for each training process")
+    processes: int = Field(2, ge=1, le=MAX_PROCESSES, description="DDP processes per node (torchrun --nproc_per_node)")
+    threads_per_process: int = Field(1, ge=1, le=MAX_PROCESSES, description="OMP_NUM_THREADS for each training process")
     nodes: int = Field(1, ge=1, description="torchrun --nnodes; >1 needs rdzv_endpoint")
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: str = Field("", description="host:port of the c10d rendezvous for multi-node runs")
@@ -149,11 +154,6 @@ class TrainConfig(Strict):
 
     def effective_eval_every(self) -> int:
         return min(self.eval.every_steps, self.steps) if self.eval else 0
-
-    @property
-    def gradient_accumulation(self) -> int:
-        """The name the scan stage's global-batch rule reads."""
-        return self.grad_accumulation
 
 
 class Export(BaseModel):

@@ -5,13 +5,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuneline.schemas.base import Manifest, Strict
+from tuneline.schemas.base import Manifest, Seed, Strict
 
 
 class ValidationPrompt(Strict):
     prompt: str
     negative_prompt: str = ""
-    seed: int = 0
+    seed: Seed = 0
 
 
 class ValidateConfig(Strict):
@@ -19,7 +19,7 @@ class ValidateConfig(Strict):
                                             min_length=1)
     resolution: float | None = Field(None, gt=0, description="null = buckets.resolution")
     resolution_type: Literal["pixel", "area", "pixel_area"] | None = Field(None, description="null = buckets'")
-    aspect: float = Field(1.0, gt=0, description="width/height of rendered images")
+    aspect: float = Field(1.0, ge=1 / 16, le=16, description="width/height of rendered images")
     steps: int = Field(20, ge=1, description="sampler steps")
     guidance_scale: float = Field(4.0, ge=0)
     learning_check: bool = Field(False, description="demo only: measure class separation in latent space and "

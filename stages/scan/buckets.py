@@ -21,8 +21,7 @@ class NoBatchError(ValueError):
 
 def global_batch(cfg: PipelineConfig) -> int:
     """Samples one optimizer step takes from one bucket, across every process and accumulation step."""
-    accumulation = getattr(cfg.train, "gradient_accumulation", 1)  # the train schema may add it later
-    return cfg.train.batch_size * cfg.train.processes * accumulation
+    return cfg.train.batch_size * cfg.train.processes * cfg.train.grad_accumulation
 
 
 def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Bucket, int]:

@@ -20,7 +20,8 @@ RESOLUTIONS = (64, 48, 32)  # built in this order: 64 is the oldest version, 32 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Three scan versions (one per resolution) of the demo dataset, built in-process; configs per resolution."""
-    from tuneline.schemas.config import demo_config
+    from tuneline.schemas.config import parse_config
+    from tuneline.schemas.demo import DEMO_CONFIG
     from tuneline.stages.common.stage import StageContext, run_stage
     from tuneline.stages.pipeline import PIPELINE, stage
     from tuneline.stages.scan.demo import write_demo_dataset
@@ -28,8 +29,8 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("ops")
     configs, versions = {}, {}
     for res in RESOLUTIONS:
-        cfg = demo_config(str(root / "work"))
-        cfg.buckets.resolution = res
+        cfg = parse_config({**DEMO_CONFIG, "buckets": {**DEMO_CONFIG["buckets"], "resolution": res}},
+                           workdir=str(root / "work"))
         write_demo_dataset(cfg.resolve(cfg.dataset.path))
         versions[res] = run_stage(StageContext(cfg), stage("scan"), PIPELINE)[0].name
         path = root / f"res{res}.yaml"
