@@ -14,16 +14,20 @@ the scan records and a resumed build agrees with the interrupted one. `key` iden
 bytes, bucket, crop, VAE, dtypes): a later build copies rows whose key it needs instead of encoding them.
 
 Chunking follows the access pattern. One chunk = one block of `block_rows` rows of one array, uncompressed:
-- the writer fills a whole block before writing it, so every chunk file has one writer and is written once
-  (Zarr replaces a chunk file atomically; concurrent writers into one chunk or shard lose rows, PLATFORM.md);
-  no sharding, since a shard of several blocks would be rewritten for every block;
+- the writer fills a whole block before writing it, so every chunk file has one writer and is written once,
+  whole, under a temporary name and renamed into place (write_block): a chunk file is never changed in place,
+  which the hard links between versions (link_block) rely on; no sharding, since a shard of several blocks would
+  be rewritten for every block;
 - the block record is written after the block's chunks: a build killed at any point loses at most the block
   in flight, and a resumed build re-checks each record's digest before trusting it;
 - the training reader reads whole blocks (single-row Zarr reads are 10-20x slower, PLATFORM.md) and keeps a
   few per bucket in memory; float16 latents barely compress, so compression would only cost read time.
   Uncompressed, a chunk file is the block's raw little-endian bytes (Zarr v3 `bytes` codec), so the reader
   maps it as one file (`read_chunk`), 4-5x faster than zarr's asynchronous read path. The store
-  stays a standard Zarr v3 store that any Zarr client reads.
+  stays a standard Zarr v3 store that any Zarr client reads (`zarr.open_group`).
+Zarr's public API creates and resizes the arrays (their `zarr.json`); chunk files are read and written here through
+the Zarr v3 specification alone (RawArray: an array's metadata document, its chunk key encoding and `bytes` codec),
+so no zarr internals are used and a zarr release that changes its writer changes nothing here.
 The reading functions also take an fsspec URL (`s3://bucket/prefix/latents/<version>`) and its storage options,
 so training can read a pushed version in place (stages/common/remote.py): on object storage a chunk is one GET.
 The default block of 64 rows is 2 MB per array at SD1.5's 4x64x64 latents and 8 MB at SDXL's 4x128x128: one
@@ -39,12 +43,11 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from dataclasses import dataclass, field
+
+import fsspec
 import numpy as np
 import zarr
-
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore
 
 from tuneline.stages.common.jsonl import read_jsonl
 
@@ -64,8 +67,59 @@ def array_names(flip: bool) -> tuple[str, ...]:
     return DIST + FLIPPED if flip else DIST
 
 
+# Arrays as the Zarr v3 specification describes them ------------------------------------------------------
+@dataclass(frozen=True)
+class RawArray:
+    """One array of the store, from its `zarr.json` metadata document (Zarr v3 specification): where its chunk
+    files are and how they are named and encoded. `where` is the array's folder, or its URL on remote storage."""
+
+    where: Path | str
+    meta: dict
+    options: dict | None = field(default=None, compare=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.meta["shape"])
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return tuple(self.meta["chunk_grid"]["configuration"]["chunk_shape"])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.meta["data_type"])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.meta["shape"])
+
+    @property
+    def local(self) -> bool:
+        return not is_url(self.where)
+
+    def chunk_key(self, block: int) -> str:
+        """The chunk key of the chunk holding rows of `block` (spec: chunk key encodings `default` and `v2`)."""
+        enc = self.meta["chunk_key_encoding"]
+        default = "/" if enc["name"] == "default" else "."
+        sep = enc.get("configuration", {}).get("separator", default)
+        coords = [str(block)] + ["0"] * (self.ndim - 1)
+        return sep.join(["c", *coords]) if enc["name"] == "default" else sep.join(coords)
+
+    def chunk_path(self, block: int) -> Path | str:
+        return join(self.where, *self.chunk_key(block).split("/"))
+
+
+def _open_raw(where: Path | str, options: dict | None = None) -> RawArray:
+    if is_url(where):
+        fs, path = fsspec.core.url_to_fs(str(where), **(options or {}))
+        text = fs.cat_file(f"{path}/zarr.json")
+    else:
+        text = (Path(where) / "zarr.json").read_bytes()
+    return RawArray(where, json.loads(text), options)
+
+
 def create_arrays(root: Path, bucket: str, shape: tuple[int, int, int], capacity: int, dtype: str,
-                  block_rows: int, names: tuple[str, ...]) -> dict[str, zarr.Array]:
+                  block_rows: int, names: tuple[str, ...]) -> dict[str, RawArray]:
     """The bucket's arrays, reopened when a resumed build already made them with this layout.
 
     `capacity` is the bucket's image count; rows of images rejected while encoding are trimmed at the end.
@@ -73,36 +127,64 @@ def create_arrays(root: Path, bucket: str, shape: tuple[int, int, int], capacity
     """
     group = zarr.open_group(str(root / STORE), mode="a").require_group(bucket)
     chunks = (block_rows, *shape)
-    out = {}
     for name in names:
         if name in group.array_keys():
             arr = group[name]
             if (arr.shape[1:], arr.chunks, arr.dtype) == (shape, chunks, np.dtype(dtype)):
                 if arr.shape[0] != capacity:
                     arr.resize((capacity, *shape))
-                out[name] = arr
                 continue
-        out[name] = group.create_array(name, shape=(capacity, *shape), chunks=chunks, dtype=dtype,
-                                       compressors=None, fill_value=0, overwrite=True,
-                                       config={"write_empty_chunks": True})
+        group.create_array(name, shape=(capacity, *shape), chunks=chunks, dtype=dtype, compressors=None,
+                           fill_value=0, overwrite=True, config={"write_empty_chunks": True})
+    return {name: _open_raw(root / STORE / bucket / name) for name in names}
+
+
+def write_block(arrays: dict[str, RawArray], block: int, data: dict[str, np.ndarray]) -> None:
+    """One whole block per array, each a chunk file written under a temporary name and renamed into place: the
+    file a previous version may share by a hard link (link_block) is replaced, never written into. A short last
+    block is padded with the fill value, as every chunk of a Zarr array holds a whole chunk."""
+    for name, arr in arrays.items():
+        problem = raw_layout_problem(arr)
+        if problem or not arr.local:
+            raise ValueError(f"cannot write {arr.where} chunk by chunk: {problem or 'it is not local'}")
+        rows = np.ascontiguousarray(data[name], dtype=arr.dtype.newbyteorder("<"))
+        if rows.shape[1:] != arr.chunks[1:] or len(rows) > arr.chunks[0]:
+            raise ValueError(f"block of shape {rows.shape} does not fit chunks of {arr.chunks} in {arr.where}")
+        chunk = np.full(arr.chunks, arr.meta.get("fill_value") or 0, dtype=rows.dtype)
+        chunk[:len(rows)] = rows
+        target = Path(arr.chunk_path(block))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + PARTIAL)
+        tmp.write_bytes(chunk.tobytes())
+        os.replace(tmp, target)
+
+
+PARTIAL = ".partial"  # a chunk file being written (write_block); a leftover is removed by trim
+
+
+def read_arrays(arrays: dict[str, RawArray], start: int, stop: int) -> dict[str, np.ndarray]:
+    """Rows start:stop of every array, read chunk by chunk."""
+    out = {}
+    for name, arr in arrays.items():
+        size = arr.chunks[0]
+        parts = [read_rows(arr, b) for b in range(start // size, -(-stop // size))]
+        rows = np.concatenate(parts) if parts else np.empty((0, *arr.chunks[1:]), arr.dtype)
+        first = (start // size) * size
+        out[name] = rows[start - first:stop - first]
     return out
 
 
-def write_block(arrays: dict[str, zarr.Array], block: int, data: dict[str, np.ndarray]) -> None:
-    """One whole block per array: a single chunk write each."""
-    for name, arr in arrays.items():
-        start = block * arr.chunks[0]
-        arr[start:start + len(data[name])] = data[name]
+def read_blocks(arrays: dict[str, RawArray], block: int) -> dict[str, np.ndarray]:
+    """Every array's rows of one block."""
+    return {name: read_rows(arr, block) for name, arr in arrays.items()}
 
 
-def read_arrays(arrays: dict[str, zarr.Array], start: int, stop: int) -> dict[str, np.ndarray]:
-    return {name: arr[start:stop] for name, arr in arrays.items()}
-
-
-def read_blocks(arrays: dict[str, zarr.Array], block: int) -> dict[str, np.ndarray]:
-    """Every array's rows of one block: mapped straight from the chunk files where read_chunk can, else via Zarr."""
-    return {name: read_chunk(arr, block) if raw_layout_problem(arr) is None
-            else arr[block * arr.chunks[0]:(block + 1) * arr.chunks[0]] for name, arr in arrays.items()}
+def read_rows(arr: RawArray, block: int) -> np.ndarray:
+    """The rows of one block: mapped straight from the chunk file where read_chunk can, else through zarr."""
+    if raw_layout_problem(arr) is None:
+        return read_chunk(arr, block)
+    zarr_array = zarr.open_array(str(arr.where), mode="r", storage_options=arr.options)
+    return zarr_array[block * arr.chunks[0]:(block + 1) * arr.chunks[0]]
 
 
 def block_digest(data: dict[str, np.ndarray]) -> str:
@@ -113,10 +195,14 @@ def block_digest(data: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def trim(arrays: dict[str, zarr.Array], count: int) -> None:
-    for arr in arrays.values():
+def trim(arrays: dict[str, RawArray], count: int) -> None:
+    """Every array cut (or grown) to `count` rows, through zarr's public API; `arrays` then describes them anew."""
+    for name, arr in arrays.items():
+        for leftover in Path(arr.where).rglob(f"*{PARTIAL}"):
+            leftover.unlink()  # a chunk write killed before its rename
         if arr.shape[0] != count:
-            arr.resize((count, *arr.shape[1:]))
+            zarr.open_array(str(arr.where), mode="r+").resize((count, *arr.shape[1:]))
+            arrays[name] = _open_raw(arr.where)
 
 
 def drop_bucket(root: Path, bucket: str) -> None:
@@ -178,9 +264,8 @@ def join(root: Path | str, *parts: str) -> Path | str:
 
 
 def open_arrays(root: Path | str, bucket: str, names: tuple[str, ...],
-                storage_options: dict | None = None) -> dict[str, zarr.Array]:
-    group = zarr.open_group(str(join(root, STORE, bucket)), mode="r", storage_options=storage_options)
-    return {name: group[name] for name in names}
+                storage_options: dict | None = None) -> dict[str, RawArray]:
+    return {name: _open_raw(join(root, STORE, bucket, name), storage_options) for name in names}
 
 
 def open_bucket(root: Path | str, width: int, height: int, storage_options: dict | None = None) -> zarr.Group:
@@ -198,37 +283,38 @@ def read_block(group: zarr.Group, start: int, stop: int) -> tuple[np.ndarray, np
     return group["mean"][start:stop], group["std"][start:stop]
 
 
-def raw_layout_problem(arr: zarr.Array) -> str | None:
+def raw_layout_problem(arr: RawArray) -> str | None:
     """Why read_chunk cannot read this array (None: it can). Our writer always makes arrays it can."""
-    codecs = tuple(arr.metadata.to_dict().get("codecs", ()))
-    if not isinstance(arr.store, (LocalStore, FsspecStore)):
-        return f"it is neither on a local filesystem nor behind fsspec ({type(arr.store).__name__})"
+    m = arr.meta
+    if m.get("zarr_format") != 3 or m.get("node_type") != "array":
+        return f"it is not a Zarr v3 array (zarr_format {m.get('zarr_format')}, node_type {m.get('node_type')})"
+    if m.get("chunk_grid", {}).get("name") != "regular" or m.get("storage_transformers"):
+        return "its chunk grid is not regular, or it has storage transformers"
+    if m.get("chunk_key_encoding", {}).get("name") not in ("default", "v2"):
+        return f"its chunk key encoding {m.get('chunk_key_encoding')} is not one of the specification's"
+    codecs = tuple(m.get("codecs", ()))
     if codecs != RAW_CODECS:
         return f"its codecs are {list(codecs)}, not uncompressed little-endian bytes"
+    try:
+        arr.dtype
+    except TypeError:
+        return f"its data type {m.get('data_type')!r} is not a plain number type"
     return None
 
 
-def _chunk_key(arr: zarr.Array, block: int) -> str:
-    return arr.metadata.chunk_key_encoding.encode_chunk_key((block,) + (0,) * (arr.ndim - 1))
-
-
-def _chunk_file(arr: zarr.Array, block: int) -> Path:
-    return Path(arr.store.root) / arr.path / _chunk_key(arr, block)
-
-
-def can_link(arr: zarr.Array) -> bool:
+def can_link(arr: RawArray) -> bool:
     """Whether link_block can share this array's chunk files: raw chunks in a local folder."""
-    return isinstance(arr.store, LocalStore) and raw_layout_problem(arr) is None
+    return arr.local and raw_layout_problem(arr) is None
 
 
-def link_block(src: dict[str, zarr.Array], src_block: int, dst: dict[str, zarr.Array], dst_block: int) -> None:
+def link_block(src: dict[str, RawArray], src_block: int, dst: dict[str, RawArray], dst_block: int) -> None:
     """dst's block `dst_block` becomes src's block `src_block`: the same chunk files (both raw, same chunk shape
     and dtype), hard-linked where the filesystem allows, else copied. Sharing is safe because a chunk file is
-    never changed in place: Zarr (3.1.3 and later) replaces a chunk by writing a new file and renaming it over the
-    old name, and an existing target is unlinked first, never written into. No temporary name is needed: until the
-    block's record is written after this, a resumed build redoes the block."""
+    never changed in place: write_block writes a new file and renames it over the old name, and an existing
+    target is unlinked here first, never written into. No temporary name is needed: until the block's record is
+    written after this, a resumed build redoes the block."""
     for name, arr in dst.items():
-        source, target = _chunk_file(src[name], src_block), _chunk_file(arr, dst_block)
+        source, target = Path(src[name].chunk_path(src_block)), Path(arr.chunk_path(dst_block))
         if src[name].chunks != arr.chunks or src[name].dtype != arr.dtype:
             raise ValueError(f"cannot link {source} into {target}: chunks {src[name].chunks} {src[name].dtype} "
                              f"vs {arr.chunks} {arr.dtype}")
@@ -240,15 +326,11 @@ def link_block(src: dict[str, zarr.Array], src_block: int, dst: dict[str, zarr.A
             shutil.copyfile(source, target)
 
 
-def read_chunk(arr: zarr.Array, block: int) -> np.ndarray:
+def read_chunk(arr: RawArray, block: int) -> np.ndarray:
     """The rows of one chunk, read straight from its file or object (see raw_layout_problem for when that is valid)."""
-    key = _chunk_key(arr, block)
     dtype = arr.dtype.newbyteorder("<")
-    if isinstance(arr.store, LocalStore):
-        where = _chunk_file(arr, block)
-        flat = _mapped(where, dtype)
-    else:
-        flat, where = _fetch_chunk(arr.store, f"{arr.path}/{key}", dtype)
+    where = arr.chunk_path(block)
+    flat = _mapped(Path(where), dtype) if arr.local else _fetch_chunk(str(where), arr.options, dtype)
     if flat.size != math.prod(arr.chunks):
         raise ValueError(f"chunk file {where} holds {flat.size} values, a chunk has {math.prod(arr.chunks)} "
                          f"(truncated or edited)")
@@ -272,15 +354,12 @@ def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
     return values
 
 
-def _fetch_chunk(fsstore: FsspecStore, key: str, dtype: np.dtype) -> tuple[np.ndarray, str]:
-    """One GET through the store's own (asynchronous) filesystem, run on zarr's event loop.
-
-    The store's fs was made with asynchronous=True, so its blocking methods cannot be called; zarr's loop is
-    the one that fs is bound to. A missing chunk raises rather than reading as the fill value, as a missing
-    local chunk file does.
-    """
-    where = fsstore.fs.unstrip_protocol(f"{fsstore.path}/{key}")
-    buf = sync(fsstore.get(key, prototype=default_buffer_prototype()))
-    if buf is None:
-        raise FileNotFoundError(f"chunk object {where} is missing")
-    return np.frombuffer(buf.to_bytes(), dtype=dtype), where
+def _fetch_chunk(url: str, options: dict | None, dtype: np.dtype) -> np.ndarray:
+    """One GET through fsspec's blocking API. A missing chunk raises rather than reading as the fill value, as a
+    missing local chunk file does."""
+    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"chunk object {url} is missing") from None
+    return np.frombuffer(data, dtype=dtype)

@@ -241,11 +241,44 @@ def test_chunks_are_whole_blocks_and_read_back_directly(tmp_path):
     assert store.raw_layout_problem(arrays["mean"]) is None
     np.testing.assert_array_equal(store.read_chunk(arrays["mean"], 1), data[4:])
     again = store.create_arrays(tmp_path, "8x8", (1, 1, 1), 6, "float16", 4, store.DIST)  # same layout: kept
-    np.testing.assert_array_equal(again["mean"][:], data)
+    np.testing.assert_array_equal(store.read_arrays(again, 0, 6)["mean"], data)
     store.trim(again, 5)
     assert store.read_chunk(again["mean"], 1).shape == (1, 1, 1, 1)
     fresh = store.create_arrays(tmp_path, "8x8", (1, 1, 1), 6, "float32", 4, store.DIST)  # other layout: new
-    assert fresh["mean"].dtype == np.float32 and not fresh["mean"][:].any()
+    assert fresh["mean"].dtype == np.float32
+    assert not zarr.open_group(str(tmp_path / store.STORE / "8x8"), mode="r")["mean"][:].any()
+
+
+def test_chunk_files_are_the_ones_zarr_writes_and_zarr_reads_them(tmp_path):
+    """write_block follows the Zarr v3 specification byte for byte: the files equal zarr's own for the same data
+    (a short last block padded with the fill value), and zarr's public API reads the store back."""
+    data = np.random.default_rng(0).standard_normal((7, 2, 3, 3)).astype(np.float16)
+    ours = store.create_arrays(tmp_path / "ours", "24x24", (2, 3, 3), 7, "float16", 4, ("mean",))
+    store.write_block(ours, 0, {"mean": data[:4]})
+    store.write_block(ours, 1, {"mean": data[4:]})
+    theirs = zarr.open_group(str(tmp_path / "zarr" / store.STORE), mode="a").require_group("24x24").create_array(
+        "mean", shape=data.shape, chunks=(4, 2, 3, 3), dtype="float16", compressors=None, fill_value=0,
+        config={"write_empty_chunks": True})
+    theirs[:] = data
+    for block in (0, 1):
+        key = ours["mean"].chunk_key(block)
+        assert key == f"c/{block}/0/0/0"
+        mine = (tmp_path / "ours" / store.STORE / "24x24" / "mean" / key).read_bytes()
+        assert mine == (tmp_path / "zarr" / store.STORE / "24x24" / "mean" / key).read_bytes()
+    np.testing.assert_array_equal(zarr.open_group(str(tmp_path / "ours" / store.STORE / "24x24"))["mean"][:], data)
+    assert not list((tmp_path / "ours").rglob("*" + store.PARTIAL))
+
+
+def test_write_block_replaces_a_chunk_file_and_never_writes_into_it(tmp_path):
+    """A chunk file another version shares by a hard link keeps its bytes when this version rewrites the block."""
+    arrays = store.create_arrays(tmp_path, "8x8", (1, 1, 1), 4, "float16", 4, ("mean",))
+    store.write_block(arrays, 0, {"mean": np.ones((4, 1, 1, 1), np.float16)})
+    chunk = tmp_path / store.STORE / "8x8" / "mean" / "c" / "0" / "0" / "0" / "0"
+    shared = tmp_path / "shared"
+    os.link(chunk, shared)
+    store.write_block(arrays, 0, {"mean": np.full((4, 1, 1, 1), 2, np.float16)})
+    assert np.frombuffer(shared.read_bytes(), np.float16).tolist() == [1, 1, 1, 1]
+    assert store.read_chunk(arrays["mean"], 0).ravel().tolist() == [2, 2, 2, 2]
 
 
 def test_block_records_stop_at_the_first_gap(tmp_path):
