@@ -296,8 +296,8 @@ def raw_layout_problem(arr: RawArray) -> str | None:
     if codecs != RAW_CODECS:
         return f"its codecs are {list(codecs)}, not uncompressed little-endian bytes"
     try:
-        arr.dtype
-    except TypeError:
+        np.dtype(m["data_type"])
+    except (KeyError, TypeError):
         return f"its data type {m.get('data_type')!r} is not a plain number type"
     return None
 

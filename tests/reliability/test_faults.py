@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.timeout(2400)  # the session fixtures (kill walk, prepared workdir) run inside the first test
-
 from tests.reliability import faultlib as fl
 from tests.reliability.conftest import KILLS_PER_STAGE
+
+pytestmark = pytest.mark.timeout(2400)  # the session fixtures (kill walk, prepared workdir) run inside the first test
 
 
 @pytest.mark.parametrize("stage", fl.STAGES)

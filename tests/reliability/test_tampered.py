@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(2400)  # the session fixtures (kill walk, prepared workdir) run inside the first test
-
 from tests.reliability import faultlib as fl
+
+pytestmark = pytest.mark.timeout(2400)  # the session fixtures (kill walk, prepared workdir) run inside the first test
 
 
 def _version(workdir: Path, stage: str) -> Path:

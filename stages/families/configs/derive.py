@@ -21,8 +21,9 @@ import shutil
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 from tuneline.stages.families.vocab import bytes_to_unicode  # (openai's byte-level alphabet, shared)
+
+HERE = Path(__file__).resolve().parent
 N_MERGES = 49152 - 256 - 2  # openai's simple_tokenizer: the merges the released CLIP models use
 
 
