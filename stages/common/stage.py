@@ -87,7 +87,6 @@ class StageStatus:
     version: str | None
     path: str | None
     reason: str
-    key: str | None = None
     summary: str = ""
 
     def as_json(self) -> dict:
@@ -191,8 +190,7 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
                 rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir),
                                         f"upstream {bad[0].stage} is {bad[0].state}: {bad[0].reason}"))
                 continue
-            rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date", digest(parts),
-                                    _summary(m)))
+            rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date", _summary(m)))
             continue
         if failure is not None and (parts is None or failure.get("key") in (None, digest(parts))):
             rows.append(StageStatus(sd.name, "failed", failure.get("version"), None,

@@ -77,8 +77,8 @@ def loss_weights(snr: torch.Tensor, prediction: str, weighting: str, gamma: floa
     """Per-sample loss weights.
 
     min_snr (Hang et al. 2023): weight the equivalent x0-loss by min(SNR, gamma), expressed for the target the
-    model learns: epsilon -> min(snr, g) / snr; v -> min(snr, g) / (snr + 1); flow matching (x0 error = sigma *
-    velocity error, snr = ((1 - sigma) / sigma)^2) -> sigma^2 * min(snr, g).
+    model learns: epsilon -> min(snr, g) / snr; v -> min(snr, g) / (snr + 1). Flow-matching families train
+    unweighted (the config refuses min_snr for them, schemas/checks.py).
     """
     if weighting == "auto":  # min-SNR where it is meant for (epsilon/v); flow matching trains unweighted
         weighting = "none" if prediction == "flow_matching" else "min_snr"
@@ -91,8 +91,7 @@ def loss_weights(snr: torch.Tensor, prediction: str, weighting: str, gamma: floa
         return clipped / snr.clamp_min(1e-8)
     if prediction == "v_prediction":
         return clipped / (snr + 1)
-    sigma_sq = 1 / (1 + snr.sqrt()) ** 2  # sigma from snr = ((1 - sigma) / sigma)^2
-    return sigma_sq * clipped
+    raise ValueError(f"min_snr weighting is defined for epsilon and v_prediction, not {prediction!r}")
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,

@@ -4,7 +4,7 @@ sigma in (0, 1) is the noise fraction: x_t = (1 - sigma) x0 + sigma noise. Sampl
 Rectified Flow Transformers", section 3.1; the names sd-scripts and SimpleTuner use):
 - uniform: sigma ~ U(0, 1);
 - logit_normal: logit(sigma) ~ N(mean, std), most samples mid-schedule;
-- sigmoid: sigma = sigmoid(scale * N(0, 1)) (logit_normal with mean 0 and std `scale`);
+- sigmoid: sigma = sigmoid(scale * N(0, 1)), which is logit_normal with mean 0 and std `scale` (drawn as that);
 - mode: sigma = 1 - u - s (cos^2(pi u / 2) - 1 + u), u ~ U(0, 1), heavier in the middle for s > 0.
 Then the shift: sigma' = shift sigma / (1 + (shift - 1) sigma), moving samples towards noise, which matters more as
 images grow. `auto` takes the model's own scheduler config: a fixed `shift` (SD3: 3.0), or with
@@ -21,25 +21,26 @@ import torch
 
 @dataclass(frozen=True)
 class SigmaSampler:
-    kind: str = "uniform"  # uniform | logit_normal | sigmoid | mode
+    kind: str = "uniform"  # uniform | logit_normal | mode (train.timestep_sampling sigmoid is logit_normal)
     mean: float = 0.0
     std: float = 1.0
-    scale: float = 1.0
     mode_scale: float = 1.29
     shift: float | None = None  # None: resolution-dependent, from the scheduler config (auto)
 
     @classmethod
-    def from_train(cls, t) -> "SigmaSampler":
-        return cls(kind=t.timestep_sampling, mean=t.logit_mean, std=t.logit_std, scale=t.sigmoid_scale,
-                   mode_scale=t.mode_scale, shift=None if t.timestep_shift == "auto" else float(t.timestep_shift))
+    def from_train(cls, t) -> SigmaSampler:
+        shift = None if t.timestep_shift == "auto" else float(t.timestep_shift)
+        if t.timestep_sampling == "sigmoid":
+            return cls(kind="logit_normal", mean=0.0, std=t.sigmoid_scale, mode_scale=t.mode_scale, shift=shift)
+        return cls(kind=t.timestep_sampling, mean=t.logit_mean, std=t.logit_std, mode_scale=t.mode_scale,
+                   shift=shift)
 
     def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n unshifted sigmas in (0, 1)."""
         if self.kind == "uniform":
             return torch.rand(n, generator=generator)
-        if self.kind in ("logit_normal", "sigmoid"):
-            mean, std = (self.mean, self.std) if self.kind == "logit_normal" else (0.0, self.scale)
-            return torch.sigmoid(mean + std * torch.randn(n, generator=generator))
+        if self.kind == "logit_normal":
+            return torch.sigmoid(self.mean + self.std * torch.randn(n, generator=generator))
         if self.kind == "mode":
             u = torch.rand(n, generator=generator)
             return 1 - u - self.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)

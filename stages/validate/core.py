@@ -63,8 +63,7 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
     for prefix, renderer in (("", trained), ("untrained_", None)):
         renderer = renderer or load_renderer(ctx, models.model_dir(ctx))
         colors, latents = render_check(renderer, cfg, (width, height))
-        keep = [i for i, c in enumerate(colors) if c in means]
-        acc = separation(latents[keep], [colors[i] for i in keep], means)
+        acc = separation(latents, colors, means)
         if acc is None:
             ctx.log.warning("learning check skipped: the %s pipeline's latents are not (C, H, W) like the cache",
                             cfg.model.family)

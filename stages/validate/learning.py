@@ -62,8 +62,10 @@ def render_check(renderer: Renderer, cfg, size: tuple[int, int]) -> tuple[list[s
 
 
 def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.ndarray]) -> float | None:
-    """Fraction of samples whose nearest class mean is their own class. None when the latents are not (C, H, W)
-    like the cache (packed-token families)."""
+    """Fraction of samples whose nearest class mean is their own class (samples of a class without a mean are left
+    out). None when the latents are not (C, H, W) like the cache (packed-token families)."""
+    keep = [i for i, c in enumerate(colors) if c in means]
+    latents, colors = latents[keep], [colors[i] for i in keep]
     names = sorted(means)
     centers = np.stack([means[n] for n in names])
     if tuple(latents.shape[1:]) != centers.shape[1:]:
@@ -72,9 +74,3 @@ def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.nda
     hits = sum(names[int(n)] == c for n, c in zip(dist.argmin(axis=1), colors))
     return hits / max(1, len(colors))
 
-
-def learning_check(renderer: Renderer, means: dict[str, np.ndarray], cfg, size: tuple[int, int]) -> float | None:
-    """Class-separation accuracy of freshly rendered check samples (classes without a mean are not sampled)."""
-    colors, latents = render_check(renderer, cfg, size)
-    keep = [i for i, c in enumerate(colors) if c in means]
-    return separation(latents[keep], [colors[i] for i in keep], means)

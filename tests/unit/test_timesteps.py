@@ -38,7 +38,9 @@ def test_logit_normal_has_the_configured_logit_mean_and_std(mean, std):
 
 
 def test_sigmoid_scale_is_the_std_of_the_logit():
-    x = _draw(kind="sigmoid", scale=2.0)
+    t = parse_config({"model": {"family": "sd3"}, "train": {"timestep_sampling": "sigmoid", "sigmoid_scale": 2.0,
+                                                            "loss_weighting": "none"}}).train
+    x = SigmaSampler.from_train(t).draw(N, torch.Generator().manual_seed(0)).double().numpy()
     logit = np.log(x / (1 - x))
     assert abs(logit.mean()) < 0.03 and abs(logit.std() - 2.0) < 0.03
 

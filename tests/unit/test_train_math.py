@@ -51,11 +51,8 @@ def test_min_snr_weights():
     assert torch.equal(loss_weights(snr, "epsilon", "none", 5.0), torch.ones(3))
     assert torch.allclose(loss_weights(snr, "epsilon", "min_snr", 5.0), torch.tensor([1.0, 1.0, 0.1]))
     assert torch.allclose(loss_weights(snr, "v_prediction", "min_snr", 5.0), torch.tensor([0.5 / 1.5, 5 / 6, 5 / 51]))
-    # Flow matching: sigma^2 * min(snr, gamma) with snr = ((1 - sigma) / sigma)^2.
-    sigma = torch.tensor([0.2, 0.5, 0.9])
-    fm_snr = ((1 - sigma) / sigma) ** 2
-    want = sigma**2 * fm_snr.clamp(max=5.0)
-    assert torch.allclose(loss_weights(fm_snr, "flow_matching", "min_snr", 5.0), want, atol=1e-6)
+    with pytest.raises(ValueError, match="min_snr"):  # refused at load for flow-matching families
+        loss_weights(snr, "flow_matching", "min_snr", 5.0)
 
 
 def test_weighted_mse_is_per_sample_mean_then_weighted():
