@@ -5,6 +5,8 @@ from __future__ import annotations
 # to that color's mean cached latent, and whether their decoded images show that color.
 DEMO_COLORS = ("red", "green", "blue", "yellow")
 DEMO_SHAPES = ("square", "circle")
+# Each class's fill colour in the demo images; the colour check (stages/validate/colors.py) looks for it in renders.
+RGB = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
 
 DEMO_CONFIG: dict = {
     "workdir": "./tuneline-work",

@@ -24,8 +24,8 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "latents": ("stages/latents/*.py", "stages/common/sizing.py", *FAMILIES),
     "text": ("stages/text/*.py", *FAMILIES),
     "train": ("stages/train/*.py", "stages/latents/reader.py", "stages/text/live.py", "stages/text/store.py",
-              *FAMILIES),
-    "validate": ("stages/validate/*.py", *FAMILIES),
+              "stages/render/*.py", *FAMILIES),
+    "validate": ("stages/validate/*.py", "stages/render/*.py", *FAMILIES),
 }
 LIBRARIES: dict[str, tuple[str, ...]] = {
     "scan": ("pillow",),

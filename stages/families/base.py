@@ -10,6 +10,12 @@ import torch
 from tuneline.schemas.families import FamilyFacts
 
 
+def scale_latents(x: torch.Tensor, scaling: float, shift: float) -> torch.Tensor:
+    """Cached latents are the VAE's raw distribution; the denoiser sees (z - shift) * scale (training, and the
+    validate stage comparing renders with cached latents)."""
+    return (x - shift) * scaling
+
+
 @dataclass
 class TextEncoders:
     """Tokenizers + encoders of one family, loaded once and passed back to the adapter."""

@@ -13,14 +13,13 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from tuneline.schemas.config import ConfigError
-from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
+from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES, RGB
 
 # Bump when the generated content changes: an older demo folder is then regenerated, never mixed.
 DEMO_VERSION = "1"
 MARKER = ".tuneline-demo"
 SIZES = ((64, 64), (96, 64), (64, 96))
 VARIANTS = 3  # per (color, shape, size): 4 colors x 2 shapes x 3 sizes x 3 = 72 images, 24 per bucket
-RGB = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
 
 
 def _draw(color: str, shape: str, size: tuple[int, int], rng: random.Random) -> Image.Image:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+# scale_latents lives with the families (validate uses it too); it is part of the training objective's interface.
+from tuneline.stages.families.base import scale_latents as scale_latents
 from tuneline.stages.train.timesteps import SigmaSampler
 
 
@@ -14,11 +16,6 @@ class Noised:
     timesteps: torch.Tensor
     target: torch.Tensor
     snr: torch.Tensor  # per-sample signal-to-noise ratio (alpha^2 / sigma^2), for loss weighting
-
-
-def scale_latents(x: torch.Tensor, scaling: float, shift: float) -> torch.Tensor:
-    """Cached latents are the VAE's raw distribution; the denoiser sees (z - shift) * scale."""
-    return (x - shift) * scaling
 
 
 def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator) -> torch.Tensor:

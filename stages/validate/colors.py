@@ -12,8 +12,7 @@ from collections import Counter
 import numpy as np
 from PIL import Image
 
-from tuneline.schemas.demo import DEMO_COLORS
-from tuneline.stages.scan.demo import RGB
+from tuneline.schemas.demo import DEMO_COLORS, RGB
 
 # max-min over RGB: the demo's backgrounds are grey (0), its shapes 150-205; 60 leaves room for decoder blur.
 MIN_SATURATION = 60
