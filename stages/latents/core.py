@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tuneline.schemas.scan import ImageRecord, ScanManifest
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.sizing import latent_shape

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tuneline.schemas.scan import ScanManifest
 from tuneline.schemas.text import PADDING
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.stage import key_parts
 from tuneline.stages.text import STAGE, effective_max_length

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tuneline.stages.common.models import dtypes
+from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.families.common import LOADED
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from tuneline.schemas.train import TrainManifest
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere
 from tuneline.stages.train import checkpoint as ckpt, init_source

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tuneline.schemas.scan import ImageRecord
-from tuneline.stages.common.models import dtypes
+from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.common.prefetch import ahead
 from tuneline.stages.families.base import MicroCond
 from tuneline.stages.latents import store

@@ -24,7 +24,7 @@ from tuneline.schemas.sources import dataset_sources
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.families.registry import get_family

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import class_means, render_check, separation

@@ -15,7 +15,7 @@ from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.sources import dataset_sources
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.latents.reader import LatentReader

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
 from tests.integration.original_layout import flux_original, sd3_original
 from tests.integration.test_train_support import build_upstream, small_config, train

@@ -11,7 +11,7 @@ from PIL import Image
 
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage, status
 from tuneline.stages.pipeline import PIPELINE, stage

@@ -9,7 +9,7 @@ import torch
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.latents.reader import LatentReader
 from tuneline.stages.text.live import open_text

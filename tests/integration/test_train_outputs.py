@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tuneline.stages.common import models
+from tuneline.stages.families import resolve as models
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.train.launch import TrainingFailed
