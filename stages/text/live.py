@@ -9,7 +9,7 @@ import torch
 
 from tuneline.schemas.text import TextManifest
 from tuneline.stages.families.base import Family
-from tuneline.stages.text.encode import encode_strings
+from tuneline.stages.families.encode import encode_strings
 from tuneline.stages.text.store import TextCache
 from tuneline.stages.text.variants import TagAugment
 

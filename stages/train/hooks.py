@@ -18,8 +18,8 @@ from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.plan import MicroBatch
-from tuneline.stages.validate.plots import loss_curve
-from tuneline.stages.validate.render import Renderer, Sample, grid, render_size_for
+from tuneline.stages.render.plots import loss_curve
+from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 
 TRACE_ENV = "TUNELINE_TRAIN_TRACE"  # a directory: each rank appends the images of every micro-batch it trains
 LOG_EVERY = 10

@@ -41,7 +41,7 @@ from tuneline.stages.train.plan import micro_batches
 from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.procwatch import worker_guard
 from tuneline.stages.train.stopping import Interrupted, StopSignals
-from tuneline.stages.validate.plots import loss_curve
+from tuneline.stages.render.plots import loss_curve
 
 RESULT = "result.json"
 ERROR = "error.json"  # rank 0's one-line explanation of a failure the user can act on

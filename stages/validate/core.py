@@ -9,7 +9,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import class_means, render_check, separation
-from tuneline.stages.validate.render import Renderer, Sample, grid, render_size_for
+from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 
 
 def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer:

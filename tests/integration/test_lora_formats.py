@@ -235,7 +235,7 @@ def test_lora_format_writes_only_what_it_names(fmt, files, built, tmp_path):
 
 def test_validation_reads_a_kohya_only_final(built, tmp_path):
     """train.lora_format kohya leaves no diffusers file: the validate stage's renderer loads the kohya one."""
-    from tuneline.stages.validate.render import Renderer
+    from tuneline.stages.render.renderer import Renderer
 
     model_dir = built("sd15")
     fam, den, _, _ = _trained("sd15", model_dir, tmp_path / "final", lora_format="kohya")

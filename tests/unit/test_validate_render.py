@@ -11,8 +11,8 @@ from PIL import Image
 from tuneline.schemas.config import parse_config
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.validate import learning
-from tuneline.stages.validate.plots import loss_curve, smooth
-from tuneline.stages.validate.render import Renderer, Sample, grid, render_size_for
+from tuneline.stages.render.plots import loss_curve, smooth
+from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 
 CPU = torch.device("cpu")
 
@@ -105,7 +105,7 @@ def test_prompts_encoded_at_training_length_and_cached(renderer, tmp_path):
     assert short.enc.max_length == 8
     samples = [Sample("a red square", "a blue circle", 2)]
     first = _latents(short, samples)
-    from tuneline.stages.text.prompts import load_prompts
+    from tuneline.stages.render.prompts import load_prompts
 
     stored = load_prompts(cache, "k8")
     assert set(stored) == {"a red square", "a blue circle"}

@@ -17,7 +17,7 @@ from PIL import Image
 from tuneline.schemas.families import facts as family_facts
 from tuneline.stages.common.sizing import render_size
 from tuneline.stages.families.common import unwrap
-from tuneline.stages.text.prompts import batch_of, encode_prompts
+from tuneline.stages.render.prompts import batch_of, encode_prompts
 
 MAX_BATCH = 16  # samples per pipeline call (x2 with classifier-free guidance)
 
@@ -43,7 +43,7 @@ class Renderer:
              max_length: int | None = None, prompt_cache: tuple[Path, str] | None = None) -> "Renderer":
         """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
-        `prompt_cache` = (file, key): encoded prompts kept across runs (stages/text/prompts.py)."""
+        `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
         if lora is not None:
             from tuneline.stages.train.export import lora_source

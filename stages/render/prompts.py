@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tuneline.stages.families.base import Family, TextEncoders
-from tuneline.stages.text.encode import encode_strings
+from tuneline.stages.families.encode import encode_strings
 
 Encoded = dict[str, dict[str, torch.Tensor]]
 
