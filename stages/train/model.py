@@ -51,9 +51,6 @@ def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dty
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
     `base_dtype` to save memory, the adapter weights in float32.
     """
-    if quantize and t.mode != "lora":
-        raise ValueError(f"model.quantize {quantize} needs train.mode lora (a quantized base cannot be fine-tuned "
-                         f"in full): set train.mode lora or model.quantize null")
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     if t.mode == "full":
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)

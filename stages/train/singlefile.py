@@ -14,10 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tuneline.schemas.checks import SINGLE_FILE_FAMILIES
-
+# Families it writes: schemas/checks.py (SINGLE_FILE_FAMILIES) refuses train.export_single_file for the others.
 SINGLE_FILE = "model.safetensors"
-SUPPORTED = SINGLE_FILE_FAMILIES  # SD1.x and SDXL layouts
 
 _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
            "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
@@ -173,9 +171,6 @@ def save_single_file(fam, final: Path, meta: dict[str, str]) -> Path:
     """Write `final/model.safetensors` from the pipeline folder `final/` (weights as saved, e.g. float32)."""
     from safetensors.torch import save_file
 
-    if fam.facts.name not in SUPPORTED:
-        raise ValueError(f"train.export_single_file: model.family {fam.facts.name} has no single-file export "
-                         f"(supported: {', '.join(SUPPORTED)}); set train.export_single_file false")
     pipe = fam.load_pipeline(final, torch.float32, torch.device("cpu"))
     state = ldm_state_dict(pipe)
     path = final / SINGLE_FILE
