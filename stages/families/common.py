@@ -18,8 +18,6 @@ from tuneline.stages.families import folders
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.singlefile import convert_single_file
 
-# Components this process loaded from model folders, in order: what each stage holds is tested against it.
-LOADED: list[str] = []
 
 
 
@@ -125,7 +123,6 @@ class DiffusersFamily:
         from diffusers import AutoencoderKL
 
         vae = AutoencoderKL.from_pretrained(model_dir, subfolder="vae", dtype=dtype).to(device)
-        LOADED.append("vae")
         return vae.eval().requires_grad_(False)
 
     def load_vae_encoder(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -137,8 +134,6 @@ class DiffusersFamily:
         if encoder is None:
             encoder = self.load_vae(model_dir, dtype, device)
             encoder.decoder = None  # caching only encodes: the decoder is half the VAE's memory
-        else:
-            LOADED.append("vae")
         return encoder
 
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
@@ -150,7 +145,6 @@ class DiffusersFamily:
 
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        LOADED.append(self.denoiser_component)
         return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
@@ -168,8 +162,6 @@ class DiffusersFamily:
         is then never loaded. Its text encoders serve the renderer too (text_encoders_of): loaded once."""
         parts: dict[str, Any] = {self.denoiser_component: denoiser} if denoiser is not None else {}
         pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **parts, **self.pipeline_load_kwargs())
-        LOADED.extend(c for c, m in pipe.components.items() if m is not None and c not in parts
-                      and isinstance(m, torch.nn.Module))
         pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -182,7 +174,6 @@ class DiffusersFamily:
         for comp in self.text_components:
             enc = _first_type(types[comp]).from_pretrained(model_dir, subfolder=comp, dtype=dtype)
             encs.append(enc.to(device).eval().requires_grad_(False))
-            LOADED.append(comp)
         length = max_length or self.facts.max_length
         self.check_max_length(toks, length)
         return TextEncoders(tokenizers=toks, encoders=encs, max_length=length)

@@ -1,65 +1,35 @@
-"""What happens between optimizer steps: progress lines, checkpoints, in-training validation, the sampling trace.
+"""What happens between optimizer steps: progress lines, checkpoints, in-training validation.
 
-Only rank 0 writes files (the trace, a debugging aid switched on by an environment variable, is per rank).
+Only rank 0 writes files.
 """
 from __future__ import annotations
 
 import gc
-import json
-import os
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
 from tuneline.stages.families.resolve import dtypes
-from tuneline.stages.families.common import LOADED
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.loop import Trainer
-from tuneline.stages.train.plan import MicroBatch
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 
-TRACE_ENV = "TUNELINE_TRAIN_TRACE"  # a directory: each rank appends the images of every micro-batch it trains
 LOG_EVERY = 10
 CHECKPOINTS = "checkpoints"
 SAMPLES = "samples"
 LOSS_PNG = "loss.png"
 
 
-def live_models() -> dict[str, int]:
-    """Model instances alive in this process by class (diffusers and transformers models): what training holds
-    between steps. For the trace only: it walks every object."""
-    found: dict[str, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith(("diffusers.models",
-                                                                                  "transformers.models")):
-            if hasattr(obj, "config"):
-                found[type(obj).__name__] = found.get(type(obj).__name__, 0) + 1
-    return found
-
-
 class Hooks:
     def __init__(self, run, trainer: Trainer):
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
         self.last_checkpoint = trainer.step  # the step of the newest checkpoint (a resumed run starts at one)
-        trace_dir = os.environ.get(TRACE_ENV)
-        self.trace = Path(trace_dir) / f"trace-rank{run.rank}.jsonl" if trace_dir else None
 
     @property
     def writer(self) -> bool:
         return self.run.rank == 0
-
-    def before_step(self, micro: list[MicroBatch]) -> None:
-        if self.trace is None:
-            return
-        step = self.trainer.step + 1
-        with open(self.trace, "a", encoding="utf-8") as f:
-            for m, mb in enumerate(micro):
-                paths = self.run.data.reader.batch(mb.bucket, mb.rows).paths
-                f.write(json.dumps({"step": step, "micro": m, "bucket": mb.bucket, "paths": list(paths),
-                                    "models": live_models(), "loaded": list(LOADED)}) + "\n")
 
     def after_step(self) -> None:
         step, t = self.trainer.step, self.t

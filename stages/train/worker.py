@@ -126,7 +126,6 @@ def fit(run: Run) -> Trainer:
         signals = StopSignals(t.checkpoint_minutes)
         while trainer.step < t.steps:
             micro = [next(feed) for _ in range(t.grad_accumulation)]
-            hooks.before_step([fed.mb for fed in micro])
             trainer.train_step(micro)
             hooks.after_step()
             if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.latents.reader import LatentReader
-from tuneline.stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
+from tests.tracing import tuneline_trace
 
 # 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
 TRAIN = {"steps": 12, "checkpoint_every": 4, "batch_size": 4, "grad_accumulation": 2, "processes": 2,
@@ -46,11 +46,9 @@ def reference(tmp_path_factory):
     build_upstream(small_config(wd, TRAIN))
     trace = wd / "trace"
     trace.mkdir()
-    os.environ[TRACE_ENV] = str(trace)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        tuneline_trace.enable(mp, trace)
         path = train(small_config(wd, TRAIN))
-    finally:
-        del os.environ[TRACE_ENV]
     return wd, path, trace
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.families.common import LOADED
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_support import small_config, train
+from tests.tracing import tuneline_trace
+from tests.tracing.tuneline_trace import LOADED
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +22,7 @@ def test_each_stage_loads_only_its_models(tmp_path, monkeypatch):
     cfg = small_config(tmp_path, {"steps": 3, "processes": 1, "validate_every": 1, "checkpoint_every": 3})
     write_demo_dataset(cfg.resolve(cfg.dataset.path))
     ctx = StageContext(cfg)
+    tuneline_trace.install()  # this process records what it loads (LOADED); the training processes too, below
     run_stage(ctx, stage("scan"), PIPELINE)
     loaded = {}
     for name in ("latents", "text"):
@@ -32,7 +33,7 @@ def test_each_stage_loads_only_its_models(tmp_path, monkeypatch):
 
     trace = tmp_path / "trace"
     trace.mkdir()
-    monkeypatch.setenv(TRACE_ENV, str(trace))
+    tuneline_trace.enable(monkeypatch, trace)
     out = train(cfg)
     rows = list(read_jsonl(trace / "trace-rank0.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3]

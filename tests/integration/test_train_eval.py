@@ -7,9 +7,9 @@ from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.train.evaluation import Evaluator
 from tuneline.stages.train.rows import RowPlan, held_out
-from tuneline.stages.train.hooks import TRACE_ENV
 from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.tracing import tuneline_trace
 
 EVAL = {"fraction": 0.3, "every_steps": 1, "timesteps": [100, 600]}
 
@@ -29,7 +29,7 @@ def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tm
 def test_held_out_images_never_train_and_the_manifest_records_each_evaluation(tmp_path, monkeypatch):
     cfg = small_config(tmp_path, {"steps": 3, "processes": 2, "batch_size": 2, "eval": EVAL})
     build_upstream(cfg)
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    tuneline_trace.enable(monkeypatch, tmp_path)
     out = train(cfg)
     trained = {p for rank in (0, 1) for row in read_jsonl(tmp_path / f"trace-rank{rank}.jsonl") for p in row["paths"]}
     assert trained and not any(held_out(p, EVAL["fraction"]) for p in trained)
