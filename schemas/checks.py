@@ -19,7 +19,7 @@ from tuneline.schemas.families import FamilyFacts, facts
 if TYPE_CHECKING:  # annotations only: config.py imports this module, never the other way round
     from tuneline.schemas.config import PipelineConfig
 
-SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile.py writes these
+SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile_export.py writes these
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (CONTRACT.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
 MAX_AREA_MEGAPIXELS = 16.0

@@ -16,7 +16,7 @@ import torch
 from tuneline.schemas.families import FamilyFacts
 from tuneline.stages.families import folders
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.singlefile import convert_single_file
+from tuneline.stages.families.singlefile_import import convert_single_file
 
 
 

@@ -6,7 +6,7 @@ Files (under the train artifact's `final/`):
 - `lora_kohya.safetensors`: kohya sd-scripts layout (stages/train/kohya.py), for ComfyUI `models/loras`,
   A1111/Forge `models/Lora`.
 - a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
-  `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile.py).
+  `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile_export.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.train import kohya
-from tuneline.stages.train.singlefile import SINGLE_FILE
+from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"

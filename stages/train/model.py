@@ -14,7 +14,7 @@ from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from tuneline.stages.train.quantize import quantize_base
-from tuneline.stages.train.singlefile import save_single_file
+from tuneline.stages.train.singlefile_export import save_single_file
 
 
 def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:

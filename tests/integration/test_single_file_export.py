@@ -13,7 +13,7 @@ from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.train.export import ExportInfo
 from tuneline.stages.train.model import save_final
-from tuneline.stages.train.singlefile import SINGLE_FILE
+from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 CPU = torch.device("cpu")
 INFO = ExportInfo(train_version="v1", base_identity="sha256:base", steps=3, num_train_images=2, resolution=64,

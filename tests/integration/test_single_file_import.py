@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.train.singlefile import ldm_state_dict
+from tuneline.stages.train.singlefile_export import ldm_state_dict
 from tests.integration.test_train_support import build_upstream, small_config, train
 
 CPU = torch.device("cpu")
