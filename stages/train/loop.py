@@ -29,7 +29,8 @@ from tuneline.stages.train.objective import (loss_weights, noisy_and_target, off
                                     weighted_mse)
 from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
 from tuneline.stages.train.rows import RowPlan
-from tuneline.stages.train.schedule import EMA, lr_at
+from tuneline.stages.train.ema import EMA
+from tuneline.stages.train.schedule import lr_at
 from tuneline.stages.train.timesteps import SigmaSampler
 
 
