@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuneline.schemas.config import parse_config  # noqa: E402
 from tuneline.schemas.scan import ImageRecord  # noqa: E402
-from tuneline.stages.families import resolve as models  # noqa: E402
 from tuneline.stages.common.jsonl import read_jsonl  # noqa: E402
 from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
+from tuneline.stages.families import resolve as models  # noqa: E402
 from tuneline.stages.families.registry import get_family  # noqa: E402
 from tuneline.stages.latents.encode import to_pixels  # noqa: E402
 from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402

@@ -22,8 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability import faultlib as fl  # noqa: E402
-from tests.reliability import killwalk  # noqa: E402
+from tests.reliability import (
+    faultlib as fl,  # noqa: E402
+    killwalk,  # noqa: E402
+)
 
 KILLS = int(os.environ.get("TUNELINE_FAULT_KILLS", "10"))
 SEED = int(os.environ.get("TUNELINE_FAULT_SEED", "0"))

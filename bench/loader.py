@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tuneline.schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
 from tuneline.stages.common.jsonl import write_jsonl  # noqa: E402
-from tuneline.stages.latents import store  # noqa: E402
 from tuneline.stages.common.prefetch import ahead  # noqa: E402
+from tuneline.stages.latents import store  # noqa: E402
 from tuneline.stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
 from tuneline.stages.train.loop import feed_workers, sample_latents, samples_in_feed  # noqa: E402
 

@@ -28,9 +28,9 @@ from tuneline.schemas.demo import DEMO_CONFIG  # noqa: E402
 from tuneline.schemas.latents import LatentsManifest  # noqa: E402
 from tuneline.schemas.scan import ImageRecord  # noqa: E402
 from tuneline.schemas.text import TextManifest  # noqa: E402
-from tuneline.stages.families import resolve as models  # noqa: E402
 from tuneline.stages.common.jsonl import read_jsonl  # noqa: E402
 from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
+from tuneline.stages.families import resolve as models  # noqa: E402
 from tuneline.stages.latents.reader import LatentReader  # noqa: E402
 from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402
 from tuneline.stages.scan.demo import write_demo_dataset  # noqa: E402

@@ -7,7 +7,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,8 +20,8 @@ app.add_typer(config_app, name="config")
 remote_app = typer.Typer(no_args_is_help=True, help="Artifact versions on object storage (ops.remote).")
 app.add_typer(remote_app, name="remote")
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config; omitted = the built-in demo")]
-WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", help="overrides the config's workdir")]
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config; omitted = the built-in demo")]
+WorkdirOpt = Annotated[str | None, typer.Option("--workdir", help="overrides the config's workdir")]
 
 
 # The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
@@ -162,7 +162,7 @@ def config_schema() -> None:
 
 @app.command()
 def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
-           pool: Annotated[Optional[str], typer.Option("--pool", help="work pool; default ops.work_pool")] = None
+           pool: Annotated[str | None, typer.Option("--pool", help="work pool; default ops.work_pool")] = None
            ) -> None:
     """Register one Prefect deployment per stage plus the pipeline (CONFIG = their default parameters)."""
     cfg = _load(config, workdir)
@@ -185,7 +185,7 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 @app.command()
 def worker(pool: Annotated[str, typer.Option("--pool", help="work pool to serve")] = "tuneline",
-           limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="flow runs at once")] = None) -> None:
+           limit: Annotated[int | None, typer.Option("--limit", min=1, help="flow runs at once")] = None) -> None:
     """Start a Prefect process worker for the pool (created if missing); restarted if it crashes."""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s")
     from tuneline.flows.worker import serve
@@ -215,7 +215,7 @@ def lineage(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 @app.command()
 def gc(config: ConfigArg = None, workdir: WorkdirOpt = None,
-       keep: Annotated[Optional[int], typer.Option("--keep", min=0, help="versions kept per stage; "
+       keep: Annotated[int | None, typer.Option("--keep", min=0, help="versions kept per stage; "
                                                    "default ops.keep_versions")] = None,
        dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would go")] = False,
        partial: Annotated[bool, typer.Option("--partial", help="also delete interrupted work in progress "
@@ -241,7 +241,7 @@ def gc(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 @remote_app.command("push")
 def remote_push(config: ConfigArg = None, workdir: WorkdirOpt = None,
-                stages: Annotated[Optional[list[str]], typer.Option("--stage", help="repeatable; default all")] = None
+                stages: Annotated[list[str] | None, typer.Option("--stage", help="repeatable; default all")] = None
                 ) -> None:
     """Upload each stage's fresh version to ops.remote (versions already there are skipped)."""
     cfg = _load(config, workdir)

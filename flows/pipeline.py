@@ -9,9 +9,9 @@ from __future__ import annotations
 from prefect import flow
 
 from tuneline.flows import ops, visibility
-from tuneline.flows.summary import timed_stage
 from tuneline.flows.reporter import PrefectReporter
 from tuneline.flows.stage_flows import STAGE_FLOWS
+from tuneline.flows.summary import timed_stage
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.pipeline import STAGE_NAMES
 

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
-
+from datetime import UTC, datetime
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,7 +53,7 @@ class Manifest(BaseModel):
     stage: str
     fingerprint: str
     upstream: dict[str, str] = Field(default_factory=dict, description="stage -> fingerprint consumed")
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     tool_version: str
     code_version: str
     config: dict = Field(default_factory=dict, description="the effective stage config that was fingerprinted")

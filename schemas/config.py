@@ -66,7 +66,7 @@ class PipelineConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "PipelineConfig":
+    def _cross_field(self) -> PipelineConfig:
         problems = checks.problems(self)
         if problems:
             raise ValueError("\n".join(problems))

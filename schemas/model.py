@@ -50,7 +50,7 @@ class ModelConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _config_needs_a_file(self) -> "ModelConfig":
+    def _config_needs_a_file(self) -> ModelConfig:
         if self.config is not None and self.path is None:
             raise ValueError("model.config describes a single checkpoint file given as model.path; with model.path "
                              "null (the tiny flavor) set model.config null")

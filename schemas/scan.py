@@ -65,7 +65,7 @@ class DatasetConfig(Strict):
                           "image; relative: against the workdir); images without one weigh fully. null = none")
 
     @model_validator(mode="after")
-    def _one_dataset(self) -> "DatasetConfig":
+    def _one_dataset(self) -> DatasetConfig:
         if self.sources is not None and self.path is not None:
             raise ValueError(f"dataset.path ({self.path}) and dataset.sources are exclusive: set dataset.path to "
                              f"null to train on the sources, or remove dataset.sources")
@@ -125,7 +125,7 @@ class BucketConfig(Strict):
                                             "`resolution`, which must be among them); null = `resolution` only")
 
     @model_validator(mode="after")
-    def _aspects(self) -> "BucketConfig":
+    def _aspects(self) -> BucketConfig:
         if self.min_aspect > self.max_aspect:
             raise ValueError(f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect "
                              f"({self.max_aspect})")

@@ -7,7 +7,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tuneline.schemas.base import MAX_BATCH, ConfigPath, Manifest, Seed, Strict
 
-
 # Past these no machine holds the run: more processes than any node has cores, a rank wider than any layer.
 MAX_PROCESSES = 1024
 MAX_LORA_RANK = 8192
@@ -39,7 +38,7 @@ class EvalConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _timesteps(self) -> "EvalConfig":
+    def _timesteps(self) -> EvalConfig:
         bad = [t for t in self.timesteps if not 0 <= t < 1000]
         if bad:
             raise ValueError(f"train.eval.timesteps {bad} must lie in [0, 1000)")
@@ -125,7 +124,7 @@ class TrainConfig(Strict):
     eval: EvalConfig | None = Field(None, description="held-out eval loss at fixed timesteps and noise; null = off")
 
     @model_validator(mode="after")
-    def _multi_node(self) -> "TrainConfig":
+    def _multi_node(self) -> TrainConfig:
         if self.nodes > 1 and not self.rdzv_endpoint:
             raise ValueError("train.nodes > 1 needs train.rdzv_endpoint (host:port reachable from every node)")
         if self.node_rank >= self.nodes:
@@ -187,7 +186,7 @@ class TrainManifest(Manifest):
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
 
     @model_validator(mode="after")
-    def _exports_listed(self) -> "TrainManifest":
+    def _exports_listed(self) -> TrainManifest:
         """Once published (`files` set), each export agrees with the file list the store verifies against the
         disk, so a consumer that checks `files` has checked the exports too."""
         if not self.files:

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES  # noqa: E402
 from tuneline.schemas.families import FAMILY_FACTS  # noqa: E402
 from tuneline.stages.families.sd15 import tiny_vae  # noqa: E402

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 LOCK_NAME = ".tuneline.lock"
@@ -58,7 +58,7 @@ def holder(workdir: Path) -> dict:
 def describe_holder(info: dict) -> str:
     if not info:
         return "another process (its pid was not recorded yet)"
-    since = datetime.fromtimestamp(info.get("since", 0), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    since = datetime.fromtimestamp(info.get("since", 0), UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return f"pid {info.get('pid')} on {info.get('host')} ({info.get('purpose')}, since {since})"
 
 

@@ -19,8 +19,15 @@ from typing import Any
 import fsspec
 
 from tuneline.schemas.base import FileEntry
-from tuneline.stages.common.artifacts import (MANIFEST, ArtifactError, ArtifactStore, M, file_problem, parse_manifest,
-                                     safe_join)
+from tuneline.stages.common.artifacts import (
+    MANIFEST,
+    ArtifactError,
+    ArtifactStore,
+    M,
+    file_problem,
+    parse_manifest,
+    safe_join,
+)
 
 OPTIONS_ENV = "TUNELINE_REMOTE_OPTIONS"
 

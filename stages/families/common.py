@@ -19,8 +19,6 @@ from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.singlefile_import import convert_single_file
 
 
-
-
 def diffusers_pipeline(name: str) -> type:
     """A diffusers pipeline class by name.
 

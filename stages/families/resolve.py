@@ -17,13 +17,13 @@ if TYPE_CHECKING:
     from tuneline.stages.families.base import Family
 
 
-def dtypes() -> dict[str, "torch.dtype"]:
+def dtypes() -> dict[str, torch.dtype]:
     import torch
 
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def family(cfg: PipelineConfig) -> "Family":
+def family(cfg: PipelineConfig) -> Family:
     from tuneline.stages.families.registry import get_family
 
     return get_family(cfg.model.family)
@@ -49,7 +49,7 @@ def identity(ctx, component: str) -> str:
                     lambda: folders.identity(facts(ctx.cfg.model.family), model_dir(ctx), component))
 
 
-def device(cfg: PipelineConfig) -> "torch.device":
+def device(cfg: PipelineConfig) -> torch.device:
     import torch
 
     if cfg.model.device == "auto":
@@ -59,7 +59,7 @@ def device(cfg: PipelineConfig) -> "torch.device":
     return torch.device(cfg.model.device)
 
 
-def dtype(cfg: PipelineConfig, dev: "torch.device") -> "torch.dtype":
+def dtype(cfg: PipelineConfig, dev: torch.device) -> torch.dtype:
     """Frozen-weights dtype; half precision on CPU is slow or unsupported for conv ops, so CPU keeps float32."""
     import torch
 

@@ -11,11 +11,11 @@ from dataclasses import fields
 from tuneline.schemas.families import facts
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ScanManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.sizing import size_policy as make_policy
 from tuneline.stages.common.stage import StageDef
+from tuneline.stages.families import resolve as models
 
 CODE_VERSION = code_version("latents")  # stages/code_versions.json
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from tuneline.schemas.scan import ImageRecord, ScanManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.sizing import latent_shape
+from tuneline.stages.families import resolve as models
 from tuneline.stages.latents import masks, size_policy, store
 from tuneline.stages.latents.encode import Encoder
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key

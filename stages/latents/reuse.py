@@ -14,9 +14,9 @@ import numpy as np
 
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord
-from tuneline.stages.common.stage import reusable_previous
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import reusable_previous
 from tuneline.stages.latents import store
 from tuneline.stages.latents.writer import Link
 

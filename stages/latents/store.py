@@ -41,9 +41,8 @@ import math
 import os
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
-
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import fsspec
 import numpy as np

@@ -40,7 +40,7 @@ class Renderer:
     @classmethod
     def load(cls, fam, model_dir: Path, device: torch.device, dtype: torch.dtype, *, lora: Path | None = None,
              denoiser: torch.nn.Module | None = None, autocast: torch.dtype | None = None,
-             max_length: int | None = None, prompt_cache: tuple[Path, str] | None = None) -> "Renderer":
+             max_length: int | None = None, prompt_cache: tuple[Path, str] | None = None) -> Renderer:
         """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""

@@ -15,10 +15,9 @@ from tuneline.schemas.sources import Source, dataset_sources
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
-from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
-from tuneline.stages.scan import buckets as bk
-from tuneline.stages.scan import images, masks
+from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.scan import buckets as bk, images, masks
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 

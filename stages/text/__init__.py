@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tuneline.schemas.families import facts
 from tuneline.schemas.text import PADDING, TextManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.stage import StageDef
+from tuneline.stages.families import resolve as models
 from tuneline.stages.text.variants import TagAugment
 
 CODE_VERSION = code_version("text")  # stages/code_versions.json

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from tuneline.schemas.scan import ScanManifest
 from tuneline.schemas.text import PADDING
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.stage import key_parts
-from tuneline.stages.text import STAGE, effective_max_length
+from tuneline.stages.families import resolve as models
 from tuneline.stages.families.encode import encode_strings, storage_tensor
+from tuneline.stages.text import STAGE, effective_max_length
 from tuneline.stages.text.reuse import PreviousStrings
 from tuneline.stages.text.store import INDEX, STORE, STRINGS, ArrayWriter
 from tuneline.stages.text.variants import TagAugment, index_strings

@@ -13,8 +13,8 @@ import torch
 import zarr
 
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.common.stage import reusable_previous
 from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import reusable_previous
 from tuneline.stages.text.store import STORE, STRINGS, take_rows
 
 # Settings that pick the strings rather than shape each row's tensors.

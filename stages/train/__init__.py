@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from tuneline.schemas.sources import training_settings
 from tuneline.schemas.train import TrainManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.common.stage import StageDef
+from tuneline.stages.families import resolve as models
 
 CODE_VERSION = code_version("train")  # stages/code_versions.json
 

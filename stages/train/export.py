@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -57,7 +57,7 @@ def resolution_edge(resolution: float, resolution_type: str) -> int:
 def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
     """The safetensors header metadata (strings only) of a LoRA file in format `fmt`."""
     alpha = t.lora_alpha or t.lora_rank
-    started = datetime.fromtimestamp(info.started_at, timezone.utc)
+    started = datetime.fromtimestamp(info.started_at, UTC)
     meta = {
         "ss_network_module": "networks.lora", "ss_network_dim": str(t.lora_rank), "ss_network_alpha": str(alpha),
         "ss_base_model_version": BASE_VERSION.get(family, family), "ss_v2": "False",
@@ -81,7 +81,7 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
 
 def checkpoint_metadata(info: ExportInfo, family: str) -> dict[str, str]:
     """The header of a full model's single file: the SAI model spec and ours (no LoRA keys)."""
-    started = datetime.fromtimestamp(info.started_at, timezone.utc)
+    started = datetime.fromtimestamp(info.started_at, UTC)
     return {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": ARCH.get(family, family),
             "modelspec.implementation": IMPL.get(family, "diffusers"), "modelspec.title": info.title,
             "modelspec.resolution": f"{info.resolution}x{info.resolution}",

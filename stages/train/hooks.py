@@ -10,11 +10,11 @@ from contextlib import nullcontext
 import torch
 
 from tuneline.stages.families.resolve import dtypes
+from tuneline.stages.render.plots import loss_curve
+from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.loop import Trainer
-from tuneline.stages.render.plots import loss_curve
-from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 
 LOG_EVERY = 10
 CHECKPOINTS = "checkpoints"

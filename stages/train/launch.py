@@ -12,9 +12,9 @@ import uuid
 from pathlib import Path
 
 from tuneline.schemas.train import TrainManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere
+from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, init_source
 from tuneline.stages.train.hooks import CHECKPOINTS
 from tuneline.stages.train.procwatch import PARENT_ENV

@@ -15,21 +15,27 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tuneline.schemas.scan import ImageRecord
-from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.common.prefetch import ahead
 from tuneline.stages.families.base import MicroCond
+from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.latents import store
 from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
 from tuneline.stages.text.store import TextCache
 from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
-from tuneline.stages.train.objective import (loss_weights, noisy_and_target, offset_noise, prediction_type, scale_latents,
-                                    weighted_mse)
+from tuneline.stages.train.objective import (
+    loss_weights,
+    noisy_and_target,
+    offset_noise,
+    prediction_type,
+    scale_latents,
+    weighted_mse,
+)
 from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
 from tuneline.stages.train.rows import RowPlan
-from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.schedule import lr_at
 from tuneline.stages.train.timesteps import SigmaSampler
 

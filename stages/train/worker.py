@@ -20,28 +20,28 @@ import torch
 import torch.distributed as dist
 
 from tuneline.schemas.config import parse_config
-from tuneline.schemas.sources import dataset_sources
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
+from tuneline.schemas.sources import dataset_sources
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
+from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text.live import open_text
 from tuneline.stages.train import evaluation
 from tuneline.stages.train.checkpoint import CheckpointError
+from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
-from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches
-from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.procwatch import worker_guard
+from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.stopping import Interrupted, StopSignals
-from tuneline.stages.render.plots import loss_curve
 
 RESULT = "result.json"
 ERROR = "error.json"  # rank 0's one-line explanation of a failure the user can act on

@@ -6,10 +6,10 @@ from pathlib import Path
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
 from tuneline.stages.families import resolve as models
+from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import class_means, render_check, separation
-from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 
 
 def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer:

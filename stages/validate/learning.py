@@ -16,8 +16,8 @@ import torch
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.latents import store
 from tuneline.stages.families.base import scale_latents
+from tuneline.stages.latents import store
 from tuneline.stages.render.renderer import Renderer, Sample
 
 CHECK_SEED = 1000  # check samples use seeds CHECK_SEED + i, apart from the validation prompts' own seeds

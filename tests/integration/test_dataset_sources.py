@@ -11,20 +11,20 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.integration.test_train_support import small_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.sources import dataset_sources
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.families import resolve as models
 from tuneline.stages.latents.reader import LatentReader
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.text.live import open_text
 from tuneline.stages.train.loop import Data, Trainer
 from tuneline.stages.train.plan import MicroBatch, Position
 from tuneline.stages.train.rows import RowPlan
-from tests.integration.test_train_support import small_config
 
 pytestmark = pytest.mark.slow
 COLORS = {"red": (220, 30, 30), "blue": (30, 60, 220), "green": (30, 180, 40), "yellow": (235, 215, 30)}

@@ -16,11 +16,11 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
+from tests.tracing import tuneline_trace
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.latents.reader import LatentReader
-from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
-from tests.tracing import tuneline_trace
 
 # 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
 TRAIN = {"steps": 12, "checkpoint_every": 4, "batch_size": 4, "grad_accumulation": 2, "processes": 2,

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.test_latents_stage import context, rows_by_path, tiny_model_dir, write_images
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import key_parts, run_stage
 from tuneline.stages.latents import store
 from tuneline.stages.pipeline import PIPELINE, stage
-from tests.integration.test_latents_stage import context, rows_by_path, tiny_model_dir, write_images
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_LATENTS = """

@@ -16,10 +16,10 @@ from PIL import Image
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.report import Reporter
 from tuneline.stages.common.sizing import latent_shape
 from tuneline.stages.common.stage import StageContext, run_stage, status
+from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.latents import store
 from tuneline.stages.latents.encode import LatentShapeError, to_pixels

@@ -7,11 +7,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tests.integration.test_train_families import _steps, _trainer
+from tests.integration.test_train_support import build_upstream, small_config
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.latents.masks import mask_file
 from tuneline.stages.scan.demo import write_demo_dataset
-from tests.integration.test_train_families import _steps, _trainer
-from tests.integration.test_train_support import build_upstream, small_config
 
 TRAIN = {"steps": 2, "processes": 1, "batch_size": 2, "masked_loss": True, "caption_dropout": 0.0}
 

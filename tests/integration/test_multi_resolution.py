@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
-from tuneline.schemas.config import ConfigError
-from tuneline.stages.common.jsonl import read_jsonl
 from tests.integration.test_train_families import _trainer
 from tests.integration.test_train_support import build_upstream, small_config
+from tuneline.schemas.config import ConfigError
+from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.train.plan import micro_batches
 
 TRAIN = {"steps": 4, "processes": 1, "batch_size": 2}

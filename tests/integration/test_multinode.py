@@ -18,10 +18,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.integration.test_train_support import ROOT, build_upstream, small_config
 from tuneline.schemas.train import TrainManifest
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.pipeline import PIPELINE
-from tests.integration.test_train_support import ROOT, build_upstream, small_config
 
 pytestmark = pytest.mark.slow
 # 2 nodes x 2 processes x batch 2: world 4, a global batch of 8 of a bucket's 24 images.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tuneline.schemas.config import ConfigError, demo_config, load_config, parse_config
 from tests.helpers import STAGES
+from tuneline.schemas.config import ConfigError, demo_config, load_config, parse_config
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.integration.test_train_support import small_config
 from tuneline.schemas.config import parse_config
 from tuneline.stages.common.stage import StageContext, run_stage, status
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage
-from tests.integration.test_train_support import small_config
 
 pytestmark = pytest.mark.slow
 DOWNSTREAM = {"latents", "text", "train", "validate"}

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.integration.test_s3_remote import BUCKET, CREDS, s3  # noqa: F401  (s3: the moto server fixture)
+from tests.unit.test_latents_reader import make_cache
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.common.prefetch import ahead
 from tuneline.stages.common.remote import Remote, RemoteError, read_remote_manifest
 from tuneline.stages.latents import store
 from tuneline.stages.latents.reader import LatentReader, ReaderError
-from tests.integration.test_s3_remote import BUCKET, CREDS, s3  # noqa: F401  (s3: the moto server fixture)
-from tests.unit.test_latents_reader import make_cache
 
 VERSION = "0123456789abcdef"
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from tuneline.flows.cli import app
 from tests.helpers import tuneline
+from tuneline.flows.cli import app
 
 BUCKET = "tuneline-test"
 CREDS = {"key": "test-key", "secret": "test-secret"}

@@ -15,9 +15,7 @@ from tuneline.schemas.scan import ImageRecord
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.report import Reporter
 from tuneline.stages.common.stage import StageContext, StageFailed, run_stage, status
-from tuneline.stages.scan import STAGE
-from tuneline.stages.scan import demo as demo_mod
-from tuneline.stages.scan import images as images_mod
+from tuneline.stages.scan import STAGE, demo as demo_mod, images as images_mod
 
 
 class Recorder(Reporter):

@@ -10,14 +10,21 @@ import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
 from diffusers.loaders import single_file_utils as sfu
 from safetensors.torch import save_file
-from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
-                          T5EncoderModel, T5Tokenizer)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
 
+from tests.integration.original_layout import flux_original, sd3_original
 from tuneline.schemas.config import parse_config
 from tuneline.stages.families.flux_layout import flux_to_diffusers
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
-from tests.integration.original_layout import flux_original, sd3_original
 
 # Published sizes: SD3 medium MMDiT 2,028,328,000; FLUX.1-dev transformer 11,901,408,320; their 16-channel VAE
 # 83,819,683; CLIP ViT-L/14 text 123,060,480 (+ 589,824 projection); OpenCLIP bigG text with projection

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tuneline.stages.families import resolve as models
-from tuneline.stages.families.registry import get_family
 from tests.integration.original_layout import flux_original, sd3_original
 from tests.integration.test_train_support import build_upstream, small_config, train
+from tuneline.stages.families import resolve as models
+from tuneline.stages.families.registry import get_family
 
 CPU = torch.device("cpu")
 WRITE = {"sd3": sd3_original, "flux": flux_original}

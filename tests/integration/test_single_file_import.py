@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.train.singlefile_export import ldm_state_dict
-from tests.integration.test_train_support import build_upstream, small_config, train
 
 CPU = torch.device("cpu")
 

@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.pipeline import PIPELINE, stage
 from tests.integration.test_train_support import small_config, train
 from tests.tracing import tuneline_trace
 from tests.tracing.tuneline_trace import LOADED
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stage
 
 pytestmark = pytest.mark.slow
 

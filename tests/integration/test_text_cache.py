@@ -11,12 +11,12 @@ from PIL import Image
 
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage, status
+from tuneline.stages.families import resolve as models
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.text.live import LiveText, open_text
 from tuneline.stages.render.prompts import batch_of, encode_prompts
+from tuneline.stages.text.live import LiveText, open_text
 from tuneline.stages.text.store import TextCache
 from tuneline.stages.text.variants import TagAugment
 

@@ -8,13 +8,13 @@ import json
 import pytest
 from PIL import Image
 
+from tests.integration.test_train_support import RecordingReporter
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE
 from tuneline.stages.scan.demo import write_demo_dataset
-from tests.integration.test_train_support import RecordingReporter
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 
-from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.schemas.sources import dataset_sources
-from tuneline.stages.train.evaluation import Evaluator
-from tuneline.stages.train.rows import RowPlan, held_out
 from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tests.tracing import tuneline_trace
+from tuneline.schemas.sources import dataset_sources
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.train.evaluation import Evaluator
+from tuneline.stages.train.rows import RowPlan, held_out
 
 EVAL = {"fraction": 0.3, "every_steps": 1, "timesteps": [100, 600]}
 

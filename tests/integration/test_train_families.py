@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.test_train_support import build_upstream, small_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord
 from tuneline.schemas.text import TextManifest
-from tuneline.stages.families import resolve as models
 from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.families import resolve as models
 from tuneline.stages.latents.reader import LatentReader
 from tuneline.stages.text.live import open_text
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.loop import Data, Trainer
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches
-from tests.integration.test_train_support import build_upstream, small_config
 
 CPU = torch.device("cpu")
 TRAIN = {"mode": "lora", "lora_rank": 4, "batch_size": 2, "processes": 1, "steps": 2, "learning_rate": 1e-2,

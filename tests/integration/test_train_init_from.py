@@ -7,13 +7,13 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
+from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.schemas.train import TrainManifest
 from tuneline.stages.common import gc
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.families.folders import tiny_dir
 from tuneline.stages.pipeline import PIPELINE
-from tests.integration.test_train_support import build_upstream, small_config, train
 
 
 def _unet(folder) -> dict[str, torch.Tensor]:

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tuneline.stages.families import resolve as models
+from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
 from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.families import resolve as models
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.train.launch import TrainingFailed
-from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
 
 LORA = {"mode": "lora", "lora_rank": 4, "lora_alpha": 8, "steps": 4, "processes": 1, "batch_size": 4,
         "grad_accumulation": 2, "ema": True, "gradient_checkpointing": True, "loss_weighting": "min_snr",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig, parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
-from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.common.report import Reporter
+from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.scan.demo import write_demo_dataset
 

@@ -75,7 +75,7 @@ class PrefectServer:
                                  "PREFECT_API_URL": f"http://127.0.0.1:{self.port}/api"}
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "PrefectServer":
+    def __enter__(self) -> PrefectServer:
         env = dict(self.env)
         env.pop("PREFECT_API_URL")
         self.proc = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tuneline.stages.common.artifacts import manifest_digest
 from tests.reliability import faultlib as fl
 from tests.reliability.test_tampered import CASES, _version, edited_fact
+from tuneline.stages.common.artifacts import manifest_digest
 
 pytestmark = pytest.mark.timeout(2400)
 

@@ -1,8 +1,8 @@
 """The data options (masks, held-out eval, multi-resolution) are refused at load naming their fields."""
 from __future__ import annotations
 
-from tuneline.schemas.config import parse_config
 from tests.unit.test_config_checks import refused
+from tuneline.schemas.config import parse_config
 
 
 def test_masked_loss_needs_masks():

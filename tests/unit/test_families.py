@@ -13,7 +13,13 @@ from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.flux import image_ids, pack_latents, unpack_latents
 from tuneline.stages.families.folders import required_components
 from tuneline.stages.families.registry import family_names, get_family
-from tuneline.stages.families.vocab import WORDS, build_clip_tokenizer, build_t5_tokenizer, learn_bpe_merges, write_clip_vocab
+from tuneline.stages.families.vocab import (
+    WORDS,
+    build_clip_tokenizer,
+    build_t5_tokenizer,
+    learn_bpe_merges,
+    write_clip_vocab,
+)
 
 
 def test_registry_covers_every_family_with_facts():

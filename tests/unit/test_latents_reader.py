@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tuneline.schemas.latents import LatentBucket, LatentsManifest
 from tuneline.stages.common.jsonl import write_jsonl

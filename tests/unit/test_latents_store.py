@@ -14,9 +14,9 @@ import zarr
 from PIL import Image
 
 from tuneline.schemas.scan import ImageRecord
+from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.latents import store
 from tuneline.stages.latents.encode import LatentShapeError, check_latents
-from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
 from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Settings, fill
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.test_config_checks import refused
 from tuneline.schemas.base import FileEntry
 from tuneline.schemas.config import example_yaml, parse_config
 from tuneline.schemas.train import TrainManifest
 from tuneline.stages.train import kohya
-from tests.unit.test_config_checks import refused
 
 
 def test_lora_format_is_checked_and_defaults_to_both():

@@ -5,8 +5,15 @@ import pytest
 
 from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.scan import ImageRecord
-from tuneline.stages.scan.buckets import (NoBatchError, apply_plan, bucket_plan, duplicate_groups, global_batch,
-                                 reject_duplicates, table)
+from tuneline.stages.scan.buckets import (
+    NoBatchError,
+    apply_plan,
+    bucket_plan,
+    duplicate_groups,
+    global_batch,
+    reject_duplicates,
+    table,
+)
 
 
 def rec(path: str, bucket=(64, 64), sha="x") -> ImageRecord:

@@ -4,12 +4,19 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tuneline.schemas.families import FAMILY_FACTS
-from tuneline.stages.common.sizing import (SizePolicy, bucket_size, clamp_aspect, crop_box, latent_shape, render_size,
-                                  size_problem, usable_region)
+from tuneline.stages.common.sizing import (
+    SizePolicy,
+    bucket_size,
+    clamp_aspect,
+    crop_box,
+    latent_shape,
+    render_size,
+    size_problem,
+    usable_region,
+)
 
 sizes = st.integers(16, 8000)
 aspects = st.tuples(st.floats(0.1, 1.0), st.floats(1.0, 10.0))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tuneline.schemas.config import parse_config
+from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.objective import loss_weights, noisy_and_target, offset_noise, weighted_mse
 from tuneline.stages.train.plan import MicroBatch, Position, micro_batches, shard, step_seed
-from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.schedule import lr_at
 
 

@@ -10,9 +10,9 @@ from PIL import Image
 
 from tuneline.schemas.config import parse_config
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.validate import learning
 from tuneline.stages.render.plots import loss_curve, smooth
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
+from tuneline.stages.validate import learning
 
 CPU = torch.device("cpu")
 

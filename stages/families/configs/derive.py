@@ -16,8 +16,8 @@ from __future__ import annotations
 import base64
 import gzip
 import json
-import struct
 import shutil
+import struct
 import sys
 from pathlib import Path
 
