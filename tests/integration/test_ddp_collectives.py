@@ -83,19 +83,21 @@ def _rank(rank: int, port: int, out: str) -> None:
         got["losses"], got["decision"] = losses.tolist(), StopSignals.decide(flags)
         got["resume"] = collectives.everyones(f"step-{rank}", 2)  # the resume agreement
         collectives.barrier(2)
-        # DDP with a frozen quantized base: only the trainables take part (rank 0's broadcast, averaged grads).
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        # DDP over a frozen quantized base (int8, and fp8's weight-only tensors, which torchao also builds on a
+        # CPU): only the trainables take part (rank 0's broadcast, averaged gradients), the base is never sent.
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-        torch.manual_seed(rank)  # different on each rank: the wrap must make the trainables rank 0's
-        frozen = torch.nn.Linear(8, 8).requires_grad_(False)
-        quantize_(frozen, Int8WeightOnlyConfig())
-        model = torch.nn.Sequential(frozen, torch.nn.Linear(8, 1))
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        ddp = collectives.wrap(model, params, torch.device("cpu"))
-        got["weights"] = params["1.weight"].detach().flatten().tolist()
-        ddp(torch.full((1, 8), float(rank + 1))).sum().backward()
-        got["grad"] = params["1.weight"].grad.flatten().tolist()
-        got["frozen"] = type(frozen.weight).__name__
+        for kind, config in (("int8", Int8WeightOnlyConfig()), ("fp8", Float8WeightOnlyConfig())):
+            torch.manual_seed(rank)  # different on each rank: the wrap must make the trainables rank 0's
+            frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+            quantize_(frozen, config)
+            model = torch.nn.Sequential(frozen, torch.nn.Linear(8, 1))
+            params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            ddp = collectives.wrap(model, params, torch.device("cpu"))
+            weights = params["1.weight"].detach().flatten().tolist()
+            ddp(torch.full((1, 8), float(rank + 1))).sum().backward()
+            got[kind] = {"weights": weights, "grad": params["1.weight"].grad.flatten().tolist(),
+                         "base": type(frozen.weight).__name__}
         collectives.barrier(2)  # neither rank tears its group down while the other still uses it
     finally:
         collectives.close()
@@ -109,9 +111,10 @@ def test_helpers_run_under_the_backend_a_cuda_run_builds(tmp_path):
     assert r0["losses"] == r1["losses"] == [[0.5, 0.0], [1.5, 2.0]]
     assert r0["decision"] == r1["decision"] == [True, True], "a stop on one rank stops (and checkpoints) every rank"
     assert r0["resume"] == r1["resume"] == ["step-0", "step-1"]
-    assert r0["weights"] == r1["weights"], "the trainable weights are rank 0's on every rank"
-    assert r0["grad"] == r1["grad"], "the trainables' gradients are averaged over the ranks"
-    assert "Int8" in r0["frozen"]
+    for kind, base in (("int8", "Int8"), ("fp8", "Float8")):
+        assert base in r0[kind]["base"]
+        assert r0[kind]["weights"] == r1[kind]["weights"], f"{kind}: the trainables are rank 0's on every rank"
+        assert r0[kind]["grad"] == r1[kind]["grad"], f"{kind}: the gradients are averaged over the ranks"
 
 
 def test_backend_per_device_and_the_test_switch(monkeypatch):
