@@ -71,16 +71,26 @@ def wrap(module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device:
                **no_buffer_sync)
 
 
+BROADCAST_BUCKET_BYTES = 256 * 2**20  # a full fine-tune's weights go in pieces: one flat copy at a time
+
+
 def broadcast(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values of `tensors` on every rank, in one broadcast per dtype (on the tensors' device)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Rank 0's values of `tensors` on every rank: flattened into buckets of one dtype and at most
+    BROADCAST_BUCKET_BYTES (a LoRA's hundreds of small tensors in one or two broadcasts), on the tensors' device."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0  # bytes in the last bucket
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+        nbytes = t.numel() * t.element_size()
+        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > BROADCAST_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
     with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
+        for bucket in buckets:
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
             dist.broadcast(flat, src=0)
-            for t, part in zip(group, flat.split([t.numel() for t in group])):
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
                 t.copy_(part.view_as(t))
 
 
