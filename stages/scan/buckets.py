@@ -19,9 +19,16 @@ class NoBatchError(ValueError):
     """No bucket can form one batch; the message names the buckets and the settings to change."""
 
 
-def global_batch(cfg: PipelineConfig) -> int:
-    """Samples one optimizer step takes from one bucket, across every process and accumulation step."""
-    return cfg.train.batch_size * cfg.train.processes * cfg.train.grad_accumulation
+def global_batch(cfg: PipelineConfig, world: int | None = None, *, per_step: bool = False) -> int:
+    """The global batch, the one place it is computed (the scan's bucket plan, the trainer's result).
+
+    By default the samples of one global micro-batch: every rank's train.batch_size, all from one bucket, so the
+    number a bucket must hold to form a batch. `world` is the number of ranks, train.processes x train.nodes
+    unless given (a running trainer passes its actual world size). `per_step`: times train.grad_accumulation,
+    the samples one optimizer step takes (its micro-batches may come from different buckets)."""
+    t = cfg.train
+    batch = t.batch_size * (t.processes * t.nodes if world is None else world)
+    return batch * t.grad_accumulation if per_step else batch
 
 
 def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Bucket, int]:
@@ -36,8 +43,8 @@ def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Buck
         raise ValueError(f"buckets.small_bucket: unknown policy {policy!r}; use repeat or drop")
     if not any(plan.values()):
         (bw, bh), n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-        raise NoBatchError(f"no bucket can form a batch of {batch} (train.batch_size x train.processes x gradient "
-                           f"accumulation): the largest, {bw}x{bh}, has {n} images and buckets.small_bucket is "
+        raise NoBatchError(f"no bucket can form a batch of {batch} (train.batch_size x train.processes x "
+                           f"train.nodes): the largest, {bw}x{bh}, has {n} images and buckets.small_bucket is "
                            f"drop; set buckets.small_bucket: repeat, lower train.batch_size, or add images")
     return plan
 

@@ -15,7 +15,7 @@ from tuneline.schemas.train import TrainManifest
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere
 from tuneline.stages.families import resolve as models
-from tuneline.stages.train import checkpoint as ckpt, init_source
+from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
 from tuneline.stages.train.hooks import CHECKPOINTS
 from tuneline.stages.train.procwatch import PARENT_ENV
 from tuneline.stages.train.worker import ERROR, RESULT
@@ -179,8 +179,9 @@ def failure_message(work: Path, rc: int, tail: list[str]) -> str:
 
 
 def gpu_problem(processes: int, device: str, gpus: int) -> str | None:
-    """Why `processes` ranks cannot each have a GPU on this node (NCCL refuses two ranks on one GPU), or None."""
-    if device != "cuda" or processes <= gpus:
+    """Why `processes` ranks cannot each have a GPU on this node (NCCL refuses two ranks on one GPU), or None.
+    Under the gloo test switch (tuneline.stages.train.collectives) ranks may share a GPU."""
+    if device != "cuda" or processes <= gpus or (gpus and collectives.shares_gpus()):
         return None
     return (f"train.processes is {processes} but this node has {gpus} visible GPU(s), and each DDP process needs a "
             f"GPU of its own: set train.processes: {gpus} (one per GPU; raise train.grad_accumulation to keep the "

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tuneline.schemas.scan import ImageRecord
@@ -23,7 +22,7 @@ from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
 from tuneline.stages.text.store import TextCache
-from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train import checkpoint as ckpt, collectives
 from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
 from tuneline.stages.train.objective import (
@@ -137,11 +136,11 @@ class Trainer:
         self.step, self.position, self.losses = 0, Position(), []
         if resume is not None:
             self.restore(resume)
-        # Wrapped after the restore: DDP broadcasts rank 0's weights when it wraps, so every rank (on every node)
+        self.flags = torch.zeros(1, 0)  # every rank's stop/checkpoint flags of the last step (train_step)
+        # Wrapped after the restore: wrapping broadcasts rank 0's trainable weights, so every rank (on every node)
         # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
-        distributed = dist.is_available() and dist.is_initialized() and world > 1
-        self.model = DDP(self.denoiser, device_ids=[device.index] if device.type == "cuda" else None) \
-            if distributed else self.denoiser
+        self.model = collectives.wrap(self.denoiser, self.params, device) if collectives.active(world) \
+            else self.denoiser
 
     # ---- one step ----------------------------------------------------------------------------
     def feed(self, stream: Iterator[MicroBatch]) -> Iterator[Fed]:
@@ -172,11 +171,13 @@ class Trainer:
         fed.dev = torch.Generator(self.device).manual_seed(device_seed(self.t.seed, self.rank, fed.index))
         fed.sampled = sample_latents(fed.mean, fed.std, fed.dev)
 
-    def train_step(self, micro: list[Fed]) -> float:
-        """Accumulate gradients over `micro`, check every rank's loss, step. Returns the mean loss."""
+    def train_step(self, micro: list[Fed], flags: list[float] | None = None) -> float:
+        """Accumulate gradients over `micro`, check every rank's loss, step. Returns the mean loss. `flags` (this
+        rank's stop/checkpoint flags) travel in the same all-reduce as the losses; every rank's land in
+        `self.flags`."""
         last = len(micro) - 1
         local = [self.micro_step(fed, sync=m == last) for m, fed in enumerate(micro)]
-        losses = self.gather(torch.stack(local))
+        losses, self.flags = collectives.exchange(torch.stack(local), flags or [], self.rank, self.world)
         if not torch.isfinite(losses).all():
             raise NonFiniteLoss(self.describe_nonfinite(losses, [fed.mb for fed in micro]))
         self.optimizer_step()
@@ -227,15 +228,6 @@ class Trainer:
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
         variants = torch.randint(0, self.data.text.variants, (len(captions),), generator=gen).tolist()
         return self.data.text.get(captions, variants)
-
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """(world, micro-batches) losses, identical on every rank, so all ranks agree on stopping."""
-        if not isinstance(self.model, DDP):
-            return local.float().cpu().unsqueeze(0)
-        every = torch.zeros(self.world, len(local), device=local.device)
-        every[self.rank] = local.float()
-        dist.all_reduce(every)
-        return every.cpu()
 
     def optimizer_step(self) -> None:
         t = self.t

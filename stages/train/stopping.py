@@ -2,15 +2,15 @@
 a cluster preempting the job) and every `train.checkpoint_minutes`.
 
 torchrun forwards SIGTERM to every worker, but not at the same instant, and clocks differ: each rank reports what
-it saw and an all-reduce (max) makes every rank act on the same step, so all of them reach the checkpoint's
-collective work together and none waits for a rank that already left."""
+it saw in its row of the step's loss all-reduce (tuneline.stages.train.collectives.exchange: no collective of its
+own), and every rank acts on any rank's flag at the same step, so all of them reach the checkpoint's collective
+work together and none waits for a rank that already left."""
 from __future__ import annotations
 
 import signal
 import time
 
 import torch
-import torch.distributed as dist
 
 
 class Interrupted(RuntimeError):
@@ -27,13 +27,15 @@ class StopSignals:
     def _on_term(self, signum, frame) -> None:  # finish the step, checkpoint, then stop
         self.term = True
 
-    def poll(self) -> tuple[bool, bool]:
-        """(stop now, checkpoint now), the same on every rank."""
+    def flags(self) -> list[float]:
+        """This rank's (stopped, checkpoint due) as 0.0/1.0, for its row of the step's all-reduce."""
         due = self.seconds is not None and time.monotonic() - self.since >= self.seconds
-        flags = torch.tensor([float(self.term), float(due)])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, due = bool(flags[0]), bool(flags[1])
+        return [float(self.term), float(due)]
+
+    @staticmethod
+    def decide(every: torch.Tensor) -> tuple[bool, bool]:
+        """(stop now, checkpoint now) from every rank's flags (world, 2): the same on every rank."""
+        stop, due = (bool(col.any()) for col in (every[:, 0] > 0, every[:, 1] > 0))
         return stop, stop or due
 
     def checkpointed(self) -> None:

@@ -13,7 +13,6 @@ import time
 from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,7 +31,8 @@ from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text.live import open_text
-from tuneline.stages.train import evaluation
+from tuneline.stages.scan.buckets import global_batch
+from tuneline.stages.train import collectives, evaluation
 from tuneline.stages.train.checkpoint import CheckpointError
 from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
@@ -69,9 +69,12 @@ class Run:
 def setup(spec: dict) -> Run:
     cfg = parse_config(spec["config"], "<training spec>")
     cuda = torch.cuda.is_available() and cfg.model.device != "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    # Ranks share a GPU only under the gloo test switch (tuneline.stages.train.collectives); the launcher refuses
+    # more processes than GPUs otherwise.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()) if cuda \
+        else torch.device("cpu")
+    collectives.init(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     store = ArtifactStore(Path(cfg.workdir))
@@ -99,11 +102,7 @@ def setup(spec: dict) -> Run:
 
 def agree_on_resume(run: Run) -> None:
     """Every rank (every node's launcher resolved train.resume on its own) must continue the same checkpoint."""
-    if not (dist.is_initialized() and run.world > 1):
-        return
-    mine = run.resume.name if run.resume else None
-    every: list = [None] * run.world
-    dist.all_gather_object(every, mine)
+    every = collectives.everyones(run.resume.name if run.resume else None, run.world)
     if len(set(every)) > 1:
         found = ", ".join(f"rank {r}: {v or 'none'}" for r, v in enumerate(every))
         raise ValueError(f"the nodes would resume from different checkpoints ({found}): nodes must share the "
@@ -126,12 +125,12 @@ def fit(run: Run) -> Trainer:
         signals = StopSignals(t.checkpoint_minutes)
         while trainer.step < t.steps:
             micro = [next(feed) for _ in range(t.grad_accumulation)]
-            trainer.train_step(micro)
+            trainer.train_step(micro, signals.flags())  # the flags ride the step's loss all-reduce
             hooks.after_step()
             if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
                 run.eval_losses.append(evaluator.evaluate())
                 print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
-            stop, save = signals.poll()
+            stop, save = signals.decide(trainer.flags)
             if save and hooks.last_checkpoint != trainer.step:
                 hooks.checkpoint()
             if hooks.last_checkpoint == trainer.step:
@@ -156,7 +155,7 @@ def finish(run: Run, trainer: Trainer) -> None:
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
         result = {"launch": run.launch, "family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
-                  "global_batch": t.batch_size * run.world * t.grad_accumulation, "ema": t.ema,
+                  "global_batch": global_batch(run.cfg, run.world, per_step=True), "ema": t.ema,
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,
@@ -165,12 +164,12 @@ def finish(run: Run, trainer: Trainer) -> None:
                                                                    dataset_sources(run.cfg)),
                   "exports": exports}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
-    dist.barrier()
+    collectives.barrier(run.world)
     # Whether the nodes share a workdir shows in whether rank 0's result is in this node's work folder; each node
     # looks before any can leave (the publishing node's launcher consumes the result once its workers exit).
     if run.seen and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         Path(run.seen).write_text(json.dumps({"result_here": (run.out / RESULT).is_file()}), encoding="utf-8")
-    dist.barrier()
+    collectives.barrier(run.world)
 
 
 def export_info(run: Run) -> ExportInfo:
@@ -212,8 +211,7 @@ def main(argv: list[str]) -> None:
         print(f"training stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        collectives.close()
         gc.freeze()  # the exit's last garbage collection would walk every object torch and diffusers made
 
 

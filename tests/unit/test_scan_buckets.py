@@ -26,6 +26,25 @@ def test_global_batch_is_batch_times_processes():
     assert global_batch(cfg) == 6
 
 
+def test_two_nodes_double_the_global_batch_and_the_bucket_plan_sees_it():
+    """The scan plans buckets with every node's ranks: a bucket that forms a batch on one node of 2 processes x
+    batch 2 (4) cannot on two such nodes (8), and is dropped (or repeated to 8) there."""
+    from tuneline.stages.scan.core import stage_config
+
+    one = PipelineConfig.model_validate({"train": {"batch_size": 2, "processes": 2, "grad_accumulation": 3},
+                                         "buckets": {"small_bucket": "drop"}})
+    two = PipelineConfig.model_validate({"train": {"batch_size": 2, "processes": 2, "grad_accumulation": 3,
+                                                   "nodes": 2, "rdzv_endpoint": "node0:29500"},
+                                         "buckets": {"small_bucket": "drop"}})
+    assert (global_batch(one), global_batch(two)) == (4, 8)
+    assert global_batch(two, per_step=True) == 24 and global_batch(two, world=2, per_step=True) == 12
+    counts = {(64, 64): 10, (96, 64): 6}
+    assert bucket_plan(counts, global_batch(one), "drop") == {(64, 64): 1, (96, 64): 1}
+    assert bucket_plan(counts, global_batch(two), "drop") == {(64, 64): 1, (96, 64): 0}
+    assert bucket_plan(counts, global_batch(two), "repeat") == {(64, 64): 1, (96, 64): 2}
+    assert stage_config(two)["global_batch"] == 8
+
+
 def test_repeat_fills_a_batch():
     assert bucket_plan({(64, 64): 20, (96, 64): 5, (64, 96): 1}, 16, "repeat") == {
         (64, 64): 1, (96, 64): 4, (64, 96): 16}

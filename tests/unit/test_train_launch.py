@@ -24,3 +24,13 @@ def test_the_demo_trains_on_the_cpu_with_two_processes_on_any_machine():
     cfg = parse_config(DEMO_CONFIG, "<demo>")
     assert cfg.model.device == "cpu" and cfg.train.processes == 2
     assert gpu_problem(cfg.train.processes, cfg.model.device, 1) is None
+
+
+def test_ranks_share_a_gpu_only_under_the_gloo_test_switch(monkeypatch):
+    from tuneline.stages.train.collectives import CUDA_BACKEND_ENV
+
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "gloo")
+    assert gpu_problem(2, "cuda", 1) is None  # gloo serves two ranks on one GPU (bench/gpu.py's DDP figure)
+    assert gpu_problem(2, "cuda", 0) is not None
+    monkeypatch.setenv(CUDA_BACKEND_ENV, "nccl")
+    assert gpu_problem(2, "cuda", 1) is not None

@@ -1,0 +1,287 @@
+"""Benchmark: the GPU figures, each against its reference in the same command on the same device.
+
+`python bench/gpu.py` on a CUDA machine prints one RESULT line per figure, in the order GPU time should be spent:
+ddp_two_process_cuda, sdxl_lora_step_vs_pure, cache_vs_encoder, flux_lora_peak_gib, sdxl_lora_step_vs_diffusers.
+`--only NAME` runs one. `--tiny` runs the same code on the tiny flavors on the CPU (a RESULT line for each figure
+that can run there, `skipped: NAME (why)` for the others) and exits 0 whatever the figures are. Without CUDA and
+without --tiny it prints `no CUDA device: skipped` and exits 0. Models are random-weight, full size, built from
+the shipped configs (stages/families/configs); timings are post-warm-up, caching and validation excluded.
+No Prefect: the stages run through their plain runner. bench/README.md lists the wheels a bare GPU machine needs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FIGURES = ("ddp_two_process_cuda", "sdxl_lora_step_vs_pure", "cache_vs_encoder", "flux_lora_peak_gib",
+           "sdxl_lora_step_vs_diffusers")
+NEEDS_CUDA = {"flux_lora_peak_gib": "peak GPU memory is a CUDA figure",
+              "sdxl_lora_step_vs_diffusers": "diffusers' script is measured on the GPU only"}
+DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
+
+from gpu_setup import (IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds,  # noqa: E402
+                       trainer_for)
+
+
+# ---- ddp_two_process_cuda ---------------------------------------------------------------------------------
+def ddp_two_process_cuda(b: Bench) -> None:
+    """The train stage with 2 processes (gloo serving the CUDA tensors: NCCL refuses two ranks on one GPU) against
+    one process replaying both ranks' micro-batches as one accumulated step (the same global batch, the same
+    draws): the max abs difference of the trained weights, fp32."""
+    import torch
+
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
+    from tuneline.stages.train import checkpoint as ckpt
+    from tuneline.stages.train.collectives import CUDA_BACKEND_ENV
+    from tuneline.stages.train.plan import micro_batches
+
+    steps = 4
+    train = {"processes": 2, "steps": steps, "checkpoint_every": steps, "mixed_precision": "no", "seed": 3}
+    cfg = b.config("ddp", "sd15", train, model={"dtype": "float32"}, buckets={"resolution": b.resolution("sd15")})
+    ctx = caches(cfg)
+    os.environ[CUDA_BACKEND_ENV] = "gloo"
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS in the workers and here
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out = run_stage(StageContext(cfg), stage("train"), PIPELINE)[0]
+    _, tensors = ckpt.load(out / "checkpoints" / f"step-{steps:07d}")
+    two = tensors["trainable"]
+    # The reference: one process, both ranks' micro-batches in turn, the loss of each halved (DDP's mean).
+    one_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accumulation": 2})})
+    trainer = trainer_for(one_cfg, ctx, rank=0, world=2)
+    plans = trainer.data.rows.epoch_plans(2)
+    streams = [micro_batches(plans, cfg.train.batch_size, r, trainer.position) for r in (0, 1)]
+    for step in range(steps):
+        micro = []
+        for r in (0, 1):
+            trainer.rank = r  # the rank's seeds: what that worker drew
+            micro.append(trainer.prepare(step, next(streams[r])))
+        for r, fed in enumerate(micro):
+            trainer.rank = r
+            trainer.micro_step(fed, sync=True)
+        trainer.optimizer_step()
+    diff = max(float((two[n].float().cpu() - p.detach().float().cpu()).abs().max()) for n, p in trainer.params.items())
+    print(f"ddp_two_process_cuda: {len(two)} tensors after {steps} steps on {b.device}", flush=True)
+    result("ddp_two_process_cuda", diff, "<=", 1e-4)
+
+
+# ---- sdxl_lora_step_vs_pure -------------------------------------------------------------------------------
+def pure_seconds(b: Bench, trainer) -> float:
+    """Median seconds of the bare step: the same denoiser forward/backward and AdamW on tensors already there."""
+    import torch
+
+    dev, fam = trainer.device, trainer.fam
+    shape = next(iter(trainer.data.reader.shapes.values()))
+    text = {k: v.to(dev) for k, v in trainer.data.text.get([""]).items()}
+    x, timesteps = torch.randn(1, *shape, device=dev), torch.tensor([500], device=dev)
+    target = torch.randn_like(x)
+    amp = trainer.autocast
+    times = []
+    for i in range(b.warmup + b.steps):
+        b.sync()
+        start = time.perf_counter()
+        with torch.autocast(dev.type, amp, enabled=amp is not None):
+            pred = fam.denoise(trainer.denoiser, x, timesteps, text)
+        torch.nn.functional.mse_loss(pred.float(), target).backward()
+        trainer.opt.step()
+        trainer.opt.zero_grad(set_to_none=True)
+        b.sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[b.warmup:])
+
+
+def sdxl_lora_step_vs_pure(b: Bench) -> None:
+    ratios = []
+    for checkpointing in (False, True):
+        cfg = b.config("sdxl-step", "sdxl", {"gradient_checkpointing": checkpointing})
+        trainer = trainer_for(cfg, caches(cfg))
+        ours, pure = step_seconds(b, trainer), pure_seconds(b, trainer)
+        ratios.append(ours / pure)
+        print(f"sdxl_lora_step gradient_checkpointing={checkpointing}: ours {ours:.4f} s/step, bare {pure:.4f} "
+              f"s/step, ratio {ratios[-1]:.3f}", flush=True)
+        del trainer
+        free(b)
+    result("sdxl_lora_step_vs_pure", max(ratios), "<=", 1.1)
+
+
+# ---- cache_vs_encoder -------------------------------------------------------------------------------------
+def encoder_images_per_s(b: Bench, ctx) -> float:
+    """The stage's own encoder alone on pixels decoded beforehand, in the stage's batches."""
+    import torch
+
+    from tuneline.schemas.scan import ImageRecord
+    from tuneline.stages.common import models
+    from tuneline.stages.common.jsonl import read_jsonl
+    from tuneline.stages.latents.encode import to_pixels
+    from tuneline.stages.scan.images import load_rgb
+
+    cfg, dev = ctx.cfg, torch.device(b.device)
+    recs = [ImageRecord.model_validate(r) for r in read_jsonl(ctx.store.latest("scan") / "images.jsonl")]
+    dtype = models.dtype(cfg, dev)
+    pixels = torch.stack([to_pixels(load_rgb(cfg.resolve(cfg.dataset.path) / r.path, r), r) for r in recs])
+    vae = models.family(cfg).load_vae_encoder(models.model_dir(ctx), dtype, dev)
+    batch = cfg.latents.batch_size
+    with torch.no_grad():
+        for rnd in range(2):  # the first round warms up
+            b.sync()
+            start = time.perf_counter()
+            for i in range(0, len(pixels), batch):
+                vae.encode(pixels[i:i + batch].to(dev, dtype)).latent_dist.mean.sum()
+            b.sync()
+    return len(pixels) / (time.perf_counter() - start)
+
+
+def stage_images_per_s(b: Bench, cfg) -> tuple[float, object]:
+    """The latents stage as users run it (after scan, a warm-up run on another workdir), images per second."""
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
+
+    for warm in (False,) if b.tiny else (True, False):
+        ctx = StageContext(cfg.model_copy(update={"workdir": cfg.workdir + ("-warm" if warm else "")}))
+        run_stage(ctx, stage("scan"), PIPELINE)
+        b.sync()
+        start = time.perf_counter()
+        run_stage(ctx, stage("latents"), PIPELINE)
+        b.sync()
+        seconds = time.perf_counter() - start
+    return IMAGES / seconds, ctx
+
+
+def cache_vs_encoder(b: Bench) -> None:
+    families = ("sdxl",) if b.tiny else ("sd15", "flux", "sdxl")  # sdxl last: its figure is the RESULT
+    for family in families:
+        cfg = b.config(f"cache-{family}", family, latents={"batch_size": 4})
+        ours, ctx = stage_images_per_s(b, cfg)
+        pure = encoder_images_per_s(b, ctx)
+        print(f"cache {family} at {b.resolution(family)}: stage {ours:.2f} images/s, encoder {pure:.2f} images/s, "
+              f"ratio {ours / pure:.3f}", flush=True)
+        free(b)
+    result("cache_vs_encoder", ours / pure, ">=", 0.8)
+
+
+# ---- flux_lora_peak_gib -----------------------------------------------------------------------------------
+def flux_peak(b: Bench, quantize: str) -> tuple[float, float]:
+    """(peak GiB, s/step) of Flux LoRA training steps at 1024², batch 1, gradient checkpointing, quantized base."""
+    import torch
+
+    cfg = b.config(f"flux-{quantize}", "flux", {"gradient_checkpointing": True}, model={"quantize": quantize})
+    ctx = caches(cfg)  # the text encoders are gone before training starts: the cache holds their output
+    torch.cuda.reset_peak_memory_stats()
+    trainer = trainer_for(cfg, ctx)
+    seconds = step_seconds(b, trainer)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del trainer
+    free(b)
+    return peak, seconds
+
+
+def flux_lora_peak_gib(b: Bench) -> None:
+    fp8 = flux_peak(b, "fp8")
+    print(f"flux_lora fp8: peak {fp8[0]:.2f} GiB, {fp8[1]:.3f} s/step", flush=True)
+    peak, seconds = flux_peak(b, "int8")
+    print(f"flux_lora int8: peak {peak:.2f} GiB, {seconds:.3f} s/step", flush=True)
+    result("flux_lora_peak_gib", peak, "<=", 24)
+
+
+# ---- sdxl_lora_step_vs_diffusers --------------------------------------------------------------------------
+# diffusers' script run in this process's interpreter, reporting its peak GPU memory and wall time at exit.
+PEAK_WRAPPER = """
+import atexit, runpy, sys, time, torch
+start = time.perf_counter()
+atexit.register(lambda: print("PEAK", torch.cuda.max_memory_allocated(), "WALL", time.perf_counter() - start,
+                              flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def diffusers_run(b: Bench, script: Path, model: str, steps: int, checkpointing: bool) -> tuple[float, float]:
+    """(wall seconds, peak bytes) of diffusers' SDXL LoRA script for `steps` steps at our settings."""
+    out = b.work / f"diffusers-{steps}-{checkpointing}"
+    args = [sys.executable, "-c", PEAK_WRAPPER, str(script), f"--pretrained_model_name_or_path={model}",
+            f"--instance_data_dir={b.images('sdxl')}", "--instance_prompt=a photo", f"--output_dir={out}",
+            "--resolution=1024", "--train_batch_size=1", f"--max_train_steps={steps}", "--rank=16",
+            "--mixed_precision=bf16", "--learning_rate=1e-4", "--seed=0", "--checkpointing_steps=1000000",
+            "--cache_latents", "--report_to=tensorboard"] + (["--gradient_checkpointing"] if checkpointing else [])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=b.work)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEAK ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    _, peak, _, wall = line[-1].split()
+    return float(wall), float(peak)
+
+
+def sdxl_lora_step_vs_diffusers(b: Bench) -> None:
+    """Their s/step from two runs' wall times (the difference leaves out loading and latent caching) and their
+    peak, against ours at the same settings (gradient checkpointing on)."""
+    import torch
+
+    script = b.examples / DIFFUSERS_SCRIPT
+    model = b.model("sdxl")
+    short, peak_short = diffusers_run(b, script, model, WARMUP, True)
+    long, peak_long = diffusers_run(b, script, model, WARMUP + STEPS, True)
+    theirs, their_peak = (long - short) / STEPS, max(peak_short, peak_long) / 2**30
+    cfg = b.config("sdxl-vs-diffusers", "sdxl", {"gradient_checkpointing": True})
+    ctx = caches(cfg)
+    torch.cuda.reset_peak_memory_stats()
+    ours = step_seconds(b, trainer_for(cfg, ctx))
+    our_peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"sdxl vs diffusers: ours {ours:.4f} s/step, {our_peak:.2f} GiB; theirs {theirs:.4f} s/step, "
+          f"{their_peak:.2f} GiB", flush=True)
+    print(f"sdxl_lora_peak_vs_diffusers {our_peak / their_peak:.3f} (goal <= 1.0)", flush=True)
+    result("sdxl_lora_step_vs_diffusers", ours / theirs, "<=", 1.0)
+
+
+RUN = {"ddp_two_process_cuda": ddp_two_process_cuda, "sdxl_lora_step_vs_pure": sdxl_lora_step_vs_pure,
+       "cache_vs_encoder": cache_vs_encoder, "flux_lora_peak_gib": flux_lora_peak_gib,
+       "sdxl_lora_step_vs_diffusers": sdxl_lora_step_vs_diffusers}
+
+
+def skip_reason(name: str, tiny: bool, examples: Path | None) -> str | None:
+    if tiny and name in NEEDS_CUDA:
+        return NEEDS_CUDA[name]
+    if name == "sdxl_lora_step_vs_diffusers" and not (examples and (examples / DIFFUSERS_SCRIPT).is_file()):
+        return f"needs --diffusers-examples DIR holding {DIFFUSERS_SCRIPT}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=FIGURES, help="run one figure")
+    ap.add_argument("--tiny", action="store_true", help="the tiny flavors on the CPU (the CPU-able figures)")
+    ap.add_argument("--diffusers-examples", type=Path, metavar="DIR",
+                    help=f"a folder holding diffusers' {DIFFUSERS_SCRIPT} (from the tag matching our diffusers)")
+    ap.add_argument("--work", type=Path, help="working folder (models, images, workdirs); a temporary one if unset")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device: skipped", flush=True)
+        return 0
+    if args.tiny:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    with tempfile.TemporaryDirectory(prefix="tuneline-gpu-bench-") as tmp:
+        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples)
+        b.work.mkdir(parents=True, exist_ok=True)
+        for name in [args.only] if args.only else FIGURES:
+            why = skip_reason(name, args.tiny, args.diffusers_examples)
+            if why:
+                print(f"skipped: {name} ({why})", flush=True)
+                continue
+            RUN[name](b)
+            free(b)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,161 @@
+"""Shared parts of bench/gpu.py: where the figures run (device, tiny or full size), the random-weight full-size
+models from the shipped configs, the caches through the plain stage runner, an in-process Trainer, the step timer."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import closing
+from pathlib import Path
+
+STEPS, WARMUP = 10, 3  # timed steps after warm-up steps (--tiny: 3 after 1, enough to run the code)
+IMAGES = 8
+
+class Bench:
+    """Where and how big: the device, tiny flavors or full size, the working folder, the examples folder."""
+
+    def __init__(self, tiny: bool, work: Path, examples: Path | None):
+        import torch
+
+        self.tiny, self.work, self.examples = tiny, work, examples
+        self.steps, self.warmup = (3, 1) if tiny else (STEPS, WARMUP)
+        self.device = "cpu" if tiny else "cuda"
+        self.sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+
+    def resolution(self, family: str) -> int:
+        return 64 if self.tiny else (512 if family == "sd15" else 1024)
+
+    def model(self, family: str) -> str | None:
+        """model.path: None (the tiny flavor) or a full-size random-weight folder from the shipped config."""
+        return None if self.tiny else str(full_model(family, self.work / "models" / family))
+
+    def config(self, name: str, family: str, train: dict | None = None, **sections):
+        from tuneline.schemas.config import parse_config
+
+        data = {"workdir": str(self.work / name), "dataset": {"path": str(self.images(family))},
+                "model": {"family": family, "path": self.model(family), "device": self.device,
+                          "dtype": "float32" if self.tiny else "bfloat16"},
+                "buckets": {"resolution": self.resolution(family)},
+                "train": {"mode": "lora", "lora_rank": 16, "batch_size": 1, "processes": 1, "steps": 1000,
+                          "mixed_precision": "no" if self.tiny else "bf16", "ema": False, **(train or {})},
+                "validate": {"learning_check": False}}
+        for key, values in sections.items():
+            data[key] = {**data.get(key, {}), **values}
+        return parse_config(data)
+
+    def images(self, family: str) -> Path:
+        from PIL import Image
+
+        folder = self.work / "images" / str(self.resolution(family))
+        if not folder.is_dir():
+            import numpy as np
+
+            folder.mkdir(parents=True)
+            rng = np.random.default_rng(0)
+            edge = self.resolution(family)
+            for i in range(IMAGES):
+                pixels = rng.integers(0, 255, (edge, edge, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+                (folder / f"{i:03d}.txt").write_text(f"a photo number {i}")
+        return folder
+
+
+def full_model(family: str, out: Path) -> Path:
+    """A diffusers folder of random weights in the released model's sizes (bf16 on disk), built once."""
+    if (out / "model_index.json").is_file():
+        return out
+    import importlib
+    import shutil
+
+    import torch
+
+    from tuneline.stages.families.shipped import shipped_dir
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(shipped_dir(family), tmp)
+    index = json.loads((tmp / "model_index.json").read_text())
+    torch.manual_seed(0)
+    for name, entry in index.items():
+        if not (isinstance(entry, list) and (tmp / name / "config.json").is_file()) or name == "scheduler":
+            continue
+        cls = getattr(importlib.import_module(entry[0]), entry[1])
+        if entry[0] == "diffusers":
+            model = cls.from_config(cls.load_config(tmp / name))
+        else:
+            model = cls(cls.config_class.from_pretrained(tmp / name))
+        model.to(torch.bfloat16).save_pretrained(tmp / name)
+        del model
+    tmp.rename(out)
+    return out
+
+
+def result(metric: str, value: float, op: str, target: float) -> None:
+    ok = value <= target if op == "<=" else value >= target
+    print(f"RESULT {metric} {value:.6g} goal {op} {target:g} {'PASS' if ok else 'FAIL'}", flush=True)
+
+
+def caches(cfg):
+    """Scan, latents and text for `cfg` through the plain stage runner; returns the context."""
+    from tuneline.stages.common.stage import StageContext, run_stage
+    from tuneline.stages.pipeline import PIPELINE, stage
+
+    ctx = StageContext(cfg)
+    for name in ("scan", "latents", "text"):
+        run_stage(ctx, stage(name), PIPELINE)
+    return ctx
+
+
+def trainer_for(cfg, ctx, rank: int = 0, world: int = 1):
+    """A Trainer in this process over the context's caches, reading them as the worker does."""
+    import torch
+
+    from tuneline.schemas.latents import LatentsManifest
+    from tuneline.schemas.scan import ImageRecord
+    from tuneline.schemas.sources import dataset_sources
+    from tuneline.schemas.text import TextManifest
+    from tuneline.stages.common import models
+    from tuneline.stages.common.jsonl import read_jsonl
+    from tuneline.stages.latents.reader import LatentReader
+    from tuneline.stages.text.live import open_text
+    from tuneline.stages.train.loop import Data, Trainer
+    from tuneline.stages.train.rows import RowPlan
+
+    store, dev = ctx.store, torch.device(cfg.model.device if cfg.model.device != "auto" else "cuda")
+    lat_dir, txt_dir = store.latest("latents"), store.latest("text")
+    lat, txt = store.read(lat_dir, LatentsManifest), store.read(txt_dir, TextManifest)
+    scan = store.version_dir("scan", lat.upstream["scan"])
+    records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan / "images.jsonl")}
+    fam, model_dir = models.family(cfg), models.model_dir(ctx)
+    reader = LatentReader(lat_dir, lat)
+    text = open_text(txt, txt_dir, fam, model_dir, dev, models.dtype(cfg, dev))
+    data = Data(reader, text, records, lat.scaling_factor, lat.shift_factor,
+                rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
+    return Trainer(cfg, fam, model_dir, data, rank, world, dev)
+
+
+def step_seconds(b: Bench, trainer) -> float:
+    """Median seconds of one step of the real loop after warm-up."""
+    from tuneline.stages.train.plan import micro_batches
+
+    t = trainer.t
+    times = []
+    with closing(trainer.feed(micro_batches(trainer.data.rows.epoch_plans(1), t.batch_size, 0,
+                                            trainer.position))) as feed:
+        for i in range(b.warmup + b.steps):
+            b.sync()
+            start = time.perf_counter()
+            trainer.train_step([next(feed) for _ in range(t.grad_accumulation)])
+            b.sync()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[b.warmup:])
+
+
+def free(b: Bench) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if b.device == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,48 @@
+"""bench/gpu.py: `--tiny` runs the GPU figures' code on the tiny flavors on the CPU, one RESULT line per CPU-able
+figure and a `skipped:` line for each other; without CUDA and without --tiny it skips with exit 0."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration.test_train_support import ROOT
+
+RESULT = re.compile(r"^RESULT (\S+) (\S+) goal (<=|>=) (\S+) (PASS|FAIL)$")
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+
+
+def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
+    proc = _bench("--tiny", "--work", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    results = {m.group(1): m for m in map(RESULT.match, lines) if m}
+    assert list(results) == ["ddp_two_process_cuda", "sdxl_lora_step_vs_pure", "cache_vs_encoder"], proc.stdout
+    assert all(float(m.group(2)) >= 0 for m in results.values())
+    # Two gloo processes reach the weights of one process replaying both ranks' micro-batches.
+    assert results["ddp_two_process_cuda"].group(5) == "PASS", proc.stdout
+    skipped = [ln for ln in lines if ln.startswith("skipped: ")]
+    assert [ln.split()[1] for ln in skipped] == ["flux_lora_peak_gib", "sdxl_lora_step_vs_diffusers"]
+    assert all(re.fullmatch(r"skipped: \S+ \(.+\)", ln) for ln in skipped)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_it_skips_and_exits_zero():
+    proc = _bench("--only", "cache_vs_encoder")
+    assert proc.returncode == 0 and proc.stdout.strip() == "no CUDA device: skipped", proc.stdout + proc.stderr
+
+
+def test_the_benchmark_does_not_import_prefect(tmp_path):
+    """The GPU machine has no Prefect: importing the benchmark and its figures' code must not need it."""
+    code = ("import sys; sys.argv = ['gpu.py']; sys.path.insert(0, 'bench'); import gpu; "
+            "import tuneline.stages.train.loop, tuneline.stages.pipeline, tuneline.stages.common.stage; "
+            "print('prefect' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr
