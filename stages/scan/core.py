@@ -155,7 +155,7 @@ def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg
                        crop=crop_box(w, h, bw, bh, cfg.buckets.crop, cfg.buckets.seed, key=probe.path),
                        caption=caption, caption_source=source, sha256=probe.sha256, size_bytes=probe.size_bytes,
                        mtime_ns=probe.mtime_ns, format=probe.format, mode=probe.mode, orientation=probe.orientation,
-                       conversion=probe.conversion,
+                       conversion=probe.conversion, trailer=probe.trailer,
                        background=cfg.dataset.background if probe.transparent else None)
 
 
