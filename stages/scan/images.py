@@ -133,17 +133,20 @@ def _header(base: Probe, f, tail: bytes) -> Probe:
 
 
 def _trailer(im: Image.Image, f, size: int) -> int:
-    """Bytes after the image's end when its end marker is not in the tail: -1 when the pixels do not decode
-    (a truncated file), else the trailer's size (0 when its end cannot be located)."""
-    try:
-        im.load()  # the one full decode a scan does, and only for files like these
-    except (OSError, SyntaxError, EOFError, ValueError, IndexError):
-        return -1
+    """Bytes after the image's end when its end marker is not in the tail, or -1 for a truncated file: the
+    marker must be where the format's structure puts it and the pixels must decode (a decoder alone forgives a
+    cut checksum or a missing end marker)."""
     f.seek(0)
     data = f.read()
     f.seek(0)
     end = image_end(data, im.format)
-    return max(0, size - end) if end else 0
+    if not end:
+        return -1
+    try:
+        im.load()  # the one full decode a scan does, and only for files like these
+    except (OSError, SyntaxError, EOFError, ValueError, IndexError):
+        return -1
+    return size - end
 
 
 def image_end(data: bytes, fmt: str) -> int:
@@ -157,6 +160,8 @@ def image_end(data: bytes, fmt: str) -> int:
             kind, pos = data[pos + 4:pos + 8], pos + 12 + length
             if kind == b"IEND":
                 return pos if pos <= len(data) else 0
+        return 0
+    if fmt not in ("JPEG", "MPO"):
         return 0
     pos = 2
     while pos + 4 <= len(data) and data[pos] == 0xFF:

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.text.prompts import load_prompts
-from tuneline.stages.validate.render import BadRender, Renderer, Sample, check_render
+from tuneline.stages.validate import render
+from tuneline.stages.validate.render import Renderer, Sample
 
 CPU = torch.device("cpu")
 
@@ -43,7 +44,7 @@ def test_a_corrupted_prompt_cache_is_rebuilt_and_renders_stay_right(model_dir, t
 
 
 def test_nan_or_flat_renders_are_refused():
-    s = Sample("a red square", "", 1)
+    s, check_render, BadRender = Sample("a red square", "", 1), render.check_render, render.BadRender
     check_render(np.random.default_rng(0).random((8, 8, 3)), s)
     with pytest.raises(BadRender, match="NaN"):
         check_render(np.full((8, 8, 3), np.nan), s)
@@ -57,5 +58,5 @@ def test_a_model_with_nan_weights_fails_to_render(model_dir):
     with torch.no_grad():
         for p in r.pipe.unet.parameters():
             p.fill_(float("nan"))
-    with pytest.raises(BadRender):
+    with pytest.raises(render.BadRender):
         r.render([Sample("a red square", "", 1)], 64, 64, 2, 4.0)
