@@ -182,10 +182,22 @@ def run_lease(workdir: Path, *, timeout: float) -> Iterator[None]:
     if fd is None:
         raise StoreLocked(f"`tuneline gc` holds the workdir {workdir} and did not finish within {timeout:.0f} s; "
                           f"wait for it, or raise ops.lock_timeout")
+    key = str(Path(workdir).resolve())
+    _active_runs[key] = f"{os.getpid()}-{time.monotonic_ns()}"
     try:
         yield
     finally:
+        _active_runs.pop(key, None)
         os.close(fd)
+
+
+_active_runs: dict[str, str] = {}
+
+
+def active_run(workdir: Path) -> str | None:
+    """A token naming the pipeline run this process has in progress on `workdir` (None outside one): what a
+    run decides once, such as the dataset listing its scan used, is kept for the run under it."""
+    return _active_runs.get(str(Path(workdir).resolve()))
 
 
 @contextmanager
