@@ -29,6 +29,10 @@ def gc(cfg: PipelineConfig, keep: int, *, dry_run: bool = False, partial: bool =
     runs = contextlib.nullcontext() if dry_run else exclusive_runs(wd, timeout=timeout)
     with runs, store_lock(wd, timeout=timeout, purpose="tuneline gc"):
         p = plan(ArtifactStore(cfg.workdir_path()), STAGE_NAMES, fresh_versions(cfg), keep)
+        if cfg.dataset.demo:  # build folders of killed demo generations
+            from tuneline.stages.scan.demo import leftovers
+
+            p.partial += leftovers(cfg.resolve(cfg.dataset.path))
         return p, 0 if dry_run else collect(p, partial=partial)
 
 

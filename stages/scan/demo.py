@@ -82,15 +82,19 @@ def _remove_stale_demo(root: Path) -> None:
     root.rmdir()  # empty now; fails rather than delete anything that appeared meanwhile
 
 
-def remove_leftovers(root: Path) -> list[Path]:
+def leftovers(root: Path) -> list[Path]:
     """Build folders (`.<name>.tmp-PID`) that killed demo generations left beside `root`: their process is gone."""
-    gone = []
-    for tmp in Path(root).parent.glob(f".{Path(root).name}.tmp-*"):
+    out = []
+    for tmp in sorted(Path(root).parent.glob(f".{Path(root).name}.tmp-*")):
         pid = tmp.name.rsplit("-", 1)[1]
         if pid.isdigit() and not _alive(int(pid)) and tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-            gone.append(tmp)
-    return gone
+            out.append(tmp)
+    return out
+
+
+def remove_leftovers(root: Path) -> None:
+    for tmp in leftovers(root):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

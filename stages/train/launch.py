@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tuneline.schemas.train import TrainManifest
 from tuneline.stages.common import models
+from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere
 from tuneline.stages.train import checkpoint as ckpt, init_source
@@ -203,6 +204,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     # node has joined the rendezvous).
     for name in (RESULT, ERROR):
         (work / name).unlink(missing_ok=True)
+    if ctx.cfg.train.nodes == 1:  # alone on this folder: files of killed launches before it are stale
+        for f in stale_launch_files(work.parent):
+            f.unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
     spec = write_spec(ctx, work, upstream, resume, model_dir, token)
