@@ -24,7 +24,8 @@ TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 
              8: Image.Transpose.ROTATE_90}
 # End markers whose absence means the file was cut short (an interrupted copy); looked for near the end first.
 # Some files carry data after them (a phone's Motion Photo appends an MP4 to its JPEG, editors append blocks after
-# a PNG's IEND): when the tail lacks the marker, the image is decoded, and accepted with its trailer if it decodes.
+# a PNG's IEND): when the tail lacks the marker, it is looked for where the format puts it and the image is
+# decoded; accepted with its trailer when both succeed.
 END_MARKERS = {"JPEG": b"\xff\xd9", "MPO": b"\xff\xd9", "PNG": b"IEND"}
 TAIL = 4096
 # Files up to this size are read whole and hashed and parsed from memory (a few threads hold one each);
@@ -121,8 +122,8 @@ def _header(base: Probe, f, tail: bytes) -> Probe:
     if marker and marker not in tail:
         trailer = _trailer(im, f, base.size_bytes)
         if trailer < 0:
-            return _fail(base, "truncated", f"truncated {im.format} (its end marker is missing and its pixel data "
-                                            f"does not decode, e.g. an interrupted copy): re-copy or re-export the file")
+            return _fail(base, "truncated", f"truncated {im.format} (its end marker is missing or its pixel data "
+                                            f"does not decode, e.g. an interrupted copy): re-copy or re-export it")
     orientation = header_orientation(im)
     w, h = im.size
     if orientation >= 5:  # 5-8 swap the axes
