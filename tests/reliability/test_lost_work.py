@@ -2,7 +2,6 @@
 published or uses (the run's lease on the workdir, stages/common/lock.py)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -36,17 +35,23 @@ def test_gc_never_collects_what_a_run_in_progress_uses(workcopy, small_config, p
     log = open(tmp_path / "y.log", "w")
     # The test holds the store lock, so Y is in progress but between stages (waiting), as it is each time one
     # stage hands over to the next; gc then runs in this process (the lock is re-entrant within a thread).
-    with store_lock(workcopy, timeout=5, purpose="test"):
-        y = subprocess.Popen(fl.cli_args("run", str(small_config), "--workdir", str(workcopy)), cwd=fl.ROOT,
-                             env=prefect_env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while not _has_open(y.pid, workcopy / ".tuneline.lock") and y.poll() is None:
-            assert time.monotonic() < deadline, "the run never reached the store lock"
-            time.sleep(0.2)
-        with pytest.raises(StoreLocked, match="in progress"):
-            gc(x_cfg, 0)
-        assert fl.published(workcopy, "train") == trained
-    assert y.wait(timeout=1500) == 0, (tmp_path / "y.log").read_text()[-3000:]
+    y = None
+    try:
+        with store_lock(workcopy, timeout=5, purpose="test"):
+            y = subprocess.Popen(fl.cli_args("run", str(small_config), "--workdir", str(workcopy)), cwd=fl.ROOT,
+                                 env=prefect_env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 300
+            while not _has_open(y.pid, workcopy / ".tuneline.lock") and y.poll() is None:
+                assert time.monotonic() < deadline, "the run never reached the store lock"
+                time.sleep(0.2)
+            with pytest.raises(StoreLocked, match="in progress"):
+                gc(x_cfg, 0)
+            assert fl.published(workcopy, "train") == trained
+        assert y.wait(timeout=1500) == 0, (tmp_path / "y.log").read_text()[-3000:]
+    finally:
+        if y is not None and y.poll() is None:  # a failed check must not leave the run behind
+            y.kill()
+            y.wait()
     assert fl.published(workcopy, "train") == trained  # not collected, so not trained again
     # With the run finished, gc proceeds (and keeps what X uses).
     p, _ = gc(x_cfg, 0)
