@@ -40,7 +40,7 @@ class Causes:
             self.exceptions[m.group(1) or "?"] = f"{m.group(2)}: {m.group(3) or ''}".rstrip(": ")
             self.in_traceback = False
         s = SIGNAL.search(line)
-        if s and not self.signal:
+        if s and (s.group(2) or not self.signal):  # the signal's name, once torchrun's summary gives it
             self.signal = s.group(2) or f"signal {s.group(4)}"
         for needle, hint in ((OOM, OOM_FIX), (DISK_FULL, DISK_FIX)):
             if any(n in line for n in needle):
@@ -54,7 +54,7 @@ class Causes:
             msg = f"{who} died of {exc}"
         elif self.signal:
             msg = f"a training worker was killed by {self.signal}"
-            if self.signal == "SIGKILL":
+            if self.signal in ("SIGKILL", "signal 9"):
                 self.hints.add(OOM_FIX.replace("out of memory:", "this is usually the kernel's out-of-memory "
                                                                  "killer:"))
         else:

@@ -173,7 +173,7 @@ def failure_message(work: Path, rc: int, tail: list[str], cause: str | None = No
         msg = json.loads((work / ERROR).read_text(encoding="utf-8"))["error"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         if cause:
-            return f"training failed: {cause} (exit code {rc}; the full output is in the stage log)"
+            return f"training failed (exit code {rc}): {cause}. The full output is in the stage log"
         return f"training exited with code {rc}; last output:\n" + "\n".join(tail[-12:])
     found = ckpt.listed(work / CHECKPOINTS)
     if found:

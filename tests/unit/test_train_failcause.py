@@ -17,13 +17,16 @@ if sys.argv[1] == "disk":
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "checkpoint-000003/model.safetensors")
 if sys.argv[1] == "oom":
     raise MemoryError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
+if sys.argv[1] == "killed":  # what the kernel's out-of-memory killer does
+    os.kill(os.getpid(), 9)
 raise OverflowError("Python int too large to convert to C long")
 """
 
 
 @pytest.mark.parametrize("kind,expect", [("disk", ["No space left on device", "tuneline gc"]),
                                          ("oom", ["MemoryError", "train.batch_size"]),
-                                         ("overflow", ["OverflowError", "too large"])])
+                                         ("overflow", ["OverflowError", "too large"]),
+                                         ("killed", ["SIGKILL", "out-of-memory killer"])])
 def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect):
     (tmp_path / "w.py").write_text(SCRIPT, encoding="utf-8")
     ctx = StageContext(load_config(None, str(tmp_path / "work")))
