@@ -119,7 +119,7 @@ def encoder_images_per_s(b: Bench, ctx) -> float:
     import torch
 
     from tuneline.schemas.scan import ImageRecord
-    from tuneline.stages.common import models
+    from tuneline.stages.families import resolve as models
     from tuneline.stages.common.jsonl import read_jsonl
     from tuneline.stages.latents.encode import to_pixels
     from tuneline.stages.scan.images import load_rgb

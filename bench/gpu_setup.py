@@ -114,7 +114,7 @@ def trainer_for(cfg, ctx, rank: int = 0, world: int = 1):
     from tuneline.schemas.scan import ImageRecord
     from tuneline.schemas.sources import dataset_sources
     from tuneline.schemas.text import TextManifest
-    from tuneline.stages.common import models
+    from tuneline.stages.families import resolve as models
     from tuneline.stages.common.jsonl import read_jsonl
     from tuneline.stages.latents.reader import LatentReader
     from tuneline.stages.text.live import open_text

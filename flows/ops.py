@@ -1,11 +1,13 @@
 """Operations over a workdir that need the pipeline's stage list: lineage, gc, remote push/pull."""
 from __future__ import annotations
 
+import contextlib
+
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.common.gc import GcPlan, collect, plan
 from tuneline.stages.common.lineage import Version, lineage
-from tuneline.stages.common.lock import store_lock
+from tuneline.stages.common.lock import exclusive_runs, store_lock
 from tuneline.stages.common.remote import Remote
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.pipeline import PIPELINE, STAGE_NAMES
@@ -21,9 +23,16 @@ def lineage_rows(cfg: PipelineConfig) -> list[Version]:
 
 
 def gc(cfg: PipelineConfig, keep: int, *, dry_run: bool = False, partial: bool = False) -> tuple[GcPlan, int]:
-    """Plan (and unless dry_run, apply) housekeeping under the store lock: no stage writes meanwhile."""
-    with store_lock(cfg.workdir_path(), timeout=cfg.ops.lock_timeout, purpose="tuneline gc"):
+    """Plan (and unless dry_run, apply) housekeeping under the store lock: no stage writes meanwhile; and, unless
+    dry_run, with no pipeline run in progress (its lease), since a run between two stages holds no store lock."""
+    wd, timeout = cfg.workdir_path(), cfg.ops.lock_timeout
+    runs = contextlib.nullcontext() if dry_run else exclusive_runs(wd, timeout=timeout)
+    with runs, store_lock(wd, timeout=timeout, purpose="tuneline gc"):
         p = plan(ArtifactStore(cfg.workdir_path()), STAGE_NAMES, fresh_versions(cfg), keep)
+        if cfg.dataset.demo:  # build folders of killed demo generations
+            from tuneline.stages.scan.demo import leftovers
+
+            p.partial += leftovers(cfg.resolve(cfg.dataset.path))
         return p, 0 if dry_run else collect(p, partial=partial)
 
 

@@ -124,7 +124,33 @@ def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConf
     data = cfg.model_dump(by_alias=True)
     data["workdir"] = str(workdir)
     _absolute(cfg, data, workdir)
-    return PipelineConfig.model_validate(data)
+    out = PipelineConfig.model_validate(data)
+    _check_overlap(out)
+    return out
+
+
+# What the pipeline writes inside its workdir: a dataset there would be scanned together with its own outputs.
+OUTPUT_DIRS = ("artifacts", ".cache")
+
+
+def _check_overlap(cfg: PipelineConfig) -> None:
+    """Refuse a dataset folder that is the workdir, holds it, or lies in what the pipeline writes (`loss.png`
+    and sample grids would be scanned as training images). A dataset elsewhere in the workdir (the demo's
+    `demo-data`) is fine."""
+    from tuneline.schemas.sources import dataset_sources
+
+    workdir = cfg.workdir_path()
+    for src in dataset_sources(cfg):
+        root = src.root.expanduser().resolve()
+        if root == workdir or workdir.is_relative_to(root):
+            where = "is the workdir" if root == workdir else "contains the workdir"
+        elif any(root.is_relative_to(workdir / d) for d in OUTPUT_DIRS):
+            where = "lies inside the workdir's outputs"
+        else:
+            continue
+        raise ConfigError(f"{src.field} {root} {where} (workdir {workdir}): the scan would read the pipeline's own "
+                          f"outputs as training images; put the images in a folder of their own, or set workdir "
+                          f"(or --workdir) to a folder outside {src.field}")
 
 
 def _absolute(model: BaseModel, data: dict, workdir: Path) -> None:

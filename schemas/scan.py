@@ -165,6 +165,8 @@ class ImageRecord(BaseModel):
     orientation: int = Field(1, ge=1, le=8, description="EXIF orientation applied (1 = none)")
     conversion: str = Field("", description="how the file's mode becomes RGB, empty when it already is")
     background: tuple[int, int, int] | None = Field(None, description="RGB transparent pixels are composited on")
+    trailer: int = Field(0, ge=0, description="bytes after the image's end marker (a phone's Motion Photo video, "
+                         "an editor's appended data): kept in the file, never decoded; 0 when none")
     resolution: float | None = Field(None, description="the buckets.resolutions entry this record is sized for "
                                      "(one record per image and resolution); null without buckets.resolutions")
     mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")

@@ -8,6 +8,7 @@ directory that still looks published. Callers hold the store lock, so no stage i
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,21 @@ def plan(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None], 
         out.trash += [p for p in hidden if p.name.endswith(TRASH_SUFFIX)]
         # A running multi-node training holds no store lock (only publishing does): its folder says it is in use.
         out.partial += [p for p in hidden if not p.name.endswith(TRASH_SUFFIX) and not is_in_use(p)]
+        out.partial += stale_launch_files(d) if d.is_dir() else []
+    return out
+
+
+LAUNCH_FILE = re.compile(r"^(\..+\.partial)\.(spec|seen)-[0-9a-f]+\.json$")
+
+
+def stale_launch_files(stage_dir: Path) -> list[Path]:
+    """Files a killed training launch left beside its work folder (`.<key>.partial.spec-<token>.json`): stale
+    when no training uses that folder any more."""
+    out = []
+    for f in sorted(stage_dir.glob(".*.partial.*-*.json")):
+        m = LAUNCH_FILE.match(f.name)
+        if m and f.is_file() and not is_in_use(stage_dir / m.group(1)):
+            out.append(f)
     return out
 
 
@@ -77,6 +93,10 @@ def collect(p: GcPlan, *, partial: bool = False) -> int:
         freed += tree_bytes(path)
         shutil.rmtree(path)
     for path in p.remove + (p.partial if partial else []):
+        if path.is_file():  # a launch's leftover file
+            freed += path.stat().st_size
+            path.unlink()
+            continue
         freed += tree_bytes(path)
         trash = path.with_name(f"{'' if path.name.startswith('.') else '.'}{path.name}{TRASH_SUFFIX}")
         os.replace(path, trash)

@@ -34,16 +34,19 @@ class HashCache:
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            self.known: dict[str, list] = json.loads(self.path.read_text(encoding="utf-8"))
-        except (FileNotFoundError, ValueError):
-            self.known = {}
+            known = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            known = {}
+        # Anything of another shape (`[]`, a truncated or hand-edited file) is discarded: it is only a cache.
+        self.known: dict[str, list] = known if isinstance(known, dict) else {}
         self.dirty = False
 
     def sha256(self, file: Path) -> str:
         st = file.stat()
         key = str(file.resolve())
         hit = self.known.get(key)
-        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+        if isinstance(hit, list) and len(hit) == 3 and hit[:2] == [st.st_size, st.st_mtime_ns] \
+                and isinstance(hit[2], str):
             return hit[2]
         sha = file_sha256(file)
         self.known[key] = [st.st_size, st.st_mtime_ns, sha]

@@ -144,3 +144,71 @@ def _refusal(workdir: Path, timeout: float) -> str:
     return (f"the artifact store in {workdir} is in use by {describe_holder(holder(workdir))}; waited "
             f"{timeout:.0f} s. Let that run finish (or stop it: the lock is released when its process exits), "
             f"or raise ops.lock_timeout to wait longer")
+
+
+RUNS_NAME = ".tuneline.runs"
+
+
+class RunInProgress(StoreLocked):
+    """A pipeline run holds its lease on the workdir: housekeeping would collect versions it uses."""
+
+
+def _flock_wait(path: Path, mode: int, deadline: float) -> int | None:
+    """An fd holding `mode` (LOCK_SH/LOCK_EX) on `path`, or None once `deadline` passes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return fd
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            return None
+        time.sleep(POLL_SECONDS)
+
+
+@contextmanager
+def run_lease(workdir: Path, *, timeout: float) -> Iterator[None]:
+    """A pipeline run's lease on the workdir for its whole length: a shared flock on `<workdir>/.tuneline.runs`.
+
+    Runs share it (each stage still takes the store lock); `tuneline gc` takes it exclusively, so it never runs
+    while a run is between two stages and would collect what that run just published or is about to consume.
+    Like the store lock it is a flock: the kernel drops it when the run's process dies, however it dies."""
+    fd = _flock_wait(lock_path(workdir).with_name(RUNS_NAME), fcntl.LOCK_SH, time.monotonic() + timeout)
+    if fd is None:
+        raise StoreLocked(f"`tuneline gc` holds the workdir {workdir} and did not finish within {timeout:.0f} s; "
+                          f"wait for it, or raise ops.lock_timeout")
+    key = str(Path(workdir).resolve())
+    _active_runs[key] = f"{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        yield
+    finally:
+        _active_runs.pop(key, None)
+        os.close(fd)
+
+
+_active_runs: dict[str, str] = {}
+
+
+def active_run(workdir: Path) -> str | None:
+    """A token naming the pipeline run this process has in progress on `workdir` (None outside one): what a
+    run decides once, such as the dataset listing its scan used, is kept for the run under it."""
+    return _active_runs.get(str(Path(workdir).resolve()))
+
+
+@contextmanager
+def exclusive_runs(workdir: Path, *, timeout: float) -> Iterator[None]:
+    """No pipeline run in progress for the block (gc): waits up to `timeout` for running ones, then refuses."""
+    fd = _flock_wait(lock_path(workdir).with_name(RUNS_NAME), fcntl.LOCK_EX, time.monotonic() + timeout)
+    if fd is None:
+        raise RunInProgress(f"a `tuneline run` is in progress in {workdir} (waited {timeout:.0f} s): gc never "
+                            f"collects versions a run in progress published or uses; run `tuneline gc` again "
+                            f"when it has finished, or raise ops.lock_timeout to wait longer")
+    try:
+        yield
+    finally:
+        os.close(fd)

@@ -87,9 +87,18 @@ class Remote:
             src = safe_join(local, entry["path"])
             # Never publish a corrupt copy: the remote is what other machines trust.
             _check_file(src, entry, f"local artifact {local}")
+            self._parents(self._path(stage, version, entry["path"]))
             self.fs.put_file(str(src), self._path(stage, version, entry["path"]))
+        self._parents(self._path(stage, version, MANIFEST))
         self.fs.pipe_file(self._path(stage, version, MANIFEST), (local / MANIFEST).read_bytes())
         return True
+
+    def _parents(self, path: str) -> None:
+        """A filesystem with real folders (file://, mounted shares) needs them made; object stores have none (and
+        their makedirs could create buckets)."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        if {"file", "local"} & set(protocols):
+            self.fs.makedirs(self.fs._parent(path), exist_ok=True)
 
     def pull(self, store: ArtifactStore, stage: str, version: str) -> Path:
         """Download a remote version into the local store (verified); a local copy is kept as is."""

@@ -5,7 +5,9 @@ artifact would make a prompt edit re-run text, training and everything after it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from tuneline.stages.families.base import Family, TextEncoders
 from tuneline.stages.families.encode import encode_strings
 
 Encoded = dict[str, dict[str, torch.Tensor]]
+log = logging.getLogger("tuneline")
 
 
 def encode_prompts(fam: Family, enc: TextEncoders | Callable[[], TextEncoders], prompts: list[str], *,
@@ -52,23 +55,41 @@ def save_prompts(path: Path, key: str, encoded: Encoded) -> None:
     tensors = {f"{i}/{k}": v.detach().cpu().contiguous() for i, p in enumerate(order) for k, v in encoded[p].items()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp), metadata={"key": key, "prompts": json.dumps(order)})
+    save_file(tensors, str(tmp), metadata={"key": key, "prompts": json.dumps(order), "sha256": checksum(tensors)})
     os.replace(tmp, path)
 
 
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def load_prompts(path: Path, key: str) -> Encoded:
-    """What `path` holds for `key`; empty when the file is missing, unreadable or made under another key (it is
-    then rebuilt, never trusted)."""
+    """What `path` holds for `key`; empty when the file is missing, unreadable, made under another key, or its
+    tensors fail the checksum it carries or hold NaN/Inf (it is then rebuilt, never trusted)."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("key") != key:
                 return {}
             order = json.loads(meta["prompts"])
-            out: Encoded = {p: {} for p in order}
-            for name in f.keys():
-                i, field = name.split("/", 1)
-                out[order[int(i)]][field] = f.get_tensor(name)
-            return out
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, SafetensorError, KeyError, ValueError):
         return {}
+    if meta.get("sha256") != checksum(tensors) or not all(torch.isfinite(t).all() for t in tensors.values()):
+        log.warning("validation-prompt cache %s fails its checksum (changed since it was written): rebuilding it",
+                    path)
+        return {}
+    out: Encoded = {p: {} for p in order}
+    try:
+        for name, t in tensors.items():
+            i, field = name.split("/", 1)
+            out[order[int(i)]][field] = t
+    except (IndexError, ValueError):
+        return {}
+    return out

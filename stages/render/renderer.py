@@ -22,6 +22,10 @@ from tuneline.stages.render.prompts import batch_of, encode_prompts
 MAX_BATCH = 16  # samples per pipeline call (x2 with classifier-free guidance)
 
 
+class BadRender(ValueError):
+    """A rendered image is NaN or one flat color: published, it would be a black square with exit code 0."""
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt: str
@@ -91,10 +95,29 @@ class Renderer:
             text = batch_of(encoded, prompts, self.device)
             neg = batch_of(encoded, negatives, self.device) if negatives else None
             gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
+            # Pictures come back as floats first: NaN would silently turn black in the 8-bit conversion.
             images = self.pipe(**self.fam.prompt_kwargs(text, neg), width=width, height=height,
                                num_inference_steps=steps, guidance_scale=guidance, generator=gens,
-                               output_type=output_type).images
-        return list(images)
+                               output_type="np" if output_type == "pil" else output_type).images
+        if output_type != "pil":
+            return list(images)
+        for s, img in zip(batch, images):
+            check_render(img, s)
+        return list(self.pipe.numpy_to_pil(images))
+
+
+def check_render(pixels, sample: Sample) -> None:
+    """Refuse an image that is NaN/Inf anywhere or a single flat color, as a NaN loss is refused."""
+    import numpy as np
+
+    arr = np.asarray(pixels, dtype=np.float32)
+    what = ("holds NaN or infinite values" if not np.isfinite(arr).all()
+            else "is one flat color" if arr.size and float(arr.max()) == float(arr.min()) else None)
+    if what:
+        raise BadRender(f"the render of validation prompt {sample.prompt!r} (seed {sample.seed}) {what}: the weights "
+                        f"or the encoded prompts hold non-finite values (a diverged training: lower "
+                        f"train.learning_rate; or a damaged <workdir>/.cache, which can be deleted); nothing "
+                        f"was published")
 
 
 def grid(images: list[Image.Image], cols: int = 4) -> Image.Image:

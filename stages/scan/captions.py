@@ -87,7 +87,11 @@ class Captions:
         self.metadata[target] = row[field]
 
     def _sidecar(self, rel: str) -> str | None:
-        entry = self.listing.captions.get(posixpath.splitext(rel)[0])
+        stem = posixpath.splitext(rel)[0]
+        bad = self.listing.bad_captions.get(stem)
+        if bad is not None:
+            raise CaptionError(f"caption file {stem}{self.cfg.caption_extension} cannot be used ({bad})")
+        entry = self.listing.captions.get(stem)
         if entry is None:
             return None
         key = entry.rel

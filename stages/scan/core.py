@@ -15,6 +15,7 @@ from tuneline.schemas.sources import Source, dataset_sources
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan import buckets as bk, images, masks
@@ -55,9 +56,23 @@ def stage_config(cfg: PipelineConfig) -> dict:
     return out
 
 
+# Within a pipeline run, the dataset listing its scan stage used (tuneline.stages.common.lock.active_run): the
+# later stages of that run find the scan they started from even if a file (Thumbs.db) appears meanwhile; the next
+# run decides freshness.
+_pinned: dict[str, dict] = {}
+
+
 def stage_inputs(ctx, upstream) -> dict:
     prints = []
+    run = active_run(ctx.workdir)
+    pins = _pinned.setdefault(run, {}) if run else {}
+    for stale in [k for k in _pinned if k != run]:
+        del _pinned[stale]
     for src in dataset_sources(ctx.cfg):
+        pinned = pins.get((src.index, str(src.root)))
+        if pinned is not None:
+            prints.append(pinned)
+            continue
         if not src.root.is_dir():
             return {"dataset": str(src.root), "missing": True}
         listing = walk(src.root, _source_cfg(ctx.cfg, src))
@@ -65,6 +80,8 @@ def stage_inputs(ctx, upstream) -> dict:
         # and a large folder is walked once per run, not twice.
         ctx.cache[(LISTING_KEY, src.index)] = listing
         prints.append(listing.fingerprint())
+        if run:
+            pins[(src.index, str(src.root))] = prints[-1]
     out = prints[0] if len(prints) == 1 else {"sources": prints}
     return out | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
 
@@ -154,7 +171,7 @@ def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg
                        crop=crop_box(w, h, bw, bh, cfg.buckets.crop, cfg.buckets.seed, key=probe.path),
                        caption=caption, caption_source=source, sha256=probe.sha256, size_bytes=probe.size_bytes,
                        mtime_ns=probe.mtime_ns, format=probe.format, mode=probe.mode, orientation=probe.orientation,
-                       conversion=probe.conversion,
+                       conversion=probe.conversion, trailer=probe.trailer,
                        background=cfg.dataset.background if probe.transparent else None)
 
 

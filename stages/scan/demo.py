@@ -5,6 +5,7 @@ mean latent of its class); the background and shade vary a little so the model s
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -18,6 +19,7 @@ from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES, RGB
 # Bump when the generated content changes: an older demo folder is then regenerated, never mixed.
 DEMO_VERSION = "1"
 MARKER = ".tuneline-demo"
+FILES = ".tuneline-demo-files.json"  # the manifest of what the demo wrote: the only files it ever deletes
 SIZES = ((64, 64), (96, 64), (64, 96))
 VARIANTS = 3  # per (color, shape, size): 4 colors x 2 shapes x 3 sizes x 3 = 72 images, 24 per bucket
 
@@ -39,16 +41,69 @@ def _draw(color: str, shape: str, size: tuple[int, int], rng: random.Random) -> 
     return img
 
 
+def _stems() -> list[tuple[str, str, tuple[int, int], str]]:
+    return [(color, shape, (w, h), f"{color}_{shape}_{w}x{h}_{i}") for color in DEMO_COLORS for shape in DEMO_SHAPES
+            for w, h in SIZES for i in range(VARIANTS)]
+
+
 def _write_all(target: Path) -> None:
     rng = random.Random(0)
-    for color in DEMO_COLORS:
-        for shape in DEMO_SHAPES:
-            for w, h in SIZES:
-                for i in range(VARIANTS):
-                    stem = f"{color}_{shape}_{w}x{h}_{i}"
-                    _draw(color, shape, (w, h), rng).save(target / f"{stem}.png")
-                    (target / f"{stem}.txt").write_text(f"a {color} {shape}\n", encoding="utf-8")
+    written = []
+    for color, shape, size, stem in _stems():
+        _draw(color, shape, size, rng).save(target / f"{stem}.png")
+        (target / f"{stem}.txt").write_text(f"a {color} {shape}\n", encoding="utf-8")
+        written += [f"{stem}.png", f"{stem}.txt"]
+    (target / FILES).write_text(json.dumps(written), encoding="utf-8")
     (target / MARKER).write_text(DEMO_VERSION, encoding="utf-8")
+
+
+def demo_files(root: Path) -> set[str]:
+    """Names the demo wrote into `root`: its manifest, or for a folder from before manifests the names that
+    version wrote (they never changed)."""
+    try:
+        names = json.loads((root / FILES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        names = [f"{stem}{ext}" for *_, stem in _stems() for ext in (".png", ".txt")]
+    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")} | {MARKER, FILES}
+
+
+def _remove_stale_demo(root: Path) -> None:
+    """Delete an older or incomplete demo in `root`, file by file from its manifest; refuse, deleting nothing,
+    when the folder holds anything else (the user's files)."""
+    ours = demo_files(root)
+    others = sorted(e.name for e in os.scandir(root) if e.name not in ours or not e.is_file(follow_symlinks=False))
+    if others:
+        raise ConfigError(f"dataset.path {root} holds an outdated tuneline demo plus files the demo did not write "
+                          f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); they are never deleted: "
+                          f"move them out, or point dataset.path elsewhere")
+    for name in ours:
+        (root / name).unlink(missing_ok=True)
+    root.rmdir()  # empty now; fails rather than delete anything that appeared meanwhile
+
+
+def leftovers(root: Path) -> list[Path]:
+    """Build folders (`.<name>.tmp-PID`) that killed demo generations left beside `root`: their process is gone."""
+    out = []
+    for tmp in sorted(Path(root).parent.glob(f".{Path(root).name}.tmp-*")):
+        pid = tmp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)) and tmp.is_dir() and not tmp.is_symlink():
+            out.append(tmp)
+    return out
+
+
+def remove_leftovers(root: Path) -> None:
+    for tmp in leftovers(root):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def is_complete(root: Path) -> bool:
@@ -61,10 +116,13 @@ def is_complete(root: Path) -> bool:
 def write_demo_dataset(root: Path) -> None:
     """Write the demo dataset to `root` unless it is already there (idempotent).
 
-    Built in a hidden sibling and renamed into place, so a killed run leaves no half dataset. A folder that
-    exists but is not ours is never deleted: the user is told to pick another path.
+    Built in a hidden sibling and renamed into place, so a killed run leaves no half dataset (and the next run
+    removes that sibling). Only files the demo wrote are ever deleted (its manifest): a folder holding anything
+    else is left as it is and the user is told to pick another path.
     """
     root = Path(root)
+    if root.parent.is_dir():
+        remove_leftovers(root)
     if is_complete(root):
         return
     if root.exists():
@@ -72,7 +130,7 @@ def write_demo_dataset(root: Path) -> None:
             raise ConfigError(f"dataset.path {root} exists and is not a tuneline demo dataset; with "
                                   f"dataset.demo true it must be empty or missing: point dataset.path elsewhere "
                                   f"or set dataset.demo false to scan it as it is")
-        shutil.rmtree(root)  # an empty folder, or an older demo version: ours to replace
+        _remove_stale_demo(root)  # an empty folder, or an older demo version: only its own files go
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
     if tmp.exists():

@@ -22,8 +22,10 @@ SIXTEEN_BIT_GRAY = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
              8: Image.Transpose.ROTATE_90}
-# End markers whose absence means the file was cut short (an interrupted copy); searched near the end
-# because some writers append padding or trailers after them.
+# End markers whose absence means the file was cut short (an interrupted copy); looked for near the end first.
+# Some files carry data after them (a phone's Motion Photo appends an MP4 to its JPEG, editors append blocks after
+# a PNG's IEND): when the tail lacks the marker, it is looked for where the format puts it and the image is
+# decoded; accepted with its trailer when both succeed.
 END_MARKERS = {"JPEG": b"\xff\xd9", "MPO": b"\xff\xd9", "PNG": b"IEND"}
 TAIL = 4096
 # Files up to this size are read whole and hashed and parsed from memory (a few threads hold one each);
@@ -54,6 +56,7 @@ class Probe:
     orientation: int = 1
     conversion: str = ""
     transparent: bool = False
+    trailer: int = 0  # bytes after the end marker
     error: str = ""  # rejection reason; empty when readable
     kind: str = ""
 
@@ -115,16 +118,60 @@ def _header(base: Probe, f, tail: bytes) -> Probe:
     """Header facts from a file object at offset 0; `tail` is the file's last TAIL bytes."""
     im = Image.open(f, formats=FORMATS)  # PIL refuses bombs beyond twice its limit; our limit is applied later
     marker = END_MARKERS.get(im.format)
+    trailer = 0
     if marker and marker not in tail:
-        return _fail(base, "truncated", f"truncated {im.format} (its end marker is missing, e.g. an interrupted "
-                                        f"copy): re-copy or re-export the file")
+        trailer = _trailer(im, f, base.size_bytes)
+        if trailer < 0:
+            return _fail(base, "truncated", f"truncated {im.format} (its end marker is missing or its pixel data "
+                                            f"does not decode, e.g. an interrupted copy): re-copy or re-export it")
     orientation = header_orientation(im)
     w, h = im.size
     if orientation >= 5:  # 5-8 swap the axes
         w, h = h, w
     note, transparent = conversion_of(im)
     return replace(base, format=im.format, mode=im.mode, width=w, height=h, orientation=orientation,
-                   conversion=note, transparent=transparent)
+                   conversion=note, transparent=transparent, trailer=trailer)
+
+
+def _trailer(im: Image.Image, f, size: int) -> int:
+    """Bytes after the image's end when its end marker is not in the tail, or -1 for a truncated file: the
+    marker must be where the format's structure puts it and the pixels must decode (a decoder alone forgives a
+    cut checksum or a missing end marker)."""
+    f.seek(0)
+    data = f.read()
+    f.seek(0)
+    end = image_end(data, im.format)
+    if not end:
+        return -1
+    try:
+        im.load()  # the one full decode a scan does, and only for files like these
+    except (OSError, SyntaxError, EOFError, ValueError, IndexError):
+        return -1
+    return size - end
+
+
+def image_end(data: bytes, fmt: str) -> int:
+    """Offset just past the image's own data: PNG's IEND chunk (walking the chunks), or the JPEG EOI marker that
+    ends its entropy-coded data (markers walked by their lengths, so an embedded EXIF thumbnail's EOI is skipped;
+    inside scan data 0xFF is always followed by 0x00 or a restart marker). 0 when not found."""
+    if fmt == "PNG":
+        pos = 8
+        while pos + 8 <= len(data):
+            length = int.from_bytes(data[pos:pos + 4], "big")
+            kind, pos = data[pos + 4:pos + 8], pos + 12 + length
+            if kind == b"IEND":
+                return pos if pos <= len(data) else 0
+        return 0
+    if fmt not in ("JPEG", "MPO"):
+        return 0
+    pos = 2
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xDA:  # start of scan: the EOI is the first FFD9 after it
+            eoi = data.find(b"\xff\xd9", pos)
+            return eoi + 2 if eoi >= 0 else 0
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return 0
 
 
 def _fail(base: Probe, kind: str, reason: str) -> Probe:

@@ -29,6 +29,9 @@ class Listing:
     captions: dict[str, Entry] = field(default_factory=dict)  # by path without extension: "a/b" for a/b.TXT
     metadata: list[Entry] = field(default_factory=list)
     problems: list[Rejected] = field(default_factory=list)
+    # Caption files rejected while listing (a symlink out of the dataset, a loop): their images are rejected too,
+    # as an undecodable caption's are, rather than trained with no caption. By path without extension.
+    bad_captions: dict[str, str] = field(default_factory=dict)
 
     def fingerprint(self) -> dict:
         files = sorted([*self.images, *self.captions.values(), *self.metadata], key=lambda e: e.rel)
@@ -57,6 +60,9 @@ class _Walker:
         if not _valid_name(rel):
             rel = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         self.listing.problems.append(Rejected(path=rel, kind=kind, reason=reason))
+        stem, ext = os.path.splitext(rel)
+        if ext.lower() == self.cfg.caption_extension.lower():
+            self.listing.bad_captions[stem] = reason
 
     def walk(self, directory: Path, prefix: str) -> None:
         real = directory.resolve()
@@ -79,7 +85,14 @@ class _Walker:
             self.reject(rel, "name", "file name is not valid UTF-8: rename it")
             return
         if e.is_symlink():
-            target = Path(e.path).resolve()
+            try:
+                target = Path(e.path).resolve(strict=True)
+            except FileNotFoundError:
+                target = Path(e.path).resolve()  # a broken link: named below
+            except (RuntimeError, OSError) as err:  # a loop (a -> b -> a): Python raises RuntimeError or ELOOP
+                self.reject(rel, "symlink", f"symlink loop ({getattr(err, 'strerror', None) or err}): the link "
+                                            f"never reaches a file; fix or remove it")
+                return
             if not target.is_relative_to(self.real_root):
                 self.reject(rel, "symlink", f"symlink to {target}, outside dataset.path {self.root}: refusing to "
                                             f"read it; copy the file into the dataset or remove the link")

@@ -38,11 +38,13 @@ class Hooks:
             recent = self.trainer.losses[-LOG_EVERY:]
             lr = self.trainer.opt.param_groups[0]["lr"]
             print(f"step {step}/{t.steps} loss {sum(recent) / len(recent):.4f} lr {lr:.3g}", flush=True)
+        # Checkpoint first: a render that crashes (a bad validation setting, a full disk) must not take the step
+        # with it, or every rerun would train the same steps again.
+        if step % t.effective_checkpoint_every() == 0 or last:
+            self.checkpoint()
         every = t.effective_validate_every()
         if every and (step % every == 0 or last):
             self.validate()
-        if step % t.effective_checkpoint_every() == 0 or last:
-            self.checkpoint()
 
     def checkpoint(self) -> None:
         self.last_checkpoint = self.trainer.step

@@ -12,10 +12,12 @@ import uuid
 from pathlib import Path
 
 from tuneline.schemas.train import TrainManifest
+from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere
 from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
+from tuneline.stages.train.failcause import Causes
 from tuneline.stages.train.hooks import CHECKPOINTS
 from tuneline.stages.train.procwatch import PARENT_ENV
 from tuneline.stages.train.worker import ERROR, RESULT
@@ -112,11 +114,13 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
                             bufsize=1, start_new_session=True)
     restore = raise_on_sigterm()
     tail: list[str] = []
+    causes = Causes()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip()
             tail = (tail + [line])[-30:]
+            causes.feed(line)
             ctx.log.info("%s", line)
             report_progress(ctx, line)
         rc = proc.wait()
@@ -131,7 +135,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
     finally:
         restore()
     if rc != 0:
-        raise TrainingFailed(failure_message(cwd, rc, tail))
+        raise TrainingFailed(failure_message(cwd, rc, tail, causes.explain()))
 
 
 def raise_on_sigterm():
@@ -162,11 +166,14 @@ def gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def failure_message(work: Path, rc: int, tail: list[str]) -> str:
-    """The worker's own explanation when it left one (NaN loss, bad checkpoint), else the output's tail."""
+def failure_message(work: Path, rc: int, tail: list[str], cause: str | None = None) -> str:
+    """The worker's own explanation when it left one (NaN loss, bad checkpoint), else the exception its output
+    shows (tuneline.stages.train.failcause), else the output's tail."""
     try:
         msg = json.loads((work / ERROR).read_text(encoding="utf-8"))["error"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        if cause:
+            return f"training failed (exit code {rc}): {cause}. The full output is in the stage log"
         return f"training exited with code {rc}; last output:\n" + "\n".join(tail[-12:])
     found = ckpt.listed(work / CHECKPOINTS)
     if found:
@@ -198,6 +205,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     # node has joined the rendezvous).
     for name in (RESULT, ERROR):
         (work / name).unlink(missing_ok=True)
+    if ctx.cfg.train.nodes == 1:  # alone on this folder: files of killed launches before it are stale
+        for f in stale_launch_files(work.parent):
+            f.unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
     spec = write_spec(ctx, work, upstream, resume, model_dir, token)
