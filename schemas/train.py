@@ -154,6 +154,16 @@ class TrainConfig(Strict):
     def effective_eval_every(self) -> int:
         return min(self.eval.every_steps, self.steps) if self.eval else 0
 
+    def global_batch(self, world: int | None = None, *, per_step: bool = False) -> int:
+        """The global batch, the one place it is computed (the scan's bucket plan, the trainer's result).
+
+        By default the samples of one global micro-batch: every rank's batch_size, all from one bucket, so the
+        number a bucket must hold to form a batch. `world` is the number of ranks, processes x nodes unless given
+        (a running trainer passes its actual world size). `per_step`: times grad_accumulation, the samples one
+        optimizer step takes (its micro-batches may come from different buckets)."""
+        batch = self.batch_size * (self.processes * self.nodes if world is None else world)
+        return batch * self.grad_accumulation if per_step else batch
+
 
 class Export(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.scan import BucketRow, ImageRecord, Rejected
 
 SAMPLES = 3
@@ -17,18 +16,6 @@ Bucket = tuple[int, int]
 
 class NoBatchError(ValueError):
     """No bucket can form one batch; the message names the buckets and the settings to change."""
-
-
-def global_batch(cfg: PipelineConfig, world: int | None = None, *, per_step: bool = False) -> int:
-    """The global batch, the one place it is computed (the scan's bucket plan, the trainer's result).
-
-    By default the samples of one global micro-batch: every rank's train.batch_size, all from one bucket, so the
-    number a bucket must hold to form a batch. `world` is the number of ranks, train.processes x train.nodes
-    unless given (a running trainer passes its actual world size). `per_step`: times train.grad_accumulation,
-    the samples one optimizer step takes (its micro-batches may come from different buckets)."""
-    t = cfg.train
-    batch = t.batch_size * (t.processes * t.nodes if world is None else world)
-    return batch * t.grad_accumulation if per_step else batch
 
 
 def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Bucket, int]:

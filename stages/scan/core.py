@@ -52,7 +52,7 @@ def stage_config(cfg: PipelineConfig) -> dict:
     dataset["sources"] = [{"role": s.role, "caption_extension": s.caption_extension} for s in dataset_sources(cfg)]
     out = {"dataset": dataset, "buckets": cfg.buckets.model_dump(mode="json") | {"alignment": alignment(cfg)}}
     if cfg.buckets.small_bucket == "drop":  # only then does the batch decide which images are kept
-        out["global_batch"] = bk.global_batch(cfg)
+        out["global_batch"] = cfg.train.global_batch()
     return out
 
 
@@ -246,7 +246,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     if cfg.dataset.duplicates == "reject":
         records, dups = bk.reject_duplicates(records, groups)
         rejected += dups
-    batch = bk.global_batch(cfg)
+    batch = cfg.train.global_batch()
     write_jsonl(work / "rejected.jsonl", sorted(rejected, key=lambda r: r.path))
     try:
         plan = bk.bucket_plan({b: len(rs) for b, rs in bk.by_bucket(records).items()}, batch,

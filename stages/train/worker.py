@@ -31,7 +31,6 @@ from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text.live import open_text
-from tuneline.stages.scan.buckets import global_batch
 from tuneline.stages.train import collectives, evaluation
 from tuneline.stages.train.checkpoint import CheckpointError
 from tuneline.stages.train.export import ExportInfo, resolution_edge
@@ -155,7 +154,7 @@ def finish(run: Run, trainer: Trainer) -> None:
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
         result = {"launch": run.launch, "family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
-                  "global_batch": global_batch(run.cfg, run.world, per_step=True), "ema": t.ema,
+                  "global_batch": t.global_batch(run.world, per_step=True), "ema": t.ema,
                   "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
                   "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
                   "resumed_from": str(run.resume) if run.resume else None,

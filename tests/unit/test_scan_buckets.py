@@ -10,7 +10,6 @@ from tuneline.stages.scan.buckets import (
     apply_plan,
     bucket_plan,
     duplicate_groups,
-    global_batch,
     reject_duplicates,
     table,
 )
@@ -23,7 +22,7 @@ def rec(path: str, bucket=(64, 64), sha="x") -> ImageRecord:
 
 def test_global_batch_is_batch_times_processes():
     cfg = PipelineConfig.model_validate({"train": {"batch_size": 3, "processes": 2}})
-    assert global_batch(cfg) == 6
+    assert cfg.train.global_batch() == 6
 
 
 def test_two_nodes_double_the_global_batch_and_the_bucket_plan_sees_it():
@@ -36,12 +35,12 @@ def test_two_nodes_double_the_global_batch_and_the_bucket_plan_sees_it():
     two = PipelineConfig.model_validate({"train": {"batch_size": 2, "processes": 2, "grad_accumulation": 3,
                                                    "nodes": 2, "rdzv_endpoint": "node0:29500"},
                                          "buckets": {"small_bucket": "drop"}})
-    assert (global_batch(one), global_batch(two)) == (4, 8)
-    assert global_batch(two, per_step=True) == 24 and global_batch(two, world=2, per_step=True) == 12
+    assert (one.train.global_batch(), two.train.global_batch()) == (4, 8)
+    assert two.train.global_batch(per_step=True) == 24 and two.train.global_batch(world=2, per_step=True) == 12
     counts = {(64, 64): 10, (96, 64): 6}
-    assert bucket_plan(counts, global_batch(one), "drop") == {(64, 64): 1, (96, 64): 1}
-    assert bucket_plan(counts, global_batch(two), "drop") == {(64, 64): 1, (96, 64): 0}
-    assert bucket_plan(counts, global_batch(two), "repeat") == {(64, 64): 1, (96, 64): 2}
+    assert bucket_plan(counts, one.train.global_batch(), "drop") == {(64, 64): 1, (96, 64): 1}
+    assert bucket_plan(counts, two.train.global_batch(), "drop") == {(64, 64): 1, (96, 64): 0}
+    assert bucket_plan(counts, two.train.global_batch(), "repeat") == {(64, 64): 1, (96, 64): 2}
     assert stage_config(two)["global_batch"] == 8
 
 

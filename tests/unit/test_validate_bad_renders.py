@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tuneline.stages.families.registry import get_family
+from tuneline.stages.render import renderer as render
 from tuneline.stages.render.prompts import load_prompts
-from tuneline.stages.validate import render
 from tuneline.stages.render.renderer import Renderer, Sample
 
 CPU = torch.device("cpu")
