@@ -126,19 +126,31 @@ class BlockSwapper:
     def release(self, i: int) -> None:
         if i in self.pending:
             self.wait(i, "release")
-        for _, _, leaves, _, _ in self.weights[i]:
+        for p, slot, leaves, _, _ in self.weights[i]:
             for leaf in leaves:
                 leaf.untyped_storage().resize_(0)
+            if not self.at_home:
+                self._show(p, slot, False)
         self.loaded.discard(i)
+
+    def _show(self, p: torch.nn.Parameter, slot: torch.Tensor, loaded: bool) -> None:
+        """A released plain weight is an empty placeholder, so a read outside the schedule fails with a shape
+        error (a freed storage under the old shape would be read out of bounds); quantized weights keep their
+        freed storage, as the schedule's own checks guard them."""
+        if is_traceable_wrapper_subclass(slot):
+            return
+        p.data = slot if loaded else torch.empty(0, dtype=slot.dtype, device=slot.device)
 
     def prefetch(self, i: int) -> None:
         """Copy block i in; on a GPU on the side stream, after the work queued so far (which may still read the
         memory the allocator hands out again)."""
         if i in self.loaded or i in self.pending:
             return
-        for _, _, leaves, _, sizes in self.weights[i]:
+        for p, slot, leaves, _, sizes in self.weights[i]:
             for leaf, size in zip(leaves, sizes):
                 leaf.untyped_storage().resize_(size)
+            if not self.at_home:
+                self._show(p, slot, True)
         if not self.cuda:
             self._copy(i)
             self.loaded.add(i)
@@ -235,6 +247,7 @@ class BlockSwapper:
         if not self.at_home:
             return
         self.at_home = False
-        for entries in self.weights:
+        for i, entries in enumerate(self.weights):
             for p, slot, _, _, _ in entries:
                 p.data = slot
+                self._show(p, slot, i in self.loaded or i in self.pending)
