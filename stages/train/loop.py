@@ -33,7 +33,7 @@ from tuneline.stages.train.objective import (
     scale_latents,
     weighted_mse,
 )
-from tuneline.stages.train.optimizers import build_optimizer, restore_state, state_tensors
+from tuneline.stages.train.optimizers import build_optimizer, restore_state, set_lr, state_tensors
 from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
 from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.schedule import lr_at
@@ -234,8 +234,7 @@ class Trainer:
     def optimizer_step(self) -> None:
         t = self.t
         lr = lr_at(self.step, t.learning_rate, t.lr_schedule, t.effective_warmup(), t.steps)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        set_lr(self.opt, lr)
         if self.swapper is not None and self.swapper.full:
             self.swapper.home()  # swapped full-fine-tune weights step on the CPU
         if t.max_grad_norm:
@@ -267,7 +266,7 @@ class Trainer:
         state = {"position": self.position.as_json(), "losses": self.losses, "world_size": self.world,
                  "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
                  "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
-                 "lr": self.opt.param_groups[0]["lr"], "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
+                 "lr": float(self.opt.param_groups[0]["lr"]), "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
                  "rng": "derived per micro-batch from (seed, rank, micro-batch index): see tuneline.stages.train.plan"}
         return tensors, state
 

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tuneline.stages.train import checkpoint as ckpt
 
-PARTS = "quantized"  # key in the optimizer's JSON state: flat name -> the subclass's non-tensor attributes
+PARTS = "quantized"
+TENSOR_KEYS = "tensor_keys"  # in a param group: the settings the optimizer keeps as tensors  # key in the optimizer's JSON state: flat name -> the subclass's non-tensor attributes
 
 
 def build_optimizer(params: list[torch.nn.Parameter], t) -> torch.optim.Optimizer:
@@ -39,7 +40,22 @@ def state_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[st
                        [str(a) if isinstance(a, torch.dtype) else a for a in attrs]]
     if parts:
         meta[PARTS] = parts
+    # torchao keeps the learning rate as a tensor (so a compiled step needs no recompile when it changes)
+    for g in meta["param_groups"]:
+        tensor_keys = [k for k, v in g.items() if isinstance(v, torch.Tensor)]
+        for k in tensor_keys:
+            g[k] = g[k].item()
+        if tensor_keys:
+            g[TENSOR_KEYS] = tensor_keys
     return tensors, meta
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def restore_state(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -53,4 +69,9 @@ def restore_state(opt: torch.optim.Optimizer, names: list[str], tensors: dict[st
         attrs = [getattr(torch, a.removeprefix("torch.")) if isinstance(a, str) and a.startswith("torch.") else a
                  for a in attrs]
         tensors[flat] = cls.__tensor_unflatten__({p: tensors.pop(f"{flat}.{p}") for p in inner}, attrs, None, None)
-    ckpt.restore_optimizer(opt, names, tensors, {k: v for k, v in meta.items() if k != PARTS})
+    groups = []
+    for g in meta["param_groups"]:
+        keys = g.get(TENSOR_KEYS, [])
+        groups.append({k: (torch.tensor(v) if k in keys else v) for k, v in g.items() if k != TENSOR_KEYS})
+    ckpt.restore_optimizer(opt, names, tensors, {**{k: v for k, v in meta.items() if k != PARTS},
+                                                 "param_groups": groups})
