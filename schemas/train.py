@@ -200,6 +200,10 @@ class TrainManifest(Manifest):
     seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
                                         "{source, root, role, samples} (repeats and regularization share)")
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
+    memory_plan: dict | None = Field(None, description="the planned peak device memory per process and its terms "
+                                     "(bytes), the device's free memory, the fixes when it did not fit")
+    peak_memory: int | None = Field(None, description="measured peak CUDA memory of rank 0 "
+                                    "(torch.cuda.max_memory_allocated, bytes); null on CPU")
 
     @model_validator(mode="after")
     def _exports_listed(self) -> TrainManifest:
