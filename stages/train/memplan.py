@@ -204,6 +204,10 @@ class Setting:
     edge: int
 
 
+def size(b: int) -> str:
+    return f"{b / GIB:8.2f} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / 2 ** 20:8.1f} MiB"
+
+
 @dataclass
 class MemoryPlan:
     terms: list[tuple[str, int]]
@@ -228,8 +232,8 @@ class MemoryPlan:
     def text(self) -> str:
         width = max(len(n) for n, _ in self.terms)
         lines = [f"memory plan per training process ({self.where}):"]
-        lines += [f"  {n:<{width}}  {b / GIB:8.2f} GiB" for n, b in self.terms]
-        lines.append(f"  {'planned peak':<{width}}  {self.total / GIB:8.2f} GiB")
+        lines += [f"  {n:<{width}}  {size(b)}" for n, b in self.terms]
+        lines.append(f"  {'planned peak':<{width}}  {size(self.total)}")
         if self.free is None:
             lines.append("  training on the CPU: no device memory to check")
         else:
