@@ -30,11 +30,11 @@ def batches(fam, model_dir, steps):
                                                                                           (128, 128))] * 2
 
 
-def train(fam, model_dir, steps=2, swap=0, **train):
+def train(fam, model_dir, steps=2, swap=0, quantize=None, **train):
     """Losses, last gradients, final weights and the most blocks resident when any block started (counted
     from the weights' storage, independently of the swapper's own bookkeeping)."""
     t = TrainConfig(processes=1, **train)
-    den, params = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
+    den, params = prepare_denoiser(fam, model_dir, t, torch.float32, CPU, quantize)
     swapper = BlockSwapper(den, swap, CPU, t.mode == "full") if swap else None
     blocks, resident = transformer_blocks(den), []
 
@@ -66,12 +66,14 @@ def assert_same(a, b):
         torch.testing.assert_close(a[2][k], b[2][k], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name,mode,swap,checkpointing", [("sd15", "lora", 3, True), ("sd15", "full", 2, False),
-                                                          ("flux", "lora", 1, False), ("flux", "full", 1, True)])
-def test_block_swap_same_numbers_and_at_most_blocks_minus_n_resident(models, name, mode, swap, checkpointing):
+@pytest.mark.parametrize("name,mode,swap,checkpointing,quantize", [
+    ("sd15", "lora", 3, True, None), ("sd15", "full", 2, False, None), ("flux", "lora", 1, False, None),
+    ("flux", "full", 1, True, None), ("sd15", "lora", 3, True, "int8")])
+def test_block_swap_same_numbers_and_at_most_blocks_minus_n_resident(models, name, mode, swap, checkpointing,
+                                                                     quantize):
     fam, model_dir = models[name]
-    plain = train(fam, model_dir, mode=mode, gradient_checkpointing=checkpointing)
-    swapped = train(fam, model_dir, swap=swap, mode=mode, gradient_checkpointing=checkpointing)
+    plain = train(fam, model_dir, mode=mode, gradient_checkpointing=checkpointing, quantize=quantize)
+    swapped = train(fam, model_dir, swap=swap, mode=mode, gradient_checkpointing=checkpointing, quantize=quantize)
     assert_same(plain, swapped)
     blocks = swapped[4]
     assert plain[3] == blocks
