@@ -375,7 +375,7 @@ def plan(cfg, model_dir: Path, device: torch.device, gpu_memory_gib: float | Non
          family: str | None = None) -> MemoryPlan:
     """The plan for training `cfg` on `device`, or, with `gpu_memory_gib`, on a CUDA card of that size with
     model.dtype and autocast as they would run there (bf16 where `auto`)."""
-    from tuneline.stages.common.models import dtypes
+    from tuneline.stages.families.resolve import dtypes
     from tuneline.stages.families.registry import get_family
 
     cuda = gpu_memory_gib is not None or device.type == "cuda"
@@ -406,7 +406,7 @@ def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) ->
     """`tuneline plan`: the config's model (built or converted like the stages do), or a released model's
     shipped weightless config, planned on this machine's training device or a CUDA card of the given size."""
     from tuneline.schemas.model import SHIPPED_CONFIGS
-    from tuneline.stages.common import models
+    from tuneline.stages.families import resolve as models
     from tuneline.stages.families.shipped import shipped_dir
 
     if gpu_memory_gib is not None and gpu_memory_gib <= 0:

@@ -99,10 +99,8 @@ class BlockSwapper:
         for i, blk in enumerate(self.blocks):
             self.hooks.append(blk.register_forward_pre_hook(lambda m, a, i=i: self.wait(i, "forward")))
             self.hooks.append(blk.register_forward_hook(lambda m, a, out, i=i: self.after_forward(i, out)))
-        # DDP (LoRA) broadcasts every parameter once when it wraps the model; swapped ones are frozen and equal
-        # on every rank already, and a released one has no storage to broadcast.
-        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            unwrap(denoiser), [n for n, p in unwrap(denoiser).named_parameters() if self.swaps(p)])
+        # DDP (LoRA) never reads a swapped weight: it wraps with init_sync=False and only the trainable
+        # (adapter) weights take part (tuneline.stages.train.collectives.wrap).
 
     def swaps(self, p: torch.nn.Parameter) -> bool:
         return self.full or not p.requires_grad
