@@ -285,9 +285,9 @@ def remote_ls(config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
 
 @app.command("plan")
 def plan_memory(config: ConfigArg = None, workdir: WorkdirOpt = None,
-                gpu_memory: Annotated[Optional[float], typer.Option(
+                gpu_memory: Annotated[float | None, typer.Option(
                     "--gpu-memory", metavar="GIB", help="plan for a CUDA GPU with this much memory")] = None,
-                model_config: Annotated[Optional[str], typer.Option(
+                model_config: Annotated[str | None, typer.Option(
                     "--model-config", metavar="NAME", help="plan a released model from its shipped weightless "
                     "config (sd15, sdxl, sd3, flux)")] = None) -> None:
     """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
