@@ -283,6 +283,25 @@ def remote_ls(config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
         _fail(str(err))
 
 
+@app.command("plan")
+def plan_memory(config: ConfigArg = None, workdir: WorkdirOpt = None,
+                gpu_memory: Annotated[float | None, typer.Option(
+                    "--gpu-memory", metavar="GIB", help="plan for a CUDA GPU with this much memory")] = None,
+                model_config: Annotated[str | None, typer.Option(
+                    "--model-config", metavar="NAME", help="plan a released model from its shipped weightless "
+                    "config (sd15, sdxl, sd3, flux)")] = None) -> None:
+    """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
+    cfg = _load(config, workdir)
+    from tuneline.stages.train.memplan import plan_command
+
+    try:
+        plan = plan_command(cfg, gpu_memory, model_config)
+    except _user_errors() as err:
+        _fail(str(err))
+    typer.echo(plan.text())
+    raise typer.Exit(0 if plan.fits else 2)
+
+
 def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -71,7 +71,14 @@ class TrainConfig(Strict):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
         "auto", description="autocast on CUDA (fp16 adds a gradient scaler); auto = bf16 where the GPU supports it, "
                             "else fp16; CPU always trains in float32 (auto/no only)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    gradient_checkpointing: bool | Literal["offload"] = Field(
+        False, description="recompute activations in backward to save memory; offload: also keep the activations "
+                           "saved for backward in CPU memory (same numbers as true, less GPU memory, slower)")
+    blocks_to_swap: int = Field(0, ge=0, description="keep this many of the denoiser's transformer blocks in pinned "
+                                "CPU memory and bring each to the device just before its forward and backward "
+                                "(same numbers, less GPU memory, slower); `tuneline plan` prints the largest value")
+    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw: torch's AdamW; adamw8bit: "
+                                                     "torchao's AdamW with 8-bit state (a quarter of the memory)")
     ema: bool = Field(False, description="keep an exponential moving average of the trained weights; final/ holds it")
     ema_decay: float = Field(0.999, gt=0, lt=1)
     loss_weighting: Literal["auto", "none", "min_snr"] = Field(
@@ -141,6 +148,15 @@ class TrainConfig(Strict):
                              "train.mode lora use init_from base")
         return self
 
+    @model_validator(mode="after")
+    def _swap_full_one_process(self) -> "TrainConfig":
+        # A swapped block's full-fine-tune weights live on the CPU between steps, which DDP's buckets cannot follow.
+        if self.blocks_to_swap and self.mode == "full" and self.processes * self.nodes > 1:
+            raise ValueError(f"train.blocks_to_swap {self.blocks_to_swap} with train.mode full trains in one process: "
+                             f"set train.processes: 1 (and train.nodes: 1), or train.mode: lora, or "
+                             f"train.blocks_to_swap: 0")
+        return self
+
     # Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits).
     def effective_checkpoint_every(self) -> int:
         return min(self.checkpoint_every, self.steps)
@@ -194,6 +210,10 @@ class TrainManifest(Manifest):
     seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
                                         "{source, root, role, samples} (repeats and regularization share)")
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
+    memory_plan: dict | None = Field(None, description="the planned peak device memory per process and its terms "
+                                     "(bytes), the device's free memory, the fixes when it did not fit")
+    peak_memory: int | None = Field(None, description="measured peak CUDA memory of rank 0 "
+                                    "(torch.cuda.max_memory_allocated, bytes); null on CPU")
 
     @model_validator(mode="after")
     def _exports_listed(self) -> TrainManifest:

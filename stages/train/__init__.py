@@ -15,7 +15,7 @@ CODE_VERSION = code_version("train")  # stages/code_versions.json
 # What changes where, how fast, or how observably a run computes, but not the weights it reaches: left out of the
 # fingerprint, so changing them (or resuming with `latest`) keeps a run's partial directory and its checkpoints.
 NOT_FINGERPRINTED = {"threads_per_process", "node_rank", "rdzv_endpoint", "rdzv_id", "resume", "checkpoint_every",
-                     "checkpoint_minutes", "keep_checkpoints", "validate_every"}
+                     "checkpoint_minutes", "keep_checkpoints", "validate_every", "blocks_to_swap"}
 
 
 def _config(cfg) -> dict:

@@ -19,6 +19,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
 from tuneline.stages.train.failcause import Causes
 from tuneline.stages.train.hooks import CHECKPOINTS
+from tuneline.stages.train.memplan import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
 from tuneline.stages.train.worker import ERROR, RESULT
 
@@ -210,6 +211,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
             f.unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
+    memory_plan = check_before_training(ctx, model_dir, dev)  # refuses in seconds what would run out of memory
     spec = write_spec(ctx, work, upstream, resume, model_dir, token)
     seen = beside(work, "seen", token)
     try:
@@ -229,6 +231,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     (work / IN_USE).unlink(missing_ok=True)
     result.pop("launch")
     result["initialized_from"] = initialized_from
+    result["memory_plan"] = memory_plan
     report(ctx, work, result)
     return result
 

@@ -33,9 +33,11 @@ from tuneline.stages.train.objective import (
     scale_latents,
     weighted_mse,
 )
+from tuneline.stages.train.optimizers import build_optimizer, restore_state, set_lr, state_tensors
 from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
 from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.schedule import lr_at
+from tuneline.stages.train.swap import BlockSwapper
 from tuneline.stages.train.timesteps import SigmaSampler
 
 
@@ -124,10 +126,10 @@ class Trainer:
         self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device,
                                                       cfg.model.quantize)
         self.names = list(self.params)
-        # foreach: one kernel per op over all tensors; torch picks it only on CUDA by default, and per-tensor
-        # updates of a model's hundreds of small tensors cost a CPU as much as a fifth of a step.
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=self.t.learning_rate,
-                                     weight_decay=self.t.weight_decay, foreach=True)
+        # train.blocks_to_swap (tuneline.stages.train.swap); before the optimizer, EMA and DDP see the weights
+        self.swapper = BlockSwapper(self.denoiser, self.t.blocks_to_swap, device, self.t.mode == "full") \
+            if self.t.blocks_to_swap else None
+        self.opt = build_optimizer(list(self.params.values()), self.t)
         self.scaler = grad_scaler(self.autocast)
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
@@ -232,8 +234,9 @@ class Trainer:
     def optimizer_step(self) -> None:
         t = self.t
         lr = lr_at(self.step, t.learning_rate, t.lr_schedule, t.effective_warmup(), t.steps)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        set_lr(self.opt, lr)
+        if self.swapper is not None and self.swapper.full:
+            self.swapper.home()  # swapped full-fine-tune weights step on the CPU
         if t.max_grad_norm:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)
@@ -256,14 +259,14 @@ class Trainer:
     def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """(tensors by file, JSON state) of everything a resumed run needs to continue exactly."""
         t = self.t
-        opt_tensors, opt_meta = ckpt.optimizer_tensors(self.opt, self.names)
+        opt_tensors, opt_meta = state_tensors(self.opt, self.names)
         tensors = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
         if self.ema is not None:
             tensors["ema"] = self.ema.shadow
         state = {"position": self.position.as_json(), "losses": self.losses, "world_size": self.world,
                  "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
                  "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
-                 "lr": self.opt.param_groups[0]["lr"], "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
+                 "lr": float(self.opt.param_groups[0]["lr"]), "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
                  "rng": "derived per micro-batch from (seed, rank, micro-batch index): see tuneline.stages.train.plan"}
         return tensors, state
 
@@ -274,7 +277,7 @@ class Trainer:
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(tensors["trainable"][n])
-        ckpt.restore_optimizer(self.opt, self.names, tensors.get("optimizer", {}), state["optimizer"])
+        restore_state(self.opt, self.names, tensors.get("optimizer", {}), state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:

@@ -65,7 +65,9 @@ def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dty
     if t.gradient_checkpointing:
         if not getattr(den, "_supports_gradient_checkpointing", False):
             raise ValueError(f"train.gradient_checkpointing: {type(den).__name__} does not support it; set it false")
-        den.enable_gradient_checkpointing()
+        from tuneline.stages.train.offload import offloaded_checkpoint
+
+        den.enable_gradient_checkpointing(offloaded_checkpoint if t.gradient_checkpointing == "offload" else None)
     den.train()
     trainable = {n: p for n, p in den.named_parameters() if p.requires_grad}
     if not trainable:

@@ -161,7 +161,9 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
                   "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
                                                                    dataset_sources(run.cfg)),
-                  "exports": exports}
+                  "exports": exports,
+                  # measured beside the memory plan (tuneline.stages.train.memplan)
+                  "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     collectives.barrier(run.world)
     # Whether the nodes share a workdir shows in whether rank 0's result is in this node's work folder; each node

@@ -1,0 +1,332 @@
+"""The memory plan: the peak device memory one training process will need, worked out before any worker starts.
+
+The denoiser is built from its config on the meta device (shapes, no weights, no compute), so a released model's
+plan costs seconds on any machine. Terms:
+
+- weights: every parameter at the dtype training holds it in (full: float32 masters; LoRA: model.dtype, int8/fp8
+  linears at one byte), the swapped blocks' weights counted only for the R = B - N blocks resident at a time;
+- trainable parameters, their gradients and optimizer state (AdamW two float32 moments, adamw8bit two bytes);
+  the EMA copy (train.ema);
+- activations: a forward of the largest bucket at train.batch_size traced on the meta device, summing the tensors
+  autograd saves for backward (saved_tensors_hooks), per transformer block and outside them. With checkpointing
+  the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward; under
+  16-bit autocast float32 activations count at two bytes;
+- on CUDA a fixed reserve for the context and the caching allocator.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
+from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
+
+GIB = 1024 ** 3
+CUDA_RESERVE = int(0.75 * GIB)  # CUDA context, cuBLAS workspace, allocator rounding
+SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
+    """The denoiser on the meta device, with LoRA adapters when training LoRA."""
+    cls = fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
+    config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
+    with torch.device("meta"):
+        den = cls.from_config(config)
+    if t.mode == "full":
+        den = den.float().requires_grad_(True)
+    else:
+        from tuneline.stages.train.model import lora_config
+
+        den = den.to(dtype).requires_grad_(False)
+        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        for p in den.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return den
+
+
+def weight_bytes(name: str, p: torch.nn.Parameter, linears: set[str], quantize: str | None) -> int:
+    if quantize and not p.requires_grad and name.rsplit(".", 1)[0] in linears and p.dim() == 2:
+        return p.numel() + 4 * p.shape[0]  # one byte per weight, a float32 scale per row
+    return p.numel() * p.element_size()
+
+
+def describe(den, quantize: str | None) -> tuple[list[dict], int]:
+    """(per transformer block: bytes of its frozen weights, of all its weights, its trainable count; bytes of the
+    frozen weights outside the blocks)."""
+    linears = {n for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}
+    owner = {id(p): i for i, b in enumerate(transformer_blocks(den)) for p in b.parameters()}
+    per = [{"frozen": 0, "weights": 0, "trainable": 0} for _ in range(len(transformer_blocks(den)))]
+    outside = 0
+    for name, p in den.named_parameters():
+        i, size = owner.get(id(p)), weight_bytes(name, p, linears, quantize)
+        if i is not None:
+            per[i]["weights"] += size
+            per[i]["trainable" if p.requires_grad else "frozen"] += p.numel() if p.requires_grad else size
+        elif not p.requires_grad:
+            outside += size
+    return per, outside
+
+
+def largest_edge(buckets, alignment: int) -> int:
+    """The edge of a square with the target bucket area (attention and convolutions scale with the area). With
+    resolution_type pixel the shorter edge is the resolution, so the square is the planned bucket; a wider one
+    (up to buckets.max_aspect) needs more, in proportion to its area."""
+    r = buckets.resolution
+    if buckets.resolution_type == "area":
+        area = r * 1024 * 1024
+    elif buckets.resolution_type == "pixel_area":
+        area = r * r
+    else:
+        area = r * r
+    return max(alignment, int(math.sqrt(area)) // alignment * alignment)
+
+
+@dataclass
+class Setting:
+    """What the plan varies to find a fix."""
+
+    blocks_to_swap: int
+    checkpointing: bool | str
+    quantize: str | None
+    optimizer: str
+    batch: int
+    edge: int
+
+
+def size(b: int) -> str:
+    return f"{b / GIB:8.2f} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / 2 ** 20:8.1f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    terms: list[tuple[str, int]]
+    free: int | None  # bytes the device has for this process; None on a CPU device
+    where: str
+    blocks: int
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.terms)
+
+    @property
+    def fits(self) -> bool:
+        return self.free is None or self.total <= self.free
+
+    def as_json(self) -> dict:
+        return {"terms": {n: b for n, b in self.terms}, "total": self.total, "free": self.free, "fits": self.fits,
+                "device": self.where, "blocks": self.blocks, "max_blocks_to_swap": max_blocks_to_swap(self.blocks),
+                "fixes": self.fixes}
+
+    def text(self) -> str:
+        width = max(len(n) for n, _ in self.terms)
+        lines = [f"memory plan per training process ({self.where}):"]
+        lines += [f"  {n:<{width}}  {size(b)}" for n, b in self.terms]
+        lines.append(f"  {'planned peak':<{width}}  {size(self.total)}")
+        if self.free is None:
+            lines.append("  training on the CPU: no device memory to check")
+        else:
+            lines.append(f"  {'device free':<{width}}  {self.free / GIB:8.2f} GiB -> "
+                         f"{'fits' if self.fits else 'does NOT fit'}")
+        lines.append(f"  transformer blocks: {self.blocks} (train.blocks_to_swap can be 0..{max_blocks_to_swap(self.blocks)})")
+        if not self.fits:
+            lines.append("  settings that would make it fit:" if self.fixes else
+                         "  no combination of the planned settings fits: use a GPU with more memory")
+            lines += [f"    {f}" for f in self.fixes]
+        return "\n".join(lines)
+
+
+class Planner:
+    """Plans one config's training on one device, and the settings that would make it fit."""
+
+    def __init__(self, cfg, fam, model_dir: Path, cuda: bool, dtype: torch.dtype, autocast: bool):
+        self.cfg, self.fam, self.t, self.cuda, self.autocast = cfg, fam, cfg.train, cuda, autocast
+        self.dtype = dtype if self.t.mode == "lora" else torch.float32
+        self.den = build_meta(fam, model_dir, self.t, self.dtype, None)
+        self.traces: dict[int, Trace] = {}
+        self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
+
+    def trace(self, batch: int, edge: int) -> Trace:
+        """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
+        few shared ones), so one sample is traced per edge and scaled."""
+        if edge not in self.traces:
+            self.traces[edge] = trace_activations(self.fam, self.den, 1, edge, self.dtype)
+        one = self.traces[edge]
+        return Trace(one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs],
+                     one.float32_share)
+
+    def current(self) -> Setting:
+        t = self.t
+        return Setting(t.blocks_to_swap, t.gradient_checkpointing, self.cfg.model.quantize, t.optimizer,
+                       t.batch_size, largest_edge(self.cfg.buckets, self.alignment))
+
+    def terms(self, s: Setting) -> list[tuple[str, int]]:
+        t, full = self.t, self.t.mode == "full"
+        per, outside = describe(self.den, s.quantize)
+        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
+        r = len(per) - s.blocks_to_swap
+        window = max(sum(x[key] for x in per[i:i + r]) for i in range(len(per) - r + 1)) if per else 0
+        swapped_trainable = sum(x["trainable"] for x in per[r:]) if full and s.blocks_to_swap else 0
+        tr = self.trace(s.batch, s.edge)
+        scale = (1 - tr.float32_share / 2) if self.autocast else 1.0
+        kept = tr.outside + (sum(tr.blocks) if not s.checkpointing else
+                             0 if s.checkpointing == "offload" else sum(tr.inputs))
+        out = [(f"weights ({'float32 masters' if full else self.label(s.quantize)})",
+                4 * trainable if full else outside + sum(x["frozen"] for x in per)),
+               (f"swapped blocks ({s.blocks_to_swap} of {len(per)} in CPU memory)",
+                -(sum(x[key] for x in per) - window)),
+               ("trainable parameters (float32)", 0 if full else 4 * trainable),
+               ("gradients", 4 * trainable),
+               (f"optimizer state ({s.optimizer})", {"adamw": 8, "adamw8bit": 2}[s.optimizer]
+                * (trainable - swapped_trainable)),
+               ("EMA", 4 * trainable if t.ema else 0),
+               (f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge})",
+                int(kept * scale)),
+               ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale))]
+        if self.cuda:
+            out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
+        return out
+
+    def label(self, quantize: str | None) -> str:
+        return f"{quantize} linears" if quantize else str(self.dtype).removeprefix("torch.")
+
+    @staticmethod
+    def ckpt_label(c) -> str:
+        return {True: "checkpointed", False: "not checkpointed", "offload": "checkpointed, offloaded"}[c]
+
+    def plan(self, free: int | None, where: str) -> MemoryPlan:
+        s = self.current()
+        p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den)))
+        if not p.fits:
+            p.fixes = self.fixes(s, free)
+        return p
+
+    def total(self, s: Setting) -> int:
+        return sum(b for _, b in self.terms(s))
+
+    def fixes(self, s: Setting, free: int) -> list[str]:
+        """Each single change that brings the plan under `free` (the smallest such swap, batch or resolution),
+        or, when none does alone, the combination that does."""
+        from dataclasses import replace
+
+        def fits(x: Setting) -> bool:
+            return self.total(x) <= free
+
+        def show(change: str, x: Setting) -> str:
+            return f"{change}  (planned peak {self.total(x) / GIB:.2f} GiB)"
+
+        out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den)))
+        full = self.t.mode == "full"
+        quant = None if full or s.quantize else ("fp8" if self.cuda else "int8")
+        singles = [("train.gradient_checkpointing: true", replace(s, checkpointing=True)) if not s.checkpointing
+                   else None,
+                   ("train.gradient_checkpointing: offload", replace(s, checkpointing="offload"))
+                   if s.checkpointing != "offload" else None,
+                   (f"model.quantize: {quant}", replace(s, quantize=quant)) if quant else None,
+                   ("train.optimizer: adamw8bit", replace(s, optimizer="adamw8bit")) if s.optimizer == "adamw"
+                   else None]
+        out += [show(c, x) for c, x in filter(None, singles) if fits(x)]
+        swap = next((n for n in range(s.blocks_to_swap + 1, nmax + 1) if fits(replace(s, blocks_to_swap=n))), None)
+        if swap is not None:
+            out.append(show(f"train.blocks_to_swap: {swap}", replace(s, blocks_to_swap=swap)))
+        batch = next((b for b in range(s.batch - 1, 0, -1) if fits(replace(s, batch=b))), None)
+        if batch is not None:
+            out.append(show(f"train.batch_size: {batch} (raise train.grad_accumulation to keep the global batch)",
+                            replace(s, batch=batch)))
+        edges = sorted({max(self.alignment, int(s.edge * f) // self.alignment * self.alignment)
+                        for f in (0.875, 0.75, 0.625, 0.5)} - {s.edge}, reverse=True)
+        edge = next((e for e in edges if fits(replace(s, edge=e))), None)
+        if edge is not None:
+            res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024 ** 2, 3)
+            out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))
+        if not out:
+            all_in = replace(s, checkpointing="offload", quantize=s.quantize or quant, optimizer="adamw8bit")
+            swap = next((n for n in range(s.blocks_to_swap, nmax + 1) if fits(replace(all_in, blocks_to_swap=n))),
+                        None)
+            if swap is not None:
+                parts = ["train.gradient_checkpointing: offload", "train.optimizer: adamw8bit"] \
+                    + ([f"train.blocks_to_swap: {swap}"] if swap != s.blocks_to_swap else []) \
+                    + ([f"model.quantize: {quant}"] if quant else [])
+                out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
+        return out
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes this process can use on `device`, or None on a CPU."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
+def plan(cfg, model_dir: Path, device: torch.device, gpu_memory_gib: float | None = None,
+         family: str | None = None) -> MemoryPlan:
+    """The plan for training `cfg` on `device`, or, with `gpu_memory_gib`, on a CUDA card of that size with
+    model.dtype and autocast as they would run there (bf16 where `auto`)."""
+    from tuneline.stages.families.resolve import dtypes
+    from tuneline.stages.families.registry import get_family
+
+    cuda = gpu_memory_gib is not None or device.type == "cuda"
+    mixed = cfg.train.mixed_precision
+    autocast = cuda and mixed != "no"
+    dtype = dtypes()[cfg.model.dtype] if cuda else torch.float32
+    planner = Planner(cfg, get_family(family or cfg.model.family), model_dir, cuda, dtype, autocast)
+    if gpu_memory_gib is not None:
+        return planner.plan(int(gpu_memory_gib * GIB), f"a {gpu_memory_gib:g} GiB CUDA GPU")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return planner.plan(free_memory(device), name)
+
+
+def gpu_figures(cfg, model_dir: Path, step) -> dict:
+    """For the GPU benchmark: the plan on this CUDA device beside the measured peak of `step()` (one or more
+    training steps the caller runs), in bytes; None where no CUDA device is visible."""
+    if not torch.cuda.is_available():
+        return {"planned": None, "measured": None}
+    device = torch.device("cuda")
+    planned = plan(cfg, model_dir, device).total
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    return {"planned": planned, "measured": torch.cuda.max_memory_allocated(device),
+            "ratio": torch.cuda.max_memory_allocated(device) / planned}
+
+
+def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> MemoryPlan:
+    """`tuneline plan`: the config's model (built or converted like the stages do), or a released model's
+    shipped weightless config, planned on this machine's training device or a CUDA card of the given size."""
+    from tuneline.schemas.model import SHIPPED_CONFIGS
+    from tuneline.stages.families import resolve as models
+    from tuneline.stages.families.shipped import shipped_dir
+
+    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+        raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
+    if model_config is not None:
+        if model_config not in SHIPPED_CONFIGS:
+            raise ValueError(f"--model-config {model_config}: not a shipped config; use one of "
+                             f"{', '.join(sorted(SHIPPED_CONFIGS))}")
+        model_dir, family = shipped_dir(model_config), model_config
+    else:
+        model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), None
+    return plan(cfg, model_dir, models.device(cfg), gpu_memory_gib, family)
+
+
+def check_before_training(ctx, model_dir: Path, device: torch.device) -> dict | None:
+    """The train stage's plan, logged before any worker starts; on a GPU a plan that does not fit is refused
+    here, naming the settings that would fit. Returns the plan for the manifest (None when it could not be
+    made: planning never stops a run that would otherwise train)."""
+    try:
+        p = plan(ctx.cfg, model_dir, device)
+    except Exception as err:  # noqa: BLE001 - a planning gap must not block training
+        ctx.log.warning("train: no memory plan (%s: %s)", type(err).__name__, err)
+        return None
+    ctx.log.info("%s", p.text())
+    if not p.fits:
+        fixes = "; ".join(p.fixes) or "none of the planned settings fits: use a GPU with more memory"
+        raise ValueError(f"train: the planned peak of {p.total / GIB:.2f} GiB per process does not fit the "
+                         f"{p.free / GIB:.2f} GiB free on {p.where}; settings that would fit: {fixes} "
+                         f"(`tuneline plan CONFIG` shows the plan)")
+    return p.as_json()

@@ -1,0 +1,106 @@
+"""The activation term of the memory plan: a training forward traced on the meta device, counting the tensors
+autograd saves for backward (saved_tensors_hooks), per transformer block and outside them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tuneline.stages.train.swap import transformer_blocks
+
+
+@dataclass
+class Trace:
+    """Bytes autograd saves for backward in one forward: outside the blocks, per block, and each block's inputs."""
+
+    outside: int = 0
+    blocks: list[int] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    float32_share: float = 1.0  # of all saved bytes, the share in float32 (autocast halves it)
+
+
+def text_inputs(fam, den, batch: int) -> dict[str, torch.Tensor]:
+    """Conditioning tensors of the shapes the family's text cache holds, from the denoiser's config."""
+    c = den.config
+    width = c.get("cross_attention_dim") or c.get("joint_attention_dim")
+    length = fam.facts.max_length + (77 if c.get("pooled_projection_dim") and "caption_projection_dim" in c else 0)
+    out = {"prompt_embeds": torch.zeros(batch, length, width, device="meta")}
+    pooled = c.get("pooled_projection_dim")
+    if pooled is None and c.get("projection_class_embeddings_input_dim"):
+        pooled = c["projection_class_embeddings_input_dim"] - 6 * c["addition_time_embed_dim"]
+    if pooled:
+        out["pooled_prompt_embeds"] = torch.zeros(batch, pooled, device="meta")
+    return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel (flash / memory-efficient on CUDA, flash on CPU) keeps for backward: q, k, v,
+    the output and a float32 log-sum-exp per query, never the attention matrix. The meta device would otherwise
+    take the math path, which saves that matrix."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the trace only forwards
+        raise NotImplementedError
+
+
+class _FusedAttentionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            kw = kwargs or {}
+            q, k, v = (*args[:3], *(kw[n] for n in ("query", "key", "value")[len(args[:3]):]))
+            return _FusedAttention.apply(q, k, v)
+        return func(*args, **(kwargs or {}))
+
+
+def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype) -> Trace:
+    """Bytes saved for backward by one training forward of `batch` images of `edge` x `edge` pixels."""
+    from tuneline.stages.families.base import MicroCond
+
+    blocks = transformer_blocks(den)
+    params = {p.untyped_storage()._cdata for p in den.parameters()}
+    seen: set[int] = set()
+    tr = Trace(blocks=[0] * len(blocks), inputs=[0] * len(blocks))
+    where = [-1]
+    f32 = [0, 0]
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in seen:
+            seen.add(key)
+            n = t.untyped_storage().nbytes()
+            f32[0] += n if t.dtype == torch.float32 else 0
+            f32[1] += n
+            if where[0] < 0:
+                tr.outside += n
+            else:
+                tr.blocks[where[0]] += n
+        return t
+
+    def enter(i, args, kwargs):
+        where[0] = i
+        tr.inputs[i] = sum(a.numel() * a.element_size() for a in [*args, *kwargs.values()]
+                           if isinstance(a, torch.Tensor))
+
+    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: enter(i, a, k), with_kwargs=True)
+             for i, b in enumerate(blocks)]
+    hooks += [b.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)) for b in blocks]
+    f = fam.facts
+    lat = edge // f.vae_factor
+    x = torch.zeros(batch, f.latent_channels, lat, lat, device="meta", dtype=dtype)
+    ts = torch.zeros(batch, device="meta", dtype=torch.float32 if f.prediction == "flow_matching" else torch.long)
+    micro = [MicroCond((edge, edge), (0, 0), (edge, edge))] * batch
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+                _FusedAttentionMode():
+            fam.denoise(den, x, ts, {k: v.to(dtype) for k, v in text_inputs(fam, den, batch).items()}, micro=micro)
+    finally:
+        for h in hooks:
+            h.remove()
+    tr.float32_share = f32[0] / f32[1] if f32[1] else 1.0
+    return tr
