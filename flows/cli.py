@@ -26,7 +26,7 @@ WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", help="overrides 
 
 # The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
 _invocation: dict[str, str | None] = {"config": None, "workdir": None}
-FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+)*)`")
+FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+(?: [a-z]+)?)*)`")
 
 
 def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
@@ -60,32 +60,104 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tuneline.stages.common.remote import RemoteError
     from tuneline.stages.common.stage import StageFailed
     from tuneline.stages.train.launch import TrainingFailed
+    from tuneline.flows.preflight import Refused
 
-    return (ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError, FileNotFoundError,
+    return (Refused, ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError, FileNotFoundError,
             ValueError)
 
 
 @app.command()
 def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
-        force: Annotated[bool, typer.Option("--force", help="rebuild every stage")] = False) -> None:
-    """Run the whole pipeline; stages already fresh are skipped."""
-    cfg = _load(config, workdir)
-    runs = None if force else _nothing_to_run(cfg)
-    if runs is None:
-        from tuneline.flows.pipeline import pipeline_flow
+        force: Annotated[bool, typer.Option("--force", help="rebuild every stage")] = False,
+        until: Annotated[Optional[str], typer.Option("--until", metavar="STAGE", help="build every stage up to "
+                                                     "and including STAGE, then stop")] = None) -> None:
+    """Run the whole pipeline (or up to --until); stages already fresh are skipped."""
+    from tuneline.flows import preflight
+    from tuneline.stages.pipeline import STAGE_NAMES
 
-        try:
-            runs = pipeline_flow(config=cfg, force=force)
-        except _user_errors() as err:
-            _fail(str(err))
+    if until is not None and until not in STAGE_NAMES:
+        _fail(f"unknown stage {until!r} for --until; stages are: {', '.join(STAGE_NAMES)}")
+    cfg = _load(config, workdir)
+    _refuse(lambda: preflight.check_paths(cfg))
+    names = STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
+    runs = None if force else _nothing_to_run(cfg, names)
+    if runs is None:
+        def call():
+            from tuneline.flows.pipeline import pipeline_flow
+
+            return pipeline_flow(config=cfg, force=force, until=until)
+
+        runs = _in_flows(call)
     from tuneline.flows.summary import summary_lines
 
     typer.echo(f"artifacts: {cfg.workdir_path() / 'artifacts'}")
-    typer.echo(f"validation images: {runs['validate']['path']}")
+    if "validate" in runs:
+        typer.echo(f"validation images: {runs['validate']['path']}")
     typer.echo("\n".join(summary_lines(runs)))
 
 
-def _nothing_to_run(cfg: PipelineConfig) -> dict[str, dict] | None:
+def _refuse(check) -> None:
+    """Run a refusal check (tuneline.flows.preflight) before anything starts; its message is the error."""
+    from tuneline.flows.preflight import Refused
+
+    try:
+        check()
+    except Refused as err:
+        _fail(str(err))
+    except _user_errors() as err:
+        _fail(str(err))
+
+
+def _in_flows(call):
+    """Call a flow with an API server for it (the configured one, or a temporary one started here) and a console
+    that shows each message once; user errors and Ctrl-C end in one line."""
+    from tuneline.flows import preflight
+    from tuneline.flows.server import ServerUnavailable, api_for_flows
+
+    try:
+        url = api_for_flows()
+    except ServerUnavailable as err:
+        _fail(str(err))
+        raise  # unreachable
+    from contextlib import nullcontext
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tuneline.flows.console import quiet_console
+
+    quiet_console(_user_errors(), url)
+    preflight.checked_in_this_process = True  # the flows need not repeat what was just checked
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
+            return call()
+    except _user_errors() as err:
+        _fail(str(err))
+    except Exception as err:
+        _fail_if_unauthorized(err)
+        raise
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted; the flow runs are marked crashed and a training keeps its last "
+                   "checkpoint for the next run", err=True)
+        raise typer.Exit(130)
+
+
+def _fail_if_unauthorized(err: BaseException) -> None:
+    """A 401 from the Prefect server (its PREFECT_SERVER_API_AUTH_STRING is set, ours is not or differs) becomes
+    one line naming the setting, instead of Prefect's HTTP traceback."""
+    seen: BaseException | None = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if getattr(response, "status_code", None) == 401:
+            from prefect.settings import PREFECT_API_URL
+
+            _fail(f"the Prefect server at {PREFECT_API_URL.value() or '(temporary server)'} answered 401 "
+                  "Unauthorized: it requires basic auth; set PREFECT_API_AUTH_STRING=user:password to the "
+                  "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | None:
     """Every stage fresh and no Prefect server to record a flow run on: the stages' summary without starting
     Prefect (its ephemeral server is most of a no-op run's time). None = run the pipeline flow."""
     from prefect.settings import get_current_settings
@@ -93,14 +165,21 @@ def _nothing_to_run(cfg: PipelineConfig) -> dict[str, dict] | None:
     if get_current_settings().api.url or cfg.ops.remote:
         return None  # a server shows every run, even a no-op one; a remote may still need its push
     if cfg.dataset.demo:
+        from tuneline.stages.common.lock import store_lock
         from tuneline.stages.scan.demo import write_demo_dataset
 
-        write_demo_dataset(cfg.resolve(cfg.dataset.path))  # what the scan flow does first (a no-op when current)
+        # Under the store's lock, as the scan flow writes it: two runs of one fresh demo workdir otherwise both
+        # generate the dataset at once and the slower one crashed (`Directory not empty`).
+        try:
+            with store_lock(cfg.workdir_path(), timeout=cfg.ops.lock_timeout, purpose="demo dataset"):
+                write_demo_dataset(cfg.resolve(cfg.dataset.path))  # a no-op when current
+        except _user_errors() as err:
+            _fail(str(err))
     from tuneline.stages.common.stage import StageContext, status as stage_status
-    from tuneline.stages.pipeline import PIPELINE
+    from tuneline.stages.pipeline import stage as stage_def
 
     try:
-        rows = stage_status(StageContext(cfg), PIPELINE)
+        rows = stage_status(StageContext(cfg), [stage_def(n) for n in names])
     except _user_errors():
         return None  # the flow reports it properly
     if any(r.state != "fresh" for r in rows):
@@ -119,13 +198,16 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
     if name not in STAGE_NAMES:
         _fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
     cfg = _load(config, workdir)
-    from tuneline.flows.stage_flows import STAGE_FLOWS
+    from tuneline.flows import preflight
 
-    try:
-        path = STAGE_FLOWS[name](config=cfg, force=force)
-    except _user_errors() as err:
-        _fail(str(err))
-    typer.echo(path)
+    _refuse(lambda: preflight.check_stage(cfg, name))
+
+    def call():
+        from tuneline.flows.stage_flows import STAGE_FLOWS
+
+        return STAGE_FLOWS[name](config=cfg, force=force)
+
+    typer.echo(_in_flows(call))
 
 
 @app.command()
@@ -144,8 +226,8 @@ def status(config: ConfigArg = None, workdir: WorkdirOpt = None,
     if as_json:
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
-    _print_table(("stage", "state", "version", "summary", "reason"),
-                 [(r.stage, r.state, r.version or "-", r.summary, r.reason) for r in rows])
+    _print_table(("stage", "state", "version", "path", "summary", "reason"),
+                 [(r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason) for r in rows])
 
 
 @config_app.command("example")
@@ -177,6 +259,9 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
         deployed = register(cfg, pool)
     except _user_errors() as err:
         _fail(str(err))
+    except Exception as err:
+        _fail_if_unauthorized(err)
+        raise
     for d in deployed:
         typer.echo(f"{d.name}  pool {d.pool}" + (f"  schedule {d.schedule}" if d.schedule else ""))
     pools = sorted({d.pool for d in deployed})

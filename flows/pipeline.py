@@ -7,8 +7,9 @@ is still its own flow run, so a failed one shows (and is retried) on its own.
 from __future__ import annotations
 
 from prefect import flow
+from prefect.states import Failed
 
-from tuneline.flows import ops, visibility
+from tuneline.flows import ops, preflight, visibility
 from tuneline.flows.summary import timed_stage
 from tuneline.flows.reporter import PrefectReporter
 from tuneline.flows.stage_flows import STAGE_FLOWS
@@ -17,12 +18,22 @@ from tuneline.stages.pipeline import STAGE_NAMES
 
 
 @flow(name="tuneline-pipeline", log_prints=True)
-def pipeline_flow(config: PipelineConfig, force: bool = False) -> dict[str, dict]:
-    """scan -> latents -> text -> train -> validate. `force` rebuilds every stage.
+def pipeline_flow(config: PipelineConfig, force: bool = False, until: str | None = None) -> dict[str, dict]:
+    """scan -> latents -> text -> train -> validate. `force` rebuilds every stage; `until` stops after that stage.
 
     Returns per stage its path, seconds and whether it was built (for the run's summary)."""
-    runs = {name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force))
-            for name in STAGE_NAMES}
+    names = STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until in STAGE_NAMES else STAGE_NAMES
+    if not preflight.checked_in_this_process:  # a run from a deployment: nothing checked the paths yet
+        try:
+            preflight.check_paths(config)
+        except preflight.Refused as err:
+            return Failed(message=str(err))
+    preflight.in_pipeline = True  # each stage's upstreams are built just before it
+    try:
+        runs = {name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force))
+                for name in names}
+    finally:
+        preflight.in_pipeline = False
     PrefectReporter().table("lineage", visibility.lineage_table(ops.lineage_rows(config)),
                             "every published version: stage, version, fresh, upstream versions, created")
     return runs

@@ -15,7 +15,6 @@ _home = tempfile.mkdtemp(prefix="tuneline-prefect-")
 os.environ.setdefault("PREFECT_HOME", _home)
 os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(_home, "results"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
