@@ -14,14 +14,17 @@ import typer
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Diffusion fine-tuning as Prefect flows.")
-config_app = typer.Typer(no_args_is_help=True, help="Example config and JSON schema.")
+# Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
+# (`--force <bool>`), which reads as if the flag took a value.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Diffusion fine-tuning as Prefect flows.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
-remote_app = typer.Typer(no_args_is_help=True, help="Artifact versions on object storage (ops.remote).")
+remote_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Artifact versions on object storage (ops.remote).")
 app.add_typer(remote_app, name="remote")
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="YAML config; omitted = the built-in demo")]
-WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", help="overrides the config's workdir")]
+ConfigArg = Annotated[Optional[Path], typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
+WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
 
 
 # The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
