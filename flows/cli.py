@@ -145,50 +145,24 @@ def _in_flows(call):
 
 
 def _fail_if_unauthorized(err: BaseException) -> None:
-    """A 401 from the Prefect server (its PREFECT_SERVER_API_AUTH_STRING is set, ours is not or differs) becomes
-    one line naming the setting, instead of Prefect's HTTP traceback."""
-    seen: BaseException | None = err
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if getattr(response, "status_code", None) == 401:
-            from prefect.settings import PREFECT_API_URL
+    from tuneline.flows.runs import unauthorized_message
 
-            _fail(f"the Prefect server at {PREFECT_API_URL.value() or '(temporary server)'} answered 401 "
-                  "Unauthorized: it requires basic auth; set PREFECT_API_AUTH_STRING=user:password to the "
-                  "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)")
-        seen = seen.__cause__ or seen.__context__
-    return None
+    msg = unauthorized_message(err)
+    if msg:
+        _fail(msg)
 
 
 def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | None:
-    """Every stage fresh and no Prefect server to record a flow run on: the stages' summary without starting
-    Prefect (its ephemeral server is most of a no-op run's time). None = run the pipeline flow."""
-    from prefect.settings import get_current_settings
-
-    if get_current_settings().api.url or cfg.ops.remote:
-        return None  # a server shows every run, even a no-op one; a remote may still need its push
-    if cfg.dataset.demo:
-        from tuneline.stages.common.lock import store_lock
-        from tuneline.stages.scan.demo import write_demo_dataset
-
-        # Under the store's lock, as the scan flow writes it: two runs of one fresh demo workdir otherwise both
-        # generate the dataset at once and the slower one crashed (`Directory not empty`).
-        try:
-            with store_lock(cfg.workdir_path(), timeout=cfg.ops.lock_timeout, purpose="demo dataset"):
-                write_demo_dataset(cfg.resolve(cfg.dataset.path))  # a no-op when current
-        except _user_errors() as err:
-            _fail(str(err))
-    from tuneline.stages.common.stage import StageContext, status as stage_status
-    from tuneline.stages.pipeline import stage as stage_def
+    from tuneline.flows.runs import fresh_summary
 
     try:
-        rows = stage_status(StageContext(cfg), [stage_def(n) for n in names])
-    except _user_errors():
-        return None  # the flow reports it properly
-    if any(r.state != "fresh" for r in rows):
-        return None
-    typer.echo("every stage is fresh: nothing to build")
-    return {r.stage: {"path": r.path, "seconds": 0.0, "built": False} for r in rows}
+        runs = fresh_summary(cfg, names, _user_errors())
+    except _user_errors() as err:
+        _fail(str(err))
+        raise  # unreachable
+    if runs is not None:
+        typer.echo("every stage is fresh: nothing to build")
+    return runs
 
 
 @app.command()
