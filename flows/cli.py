@@ -6,6 +6,7 @@ import logging
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -90,7 +91,7 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
             return pipeline_flow(config=cfg, force=force, until=until)
 
-        runs = _in_flows(call)
+        runs = _in_flows(cfg, call)
     from tuneline.flows.summary import summary_lines
 
     typer.echo(f"artifacts: {cfg.workdir_path() / 'artifacts'}")
@@ -111,7 +112,7 @@ def _refuse(check) -> None:
         _fail(str(err))
 
 
-def _in_flows(call):
+def _in_flows(cfg: PipelineConfig, call):
     """Call a flow with an API server for it (the configured one, or a temporary one started here) and a console
     that shows each message once; user errors and Ctrl-C end in one line."""
     from tuneline.flows import preflight
@@ -130,6 +131,7 @@ def _in_flows(call):
 
     quiet_console(_user_errors(), url)
     preflight.checked_in_this_process = True  # the flows need not repeat what was just checked
+    started = time.time()
     try:
         with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
             return call()
@@ -139,8 +141,10 @@ def _in_flows(call):
         _fail_if_unauthorized(err)
         raise
     except KeyboardInterrupt:
-        typer.echo("error: interrupted; the flow runs are marked crashed and a training keeps its last "
-                   "checkpoint for the next run", err=True)
+        from tuneline.flows.runs import workers_message
+
+        why = workers_message(cfg, started) or "a training keeps its last checkpoint for the next run"
+        typer.echo(f"error: interrupted (Ctrl-C); the flow runs are marked crashed; {why}", err=True)
         raise typer.Exit(130)
 
 
@@ -184,7 +188,7 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
 
         return STAGE_FLOWS[name](config=cfg, force=force)
 
-    typer.echo(_in_flows(call))
+    typer.echo(_in_flows(cfg, call))
 
 
 @app.command()

@@ -46,3 +46,18 @@ def unauthorized_message(err: BaseException) -> str | None:
                     "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def workers_message(cfg: PipelineConfig, since: float) -> str | None:
+    """What the training workers said when they stopped (rank 0's error.json in the train work folder: the step
+    and the checkpoint kept), when they wrote it after `since`; None otherwise."""
+    import json
+
+    found = []
+    for f in (cfg.workdir_path() / "artifacts" / "train").glob(".*/error.json"):
+        try:
+            if f.stat().st_mtime >= since:
+                found.append((f.stat().st_mtime, json.loads(f.read_text(encoding="utf-8"))["error"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(found)[1] if found else None

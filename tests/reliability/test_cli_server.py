@@ -133,7 +133,7 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
     err = "".join(err_lines) + (rest or "")
     assert proc.returncode != 0
     assert "ConnectError" not in err and "Traceback" not in err, err[-4000:]
-    assert "error: interrupted" in err, err[-2000:]
+    assert "error: interrupted" in err and "training was stopped" in err, err[-2000:]
     states = _flow_run_states(env)
     assert states and "RUNNING" not in states and "PENDING" not in states, states
 
