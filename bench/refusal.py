@@ -7,8 +7,9 @@ a copy of the demo's dataset as a user dataset (`dataset.demo: false`):
 - `stage train` in a fresh workdir (scan, latents and text missing: all named in one message);
 - `stage validate` after `stage scan` (latents, text and train missing), with the scan's hash cache warm, as
   after a first run (the tiny model has no model file to hash; a real one's hashes are cached the same way).
-Each case runs once untimed (the model identity is then cached, as after a first run), then three times; the RESULT is the slowest median in seconds (goal <= 2), a bare `python -c pass`
-start is printed beside it as the floor any command pays on this machine.
+Each case runs once untimed (the model identity is then cached, as after a first run), then three times; the
+RESULT is the slowest median wall time in seconds (goal <= 2). CPU seconds are printed beside it, and a bare
+`python -c pass` start as the floor any command pays on this machine.
 """
 from __future__ import annotations
 

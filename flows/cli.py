@@ -21,11 +21,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Diffusion fine-tuning as Prefect flows.")
 config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
-remote_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Artifact versions on object storage (ops.remote).")
+remote_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Artifact versions on object storage (ops.remote).")
 app.add_typer(remote_app, name="remote")
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
-WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
+ConfigArg = Annotated[Optional[Path], typer.Argument(metavar="[CONFIG]",
+                                                     help="YAML config; omitted = the built-in demo")]
+WorkdirOpt = Annotated[Optional[str], typer.Option("--workdir", metavar="DIR",
+                                                   help="overrides the config's workdir")]
 
 
 # The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
@@ -66,8 +69,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tuneline.stages.train.launch import TrainingFailed
     from tuneline.flows.preflight import Refused
 
-    return (Refused, ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError, FileNotFoundError,
-            ValueError)
+    return (Refused, ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError,
+            FileNotFoundError, ValueError)
 
 
 @app.command()
@@ -102,12 +105,8 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 def _refuse(check) -> None:
     """Run a refusal check (tuneline.flows.preflight) before anything starts; its message is the error."""
-    from tuneline.flows.preflight import Refused
-
     try:
         check()
-    except Refused as err:
-        _fail(str(err))
     except _user_errors() as err:
         _fail(str(err))
 
