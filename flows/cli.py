@@ -55,10 +55,16 @@ def _fail(msg: str) -> None:
 def _load(config: Path | None, workdir: str | None) -> PipelineConfig:
     _invocation.update(config=None if config is None else str(config), workdir=workdir)
     try:
-        return load_config(config, workdir)
+        cfg = load_config(config, workdir)
     except ConfigError as err:
         _fail(str(err))
         raise  # unreachable
+    from tuneline.flows.preflight import workdir_not_a_folder
+
+    problem = workdir_not_a_folder(cfg)
+    if problem:
+        _fail(problem)
+    return cfg
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

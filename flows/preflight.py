@@ -57,6 +57,14 @@ def _config_paths(cfg: PipelineConfig, model: BaseModel, prefix: str) -> list[tu
     return out
 
 
+def workdir_not_a_folder(cfg: PipelineConfig) -> str | None:
+    """Every command that reads the store refuses a workdir that is a file (it crashed with NotADirectoryError)."""
+    workdir = cfg.workdir_path()
+    if os.path.lexists(workdir) and not workdir.is_dir():
+        return f"workdir {workdir} is a file, not a folder: pass another --workdir or move the file away"
+    return None
+
+
 def workdir_problem(cfg: PipelineConfig) -> str | None:
     """Why the workdir cannot hold artifacts (a file, or a folder this user cannot write), or None."""
     workdir = cfg.workdir_path()
@@ -64,7 +72,7 @@ def workdir_problem(cfg: PipelineConfig) -> str | None:
     if existing is None:
         return None
     if existing == workdir and not workdir.is_dir():
-        return f"workdir {workdir} is a file, not a folder: pass another --workdir or move the file away"
+        return workdir_not_a_folder(cfg)
     if existing != workdir and not existing.is_dir():
         return f"workdir {workdir} cannot be created: {existing} is a file"
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -108,9 +108,10 @@ def test_status_does_not_require_the_paths(tmp_path):
     assert "dataset.path" not in out.stderr
 
 
-def test_workdir_that_is_a_file_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", [["run"], ["stage", "train"], ["status"], ["lineage"], ["gc"]])
+def test_workdir_that_is_a_file_is_refused_in_one_line(tmp_path, command):
     (tmp_path / "w").write_text("not a folder")
-    msg = _refused(tuneline("run", "--workdir", str(tmp_path / "w")))
+    msg = _refused(tuneline(*command, "--workdir", str(tmp_path / "w")))
     assert "is a file" in msg and str(tmp_path / "w") in msg
 
 
