@@ -1,4 +1,4 @@
-"""The `tuneline` command line (CONTRACT.md). Errors a user can fix print one clear message and exit 1."""
+"""The `tuneline` command line (docs/design.md). Errors a user can fix print one clear message and exit 1."""
 from __future__ import annotations
 
 import json
@@ -38,7 +38,7 @@ FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+(?: [a-z]+)
 
 def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
     """Make every `tuneline run|stage …` a message names runnable as printed from this directory: it gets the
-    CONFIG and --workdir of the command that failed (CONTRACT.md)."""
+    CONFIG and --workdir of the command that failed (docs/design.md)."""
     def complete(m: re.Match) -> str:
         args = [m.group(1)] + ([shlex.quote(config)] if config else []) + ([m.group(2).strip()] if m.group(2) else [])
         args += [f"--workdir {shlex.quote(workdir)}"] if workdir else []

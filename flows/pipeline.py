@@ -1,7 +1,7 @@
 """The pipeline flow: each stage as a child flow run, in order; fresh stages are skipped inside each.
 
 Stages run as subflows inside this flow run's process, not as deployment runs: a pipeline waiting on stage
-runs that need a free worker slot would deadlock a worker started with `--limit 1` (PLATFORM.md). Each stage
+runs that need a free worker slot would deadlock a worker started with `--limit 1` (docs/platform.md). Each stage
 is still its own flow run, so a failed one shows (and is retried) on its own.
 """
 from __future__ import annotations

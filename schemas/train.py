@@ -137,7 +137,7 @@ class TrainConfig(Strict):
                              "train.mode lora use init_from base")
         return self
 
-    # Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits).
+    # Intervals shrink to fit a small `steps` (docs/design.md: derived values stay valid under edits).
     def effective_checkpoint_every(self) -> int:
         return min(self.checkpoint_every, self.steps)
 

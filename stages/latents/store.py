@@ -15,11 +15,11 @@ bytes, bucket, crop, VAE, dtypes): a later build copies rows whose key it needs 
 
 Chunking follows the access pattern. One chunk = one block of `block_rows` rows of one array, uncompressed:
 - the writer fills a whole block before writing it, so every chunk file has one writer and is written once
-  (Zarr replaces a chunk file atomically; concurrent writers into one chunk or shard lose rows, PLATFORM.md);
+  (Zarr replaces a chunk file atomically; concurrent writers into one chunk or shard lose rows, docs/platform.md);
   no sharding, since a shard of several blocks would be rewritten for every block;
 - the block record is written after the block's chunks: a build killed at any point loses at most the block
   in flight, and a resumed build re-checks each record's digest before trusting it;
-- the training reader reads whole blocks (single-row Zarr reads are 10-20x slower, PLATFORM.md) and keeps a
+- the training reader reads whole blocks (single-row Zarr reads are 10-20x slower, docs/platform.md) and keeps a
   few per bucket in memory; float16 latents barely compress, so compression would only cost read time.
   Uncompressed, a chunk file is the block's raw little-endian bytes (Zarr v3 `bytes` codec), so the reader
   maps it as one file (`read_chunk`), 4-5x faster than zarr's asynchronous read path. The store
