@@ -110,10 +110,14 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 
 def _refuse(check) -> None:
-    """Run a refusal check (tuneline.flows.preflight) before anything starts; its message is the error."""
+    """Run a refusal check (tuneline.flows.preflight) before anything starts; its message is the error. Not
+    `_user_errors()`: that imports the training launcher, and with it torch (seconds on this path)."""
+    from tuneline.flows.preflight import Refused
+    from tuneline.stages.common.artifacts import ArtifactError
+
     try:
         check()
-    except _user_errors() as err:
+    except (Refused, ConfigError, ArtifactError, FileNotFoundError, ValueError) as err:
         _fail(str(err))
 
 

@@ -140,3 +140,19 @@ def test_a_deployment_run_makes_the_same_check_and_fails_once(user_config, tmp_p
     state = latents_flow(config=cfg, return_state=True)
     assert state.is_failed() and state.message == expected, (state, state.message)
     assert not (tmp_path / "w" / "artifacts" / "latents").exists()
+
+
+@pytest.mark.parametrize("command", [["run"], ["stage", "train"]])
+def test_a_refusal_imports_neither_prefect_nor_torch(tmp_path, command):
+    """Each costs seconds on this machine: the refusal path answers without them."""
+    import subprocess
+    import sys
+
+    cfg = _config(tmp_path / "c.yaml", dataset={"path": str(tmp_path / "nope"), "demo": False})
+    code = ("import sys\nfrom tuneline.flows.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('IMPORTED', *[m for m in ('torch', 'prefect', 'diffusers') if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code, *command, str(cfg), "--workdir", str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=300)
+    assert "dataset.path" in out.stderr, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "IMPORTED", out.stdout
