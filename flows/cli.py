@@ -1,4 +1,4 @@
-"""The `tuneline` command line (CONTRACT.md). Errors a user can fix print one clear message and exit 1."""
+"""The `tuneline` command line (docs/design.md). Errors a user can fix print one clear message and exit 1."""
 from __future__ import annotations
 
 import json
@@ -6,6 +6,7 @@ import logging
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -14,24 +15,28 @@ import typer
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Diffusion fine-tuning as Prefect flows.")
-config_app = typer.Typer(no_args_is_help=True, help="Example config and JSON schema.")
+# Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
+# (`--force <bool>`), which reads as if the flag took a value.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Diffusion fine-tuning as Prefect flows.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
-remote_app = typer.Typer(no_args_is_help=True, help="Artifact versions on object storage (ops.remote).")
+remote_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                         help="Artifact versions on object storage (ops.remote).")
 app.add_typer(remote_app, name="remote")
 
-ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config; omitted = the built-in demo")]
-WorkdirOpt = Annotated[str | None, typer.Option("--workdir", help="overrides the config's workdir")]
+ConfigArg = Annotated[Path | None, typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
+WorkdirOpt = Annotated[str | None, typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
 
 
 # The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
 _invocation: dict[str, str | None] = {"config": None, "workdir": None}
-FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+)*)`")
+FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+(?: [a-z]+)?)*)`")
 
 
 def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
     """Make every `tuneline run|stage …` a message names runnable as printed from this directory: it gets the
-    CONFIG and --workdir of the command that failed (CONTRACT.md)."""
+    CONFIG and --workdir of the command that failed (docs/design.md)."""
     def complete(m: re.Match) -> str:
         args = [m.group(1)] + ([shlex.quote(config)] if config else []) + ([m.group(2).strip()] if m.group(2) else [])
         args += [f"--workdir {shlex.quote(workdir)}"] if workdir else []
@@ -48,65 +53,127 @@ def _fail(msg: str) -> None:
 def _load(config: Path | None, workdir: str | None) -> PipelineConfig:
     _invocation.update(config=None if config is None else str(config), workdir=workdir)
     try:
-        return load_config(config, workdir)
+        cfg = load_config(config, workdir)
     except ConfigError as err:
         _fail(str(err))
         raise  # unreachable
+    from tuneline.flows.preflight import workdir_not_a_folder
+
+    problem = workdir_not_a_folder(cfg)
+    if problem:
+        _fail(problem)
+    return cfg
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from tuneline.flows.preflight import Refused
     from tuneline.stages.common.artifacts import ArtifactError
     from tuneline.stages.common.lock import StoreLocked
     from tuneline.stages.common.remote import RemoteError
     from tuneline.stages.common.stage import StageFailed
     from tuneline.stages.train.launch import TrainingFailed
 
-    return (ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError, FileNotFoundError,
-            ValueError)
+    return (Refused, ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError,
+            FileNotFoundError, ValueError)
 
 
 @app.command()
 def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
-        force: Annotated[bool, typer.Option("--force", help="rebuild every stage")] = False) -> None:
-    """Run the whole pipeline; stages already fresh are skipped."""
-    cfg = _load(config, workdir)
-    runs = None if force else _nothing_to_run(cfg)
-    if runs is None:
-        from tuneline.flows.pipeline import pipeline_flow
+        force: Annotated[bool, typer.Option("--force", help="rebuild every stage")] = False,
+        until: Annotated[str | None, typer.Option("--until", metavar="STAGE", help="build every stage up to "
+                                                     "and including STAGE, then stop")] = None) -> None:
+    """Run the whole pipeline (or up to --until); stages already fresh are skipped."""
+    from tuneline.flows import preflight
+    from tuneline.stages.pipeline import STAGE_NAMES
 
-        try:
-            runs = pipeline_flow(config=cfg, force=force)
-        except _user_errors() as err:
-            _fail(str(err))
+    if until is not None and until not in STAGE_NAMES:
+        _fail(f"unknown stage {until!r} for --until; stages are: {', '.join(STAGE_NAMES)}")
+    cfg = _load(config, workdir)
+    _refuse(lambda: preflight.check_paths(cfg))
+    names = STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
+    runs = None if force else _nothing_to_run(cfg, names)
+    if runs is None:
+        def call():
+            from tuneline.flows.pipeline import pipeline_flow
+
+            return pipeline_flow(config=cfg, force=force, until=until)
+
+        runs = _in_flows(cfg, call)
     from tuneline.flows.summary import summary_lines
 
     typer.echo(f"artifacts: {cfg.workdir_path() / 'artifacts'}")
-    typer.echo(f"validation images: {runs['validate']['path']}")
+    if "validate" in runs:
+        typer.echo(f"validation images: {runs['validate']['path']}")
     typer.echo("\n".join(summary_lines(runs)))
 
 
-def _nothing_to_run(cfg: PipelineConfig) -> dict[str, dict] | None:
-    """Every stage fresh and no Prefect server to record a flow run on: the stages' summary without starting
-    Prefect (its ephemeral server is most of a no-op run's time). None = run the pipeline flow."""
-    from prefect.settings import get_current_settings
-
-    if get_current_settings().api.url or cfg.ops.remote:
-        return None  # a server shows every run, even a no-op one; a remote may still need its push
-    if cfg.dataset.demo:
-        from tuneline.stages.scan.demo import write_demo_dataset
-
-        write_demo_dataset(cfg.resolve(cfg.dataset.path))  # what the scan flow does first (a no-op when current)
-    from tuneline.stages.common.stage import StageContext, status as stage_status
-    from tuneline.stages.pipeline import PIPELINE
+def _refuse(check) -> None:
+    """Run a refusal check (tuneline.flows.preflight) before anything starts; its message is the error. Not
+    `_user_errors()`: that imports the training launcher, and with it torch (seconds on this path)."""
+    from tuneline.flows.preflight import Refused
+    from tuneline.stages.common.artifacts import ArtifactError
 
     try:
-        rows = stage_status(StageContext(cfg), PIPELINE)
-    except _user_errors():
-        return None  # the flow reports it properly
-    if any(r.state != "fresh" for r in rows):
-        return None
-    typer.echo("every stage is fresh: nothing to build")
-    return {r.stage: {"path": r.path, "seconds": 0.0, "built": False} for r in rows}
+        check()
+    except (Refused, ConfigError, ArtifactError, FileNotFoundError, ValueError) as err:
+        _fail(str(err))
+
+
+def _in_flows(cfg: PipelineConfig, call):
+    """Call a flow with an API server for it (the configured one, or a temporary one started here) and a console
+    that shows each message once; user errors and Ctrl-C end in one line."""
+    from tuneline.flows import preflight
+    from tuneline.flows.server import ServerUnavailable, api_for_flows
+
+    try:
+        url = api_for_flows()
+    except ServerUnavailable as err:
+        _fail(str(err))
+        raise  # unreachable
+    from contextlib import nullcontext
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tuneline.flows.console import quiet_console
+
+    quiet_console(_user_errors(), url)
+    preflight.checked_in_this_process = True  # the flows need not repeat what was just checked
+    started = time.time()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
+            return call()
+    except _user_errors() as err:
+        _fail(str(err))
+    except Exception as err:
+        _fail_if_unauthorized(err)
+        raise
+    except KeyboardInterrupt:
+        from tuneline.flows.runs import workers_message
+
+        why = workers_message(cfg, started) or "a training keeps its last checkpoint for the next run"
+        typer.echo(f"error: interrupted (Ctrl-C); the flow runs are marked crashed; {why}", err=True)
+        raise typer.Exit(130) from None
+
+
+def _fail_if_unauthorized(err: BaseException) -> None:
+    from tuneline.flows.runs import unauthorized_message
+
+    msg = unauthorized_message(err)
+    if msg:
+        _fail(msg)
+
+
+def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | None:
+    from tuneline.flows.runs import fresh_summary
+
+    try:
+        runs = fresh_summary(cfg, names, _user_errors())
+    except _user_errors() as err:
+        _fail(str(err))
+        raise  # unreachable
+    if runs is not None:
+        typer.echo("every stage is fresh: nothing to build")
+    return runs
 
 
 @app.command()
@@ -119,13 +186,16 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
     if name not in STAGE_NAMES:
         _fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
     cfg = _load(config, workdir)
-    from tuneline.flows.stage_flows import STAGE_FLOWS
+    from tuneline.flows import preflight
 
-    try:
-        path = STAGE_FLOWS[name](config=cfg, force=force)
-    except _user_errors() as err:
-        _fail(str(err))
-    typer.echo(path)
+    _refuse(lambda: preflight.check_stage(cfg, name))
+
+    def call():
+        from tuneline.flows.stage_flows import STAGE_FLOWS
+
+        return STAGE_FLOWS[name](config=cfg, force=force)
+
+    typer.echo(_in_flows(cfg, call))
 
 
 @app.command()
@@ -144,8 +214,8 @@ def status(config: ConfigArg = None, workdir: WorkdirOpt = None,
     if as_json:
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
-    _print_table(("stage", "state", "version", "summary", "reason"),
-                 [(r.stage, r.state, r.version or "-", r.summary, r.reason) for r in rows])
+    _print_table(("stage", "state", "version", "path", "summary", "reason"),
+                 [(r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason) for r in rows])
 
 
 @config_app.command("example")
@@ -177,6 +247,9 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
         deployed = register(cfg, pool)
     except _user_errors() as err:
         _fail(str(err))
+    except Exception as err:
+        _fail_if_unauthorized(err)
+        raise
     for d in deployed:
         typer.echo(f"{d.name}  pool {d.pool}" + (f"  schedule {d.schedule}" if d.schedule else ""))
     pools = sorted({d.pool for d in deployed})

@@ -36,13 +36,15 @@ def ensure_train_limit(limit: int, *, update: bool) -> None:
 def train_slot(limit: int) -> Iterator[None]:
     """Hold one training slot for the block (waits while `limit` trainings run elsewhere).
 
-    Only against a real server: an ephemeral API lives and dies with this process, so its lease store cannot
-    free the slot of a killed holder (the count stays in its database), and the workdir lock already keeps two
-    runs of one workdir apart."""
+    Only against a real server: a temporary API (tuneline.flows.server) lives and dies with this process, so its
+    lease store cannot free the slot of a killed holder (the count stays in its database), and the workdir lock
+    already keeps two runs of one workdir apart."""
     from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL
 
-    if not PREFECT_API_URL.value():
+    from tuneline.flows.server import ephemeral_api_url
+
+    if not PREFECT_API_URL.value() or PREFECT_API_URL.value() == ephemeral_api_url():
         yield
         return
     ensure_train_limit(limit, update=False)

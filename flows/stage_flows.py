@@ -10,8 +10,9 @@ import logging
 from pathlib import Path
 
 from prefect import flow
+from prefect.states import Failed
 
-from tuneline.flows import visibility
+from tuneline.flows import preflight, visibility
 from tuneline.flows.limits import train_slot
 from tuneline.flows.reporter import PrefectReporter
 from tuneline.schemas.config import PipelineConfig
@@ -20,6 +21,25 @@ from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
 
 log = logging.getLogger("tuneline")
+
+
+def refusal(name: str, config: PipelineConfig) -> str | None:
+    """What `tuneline stage NAME` refuses before starting Prefect, checked again for a run started from a
+    deployment (the UI, a schedule, the API), where nothing checked it first; None = go ahead."""
+    if preflight.checked_in_this_process or preflight.in_pipeline:
+        return None  # the CLI checked before starting this flow; within the pipeline, upstreams run first
+    try:
+        # Flow parameters from the UI/API went through PipelineConfig's validators, the CLI's rules included.
+        preflight.check_stage(config, name)
+    except preflight.Refused as err:
+        return str(err)
+    return None
+
+
+def checked_run(name: str, config: PipelineConfig, force: bool):
+    """A refused run fails with its message as the flow run's state, once (no traceback: it is no bug)."""
+    refused = refusal(name, config)
+    return Failed(message=refused) if refused else run_one(name, config, force)
 
 
 def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
@@ -65,31 +85,31 @@ def _push(config: PipelineConfig, name: str, path: Path) -> None:
 @flow(name="tuneline-scan", log_prints=True)
 def scan_flow(config: PipelineConfig, force: bool = False) -> str:
     """Find images and captions, read sizes, assign aspect buckets."""
-    return run_one("scan", config, force)
+    return checked_run("scan", config, force)
 
 
 @flow(name="tuneline-latents", log_prints=True)
 def latents_flow(config: PipelineConfig, force: bool = False) -> str:
     """Cache VAE latents in Zarr (single process)."""
-    return run_one("latents", config, force)
+    return checked_run("latents", config, force)
 
 
 @flow(name="tuneline-text", log_prints=True)
 def text_flow(config: PipelineConfig, force: bool = False) -> str:
     """Cache text embeddings (the empty caption included)."""
-    return run_one("text", config, force)
+    return checked_run("text", config, force)
 
 
 @flow(name="tuneline-train", log_prints=True)
 def train_flow(config: PipelineConfig, force: bool = False) -> str:
     """DDP training via torchrun, reading only the caches (one global `tuneline-train` slot)."""
-    return run_one("train", config, force)
+    return checked_run("train", config, force)
 
 
 @flow(name="tuneline-validate", log_prints=True)
 def validate_flow(config: PipelineConfig, force: bool = False) -> str:
     """Render validation images from the trained result."""
-    return run_one("validate", config, force)
+    return checked_run("validate", config, force)
 
 
 STAGE_FLOWS = {"scan": scan_flow, "latents": latents_flow, "text": text_flow, "train": train_flow,

@@ -25,6 +25,7 @@ def timed_stage(run: Callable[[], str]) -> dict:
 def summary_lines(runs: dict[str, dict]) -> list[str]:
     lines = [f"{name:9s} {'built ' if r['built'] else 'reused'} {r['seconds']:7.1f} s  {r['path']}"
              for name, r in runs.items()]
+    lines += rejected_lines(runs)
     train = _manifest(runs.get("train"))
     if train.get("losses"):
         # `losses` is averaged down to at most 500 points; the step count is the manifest's own.
@@ -38,6 +39,19 @@ def summary_lines(runs: dict[str, dict]) -> list[str]:
     if runs.get("train"):
         lines.append(f"final weights: {Path(runs['train']['path']) / 'final'}")
     return lines
+
+
+def rejected_lines(runs: dict[str, dict]) -> list[str]:
+    """How many images the scan (and the latents cache) left out, and the file that lists them with reasons."""
+    out = []
+    for name in ("scan", "latents"):
+        m = _manifest(runs.get(name))
+        if name == "scan" or m.get("rejected"):
+            if m:
+                kinds = ", ".join(f"{k} {v}" for k, v in sorted(m.get("rejected_by_kind", {}).items()))
+                out.append(f"rejected images ({name}): {m.get('rejected', 0)}" + (f" ({kinds})" if kinds else "")
+                           + f", listed in {Path(runs[name]['path']) / 'rejected.jsonl'}")
+    return out
 
 
 def _manifest(run: dict | None) -> dict:

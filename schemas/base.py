@@ -43,7 +43,7 @@ MANIFEST_SCHEMA_VERSION = 1
 
 
 class Manifest(BaseModel):
-    """What every published artifact says about itself (GUIDE.md: the artifact contract).
+    """What every published artifact says about itself (docs/design.md: the artifact contract).
 
     Stage manifests subclass this and add the facts a consumer checks before reading.
     """

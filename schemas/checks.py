@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module, never the 
     from tuneline.schemas.config import PipelineConfig
 
 SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile_export.py writes these
-MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (CONTRACT.md)
+MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (docs/design.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
 MAX_AREA_MEGAPIXELS = 16.0
 # No family trains or renders an edge past this (64 megapixels square); above it a run dies allocating, minutes in.

@@ -83,7 +83,7 @@ class PipelineConfig(Strict):
         return Path(self.workdir).expanduser().resolve()
 
     def resolve(self, p: str) -> Path:
-        """Relative paths in a config resolve against the workdir (CONTRACT.md)."""
+        """Relative paths in a config resolve against the workdir (docs/design.md)."""
         path = Path(p).expanduser()
         return path if path.is_absolute() else (self.workdir_path() / path)
 

@@ -149,7 +149,7 @@ class TrainConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _swap_full_one_process(self) -> "TrainConfig":
+    def _swap_full_one_process(self) -> TrainConfig:
         # A swapped block's full-fine-tune weights live on the CPU between steps, which DDP's buckets cannot follow.
         if self.blocks_to_swap and self.mode == "full" and self.processes * self.nodes > 1:
             raise ValueError(f"train.blocks_to_swap {self.blocks_to_swap} with train.mode full trains in one process: "
@@ -157,7 +157,7 @@ class TrainConfig(Strict):
                              f"train.blocks_to_swap: 0")
         return self
 
-    # Intervals shrink to fit a small `steps` (CONTRACT.md: derived values stay valid under edits).
+    # Intervals shrink to fit a small `steps` (docs/design.md: derived values stay valid under edits).
     def effective_checkpoint_every(self) -> int:
         return min(self.checkpoint_every, self.steps)
 

@@ -2,7 +2,7 @@
 
 Protected, whatever K: every fresh version and, transitively, every version a protected one was built from
 (a fresh downstream never loses its upstream, nor a train run with init_from previous the run it continued). A removed version is first renamed to a dot-name, which is
-not a published version (CONTRACT.md), then deleted: a gc killed halfway never leaves a half-deleted
+not a published version (docs/design.md), then deleted: a gc killed halfway never leaves a half-deleted
 directory that still looks published. Callers hold the store lock, so no stage is writing meanwhile.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The remote layout mirrors the local store: `<remote>/<stage>/<version>/<files>` + `manifest.json`. Object
 stores have no rename, so push uploads the manifest last: a remote version counts as published only once
 its manifest is there, and an interrupted push is simply redone. Pull downloads into a dot-directory (never a
-published version, CONTRACT.md), checks every file's size and SHA-256 against the remote manifest, writes
+published version, docs/design.md), checks every file's size and SHA-256 against the remote manifest, writes
 the manifest last and renames the directory into place, exactly like a local publish.
 Versions are immutable (same fingerprint, same content), so a version already present is never re-sent.
 A consumer may also read a version in place (the training reader does): read_remote_manifest checks it first.

@@ -1,6 +1,6 @@
 """THE size function. Every stage that needs a target size (scan, latents, train, validate) gets it here.
 
-Resolution units (CONTRACT.md):
+Resolution units (docs/design.md):
   pixel       shorter edge in pixels
   area        megapixels, 1.0 = 1024 x 1024 pixels
   pixel_area  an edge length whose square is the target area

@@ -67,7 +67,7 @@ def plan(records: list[ImageRecord], channels: int, vae_factor: int, identity: d
 
 
 def single_process() -> None:
-    """Caching inside a multi-process launch caches nothing useful (GUIDE.md): refuse it."""
+    """Caching inside a multi-process launch caches nothing useful (docs/design.md): refuse it."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("the latents stage runs in one process, before training: run `tuneline stage latents` "
                            "(or `tuneline run`), not under torchrun / a distributed launcher")

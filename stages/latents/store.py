@@ -20,7 +20,7 @@ Chunking follows the access pattern. One chunk = one block of `block_rows` rows 
   be rewritten for every block;
 - the block record is written after the block's chunks: a build killed at any point loses at most the block
   in flight, and a resumed build re-checks each record's digest before trusting it;
-- the training reader reads whole blocks (single-row Zarr reads are 10-20x slower, PLATFORM.md) and keeps a
+- the training reader reads whole blocks (single-row Zarr reads are 10-20x slower, docs/platform.md) and keeps a
   few per bucket in memory; float16 latents barely compress, so compression would only cost read time.
   Uncompressed, a chunk file is the block's raw little-endian bytes (Zarr v3 `bytes` codec), so the reader
   maps it as one file (`read_chunk`), 4-5x faster than zarr's asynchronous read path. The store

@@ -192,7 +192,7 @@ def _records(ctx, src: Source) -> tuple[list[ImageRecord], list[Rejected], int]:
     captions = Captions(listing, _source_cfg(cfg, src))
     records, rejected, seen = [], [*listing.problems, *captions.problems], set()
     for resolution, policy in policies(cfg):
-        # With several folders records name their folder and their resolution (CONTRACT.md).
+        # With several folders records name their folder and their resolution (docs/design.md).
         recorded = cfg.buckets.resolution if resolution is None and src.index is not None else resolution
         for probe in probes:
             r = make_record(probe, captions, policy, cfg)

@@ -1,4 +1,4 @@
-"""Training processes die with their parent (CONTRACT.md "Processes").
+"""Training processes die with their parent (docs/design.md "Processes and locks").
 
 torchrun starts workers in their own sessions, so a SIGKILL to the `tuneline` process group does not reach
 them. Each process we start under torchrun watches the pid that started it and exits once it is gone:

@@ -99,7 +99,9 @@ def test_train_change_leaves_upstream_fresh(demo_run, tmp_path):
 def test_stage_refuses_missing_upstream(tmp_path):
     out = tuneline("stage", "train", "--workdir", str(tmp_path / "empty"))
     assert out.returncode != 0
-    assert "latents artifact, which is missing" in out.stderr and "tuneline stage latents" in out.stderr
+    # every upstream at fault in one message, with one fix
+    assert all(f"{s} is missing" in out.stderr for s in ("scan", "latents", "text")), out.stderr
+    assert "`tuneline run --until train --workdir" in out.stderr
     assert not (tmp_path / "empty" / "artifacts" / "train").exists() or not [
         p for p in (tmp_path / "empty" / "artifacts" / "train").iterdir() if not p.name.startswith(".")]
 

@@ -1,8 +1,8 @@
 """Fault injection shared by `tests/reliability/test_faults.py` (CI, 2 trials per stage) and `bench/faults.py`
 (on demand, >= 10 per stage): start a `tuneline` command in its own process group, SIGKILL the whole group at a
-seeded random point of a stage's work, then check what CONTRACT.md promises of a killed run and rerun it.
+seeded random point of a stage's work, then check what docs/design.md promises of a killed run and rerun it.
 
-Only the CLI and the CONTRACT.md layout are relied on, plus `ArtifactStore.read` to verify what is published.
+Only the CLI and the docs/design.md layout are relied on, plus `ArtifactStore.read` to verify what is published.
 """
 from __future__ import annotations
 
