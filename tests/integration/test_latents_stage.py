@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 from PIL import Image
 
 from tuneline.schemas.config import parse_config
@@ -88,7 +89,8 @@ def build(ctx: StageContext) -> tuple[Path, LatentsManifest]:
 
 
 def rows_by_path(path: Path, manifest: LatentsManifest, name: str = "mean") -> dict[str, np.ndarray]:
-    arrays = {b.array: store.open_arrays(path, b.array, (name,))[name][:] for b in manifest.buckets}
+    # zarr's own reader, as a user opening the cache would
+    arrays = {b.array: zarr.open_array(str(path / store.STORE / b.array / name), mode="r")[:] for b in manifest.buckets}
     return {r["path"]: arrays[r["bucket"]][r["row"]] for r in map(json.loads, (path / store.INDEX).open())}
 
 
