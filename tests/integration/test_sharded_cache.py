@@ -81,7 +81,7 @@ def test_sharded_caches_are_the_single_process_caches(data, single):
 
 def test_blocks_split_into_disjoint_parts_covering_the_plan(data, single):
     root, models = data
-    ctx = context(root, models, "single", 1)
+    ctx = context(root, models, "single", 1, force=True)  # force: no previous version, every block encodes
     scan = ctx.store.read(ctx.store.latest("scan"), ScanManifest)
     p = make_plan(ctx, root / "plan-only", scan)
     for count in (1, 2, 3, 7):
@@ -89,7 +89,7 @@ def test_blocks_split_into_disjoint_parts_covering_the_plan(data, single):
         flat = [b for part in parts for b in part]
         assert sorted(flat) == flat and len(set(flat)) == len(flat)  # contiguous, disjoint, in plan order
         assert len(flat) == sum(-(-len(j.records) // 4) for j in p.jobs)
-        assert max(map(len, parts)) - min(map(len, parts)) <= 1  # nothing reused here: every block encodes
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
     assert [len(split(10, 3, i)) for i in range(3)] == [3, 3, 4]
 
 
