@@ -2,9 +2,10 @@
 encoded by its own single process, then checked and completed by the stage in one pass.
 
 The plan is a pure function of the scan's records, the block size and the previous version, so the parent and
-every shard compute it alike. A nominal block is `block_rows` consecutive records of a bucket; blocks with a
-record to encode are split into contiguous, equal parts, and a block with nothing to encode (linked or copied
-from the previous version) goes with the part before it, so an incremental rebuild keeps every shard busy.
+every shard compute it alike. A nominal block is `block_rows` consecutive records of a bucket; blocks with
+records to encode are split into contiguous parts with about as many records to encode each, and a block with
+nothing to encode (linked or copied from the previous version) goes with the part before it, so an incremental
+rebuild keeps every shard busy.
 A shard fills its blocks with the writer a single process uses (same rows, same batches per block), so its
 chunks are byte for byte a single process's. Images rejected while encoding shift the rows of later blocks:
 the parent's pass (the single-process writer's resume) adopts every block that checks out at its place and
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneline.schemas.scan import ScanManifest
-from tuneline.stages.common.shards import ShardJob, run_shards, split
+from tuneline.stages.common.shards import ShardJob, run_shards
 from tuneline.stages.families import resolve as models
 from tuneline.stages.latents import store
 from tuneline.stages.latents.encode import Encoder
@@ -88,16 +89,19 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
 
 
 def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
-    """Per shard, its nominal blocks as (job, block) in plan order."""
+    """Per shard, its nominal blocks as (job, block) in plan order: contiguous parts with about as many rows to
+    encode each (a block goes to the part its middle row to encode falls in); a block with nothing to encode goes
+    with the block before it."""
     size = p.settings.block_rows
     blocks = [(k, b) for k, job in enumerate(p.jobs) for b in range(-(-len(job.records) // size))]
-    encode = [any(key not in p.reuse for key in p.jobs[k].row_keys[b * size:(b + 1) * size]) for k, b in blocks]
-    by_rank = [i for i in range(count) for _ in split(sum(encode), count, i)]
+    todo = [sum(key not in p.reuse for key in p.jobs[k].row_keys[b * size:(b + 1) * size]) for k, b in blocks]
+    total = sum(todo)
     out: list[list[tuple[int, int]]] = [[] for _ in range(count)]
-    owner, rank = 0, 0
-    for block, needs in zip(blocks, encode):
-        if needs:
-            owner, rank = by_rank[rank], rank + 1
+    owner, before = 0, 0
+    for block, n in zip(blocks, todo):
+        if n:
+            owner = min(count - 1, (2 * before + n) * count // (2 * total))
+            before += n
         out[owner].append(block)
     return out
 

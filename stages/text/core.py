@@ -38,7 +38,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     strings, index = index_strings(captions, augment)
     previous = PreviousStrings.latest(ctx, key_parts(ctx, STAGE, {}))
     shards = None
-    if cfg.text.shards > 1:
+    if cfg.text.shards > 1 and any(previous is None or s not in previous for s in strings):
         from tuneline.stages.text import shard
 
         staged, shards = shard.build_sharded(ctx, work, {"scan": scan.fingerprint})
