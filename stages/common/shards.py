@@ -106,26 +106,25 @@ def run_local(job: ShardJob) -> dict[int, str]:
     """One process per shard on this machine, all at once; shard i gets GPU i % visible GPUs when there are
     several. Returns the failed shards with the reason."""
     gpus = _visible_gpus()
-    procs = {}
-    for i in range(job.count):
-        env = dict(os.environ)
-        if len(gpus) > 1:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-        log = open(job.log(i), "w", encoding="utf-8")
-        cmd = [sys.executable, "-m", "tuneline.stages.common.shards", str(job.folder), str(i),
-               "--parent", str(os.getpid())]
-        procs[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL), log)
+    procs: dict[int, tuple[subprocess.Popen, object]] = {}
     failures = {}
     try:
+        for i in range(job.count):
+            env = dict(os.environ)
+            if len(gpus) > 1:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            log = open(job.log(i), "w", encoding="utf-8")
+            cmd = [sys.executable, "-m", "tuneline.stages.common.shards", str(job.folder), str(i),
+                   "--parent", str(os.getpid())]
+            procs[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL), log)
         for i, (proc, log) in procs.items():
             rc = proc.wait()
-            log.close()
             if rc != 0:
                 how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
                 failures[i] = f"{how}; see its log {job.log(i)}"
     finally:
-        for proc, log in procs.values():  # interrupted while waiting: no shard outlives the stage
+        for proc, log in procs.values():  # interrupted while starting or waiting: no shard outlives the stage
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
