@@ -68,10 +68,13 @@ def run_side(root: Path, data: Path, model: Path, shards: int) -> dict:
     work = root / f"work-{shards}"
     cmd = [sys.executable, __file__, "--side", str(shards), "--work", str(work), "--data", str(data),
            "--model", str(model)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV), check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the side's process and its shards, all waited for
     if out.returncode != 0:
         raise SystemExit(f"side with {shards} shard(s) failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(out.stdout.strip().splitlines()[-1]) | {"cpu": cpu}
 
 
 def files(path: Path) -> dict[str, bytes]:
@@ -104,6 +107,8 @@ def main() -> None:
         print(f"images {single['count']}, one decode worker and one torch thread per process")
         print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} "
               f"{load_after[1]:.2f} (1 and 5 min; 2 cores)")
+        print(f"CPU seconds of every process of a side (scan included): 1 process {single['cpu']:.0f}, "
+              f"2 shards {sharded['cpu']:.0f}")
         print(f"1 process: {single['seconds']:.1f} s, peak RSS {single['peak_rss'] / 2**20:.0f} MiB")
         print(f"2 shards: {sharded['seconds']:.1f} s (parent peak RSS {sharded['peak_rss'] / 2**20:.0f} MiB)")
         for s in sharded["shards"]:
