@@ -118,7 +118,7 @@ def run_local(job: ShardJob) -> dict[int, str]:
                    "--parent", str(os.getpid())]
             procs[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL), log)
-        for i, (proc, log) in procs.items():
+        for i, (proc, _) in procs.items():
             rc = proc.wait()
             if rc != 0:
                 how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
