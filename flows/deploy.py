@@ -45,6 +45,12 @@ def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
             tags=TAGS, schedules=_schedules(cfg) if name == "pipeline" else [], description=fl.description,
             entrypoint_type=EntrypointType.MODULE_PATH,
             concurrency_limit=cfg.ops.train_concurrency if name == "train" else None))
+    from tuneline.flows.shards import DEPLOYMENT, shard_flow
+
+    # Shards of a sharded latents/text stage, started by the stage (tuneline.flows.shards): no parameters to fill.
+    out.append(shard_flow.to_deployment(
+        name=DEPLOYMENT, work_pool_name=cfg.ops.shard_pool or gpu_pool, tags=TAGS, description=shard_flow.description,
+        entrypoint_type=EntrypointType.MODULE_PATH))
     return out
 
 

@@ -46,6 +46,11 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
     # Flow parameters from the UI/API went through PipelineConfig's validators, the CLI's rules included.
     reporter = PrefectReporter()
     ctx = StageContext(config, reporter=reporter, log=log, force=force)
+    if config.ops.shard_pool and name in ("latents", "text"):  # shards as flow runs on the pool's workers
+        from tuneline.flows.shards import run_on_pool
+        from tuneline.stages.common.shards import RUNNER_KEY
+
+        ctx.cache[RUNNER_KEY] = run_on_pool
     lock = functools.partial(store_lock, config.workdir_path(), timeout=config.ops.lock_timeout,
                              purpose=_purpose(name))
     whole = lock

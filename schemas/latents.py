@@ -18,6 +18,10 @@ class LatentsConfig(Strict):
     block_rows: int = Field(64, ge=1, le=4096, description="rows per block: the unit of writing, resuming and "
                             "reading (one Zarr chunk per array); larger blocks read faster and cost more memory "
                             "in the training reader")
+    shards: int = Field(1, ge=1, le=1024, description="processes that encode at once, each its own single process "
+                        "(its own GPU: CUDA_VISIBLE_DEVICES per shard, or a worker of ops.shard_pool), each owning "
+                        "a fixed part of the blocks to encode; the cache is byte-identical to a 1-shard build, so "
+                        "it is not part of its version")
 
 
 class LatentBucket(BaseModel):
@@ -27,6 +31,15 @@ class LatentBucket(BaseModel):
     shape: tuple[int, int, int] = Field(description="latent (C, H, W) of one image")
     count: int = Field(description="rows (= cached images) in this bucket's arrays")
     array: str = Field(description="Zarr group path inside the artifact")
+
+
+class ShardReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: int = Field(description="shard number, 0-based")
+    blocks: int = Field(description="blocks this shard owned")
+    encoded: int = Field(description="rows (latents) or strings (text) it ran through the encoder")
+    seconds: float = Field(description="wall time of its process")
+    peak_rss: int = Field(description="peak resident memory of its process, bytes")
 
 
 class LatentsManifest(Manifest):
@@ -53,3 +66,4 @@ class LatentsManifest(Manifest):
     resumed: int = Field(0, description="rows kept from finished blocks of an interrupted build")
     masked: int = Field(0, description="rows with a loss mask; when > 0, masks/<bucket>.npy holds every row's mask "
                         "at the latent grid (dataset.masks)")
+    shards: list[ShardReport] | None = Field(None, description="per shard of a sharded build (latents.shards > 1)")

@@ -36,6 +36,10 @@ class OpsConfig(Strict):
     gpu_pool: str | None = Field(None, description="work pool for the stages that use the accelerator (latents, "
                                  "text, train, validate) and the pipeline, e.g. a Kubernetes pool with GPU "
                                  "nodes; null = work_pool")
+    shard_pool: str | None = Field(None, description="work pool whose workers run the shards of a sharded latents or "
+                                   "text stage (latents.shards / text.shards > 1), each a flow run of the "
+                                   "`tuneline-shard` deployment on a machine sharing the workdir; null = local "
+                                   "processes on this machine")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     train_concurrency: int = Field(1, ge=1, description="training stages running at once on this Prefect server "
                                    "(global concurrency limit `tuneline-train`, shared by every flow run)")

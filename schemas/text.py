@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tuneline.schemas.base import MAX_BATCH, Manifest, Seed, Strict
+from tuneline.schemas.latents import ShardReport
 
 # The adapters pad every caption to exactly max_length tokens (stages/families/common.tokenize), so each
 # field has one shape and the cache is a dense array; recorded so a different padding would change the key.
@@ -27,6 +28,9 @@ class TextConfig(Strict):
                                "keeping at least one (needs caption_variants > 1)")
     keep_tags: int = Field(0, ge=0, description="leading tags never shuffled or dropped (e.g. a trigger word)")
     seed: Seed = Field(0, description="seed of the variants: same seed, same variants")
+    shards: int = Field(1, ge=1, le=1024, description="processes that encode at once, each its own single process "
+                        "owning a fixed part of the batches to encode; the cache is byte-identical to a 1-shard "
+                        "build, so it is not part of its version")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -62,3 +66,4 @@ class TextManifest(Manifest):
     store: str = "text.zarr"
     index: str = Field("captions.jsonl", description="one line per dataset caption: its variants' rows")
     strings: str = Field("strings.jsonl", description="row -> the exact string encoded")
+    shards: list[ShardReport] | None = Field(None, description="per shard of a sharded build (text.shards > 1)")

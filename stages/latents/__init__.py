@@ -29,10 +29,10 @@ def size_policy(cfg) -> dict:
 
 
 def _config(cfg) -> dict:
-    # batch_size and workers change how fast the cache is built, not what it holds.
+    # batch_size, workers and shards change how fast the cache is built, not what it holds.
     # The size policy is not keyed here: it acts through the scan's records (bucket, crop), which are the scan's
     # version, so a policy change that moves no record rebuilds nothing.
-    return {"latents": cfg.latents.model_dump(mode="json", exclude={"workers", "batch_size"}),
+    return {"latents": cfg.latents.model_dump(mode="json", exclude={"workers", "batch_size", "shards"}),
             "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
 
 

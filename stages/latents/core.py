@@ -75,6 +75,8 @@ def single_process() -> None:
 
 def build(ctx, work: Path, upstream: dict) -> dict:
     single_process()
+    if ctx.cfg.latents.shards > 1:
+        return build_sharded(ctx, work, upstream)
     cfg, lc = ctx.cfg, ctx.cfg.latents
     scan: ScanManifest = upstream["scan"]
     records = scan_records(models.artifact_dir(ctx, scan))
@@ -89,11 +91,35 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     settings = Settings(roots=scan.roots(), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
                         batch_size=lc.batch_size, names=store.array_names(lc.flip))
     results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
-    facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae, vae_dtype)
+    facts = manifest_facts(ctx, work, scan, results, jobs, fam, fam.vae_factors(vae), vae_dtype)
+    return facts | {"masked": write_masks(ctx, work, results, records, scan)}
+
+
+def write_masks(ctx, work: Path, results: list[BucketResult], records: list[ImageRecord], scan: ScanManifest) -> int:
     index = [row for r in results for row in r.index]
-    facts["masked"] = masks.write_masks(work, index, records, scan.roots(), mask_root(cfg),
-                                        fam.facts.vae_factor)
-    return facts
+    return masks.write_masks(work, index, records, scan.roots(), mask_root(ctx.cfg),
+                             models.family(ctx.cfg).facts.vae_factor)
+
+
+def build_sharded(ctx, work: Path, upstream: dict) -> dict:
+    """latents.shards processes encode their parts (stages/latents/shard.py); this one then adopts every block that
+    checks out, writes what rejected images moved, and publishes one version."""
+    from tuneline.stages.latents import shard
+
+    scan: ScanManifest = upstream["scan"]
+    p, encoder, reports = shard.build_sharded(ctx, work, scan, {"scan": scan.fingerprint})
+    records = [r for job in p.jobs for r in job.records]
+    results = write_buckets(ctx, p.settings, p.jobs, encoder, len(records))
+    factors = shard.vae_facts(reports, encoder)
+    fam = models.family(ctx.cfg)
+    facts = manifest_facts(ctx, work, scan, results, p.jobs, fam, (factors["scaling_factor"],
+                           factors["shift_factor"]), p.vae_dtype)
+    # The parent adopted the shards' rows as resumed; count them as the shards made them.
+    for key in ("encoded", "reused"):
+        facts[key] += sum(r[key] for r in reports)
+    facts["resumed"] = max(0, facts["count"] - facts["encoded"] - facts["reused"])
+    return facts | {"masked": write_masks(ctx, work, results, scan_records(models.artifact_dir(ctx, scan)), scan),
+                    "shards": shard.shard_entries(reports)}
 
 
 def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, total: int) -> list[BucketResult]:
@@ -113,8 +139,8 @@ def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, tot
     return results
 
 
-def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResult], jobs: list[BucketJob], fam, vae,
-          vae_dtype: str) -> dict:
+def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResult], jobs: list[BucketJob], fam,
+                   factors: tuple[float, float], vae_dtype: str) -> dict:
     """Write the index and rejections; the manifest facts a consumer checks before reading."""
     cfg = ctx.cfg
     index = [row for r in results for row in r.index]
@@ -128,7 +154,7 @@ def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResu
                             f"{work / 'rejected.jsonl'} and fix the dataset")
     buckets = [{"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
                for j, r in zip(jobs, results) if r.index]
-    scale, shift = fam.vae_factors(vae)
+    scale, shift = factors
     counts = {k: sum(getattr(r, k) for r in results) for k in ("encoded", "reused", "resumed")}
     ctx.log.info("latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
                  len(index), counts["encoded"], counts["reused"], counts["resumed"], len(rejected))

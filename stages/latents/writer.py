@@ -91,7 +91,31 @@ class BucketWriter:
         self.s, self.job = s, job
         self.arrays: dict | None = None  # created with the first block: a bucket may end up empty
         self.blocks = 0
+        self.first = 0  # the row out.index starts at: 0, or a shard's first block (at)
         self.out = BucketResult()
+
+    @property
+    def rows(self) -> int:
+        """Rows of the bucket before the next block."""
+        return self.first + len(self.out.index)
+
+    def at(self, block: int) -> None:
+        """A shard's writer: the arrays exist (the parent made them), and writing starts at `block`."""
+        self.arrays = store.open_arrays(self.s.work, self.job.key, self.s.names)
+        self.blocks, self.first = block, block * self.s.block_rows
+
+    def adopt(self, consumed: int) -> int:
+        """A shard's own block `blocks`, finished by an earlier (killed) run, when it still checks out at record
+        `consumed`: adopted, returns the records it covers; else 0 (the block is written again)."""
+        rec = store.read_record(self.s.work, self.job.key, self.blocks)
+        if rec is None:
+            return 0
+        n = len(rec["paths"]) + len(rec["rejected"])
+        if not self._checks_out(rec, consumed, n):
+            return 0
+        self._adopt(rec["paths"], rec["keys"], [Rejected(**r) for r in rec["rejected"]])
+        self.out.resumed += len(rec["paths"])
+        return n
 
     def _ensure_arrays(self) -> dict:
         if self.arrays is None:
@@ -117,16 +141,16 @@ class BucketWriter:
         """The record covers the next records with the same row keys, and the data still has its digest."""
         j = self.job
         span = dict(zip((r.ref for r in j.records[consumed:consumed + n]), j.row_keys[consumed:consumed + n]))
-        if (rec["start"] != len(self.out.index)
+        if (rec["start"] != self.rows
                 or set(span) != set(rec["paths"]) | {r["path"] for r in rec["rejected"]}
                 or [span.get(p) for p in rec["paths"]] != rec["keys"]):
             return False
-        start = len(self.out.index)
+        start = self.rows
         data = store.read_arrays(self._ensure_arrays(), start, start + len(rec["paths"]))
         return store.block_digest(data) == rec["digest"]
 
     def _adopt(self, paths: list[str], keys: list[str], rejected: list[Rejected]) -> None:
-        start = len(self.out.index)
+        start = self.rows
         self.out.index += [{"path": p, "bucket": self.job.key, "row": start + i, "key": k}
                            for i, (p, k) in enumerate(zip(paths, keys))]
         self.out.rejected += rejected
@@ -135,7 +159,7 @@ class BucketWriter:
     def commit(self, data: dict[str, np.ndarray], paths: list[str], keys: list[str],
                rejected: list[Rejected]) -> None:
         """Write a full block, then its record: until the record exists the block does not count."""
-        start = len(self.out.index)
+        start = self.rows
         assert start == self.blocks * self.s.block_rows, "only a bucket's last block may be short"
         store.write_block(self._ensure_arrays(), self.blocks, data)
         record = {"start": start, "paths": paths, "keys": keys, "digest": store.block_digest(data),
@@ -145,7 +169,7 @@ class BucketWriter:
 
     def link(self, link: Link, paths: list[str], keys: list[str]) -> None:
         """A whole block taken from the previous version: its chunk files, then its record."""
-        start = len(self.out.index)
+        start = self.rows
         assert start == self.blocks * self.s.block_rows, "a linked block starts at a block boundary"
         store.link_block(link.arrays, link.block, self._ensure_arrays(), self.blocks)
         record = {"start": start, "paths": paths, "keys": keys, "digest": link.digest, "rejected": []}
@@ -210,13 +234,14 @@ class _Assembly:
 class _Decodes:
     """Decode jobs for the records that need encoding, submitted up to two blocks ahead of the writer."""
 
-    def __init__(self, s: Settings, job: BucketJob, reuse: Reuse, pool: ThreadPoolExecutor):
+    def __init__(self, s: Settings, job: BucketJob, reuse: Reuse, pool: ThreadPoolExecutor, limit: int | None):
         self.s, self.job, self.reuse, self.pool = s, job, reuse, pool
+        self.limit = len(job.records) if limit is None else min(limit, len(job.records))  # a shard's records end
         self.next = 0
         self.jobs: dict[int, Future] = {}
 
     def ahead_of(self, i: int) -> None:
-        end = min(len(self.job.records), i + 2 * self.s.block_rows)
+        end = min(self.limit, i + 2 * self.s.block_rows)
         self.next = max(self.next, i)
         for k in range(self.next, end):
             if self.job.row_keys[k] not in self.reuse:
@@ -225,8 +250,13 @@ class _Decodes:
         self.next = max(self.next, end)
 
     def take(self, i: int) -> torch.Tensor | str:
-        """Record i's pixels or rejection reason (its job was submitted by ahead_of, called at or before i)."""
-        return self.jobs.pop(i).result()
+        """Record i's pixels or rejection reason (submitted by ahead_of, or decoded now past a shard's records,
+        where rejected images moved its last block's end)."""
+        job = self.jobs.pop(i, None)
+        if job is None:
+            rec = self.job.records[i]
+            return prepare(self.s.roots[rec.source], rec)
+        return job.result()
 
 
 def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: ThreadPoolExecutor,
@@ -234,11 +264,21 @@ def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: Thr
     """Write every block of the bucket from record `start` on (the ones before were resumed). A block that is a
     whole block of the previous version, row for row, takes its chunk files; other rows are copied one by one or
     encoded."""
+    asm = fill_blocks(w, start, encoder, reuse, pool, advance)
+    advance(len(asm.rejected))
+    return w.finish(asm.rejected)
+
+
+def fill_blocks(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: ThreadPoolExecutor,
+                advance: Callable[[int], None], stop: int | None = None) -> _Assembly:
+    """Write blocks from record `start` on until the writer reaches block `stop` (a shard's part) or the bucket
+    ends; returns the assembly, holding the images rejected after the last block. Blocks are filled exactly as a
+    single process fills them, so a shard's blocks are byte for byte a single process's."""
     job, size = w.job, w.s.block_rows
     asm = _Assembly(w, encoder, advance)
-    decodes = _Decodes(w.s, job, reuse, pool)
+    decodes = _Decodes(w.s, job, reuse, pool, None if stop is None else stop * size)
     i = start
-    while i < len(job.records):
+    while i < len(job.records) and (stop is None or w.blocks < stop):
         decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
         if not (asm.paths or asm.rejected):  # a block boundary (pending rejects go in the next written record)
             keys = job.row_keys[i:i + size]
@@ -257,5 +297,4 @@ def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: Thr
         i += 1
     if asm.paths:
         asm.commit()
-    advance(len(asm.rejected))
-    return w.finish(asm.rejected)
+    return asm

@@ -37,37 +37,68 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         return facts  # the manifest alone tells consumers how to encode live
     strings, index = index_strings(captions, augment)
     previous = PreviousStrings.latest(ctx, key_parts(ctx, STAGE, {}))
-    fields, encoded = write_cache(ctx, work, strings, previous)
+    shards = None
+    if cfg.text.shards > 1 and any(previous is None or s not in previous for s in strings):
+        from tuneline.stages.text import shard
+
+        staged, shards = shard.build_sharded(ctx, work, {"scan": scan.fingerprint})
+        fields, encoded = write_cache(ctx, work, strings, previous, staged)
+    else:
+        fields, encoded = write_cache(ctx, work, strings, previous)
     write_jsonl(work / STRINGS, ({"row": i, "text": s} for i, s in enumerate(strings)))
     write_jsonl(work / INDEX, ({"caption": c, "rows": rows} for c, rows in index.items()))
     ctx.log.info("text: %d captions, %d variants each -> %d distinct strings, %d encoded, %d reused from %s",
                  len(captions), augment.variants, len(strings), encoded, len(strings) - encoded,
                  previous.path.name if previous else "-")
-    return facts | {"fields": fields, "count": len(strings), "encoded": encoded, "reused": len(strings) - encoded}
+    return facts | {"fields": fields, "count": len(strings), "encoded": encoded, "reused": len(strings) - encoded,
+                    **({"shards": shards} if shards else {})}
 
 
-def write_cache(ctx, work: Path, strings: list[str], previous: PreviousStrings | None) -> tuple[dict, int]:
+def wanted_strings(ctx, scan: ScanManifest) -> list[str]:
+    """Every distinct string the cache holds, in row order (what a shard recomputes to find its windows)."""
+    strings, _ = index_strings(unique_captions(models.artifact_dir(ctx, scan)), TagAugment.from_config(ctx.cfg.text))
+    return strings
+
+
+class Encoders:
+    """The family's text encoders, loaded on first use, once: a scan that only dropped or reordered captions (or a
+    shard whose windows are all done) never loads them."""
+
+    def __init__(self, ctx):
+        self.ctx, self.enc = ctx, None
+
+    def __call__(self, new: list[str]) -> dict:
+        import torch
+
+        cfg = self.ctx.cfg
+        fam = models.family(cfg)
+        if self.enc is None:
+            dev = models.device(cfg)
+            self.enc = fam.load_text_encoders(models.model_dir(self.ctx), models.dtype(cfg, dev), dev,
+                                              max_length=effective_max_length(cfg))
+        out = encode_strings(fam, self.enc, new, len(new))
+        return {k: storage_tensor(v, getattr(torch, cfg.text.dtype)) for k, v in out.items()}
+
+
+def write_cache(ctx, work: Path, strings: list[str], previous: PreviousStrings | None,
+                staged=None) -> tuple[dict, int]:
     """Write text.zarr row by row in `strings` order: strings the previous version holds are copied, the rest
-    encoded in batches. Returns (each field's per-row shape and dtype, strings encoded)."""
+    encoded in batches (or taken from what shards encoded: `staged(window number, new strings)` gives a window's
+    rows or None). Returns (each field's per-row shape and dtype, strings encoded)."""
     import torch
 
     cfg = ctx.cfg
     todo = [s for s in strings if previous is None or s not in previous]
-    fam, enc = models.family(cfg), None
-    if todo:  # a scan that only dropped or reordered captions never loads the encoders
-        dev = models.device(cfg)
-        enc = fam.load_text_encoders(models.model_dir(ctx), models.dtype(cfg, dev), dev,
-                                     max_length=effective_max_length(cfg))
-    float_dtype = getattr(torch, cfg.text.dtype)
+    encode = Encoders(ctx)
     writer = ArrayWriter(work / STORE, len(strings))
     bs, done = cfg.text.batch_size, 0
-    for window in _windows(strings, previous, bs):
+    for number, window in enumerate(windows(strings, previous, bs)):
         new = [s for s in window if previous is None or s not in previous]
         old = [s for s in window if previous is not None and s in previous]
         parts = []
         if new:
-            out = encode_strings(fam, enc, new, len(new))
-            parts.append({k: storage_tensor(v, float_dtype) for k, v in out.items()})
+            got = staged(number, new) if staged is not None else None
+            parts.append(got if got is not None else encode(new))
         if old:
             parts.append(previous.take(old))
         # Back into window order: rows were produced new-first, then copied.
@@ -79,7 +110,7 @@ def write_cache(ctx, work: Path, strings: list[str], previous: PreviousStrings |
     return writer.close(), len(todo)
 
 
-def _windows(strings: list[str], previous: PreviousStrings | None, batch_size: int):
+def windows(strings: list[str], previous: PreviousStrings | None, batch_size: int):
     """Consecutive runs of `strings` holding up to `batch_size` strings to encode (full encoder batches however
     sparse the new strings are), and at most 8 batches of rows, which bounds what is held in memory."""
     start = new = 0

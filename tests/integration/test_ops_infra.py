@@ -89,7 +89,7 @@ def test_deployments_carry_schedule_pools_and_an_absolute_workdir(tmp_path, monk
     cfg = parse_config(demo_config().dump() | {"ops": {"schedule": {"cron": "0 3 * * *", "active": False},
                                                        "gpu_pool": "gpu", "train_concurrency": 2}})
     by_stage = {d.name.removeprefix("tuneline-"): d for d in deployments(cfg)}
-    assert sorted(by_stage) == sorted([*STAGES, "pipeline"])
+    assert sorted(by_stage) == sorted([*STAGES, "pipeline", "shard"])
     assert {s: d.work_pool_name for s, d in by_stage.items()} == {s: "tuneline" if s == "scan" else "gpu"
                                                                   for s in by_stage}
     pipeline = by_stage["pipeline"]

@@ -27,7 +27,8 @@ def prefect_env():
 
 @pytest.fixture(scope="session")
 def small_config(rel_tmp) -> Path:
-    return fl.write_config(rel_tmp / "config.yaml", fl.small_config(rel_tmp / "data"))
+    # Two latents shards: the walk also kills a sharded stage (the stage and its shard processes, as one group).
+    return fl.write_config(rel_tmp / "config.yaml", fl.small_config(rel_tmp / "data", **{"latents.shards": 2}))
 
 
 @pytest.fixture(scope="session")
