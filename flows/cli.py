@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
+from tuneline.flows.captions_cli import captions_app
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Diffusion fine-tuning as Prefect flows.")
@@ -19,6 +20,7 @@ config_app = typer.Typer(no_args_is_help=True, help="Example config and JSON sch
 app.add_typer(config_app, name="config")
 remote_app = typer.Typer(no_args_is_help=True, help="Artifact versions on object storage (ops.remote).")
 app.add_typer(remote_app, name="remote")
+app.add_typer(captions_app, name="captions")
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config; omitted = the built-in demo")]
 WorkdirOpt = Annotated[str | None, typer.Option("--workdir", help="overrides the config's workdir")]

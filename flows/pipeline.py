@@ -14,18 +14,18 @@ from tuneline.flows.stage_flows import STAGE_FLOWS
 from tuneline.flows.summary import timed_stage
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lock import run_lease
-from tuneline.stages.pipeline import STAGE_NAMES
+from tuneline.stages.pipeline import stage_names
 
 
 @flow(name="tuneline-pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig, force: bool = False) -> dict[str, dict]:
-    """scan -> latents -> text -> train -> validate. `force` rebuilds every stage.
+    """scan -> (caption) -> latents -> text -> train -> validate. `force` rebuilds every stage.
 
     Returns per stage its path, seconds and whether it was built (for the run's summary)."""
     # The run's lease on the workdir: `tuneline gc` waits for it, so nothing this run publishes or uses is collected.
     with run_lease(config.workdir_path(), timeout=config.ops.lock_timeout):
         runs = {name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force))
-                for name in STAGE_NAMES}
+                for name in stage_names(config)}
     PrefectReporter().table("lineage", visibility.lineage_table(ops.lineage_rows(config)),
                             "every published version: stage, version, fresh, upstream versions, created")
     return runs
