@@ -1,5 +1,5 @@
 """Build captions.jsonl: decide per image whether the model speaks (caption.policy), reuse every model caption the
-previous version (or this version's interrupted build) already made with the same model and settings, generate
+published versions (or this version's interrupted build) already made with the same model and settings, generate
 the rest in batches on the model's device, and combine user caption, model caption and trigger.
 
 Kill safety: generated captions are appended to `generated.jsonl` in the work-in-progress folder after each batch;
@@ -19,9 +19,8 @@ from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.caption import CAPTIONS, generation_key
 from tuneline.stages.caption import model as vlm
-from tuneline.stages.common.artifacts import safe_join
+from tuneline.stages.common.artifacts import ArtifactError, safe_join
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
-from tuneline.stages.common.stage import reusable_previous
 
 GENERATED = "generated.jsonl"  # in the work folder only: {sha256, key, caption} per generated caption
 
@@ -75,15 +74,37 @@ def combine(item: Item, model_caption: str | None, cfg) -> tuple[str, str]:
 def _known(ctx, work: Path, key: str) -> tuple[dict[str, str], dict[str, str]]:
     """(captions this build's interrupted attempts generated, captions the previous version holds), by image
     content hash, for this generation key."""
-    resumed = {r["sha256"]: r["caption"] for r in read_jsonl(work / GENERATED) if r.get("key") == key} \
-        if (work / GENERATED).is_file() else {}
+    resumed = {r["sha256"]: r["caption"] for r in _complete_lines(work / GENERATED) if r.get("key") == key}
     previous: dict[str, str] = {}
-    prev = reusable_previous(ctx, "caption", CaptionManifest)
-    if prev is not None:
-        for r in read_jsonl(prev[0] / CAPTIONS):
+    if ctx.force:  # trust nothing already built
+        return resumed, previous
+    # Every published version, oldest first so the newest wins: switching policy back and forth (missing ->
+    # prefix) finds the captions any earlier version generated with this model and these settings.
+    for path in ctx.store.versions("caption"):
+        try:
+            ctx.store.read(path, CaptionManifest)
+        except ArtifactError as err:
+            ctx.log.warning("caption: not reusing %s: %s", path, err)
+            continue
+        for r in read_jsonl(path / CAPTIONS):
             if r.get("generated_by") == key and r.get("model_caption") is not None:
                 previous[r["sha256"]] = r["model_caption"]
     return resumed, previous
+
+
+def _complete_lines(path: Path) -> list[dict]:
+    """The rows of a log a kill may have cut mid-line (that last line is dropped)."""
+    out = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
@@ -118,6 +139,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     return {"model": cfg.caption.model, "model_identity": identity, "architecture": arch, "prompt": cfg.caption.prompt,
             "trigger": cfg.caption.trigger, "policy": cfg.caption.policy, "decoding": cfg.caption.decoding(),
             "images": len(items), "captioned": len(todo) + len(resumed_now), "reused": len(reused),
+            "resumed": len(resumed_now),
             "user": sum(r["source"] == "user" for r in rows),
             "seconds": round(time.monotonic() - started, 3)}
 

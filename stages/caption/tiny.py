@@ -87,7 +87,7 @@ def _qwen2_vl():
     ids = tok.convert_tokens_to_ids
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=ids("<|im_end|>"),
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=ids("<|im_end|>"), bos_token_id=None,
                 pad_token_id=ids("<|endoftext|>"))
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
