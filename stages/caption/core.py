@@ -17,8 +17,7 @@ from pathlib import Path
 from tuneline.schemas.caption import CaptionManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.sources import dataset_sources
-from tuneline.stages.caption import CAPTIONS, generation_key
-from tuneline.stages.caption import model as vlm
+from tuneline.stages.caption import CAPTIONS, generation_key, model as vlm
 from tuneline.stages.common.artifacts import ArtifactError, safe_join
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 

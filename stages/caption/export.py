@@ -12,21 +12,6 @@ from tuneline.stages.common.artifacts import ArtifactError, safe_join
 from tuneline.stages.common.jsonl import read_jsonl
 
 
-def fresh_caption_dir(cfg) -> Path:
-    """The caption artifact the current config and dataset map to, or a refusal naming the fix."""
-    from tuneline.stages.common.stage import StageContext, status
-    from tuneline.stages.pipeline import PIPELINE
-
-    if not cfg.caption.enabled:
-        raise ArtifactError("caption.model is not set, so there is no caption stage: set caption.model to a "
-                            "local vision-language model folder (or tiny) and run `tuneline stage caption`")
-    row = next(r for r in status(StageContext(cfg), PIPELINE) if r.stage == "caption")
-    if row.state != "fresh" or row.path is None:
-        raise ArtifactError(f"the caption artifact is {row.state} ({row.reason}); run `tuneline stage caption` "
-                            f"first")
-    return Path(row.path)
-
-
 def rows(caption_dir: Path) -> list[dict]:
     return list(read_jsonl(caption_dir / CAPTIONS))
 
@@ -39,10 +24,10 @@ def editable_text(row: dict, trigger: str) -> str:
     return text
 
 
-def export(cfg, to: Path | None = None) -> tuple[Path, int]:
-    """Write one sidecar per image (its path with the caption extension) under `to` (default
-    <workdir>/captions/<version>/); images of dataset.sources go under their source index. Returns (folder, count)."""
-    src = fresh_caption_dir(cfg)
+def export(cfg, src: Path, to: Path | None = None) -> tuple[Path, int]:
+    """Write one sidecar per image of the caption artifact `src` (its path with the caption extension) under `to`
+    (default <workdir>/captions/<version>/); images of dataset.sources go under their source index. Returns
+    (folder, count)."""
     out = Path(to).expanduser().resolve() if to is not None else cfg.workdir_path() / "captions" / src.name
     for s in dataset_sources(cfg):
         root = s.root.expanduser().resolve()
