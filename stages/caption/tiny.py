@@ -55,8 +55,9 @@ def _tokenizer(specials: list[str], **roles):
                                    **roles)
 
 
-def build(model: str, folder: Path) -> Path:
-    """Write the tiny model of `model`'s style to `folder` (atomically: a killed build leaves no half folder)."""
+def build(model: str, folder: Path, text: dict | None = None) -> Path:
+    """Write the tiny model of `model`'s style to `folder` (atomically: a killed build leaves no half folder).
+    `text` overrides the language model's config (bench/caption.py builds one of realistic decode cost)."""
     import os
     import shutil
 
@@ -68,7 +69,7 @@ def build(model: str, folder: Path) -> Path:
     state = torch.random.get_rng_state()
     torch.manual_seed(BUILD_SEED)
     try:
-        net, proc = _qwen2_vl() if style == "qwen2_vl" else _llava()  # proc(folder) saves the processor
+        net, proc = _qwen2_vl(text or {}) if style == "qwen2_vl" else _llava(text or {})  # proc(folder) saves it
     finally:
         torch.random.set_rng_state(state)
     net.save_pretrained(tmp)
@@ -80,7 +81,7 @@ def build(model: str, folder: Path) -> Path:
     return folder
 
 
-def _qwen2_vl():
+def _qwen2_vl(overrides: dict):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
     tok = _tokenizer(QWEN_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -88,9 +89,13 @@ def _qwen2_vl():
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, eos_token_id=ids("<|im_end|>"), bos_token_id=None,
-                pad_token_id=ids("<|endoftext|>"))
+                pad_token_id=ids("<|endoftext|>")) | overrides
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    vision["hidden_size"] = text["hidden_size"]  # the merger projects vision features to the text width
+    half = text["hidden_size"] // text["num_attention_heads"] // 2  # M-RoPE splits half a head: time, height, width
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [half // 4, (half - half // 4) // 2,
+                                                               half - half // 4 - (half - half // 4) // 2]}
     cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                         video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
                         vision_end_token_id=ids("<|vision_end|>"))
@@ -111,7 +116,7 @@ def _save_parts(folder: Path, tok, images) -> None:
     pre.write_text(json.dumps(json.loads(pre.read_text()) | {"processor_class": "Qwen2VLProcessor"}, indent=2))
 
 
-def _llava():
+def _llava(overrides: dict):
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tok = _tokenizer(LLAVA_SPECIALS, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -120,7 +125,7 @@ def _llava():
                   num_attention_heads=2, image_size=56, patch_size=14)
     text = dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=ids("</s>"), pad_token_id=ids("<pad>"),
-                bos_token_id=ids("<s>"))
+                bos_token_id=ids("<s>")) | overrides
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=ids("<image>"),
                       vision_feature_select_strategy="default", vision_feature_layer=-1)
     images = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
