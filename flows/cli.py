@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
+from tuneline.flows.captions_cli import captions_app
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
@@ -24,6 +25,7 @@ app.add_typer(config_app, name="config")
 remote_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                          help="Artifact versions on object storage (ops.remote).")
 app.add_typer(remote_app, name="remote")
+app.add_typer(captions_app, name="captions")
 
 ConfigArg = Annotated[Path | None, typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
 WorkdirOpt = Annotated[str | None, typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
@@ -84,13 +86,16 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
                                                      "and including STAGE, then stop")] = None) -> None:
     """Run the whole pipeline (or up to --until); stages already fresh are skipped."""
     from tuneline.flows import preflight
-    from tuneline.stages.pipeline import STAGE_NAMES
+    from tuneline.stages.pipeline import STAGE_NAMES, stage_names
 
     if until is not None and until not in STAGE_NAMES:
         _fail(f"unknown stage {until!r} for --until; stages are: {', '.join(STAGE_NAMES)}")
     cfg = _load(config, workdir)
     _refuse(lambda: preflight.check_paths(cfg))
-    names = STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES
+    every = stage_names(cfg)
+    if until is not None and until not in every:
+        _fail(f"--until {until}: the {until} stage is off in this config (it runs: {', '.join(every)})")
+    names = every[:every.index(until) + 1] if until else every
     runs = None if force else _nothing_to_run(cfg, names)
     if runs is None:
         def call():

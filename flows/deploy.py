@@ -39,7 +39,10 @@ def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
     out = []
     # Every stage but scan (which only reads image headers) wants the accelerator, and so does the pipeline,
     # which runs every stage in its own process.
-    for name, fl in [("pipeline", pipeline_flow), *STAGE_FLOWS.items()]:
+    from tuneline.stages.pipeline import stage_names
+
+    on = stage_names(cfg)  # the caption stage only with caption.model set
+    for name, fl in [("pipeline", pipeline_flow), *((n, f) for n, f in STAGE_FLOWS.items() if n in on)]:
         out.append(fl.to_deployment(
             name=deployment_name(name), parameters=params, work_pool_name=cpu_pool if name == "scan" else gpu_pool,
             tags=TAGS, schedules=_schedules(cfg) if name == "pipeline" else [], description=fl.description,

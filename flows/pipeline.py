@@ -15,15 +15,17 @@ from tuneline.flows.stage_flows import STAGE_FLOWS
 from tuneline.flows.summary import timed_stage
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lock import run_lease
-from tuneline.stages.pipeline import STAGE_NAMES
+from tuneline.stages.pipeline import stage_names
 
 
 @flow(name="tuneline-pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig, force: bool = False, until: str | None = None) -> dict[str, dict]:
-    """scan -> latents -> text -> train -> validate. `force` rebuilds every stage; `until` stops after that stage.
+    """scan -> (caption) -> latents -> text -> train -> validate. `force` rebuilds every stage; `until` stops after
+    that stage.
 
     Returns per stage its path, seconds and whether it was built (for the run's summary)."""
-    names = STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until in STAGE_NAMES else STAGE_NAMES
+    every = stage_names(config)
+    names = every[:every.index(until) + 1] if until in every else every
     if not preflight.checked_in_this_process:  # a run from a deployment: nothing checked the paths yet
         try:
             preflight.check_paths(config)

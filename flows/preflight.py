@@ -91,11 +91,14 @@ def check_paths(cfg: PipelineConfig) -> None:
                       + ": fix them in the config (or copy the files there)")
 
 
-def upstream_chain(name: str) -> list[str]:
-    """Every stage `name` depends on, directly or through another, in pipeline order."""
+def upstream_chain(name: str, cfg: PipelineConfig | None = None) -> list[str]:
+    """Every stage `name` depends on, directly or through another, in pipeline order (with `cfg`, the optional
+    stages it turns on, such as caption, count too)."""
+    from tuneline.stages.common.stage import active
     from tuneline.stages.pipeline import PIPELINE
 
-    by_name = {s.name: s for s in PIPELINE}
+    stages = active(cfg, PIPELINE) if cfg is not None else PIPELINE
+    by_name = {s.name: s for s in stages}
     needed: set[str] = set()
     todo = list(by_name[name].upstream)
     while todo:
@@ -103,13 +106,13 @@ def upstream_chain(name: str) -> list[str]:
         if u not in needed:
             needed.add(u)
             todo += by_name[u].upstream
-    return [s.name for s in PIPELINE if s.name in needed]
+    return [s.name for s in stages if s.name in needed]
 
 
 def upstream_refusal(cfg: PipelineConfig, name: str) -> str | None:
     """One message naming every upstream stage of `name` that is missing, stale or failing its checks, with one
     fix: `tuneline stage X` when exactly one is at fault, else `tuneline run --until NAME`. None = all fresh."""
-    chain = upstream_chain(name)
+    chain = upstream_chain(name, cfg)
     if not chain:
         return None
     from tuneline.stages.common.stage import StageContext, status

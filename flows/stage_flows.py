@@ -93,6 +93,12 @@ def scan_flow(config: PipelineConfig, force: bool = False) -> str:
     return checked_run("scan", config, force)
 
 
+@flow(name="tuneline-caption", log_prints=True)
+def caption_flow(config: PipelineConfig, force: bool = False) -> str:
+    """Caption images with a local vision-language model (caption.model; single process, batched)."""
+    return run_one("caption", config, force)
+
+
 @flow(name="tuneline-latents", log_prints=True)
 def latents_flow(config: PipelineConfig, force: bool = False) -> str:
     """Cache VAE latents in Zarr (single process)."""
@@ -117,5 +123,5 @@ def validate_flow(config: PipelineConfig, force: bool = False) -> str:
     return checked_run("validate", config, force)
 
 
-STAGE_FLOWS = {"scan": scan_flow, "latents": latents_flow, "text": text_flow, "train": train_flow,
+STAGE_FLOWS = {"scan": scan_flow, "caption": caption_flow, "latents": latents_flow, "text": text_flow, "train": train_flow,
                "validate": validate_flow}

@@ -19,7 +19,7 @@ from tuneline.flows.reporter import PrefectReporter
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lineage import Version
 
-FACTS = ("accepted", "rejected", "count", "encoded", "reused", "resumed", "step", "world_size", "mode",
+FACTS = ("accepted", "rejected", "count", "captioned", "encoded", "reused", "resumed", "step", "world_size", "mode",
          "class_separation_accuracy", "untrained_class_separation_accuracy", "color_accuracy",
          "untrained_color_accuracy")
 PLOT_WIDTH, PLOT_HEIGHT = 60, 10
@@ -44,6 +44,8 @@ def report_stage(rep: PrefectReporter, cfg: PipelineConfig, name: str, path: Pat
                          "sample grids rendered during training (latest last)")
     elif name == "validate":
         _report_validation(rep, cfg, path, m)
+    elif name == "caption":
+        rep.markdown("caption-samples", caption_markdown(path), f"sample captions of {path.name}")
 
 
 def summary_markdown(name: str, path: Path, m: dict, built: bool) -> str:
@@ -118,6 +120,24 @@ def _report_validation(rep: PrefectReporter, cfg: PipelineConfig, path: Path, m:
     where += f"\n\nfull size: [{grid}]({url})" if url else f"\n\nfull size: `{path / grid}`"
     rep.markdown("validate-grid", "\n".join([where, "", "| image | prompt | negative | seed |", "|---|---|---|---|",
                                              *rows]), f"validation images of {path.name}")
+
+
+def caption_markdown(path: Path, count: int = 8) -> str:
+    """A table of sample images (inline thumbnails) and their captions from a caption artifact."""
+    from tuneline.schemas.caption import CaptionManifest
+    from tuneline.stages.caption.export import image_paths, sample
+    from tuneline.stages.common.artifacts import ArtifactStore
+
+    store = ArtifactStore(path.parents[2])
+    picked = sample(path, count)
+    files = image_paths(store, store.read(path, CaptionManifest), picked)
+    lines = ["| image | caption | source |", "|---|---|---|"]
+    for r, f in zip(picked, files):
+        thumb = inline_png(f, side=128, max_bytes=20_000) if f is not None else None
+        cell = f"![{r['ref']}]({thumb})" if thumb else f"`{r['ref']}`"
+        text = r["caption"].replace("|", "\\|")
+        lines.append(f"| {cell} | {text} | {r['source']} |")
+    return "\n".join(lines)
 
 
 def inline_png(file: Path, side: int = THUMB_SIDE, max_bytes: int = THUMB_BYTES) -> str | None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from tuneline.schemas import checks
 from tuneline.schemas.base import ConfigPath, Strict
+from tuneline.schemas.caption import CaptionConfig
 from tuneline.schemas.latents import LatentsConfig
 from tuneline.schemas.model import ModelConfig
 from tuneline.schemas.ops import OpsConfig
@@ -38,6 +39,8 @@ class PipelineConfig(Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     buckets: BucketConfig = Field(default_factory=BucketConfig)
     latents: LatentsConfig = Field(default_factory=LatentsConfig)
+    caption: CaptionConfig = Field(default_factory=CaptionConfig, description="captions from a vision-language "
+                                   "model (the caption stage, on when caption.model is set)")
     text: TextConfig = Field(default_factory=TextConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
@@ -68,6 +71,10 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _cross_field(self) -> PipelineConfig:
         problems = checks.problems(self)
+        if self.caption.enabled and self.dataset.empty_caption == "reject":
+            problems.append("caption.model is set but dataset.empty_caption is reject: the scan would reject the "
+                            "images without a caption before the caption stage sees them; set dataset.empty_caption "
+                            "to keep (or unset caption.model)")
         if problems:
             raise ValueError("\n".join(problems))
         size = len(json.dumps(self.dump()))

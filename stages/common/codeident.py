@@ -22,6 +22,7 @@ FAMILIES = ("stages/families/*.py", "schemas/families.py")
 SOURCES: dict[str, tuple[str, ...]] = {
     "scan": ("stages/scan/*.py", "stages/common/sizing.py", "schemas/scan.py"),
     "latents": ("stages/latents/*.py", "stages/common/sizing.py", *FAMILIES),
+    "caption": ("stages/caption/*.py", "schemas/caption.py"),
     "text": ("stages/text/*.py", *FAMILIES),
     "train": ("stages/train/*.py", "stages/latents/reader.py", "stages/text/live.py", "stages/text/store.py",
               "stages/render/*.py", *FAMILIES),
@@ -30,6 +31,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
 LIBRARIES: dict[str, tuple[str, ...]] = {
     "scan": ("pillow",),
     "latents": ("torch", "diffusers", "pillow"),
+    "caption": ("torch", "transformers", "tokenizers", "pillow"),
     "text": ("torch", "transformers", "tokenizers"),
     "train": ("torch", "diffusers", "peft"),
     "validate": ("torch", "diffusers", "transformers", "pillow"),

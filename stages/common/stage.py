@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,18 @@ class StageDef:
     # check(ctx, upstream manifests): the facts this stage relies on match; raise ArtifactError otherwise
     check: Callable[[StageContext, dict[str, Manifest]], None] | None = None
     content_addressed: bool = False
+    # enabled(cfg): whether the stage is part of this config's pipeline (None = always; caption: caption.model set)
+    enabled: Callable[[PipelineConfig], bool] | None = None
+    # Stages read only when they are on (text reads the caption stage's captions when it runs): then upstream.
+    optional_upstream: tuple[str, ...] = ()
+
+
+def active(cfg: PipelineConfig, stages: list[StageDef]) -> list[StageDef]:
+    """The stages this config runs, each with the optional upstreams that are on added to its upstream."""
+    on = [s for s in stages if s.enabled is None or s.enabled(cfg)]
+    names = {s.name for s in on}
+    return [replace(s, upstream=s.upstream + tuple(u for u in s.optional_upstream if u in names))
+            if s.optional_upstream else s for s in on]
 
 
 @dataclass
@@ -172,6 +184,7 @@ def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | No
 
 def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
     store = ctx.store
+    stages = active(ctx.cfg, stages)
     exp = expected_versions(ctx, stages)
     rows: list[StageStatus] = []
     for sd in stages:
@@ -228,7 +241,10 @@ def load_upstream(ctx: StageContext, sd: StageDef, by_name: dict[str, StageDef],
 
 def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[Path, bool]:
     """Build `sd` unless a fresh version exists. Returns (artifact dir, built?)."""
-    by_name = {s.name: s for s in stages}
+    by_name = {s.name: s for s in active(ctx.cfg, stages)}
+    if sd.enabled is not None and not sd.enabled(ctx.cfg):
+        raise StageFailed(f"stage {sd.name} is off in this config (it runs when {sd.name}.model is set)")
+    sd = by_name.get(sd.name, sd)
     chain = _chain(sd, by_name)
     exp = expected_versions(ctx, chain)
     ctx.cache["expected"] = {name: v for name, (v, _) in exp.items()}  # for checks that must name the culprit

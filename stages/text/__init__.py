@@ -40,4 +40,4 @@ def _build(ctx, work, upstream):
 
 
 STAGE = StageDef(name="text", upstream=("scan",), code_version=CODE_VERSION, manifest_cls=TextManifest,
-                 config=_config, inputs=_inputs, build=_build)
+                 config=_config, inputs=_inputs, build=_build, optional_upstream=("caption",))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tuneline.schemas.scan import ScanManifest
 from tuneline.schemas.text import PADDING
+from tuneline.stages.caption import upstream_captions
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.stage import key_parts
 from tuneline.stages.families import resolve as models
@@ -28,7 +29,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     cfg = ctx.cfg
     scan: ScanManifest = upstream["scan"]
     augment = TagAugment.from_config(cfg.text)
-    captions = unique_captions(models.artifact_dir(ctx, scan))
+    from_stage = upstream_captions(ctx, upstream)  # with the caption stage on, its captions (scan order)
+    captions = list(dict.fromkeys(from_stage.values())) if from_stage is not None else \
+        unique_captions(models.artifact_dir(ctx, scan))
     fam = models.family(cfg)
     facts = {"enabled": cfg.text.enabled, "family": fam.facts.name, "encoder_identity": models.identity(ctx, "text"),
              "max_length": effective_max_length(cfg), "padding": PADDING, "variants": augment.variants,

@@ -91,4 +91,5 @@ def _build(ctx, work, upstream):
 
 
 STAGE = StageDef(name="train", upstream=("latents", "text"), code_version=CODE_VERSION,
-                 manifest_cls=TrainManifest, config=_config, inputs=_inputs, build=_build, check=_check)
+                 manifest_cls=TrainManifest, config=_config, inputs=_inputs, build=_build, check=_check,
+                 optional_upstream=("caption",))

@@ -23,6 +23,7 @@ from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.sources import dataset_sources
 from tuneline.schemas.text import TextManifest
+from tuneline.stages.caption import captions_by_ref
 from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.families import resolve as models
@@ -84,6 +85,9 @@ def setup(spec: dict) -> Run:
     scan_dir = store.version_dir("scan", lat.upstream["scan"])
     store.read(scan_dir, ScanManifest)
     every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
+    if "caption" in up:  # the caption stage is on: its captions (trigger included) are the ones trained on
+        captions = captions_by_ref(up["caption"])
+        every = [r.model_copy(update={"caption": captions[r.ref]}) for r in every]
     records = {r.ref: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
     # The text cache, or live encoders when the text artifact was built with text.enabled false.

@@ -37,4 +37,4 @@ def _build(ctx, work, upstream):
 
 STAGE = StageDef(name="validate", upstream=("train", "latents"), code_version=CODE_VERSION,
                  manifest_cls=ValidateManifest, config=_config, inputs=_inputs, build=_build,
-                 check=_check)
+                 check=_check, optional_upstream=("caption",))

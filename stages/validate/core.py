@@ -5,6 +5,7 @@ from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.caption import upstream_captions
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
@@ -55,7 +56,7 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
     shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
     scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
     try:
-        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape)
+        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape, upstream_captions(ctx, upstream))
     except ValueError as err:
         ctx.log.warning("learning check skipped: %s", err)
         return {}

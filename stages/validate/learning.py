@@ -24,9 +24,11 @@ CHECK_SEED = 1000  # check samples use seeds CHECK_SEED + i, apart from the vali
 
 
 def class_means(latents_dir: Path, manifest: LatentsManifest, scan_dir: Path,
-                shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
-    """Per demo class, the mean scaled latent of the cached images whose latent has `shape` (C, H, W)."""
-    captions = {r["path"]: r["caption"] for r in read_jsonl(scan_dir / "images.jsonl")}
+                shape: tuple[int, int, int], captions: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Per demo class, the mean scaled latent of the cached images whose latent has `shape` (C, H, W); classes
+    from `captions` (by image ref: the caption stage's, when on) or the scan's records."""
+    if captions is None:
+        captions = {r["path"]: r["caption"] for r in read_jsonl(scan_dir / "images.jsonl")}
     buckets = {b.array: b for b in manifest.buckets if tuple(b.shape) == tuple(shape)}
     if not buckets:
         raise ValueError(f"no cached bucket has latents of shape {shape} to compare samples with; render the "

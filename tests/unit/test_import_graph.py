@@ -4,7 +4,7 @@
     stages.common      artifact store, hashing, locks, sizing: no family or stage code
     stages.families    model family adapters (loading, layouts, text encoding)
     stages.render      what training and validation share to look at a model (renderer, prompt cache, plots)
-    stage packages     scan, latents, text, train, validate
+    stage packages     scan, caption, latents, text, train, validate
     stages             the pipeline's definition
     flows              Prefect flows and the CLI
 
@@ -19,12 +19,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"schemas": "tuneline.schemas", "stages": "tuneline.stages", "flows": "tuneline.flows"}
-STAGES = ("scan", "latents", "text", "train", "validate")
+STAGES = ("scan", "caption", "latents", "text", "train", "validate")
 RANK = {"schemas": 0, "common": 1, "families": 2, "render": 3, "stage": 4, "stages": 5, "flows": 6}
 # The public reading side of each stage's artifact: how another stage reads what it published.
 ARTIFACT_READERS = {
     "tuneline.stages.scan.images",  # decode an image the scan recorded, as the scan decoded it
     "tuneline.stages.scan.masks",  # where the scan's mask images are
+    "tuneline.stages.caption",  # the stage definition and its captions by image (text, train, validate read them)
     "tuneline.stages.latents",  # the stage definition
     "tuneline.stages.latents.reader",
     "tuneline.stages.latents.store",
