@@ -121,6 +121,11 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
     if name not in STAGE_NAMES:
         _fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
     cfg = _load(config, workdir)
+    from tuneline.stages.pipeline import stage_names
+
+    if name not in stage_names(cfg):  # refused before any Prefect server starts
+        _fail(f"stage {name} is off in this config: set {name}.model (a local vision-language model folder, or "
+              f"tiny) to run it")
     from tuneline.flows.stage_flows import STAGE_FLOWS
 
     try:
