@@ -192,6 +192,11 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
         _fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
     cfg = _load(config, workdir)
     from tuneline.flows import preflight
+    from tuneline.stages.pipeline import stage_names
+
+    if name not in stage_names(cfg):  # refused before any Prefect server starts
+        _fail(f"stage {name} is off in this config: set {name}.model (a local vision-language model folder, or "
+              f"tiny) to run it")
 
     _refuse(lambda: preflight.check_stage(cfg, name))
 

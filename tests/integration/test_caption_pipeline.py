@@ -132,3 +132,9 @@ def test_what_a_change_rebuilds_with_captions(run, tmp_path, change, rebuilt):
             assert {k for k in after if after[k]["caption"] != before[k]} == {"img0.png"}
         m = json.loads((path / "manifest.json").read_text())
         assert (m["captioned"], m["reused"]) == (0, len(COLORS) - 1)
+
+
+def test_stage_caption_refused_when_off(tmp_path):
+    out = tuneline("stage", "caption", "--workdir", str(tmp_path / "w"), cwd=tmp_path)
+    assert out.returncode == 1 and "stage caption is off in this config: set caption.model" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "w" / "artifacts" / "caption").exists()
