@@ -1,4 +1,11 @@
-"""The one interface every model family implements. Generic code calls these; it never tests a family name."""
+"""The one interface every model family implements. Generic code calls these; it never tests a family name.
+
+A family is one folder, stages/families/<name>/ (see stages/families/README.md): adapter.py (this interface),
+optional parts the generic code finds through registry.family_part: lora.py (KOHYA_LAYOUT, the layout's name, and
+kohya_target(path, denoiser) -> kohya_layout.Target | None: where a trained diffusers module lands in the kohya
+file), shipped.py (SIGNATURE: the released model's tensor shapes its shipped config describes), and anything else
+only the family uses (latent packing, single-file layout). Its pure-data facts are its row in schemas/families.py.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,6 +50,10 @@ class Family(Protocol):
         """A diffusers folder for this family: `path` (folder, or a single checkpoint converted once into
         `cache_dir`, its configs from the diffusers folder `config` when given), or for None the family's tiny random-init flavor built deterministically in `cache_dir`.
         Raises ValueError naming the missing component / file."""
+
+    def single_file_denoiser(self, file: Path, config: Path) -> Any | None:
+        """The denoiser of an original-layout .safetensors file when the family reads that layout itself (configs
+        from the diffusers folder `config`); None: diffusers' from_single_file converts it."""
 
     def identity(self, model_dir: Path, component: str) -> str:
         """Stable hash of a component's config + weights ('vae', 'text', 'denoiser')."""

@@ -10,7 +10,7 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, facts
 from tuneline.stages.families.base import MicroCond
 from tuneline.stages.families.common import unwrap
-from tuneline.stages.families.flux import image_ids, pack_latents, unpack_latents
+from tuneline.stages.families.flux.adapter import image_ids, pack_latents, unpack_latents
 from tuneline.stages.families.folders import required_components
 from tuneline.stages.families.registry import family_names, get_family
 from tuneline.stages.families.vocab import (
