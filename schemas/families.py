@@ -90,6 +90,11 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
                                                ("text_encoder_2", ("text_encoders.t5xxl.",))),
                         shipped_config="FLUX.1-dev", kohya_base_version="flux1", modelspec_arch="flux-1-dev",
                         modelspec_impl="https://github.com/black-forest-labs/flux"),
+    # Latents are normalised per channel (the VAE config's latents_mean/std); the scalars are the identity.
+    "qwen_image": FamilyFacts("qwen_image", 8, 2, 16, 1.0, 0.0, "flow_matching", 512, max_length_limit=1024,
+                              negative_needs_guidance=False, pipeline="QwenImagePipeline", denoiser="transformer",
+                              kohya_base_version="qwen_image", modelspec_arch="qwen-image",
+                              modelspec_impl="https://github.com/QwenLM/Qwen-Image"),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).
 FamilyName = Literal[tuple(FAMILY_FACTS)]  # type: ignore[valid-type]

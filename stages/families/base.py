@@ -17,10 +17,24 @@ import torch
 from tuneline.schemas.families import FamilyFacts
 
 
-def scale_latents(x: torch.Tensor, scaling: float, shift: float) -> torch.Tensor:
+def scale_latents(x: torch.Tensor, scaling: float | torch.Tensor, shift: float | torch.Tensor) -> torch.Tensor:
     """Cached latents are the VAE's raw distribution; the denoiser sees (z - shift) * scale (training, and the
-    validate stage comparing renders with cached latents)."""
+    validate stage comparing renders with cached latents). Per-channel factors are (C, 1, 1) tensors
+    (latent_affine), moved to x's device and dtype."""
+    if isinstance(scaling, torch.Tensor):
+        scaling, shift = scaling.to(x.device, x.dtype), shift.to(x.device, x.dtype)
     return (x - shift) * scaling
+
+
+def latent_affine(manifest: Any) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(scaling, shift) for scale_latents from a latents manifest. With per-channel statistics (a VAE normalised
+    as ((z - mean) / std - shift) * scaling) they are (C, 1, 1) tensors: scaling / std and mean + shift * std."""
+    mean, std = getattr(manifest, "latents_mean", None), getattr(manifest, "latents_std", None)
+    if mean is None or std is None:
+        return manifest.scaling_factor, manifest.shift_factor
+    m = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+    return manifest.scaling_factor / s, m + manifest.shift_factor * s
 
 
 @dataclass
@@ -66,6 +80,10 @@ class Family(Protocol):
 
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         """(scaling_factor, shift_factor) from the VAE's own config, facts as fallback."""
+
+    def latent_stats(self, vae: torch.nn.Module) -> tuple[list[float], list[float]] | None:
+        """Per-channel (mean, std) the pipeline normalises latents with before scaling_factor/shift_factor, or
+        None (scalars only). The latents manifest records them."""
 
     # Text ------------------------------------------------------------------------------------
     def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,

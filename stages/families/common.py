@@ -139,6 +139,9 @@ class DiffusersFamily:
             encoder.decoder = None  # caching only encodes: the decoder is half the VAE's memory
         return encoder
 
+    def latent_stats(self, vae: torch.nn.Module) -> tuple[list[float], list[float]] | None:
+        return None
+
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         cfg = vae.config
         scale = getattr(cfg, "scaling_factor", None)

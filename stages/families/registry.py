@@ -21,6 +21,7 @@ _ADAPTERS: dict[str, str] = {
     "sdxl": "SDXLFamily",
     "sd3": "SD3Family",
     "flux": "FluxFamily",
+    "qwen_image": "QwenImageFamily",
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

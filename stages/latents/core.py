@@ -129,12 +129,14 @@ def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResu
     buckets = [{"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
                for j, r in zip(jobs, results) if r.index]
     scale, shift = fam.vae_factors(vae)
+    stats = fam.latent_stats(vae) or (None, None)
     counts = {k: sum(getattr(r, k) for r in results) for k in ("encoded", "reused", "resumed")}
     ctx.log.info("latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
                  len(index), counts["encoded"], counts["reused"], counts["resumed"], len(rejected))
     return {"family": fam.facts.name, "vae_identity": models.identity(ctx, "vae"), "vae_dtype": vae_dtype,
             "vae_factor": fam.facts.vae_factor, "latent_channels": fam.facts.latent_channels,
-            "scaling_factor": scale, "shift_factor": shift, "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
+            "scaling_factor": scale, "shift_factor": shift, "latents_mean": stats[0], "latents_std": stats[1],
+            "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
             "block_rows": cfg.latents.block_rows, "size_policy": size_policy(cfg), "buckets": buckets,
             "count": len(index), "rejected": len(rejected), **counts}
 
