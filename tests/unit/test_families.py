@@ -170,3 +170,19 @@ def test_bad_paths_are_named(tmp_path):
     with pytest.raises(ValueError, match=rf"cannot load {junk} as a single-file 'sdxl' checkpoint"):
         fam.ensure_model(str(junk), tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir()], "a failed conversion must leave nothing behind"
+
+
+def test_per_channel_statistics_normalise_as_the_pipeline_does():
+    """With latents_mean/std the denoiser sees ((z - mean) / std - shift) * scaling per channel; without them, the
+    scalars (old manifests)."""
+    from types import SimpleNamespace
+
+    from tuneline.stages.families.base import latent_affine, scale_latents
+
+    z = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    mean, std = [0.5, -1.0, 2.0], [2.0, 0.5, 4.0]
+    m = SimpleNamespace(scaling_factor=1.0, shift_factor=0.0, latents_mean=mean, latents_std=std)
+    want = (z - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    torch.testing.assert_close(scale_latents(z, *latent_affine(m)), want)
+    old = SimpleNamespace(scaling_factor=0.5, shift_factor=0.1)
+    torch.testing.assert_close(scale_latents(z, *latent_affine(old)), (z - 0.1) * 0.5)
