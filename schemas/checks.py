@@ -14,12 +14,14 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tuneline.schemas.families import FamilyFacts, facts
+from tuneline.schemas.families import FamilyFacts, facts, family_list
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module, never the other way round
     from tuneline.schemas.config import PipelineConfig
 
-SINGLE_FILE_FAMILIES = ("sd15", "tiny", "sdxl")  # train.export_single_file: stages/train/singlefile_export.py writes these
+# train.export_single_file: stages/train/singlefile_export.py writes these (their schemas/families.py rows say so).
+SINGLE_FILE_FAMILIES = family_list(lambda f: f.single_file_export)
+FLOW_FAMILIES = family_list(lambda f: f.prediction == "flow_matching")
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (docs/design.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
 MAX_AREA_MEGAPIXELS = 16.0
@@ -147,9 +149,9 @@ def _training_mode(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         problems.append(f"train.mixed_precision {t.mixed_precision} needs a CUDA device and model.device is cpu, "
                         f"where training runs in float32; set train.mixed_precision to auto or no, or model.device "
                         f"to cuda/auto")
-    if t.export_single_file and fam.name not in SINGLE_FILE_FAMILIES:
+    if t.export_single_file and not fam.single_file_export:
         problems.append(f"train.export_single_file: model.family {fam.name} has no single-file export (supported: "
-                        f"{', '.join(SINGLE_FILE_FAMILIES)}); set train.export_single_file false")
+                        f"{SINGLE_FILE_FAMILIES}); set train.export_single_file false")
     if t.lora_alpha is not None and t.mode != "lora":
         problems.append(f"train.lora_alpha {t.lora_alpha:g} has no effect with train.mode {t.mode}; set "
                         f"train.mode lora or train.lora_alpha null")
@@ -180,10 +182,12 @@ def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
                        f"(flow matching); use auto")
     else:
         if t.timestep_sampling != "uniform":
-            out.append(f"train.timestep_sampling {t.timestep_sampling} is for flow-matching families (sd3, flux); "
+            out.append(f"train.timestep_sampling {t.timestep_sampling} is for flow-matching families "
+                       f"({FLOW_FAMILIES}); "
                        f"model.family {fam.name} samples DDPM timesteps uniformly: use uniform")
         if t.timestep_shift != "auto":
-            out.append(f"train.timestep_shift {t.timestep_shift} is for flow-matching families (sd3, flux); "
+            out.append(f"train.timestep_shift {t.timestep_shift} is for flow-matching families "
+                       f"({FLOW_FAMILIES}); "
                        f"model.family {fam.name} has no shift: use auto")
     return out
 

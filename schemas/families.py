@@ -30,6 +30,20 @@ class FamilyFacts:
     tokenizers: tuple[str, ...] = ("tokenizer",)
     # Bump when the tiny flavor's configs or tokenizer change, so stale cached folders are not reused.
     tiny_revision: str = "1"
+    # Released checkpoints exist (single files are recognised by checkpoint_marker, a tensor-name prefix only this
+    # family's original layout has; "model.diffusion_model." is looked through) and their weighted components
+    # other than the denoiser, by original-layout prefix.
+    released: bool = True
+    checkpoint_marker: str = ""
+    checkpoint_components: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # A weightless config of the released model ships in stages/families/configs/<name>/ (model.config: <name>).
+    shipped_config: str = ""  # its title, e.g. "SD1.5"; empty: none ships
+    # train.export_single_file writes the whole model in the original (LDM) layout.
+    single_file_export: bool = False
+    # LoRA file headers: kohya's ss_base_model_version and the SAI model spec's architecture and implementation.
+    kohya_base_version: str = ""
+    modelspec_arch: str = ""
+    modelspec_impl: str = "diffusers"
 
     @property
     def alignment(self) -> int:
@@ -38,21 +52,60 @@ class FamilyFacts:
 
 
 # Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values (tiny: measured on its pretrained demo VAE,
-# see stages/families/tiny.py); a real model's own VAE config wins at run time.
+# see stages/families/tiny/adapter.py); a real model's own VAE config wins at run time.
+_VAE = ("first_stage_model.", "vae.")
+_SGM = "https://github.com/Stability-AI/generative-models"
 FAMILY_FACTS: dict[str, FamilyFacts] = {
-    "tiny": FamilyFacts("tiny", 8, 1, 4, 0.6722, 0.0, "epsilon", 16, max_length_limit=16, tiny_revision="3"),
-    "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77, max_length_limit=77),
+    "tiny": FamilyFacts("tiny", 8, 1, 4, 0.6722, 0.0, "epsilon", 16, max_length_limit=16, tiny_revision="3",
+                        released=False, checkpoint_marker="cond_stage_model.transformer.",
+                        checkpoint_components=(("vae", _VAE), ("text_encoder", ("cond_stage_model.",))),
+                        single_file_export=True, kohya_base_version="sd_v1", modelspec_arch="stable-diffusion-v1"),
+    "sd15": FamilyFacts("sd15", 8, 1, 4, 0.18215, 0.0, "epsilon", 77, max_length_limit=77,
+                        checkpoint_marker="cond_stage_model.transformer.",
+                        checkpoint_components=(("vae", _VAE), ("text_encoder", ("cond_stage_model.",))),
+                        shipped_config="SD1.5", single_file_export=True, kohya_base_version="sd_v1",
+                        modelspec_arch="stable-diffusion-v1", modelspec_impl=_SGM),
     "sdxl": FamilyFacts("sdxl", 8, 1, 4, 0.13025, 0.0, "epsilon", 77, max_length_limit=77,
                         pipeline="StableDiffusionXLPipeline", text_encoders=("text_encoder", "text_encoder_2"),
-                        tokenizers=("tokenizer", "tokenizer_2")),
+                        tokenizers=("tokenizer", "tokenizer_2"), checkpoint_marker="conditioner.embedders.1.",
+                        checkpoint_components=(("vae", _VAE), ("text_encoder", ("conditioner.embedders.0.",)),
+                                               ("text_encoder_2", ("conditioner.embedders.1.",))),
+                        shipped_config="SDXL base 1.0", single_file_export=True,
+                        kohya_base_version="sdxl_base_v1-0", modelspec_arch="stable-diffusion-xl-v1-base",
+                        modelspec_impl=_SGM),
     "sd3": FamilyFacts("sd3", 8, 2, 16, 1.5305, 0.0609, "flow_matching", 77, max_length_limit=512,
                        pipeline="StableDiffusion3Pipeline", denoiser="transformer",
                        text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
-                       tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3")),
+                       tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"), checkpoint_marker="joint_blocks.",
+                       checkpoint_components=(("vae", _VAE), ("text_encoder", ("text_encoders.clip_l.",)),
+                                              ("text_encoder_2", ("text_encoders.clip_g.",)),
+                                              ("text_encoder_3", ("text_encoders.t5xxl.",))),
+                       shipped_config="SD3 medium", kohya_base_version="sd3",
+                       modelspec_arch="stable-diffusion-3-medium", modelspec_impl="https://github.com/Stability-AI/sd3-ref"),
     "flux": FamilyFacts("flux", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
                         negative_needs_guidance=False, pipeline="FluxPipeline", denoiser="transformer",
-                        text_encoders=("text_encoder", "text_encoder_2"), tokenizers=("tokenizer", "tokenizer_2")),
+                        text_encoders=("text_encoder", "text_encoder_2"), tokenizers=("tokenizer", "tokenizer_2"),
+                        checkpoint_marker="double_blocks.",
+                        checkpoint_components=(("vae", _VAE), ("text_encoder", ("text_encoders.clip_l.",)),
+                                               ("text_encoder_2", ("text_encoders.t5xxl.",))),
+                        shipped_config="FLUX.1-dev", kohya_base_version="flux1", modelspec_arch="flux-1-dev",
+                        modelspec_impl="https://github.com/black-forest-labs/flux"),
+    # Latents are normalised per channel (the VAE config's latents_mean/std); the scalars are the identity.
+    "qwen_image": FamilyFacts("qwen_image", 8, 2, 16, 1.0, 0.0, "flow_matching", 512, max_length_limit=1024,
+                              negative_needs_guidance=False, pipeline="QwenImagePipeline", denoiser="transformer",
+                              kohya_base_version="qwen_image", modelspec_arch="qwen-image",
+                              modelspec_impl="https://github.com/QwenLM/Qwen-Image"),
 }
+# The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).
+FamilyName = Literal[tuple(FAMILY_FACTS)]  # type: ignore[valid-type]
+DEFAULT_FAMILY: str = next(iter(FAMILY_FACTS))
+# model.config names of the weightless shipped configs (stages/families/configs/<name>/), each its family's.
+SHIPPED_CONFIGS: dict[str, str] = {n: n for n, f in FAMILY_FACTS.items() if f.shipped_config}
+
+
+def family_list(pick) -> str:
+    """Comma-separated names of the families whose facts pass `pick` (for help texts and messages)."""
+    return ", ".join(n for n, f in FAMILY_FACTS.items() if pick(f))
 
 
 def facts(name: str) -> FamilyFacts:

@@ -51,6 +51,10 @@ class LatentsManifest(Manifest):
     latent_channels: int
     scaling_factor: float = Field(description="the denoiser sees (latent - shift_factor) * scaling_factor")
     shift_factor: float
+    # Optional (older manifests have none): with them the denoiser sees ((latent - mean) / std - shift) * scaling.
+    latents_mean: list[float] | None = Field(None, description="per-channel mean the VAE's latents are normalised "
+                                             "with (e.g. Qwen-Image), null: none")
+    latents_std: list[float] | None = Field(None, description="per-channel std, with latents_mean")
     dtype: str = Field(description="stored dtype of mean and std")
     flip: bool = Field(description="flip_mean / flip_std arrays hold the horizontally flipped images")
     block_rows: int = Field(description="rows per block = per Zarr chunk")

@@ -6,28 +6,29 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tuneline.schemas.base import ConfigPath, Strict
+from tuneline.schemas.families import DEFAULT_FAMILY, FAMILY_FACTS, SHIPPED_CONFIGS, FamilyName
 
-FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux"]
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
 # denoiser use them. No stage keeps weights in fp8 while computing in bf16, so fp8 is refused up front.
-# Weightless pipeline folders shipped in stages/families/configs/ (name -> family): model.config may name one.
-SHIPPED_CONFIGS = {"sd15": "sd15", "sdxl": "sdxl", "sd3": "sd3", "flux": "flux"}
+# Weightless pipeline folders shipped in stages/families/configs/ (SHIPPED_CONFIGS, name -> family): model.config
+# may name one.
 FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "fp8")
 
 
 class ModelConfig(Strict):
-    family: FamilyName = "tiny"
+    family: FamilyName = DEFAULT_FAMILY
     path: Annotated[str | None, ConfigPath()] = Field(
         None, description="local diffusers folder or single checkpoint file (relative: against the workdir); null = "
                           "the family's built-in tiny random-init flavor")
     config: Annotated[str | None, ConfigPath(keywords=tuple(SHIPPED_CONFIGS))] = Field(
-        None, description="with model.path a single checkpoint file: a shipped config (sd15 = SD1.5, sdxl = SDXL "
-                          "base 1.0, sd3 = SD3 medium, flux = FLUX.1-dev: configs and tokenizers, no weights) or a "
-                          "local diffusers folder of the same model (./sd15 for a folder so named) whose configs and "
-                          "tokenizers describe the file's model, so the file loads offline; components the file "
-                          "lacks (the VAE and text encoders of a transformer-only flux/sd3 file) are loaded from "
-                          "that folder's weights; null = the family's shipped config when the file's shapes fit it")
+        None, description="with model.path a single checkpoint file: a shipped config ("
+                          + ", ".join(f"{n} = {FAMILY_FACTS[n].shipped_config}" for n in SHIPPED_CONFIGS)
+                          + ": configs and tokenizers, no weights) or a local diffusers folder of the same model "
+                          "(./name for a folder so named) whose configs and tokenizers describe the file's model, "
+                          "so the file loads offline; components the file lacks (the VAE and text encoders of a "
+                          "transformer-only file) are loaded from that folder's weights; null = the family's "
+                          "shipped config when the file's shapes fit it")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
                                                              "(fp8 is not supported: see FP8_DTYPES)")
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -6,6 +6,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tuneline.schemas.base import MAX_BATCH, ConfigPath, Manifest, Seed, Strict
+from tuneline.schemas.families import family_list
+
+_FLOW = family_list(lambda f: f.prediction == "flow_matching")
+_SINGLE = family_list(lambda f: f.single_file_export and f.released)
 
 # Past these no machine holds the run: more processes than any node has cores, a rank wider than any layer.
 MAX_PROCESSES = 1024
@@ -64,7 +68,7 @@ class TrainConfig(Strict):
                             "Forge), or both")
     export_single_file: bool = Field(False, description="full fine-tune: also write final/model.safetensors, the "
                                      "whole model as one file in the original (LDM) layout A1111/ComfyUI "
-                                     "checkpoint loaders read (sd15, sdxl)")
+                                     f"checkpoint loaders read ({_SINGLE})")
     metadata_captions: bool = Field(False, description="put the training captions' tag frequencies "
                                     "(ss_tag_frequency) into the LoRA files' metadata; off: no captions or "
                                     "dataset paths leave the run in a shared file")
@@ -83,10 +87,10 @@ class TrainConfig(Strict):
     ema_decay: float = Field(0.999, gt=0, lt=1)
     loss_weighting: Literal["auto", "none", "min_snr"] = Field(
         "auto", description="min_snr: Min-SNR-gamma weights (epsilon/v families); auto = min_snr for epsilon/v "
-                            "families, none for flow-matching ones (sd3, flux)")
+                            f"families, none for flow-matching ones ({_FLOW})")
     min_snr_gamma: float = Field(5.0, gt=0)
     timestep_sampling: Literal["uniform", "logit_normal", "sigmoid", "mode"] = Field(
-        "uniform", description="flow-matching families (sd3, flux): how sigma is drawn; logit_normal "
+        "uniform", description=f"flow-matching families ({_FLOW}): how sigma is drawn; logit_normal "
                                "(logit_mean, logit_std), sigmoid (sigmoid_scale), mode (mode_scale), or uniform")
     logit_mean: float = Field(0.0, description="timestep_sampling logit_normal: mean of logit(sigma)")
     logit_std: float = Field(1.0, gt=0, description="timestep_sampling logit_normal: std of logit(sigma)")

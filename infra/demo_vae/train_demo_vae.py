@@ -1,6 +1,6 @@
 """Pretrain the demo's tiny VAE on the demo's shape domain and write the weights the tiny family ships.
 
-    PYTHONPATH=. python infra/demo_vae/train_demo_vae.py            # writes stages/families/assets/demo_vae.safetensors
+    PYTHONPATH=. python infra/demo_vae/train_demo_vae.py            # writes stages/families/tiny/assets/demo_vae.safetensors
 
 Why a script outside the package: pretraining is a build step, run once by a developer, never by a workdir, a test
 or CI (they load the shipped file). Kept out of stages/families/, editing the recipe does not change the stages'
@@ -35,8 +35,8 @@ from PIL import Image, ImageDraw
 
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES  # noqa: E402
 from tuneline.schemas.families import FAMILY_FACTS  # noqa: E402
-from tuneline.stages.families.sd15 import tiny_vae  # noqa: E402
-from tuneline.stages.families.tiny import DEMO_VAE_FILE, POSTERIOR_LOGVAR  # noqa: E402
+from tuneline.stages.families.sd15.adapter import tiny_vae  # noqa: E402
+from tuneline.stages.families.tiny.adapter import DEMO_VAE_FILE, POSTERIOR_LOGVAR  # noqa: E402
 from tuneline.stages.scan.demo import RGB, SIZES, _draw  # noqa: E402
 
 SEED = 0

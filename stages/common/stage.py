@@ -19,7 +19,7 @@ from typing import Any
 from tuneline.schemas.base import Manifest
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore, fix_hint
-from tuneline.stages.common.codeident import library_versions
+from tuneline.stages.common.codeident import library_versions, stage_code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.report import Reporter
 
@@ -137,7 +137,8 @@ def reusable_previous(ctx: StageContext, stage: str, cls: type[Manifest]) -> tup
 
 def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict:
     inputs = sd.inputs(ctx, upstream) | {"libraries": library_versions(sd.name)}
-    return {"stage": sd.name, "code_version": sd.code_version, "config": sd.config(ctx.cfg), "inputs": inputs,
+    code_version = stage_code_version(sd.name, sd.code_version, ctx.cfg.model.family)  # + a bumped family's revision
+    return {"stage": sd.name, "code_version": code_version, "config": sd.config(ctx.cfg), "inputs": inputs,
             "upstream": upstream}
 
 
@@ -269,11 +270,11 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
         facts = sd.build(ctx, work, upstream)
         content = facts.pop("content_digest", None)
         if sd.content_addressed:  # settings that changed no output change no version
-            version = digest({"stage": sd.name, "code_version": sd.code_version, "content": content})
+            version = digest({"stage": sd.name, "code_version": parts["code_version"], "content": content})
         else:
             version = key
         manifest = sd.manifest_cls(stage=sd.name, fingerprint=version, upstream=parts["upstream"],
-                                   tool_version=TOOL_VERSION, code_version=sd.code_version,
+                                   tool_version=TOOL_VERSION, code_version=parts["code_version"],
                                    config=parts["config"], inputs=parts["inputs"], **facts)
         with ctx.publish_lock():
             path = store.publish(work, manifest)

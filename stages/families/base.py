@@ -1,4 +1,11 @@
-"""The one interface every model family implements. Generic code calls these; it never tests a family name."""
+"""The one interface every model family implements. Generic code calls these; it never tests a family name.
+
+A family is one folder, stages/families/<name>/ (see stages/families/README.md): adapter.py (this interface),
+optional parts the generic code finds through registry.family_part: lora.py (KOHYA_LAYOUT, the layout's name, and
+kohya_target(path, denoiser) -> kohya_layout.Target | None: where a trained diffusers module lands in the kohya
+file), shipped.py (SIGNATURE: the released model's tensor shapes its shipped config describes), and anything else
+only the family uses (latent packing, single-file layout). Its pure-data facts are its row in schemas/families.py.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,10 +17,24 @@ import torch
 from tuneline.schemas.families import FamilyFacts
 
 
-def scale_latents(x: torch.Tensor, scaling: float, shift: float) -> torch.Tensor:
+def scale_latents(x: torch.Tensor, scaling: float | torch.Tensor, shift: float | torch.Tensor) -> torch.Tensor:
     """Cached latents are the VAE's raw distribution; the denoiser sees (z - shift) * scale (training, and the
-    validate stage comparing renders with cached latents)."""
+    validate stage comparing renders with cached latents). Per-channel factors are (C, 1, 1) tensors
+    (latent_affine), moved to x's device and dtype."""
+    if isinstance(scaling, torch.Tensor):
+        scaling, shift = scaling.to(x.device, x.dtype), shift.to(x.device, x.dtype)
     return (x - shift) * scaling
+
+
+def latent_affine(manifest: Any) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """(scaling, shift) for scale_latents from a latents manifest. With per-channel statistics (a VAE normalised
+    as ((z - mean) / std - shift) * scaling) they are (C, 1, 1) tensors: scaling / std and mean + shift * std."""
+    mean, std = getattr(manifest, "latents_mean", None), getattr(manifest, "latents_std", None)
+    if mean is None or std is None:
+        return manifest.scaling_factor, manifest.shift_factor
+    m = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
+    return manifest.scaling_factor / s, m + manifest.shift_factor * s
 
 
 @dataclass
@@ -44,6 +65,10 @@ class Family(Protocol):
         `cache_dir`, its configs from the diffusers folder `config` when given), or for None the family's tiny random-init flavor built deterministically in `cache_dir`.
         Raises ValueError naming the missing component / file."""
 
+    def single_file_denoiser(self, file: Path, config: Path) -> Any | None:
+        """The denoiser of an original-layout .safetensors file when the family reads that layout itself (configs
+        from the diffusers folder `config`); None: diffusers' from_single_file converts it."""
+
     def identity(self, model_dir: Path, component: str) -> str:
         """Stable hash of a component's config + weights ('vae', 'text', 'denoiser')."""
 
@@ -55,6 +80,10 @@ class Family(Protocol):
 
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         """(scaling_factor, shift_factor) from the VAE's own config, facts as fallback."""
+
+    def latent_stats(self, vae: torch.nn.Module) -> tuple[list[float], list[float]] | None:
+        """Per-channel (mean, std) the pipeline normalises latents with before scaling_factor/shift_factor, or
+        None (scalars only). The latents manifest records them."""
 
     # Text ------------------------------------------------------------------------------------
     def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,

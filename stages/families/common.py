@@ -1,7 +1,7 @@
 """What every diffusers-based family shares: model folders, identities, loading, saving.
 
 A family adapter subclasses `DiffusersFamily` and supplies only what differs: its pipeline class, component names,
-tiny flavor, text encoding, denoiser call and prompt kwargs (see sd15.py for the smallest complete one).
+tiny flavor, text encoding, denoiser call and prompt kwargs (the SD1.5 adapter is the smallest complete one).
 """
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ class DiffusersFamily:
     def build_tiny(self, out_dir: Path) -> None:
         """Write the tiny random-init pipeline folder into `out_dir` (RNG already seeded)."""
         raise NotImplementedError
+
+    def single_file_denoiser(self, file: Path, config: Path) -> Any | None:
+        """The denoiser read from an original-layout .safetensors `file` (configs from the folder `config`), for a
+        family whose layout diffusers' own converter cannot read in general; None: diffusers converts it."""
+        return None
 
     @property
     def pipeline_class(self) -> type:
@@ -133,6 +138,9 @@ class DiffusersFamily:
             encoder = self.load_vae(model_dir, dtype, device)
             encoder.decoder = None  # caching only encodes: the decoder is half the VAE's memory
         return encoder
+
+    def latent_stats(self, vae: torch.nn.Module) -> tuple[list[float], list[float]] | None:
+        return None
 
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         cfg = vae.config

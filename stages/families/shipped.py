@@ -1,7 +1,7 @@
 """The weightless pipeline folders shipped in stages/families/configs/ (configs + tokenizers of the released model
 sizes), which let an original-layout single checkpoint file load offline without a local diffusers folder.
 
-A shipped folder describes one size of model; a file of another size (an SD2 checkpoint given as sd15, an inpainting
+A shipped folder describes one size of model; a file of another size (an SD2 checkpoint given as SD1.5, an inpainting
 UNet with 9 input channels, a pruned or custom-width model) would convert into garbage or fail deep in diffusers, so
 the file's shapes of a few telling tensors are compared first and a mismatch names model.config.
 """
@@ -10,51 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from tuneline.schemas.model import SHIPPED_CONFIGS
+from tuneline.stages.families.registry import family_part
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 UNET = "model.diffusion_model."
 
-# Original-layout tensor name -> shape in the released model: the UNet's first conv (latent channels), cross-attention
-# widths (the text encoder's width), the depth of the deepest transformer stack, and the text encoders' widths.
-SIGNATURES: dict[str, dict[str, tuple[int, ...]]] = {
-    "sd15": {
-        UNET + "input_blocks.0.0.weight": (320, 4, 3, 3),
-        UNET + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": (320, 768),
-        UNET + "middle_block.1.transformer_blocks.0.attn2.to_k.weight": (1280, 768),
-        "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": (49408, 768),
-        "first_stage_model.encoder.conv_in.weight": (128, 3, 3, 3),
-    },
-    "sdxl": {
-        UNET + "input_blocks.0.0.weight": (320, 4, 3, 3),
-        UNET + "input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight": (640, 2048),
-        UNET + "input_blocks.7.1.transformer_blocks.9.attn2.to_k.weight": (1280, 2048),
-        UNET + "label_emb.0.0.weight": (1280, 2816),
-        "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight": (49408, 768),
-        "conditioner.embedders.1.model.token_embedding.weight": (49408, 1280),
-        "first_stage_model.encoder.conv_in.weight": (128, 3, 3, 3),
-    },
-    # The MMDiT and Flux transformers' names as in the original files, with or without ComfyUI's
-    # "model.diffusion_model." prefix (BFL's flux1-dev.safetensors has none): the patch embedding (latent channels,
-    # width), the first and last block (width, depth), the text projections (T5 / pooled CLIP widths) and what
-    # tells SD3 medium from SD3.5 (its 384-position embedding) and FLUX.1-dev from schnell (no guidance input).
-    "sd3": {
-        "x_embedder.proj.weight": (1536, 16, 2, 2),
-        "pos_embed": (1, 192 * 192, 1536),
-        "joint_blocks.0.x_block.attn.qkv.weight": (3 * 1536, 1536),
-        "joint_blocks.23.context_block.attn.qkv.weight": (3 * 1536, 1536),
-        "context_embedder.weight": (1536, 4096),
-        "y_embedder.mlp.0.weight": (1536, 2048),
-    },
-    "flux": {
-        "img_in.weight": (3072, 64),
-        "double_blocks.0.img_attn.qkv.weight": (3 * 3072, 3072),
-        "double_blocks.18.img_attn.qkv.weight": (3 * 3072, 3072),
-        "single_blocks.37.linear1.weight": (3 * 3072 + 4 * 3072, 3072),
-        "txt_in.weight": (3072, 4096),
-        "vector_in.in_layer.weight": (3072, 768),
-        "guidance_in.in_layer.weight": (3072, 256),
-    },
-}
+# Original-layout tensor name -> shape in the released model (each family's stages/families/<name>/shipped.py): the
+# UNet's first conv (latent channels), cross-attention widths (the text encoder's width), the depth of the deepest
+# transformer stack, and the text encoders' widths.
+SIGNATURES: dict[str, dict[str, tuple[int, ...]]] = {n: family_part(n, "shipped").SIGNATURE for n in SHIPPED_CONFIGS}
 
 
 def shipped_dir(name: str) -> Path:

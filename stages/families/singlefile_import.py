@@ -3,7 +3,7 @@
 diffusers' `from_single_file` needs the pipeline's configs; with no model hub here they come from model.config (a
 shipped weightless folder, stages/families/shipped.py, or a local diffusers folder), and a failure becomes an error
 naming the file and the way out. Components the file has no tensors for (SD3/Flux files often hold only the
-transformer) are loaded from model.config's weights; Flux transformers are read by flux_layout.py at any width.
+transformer) are loaded from model.config's weights; a family may read its denoiser itself (single_file_denoiser).
 """
 from __future__ import annotations
 
@@ -14,30 +14,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tuneline.schemas.families import FAMILY_FACTS, facts
 from tuneline.schemas.model import SHIPPED_CONFIGS
 from tuneline.stages.families.shipped import resolve_config
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
 
-# The original checkpoints' families by a key prefix only that family's layout has (checked in this order; a
-# "model.diffusion_model." prefix, as ComfyUI and A1111 save flux/sd3, is looked through).
-LAYOUT_KEYS = (("sdxl", "conditioner.embedders.1."), ("sd15", "cond_stage_model.transformer."),
-               ("sd3", "joint_blocks."), ("flux", "double_blocks."))
-SAME_LAYOUT = {"tiny": "sd15"}  # the tiny family is SD1.5's architecture
-
-# Where each weighted component other than the denoiser lives in the original layouts. Many SD3 and Flux files hold
-# the denoiser alone (BFL's flux1-dev.safetensors, SD3 files without text encoders): diffusers then needs the rest
-# from elsewhere, so it is taken from model.config's weights, and a shipped (weightless) config is refused up front.
-_VAE = ("first_stage_model.", "vae.")
-COMPONENT_PREFIXES = {
-    "sd15": {"vae": _VAE, "text_encoder": ("cond_stage_model.",)},
-    "sdxl": {"vae": _VAE, "text_encoder": ("conditioner.embedders.0.",),
-             "text_encoder_2": ("conditioner.embedders.1.",)},
-    "sd3": {"vae": _VAE, "text_encoder": ("text_encoders.clip_l.",), "text_encoder_2": ("text_encoders.clip_g.",),
-            "text_encoder_3": ("text_encoders.t5xxl.",)},
-    "flux": {"vae": _VAE, "text_encoder": ("text_encoders.clip_l.",), "text_encoder_2": ("text_encoders.t5xxl.",)},
-}
+# The original checkpoints' families by a key prefix only that family's layout has (its schemas/families.py row:
+# checkpoint_marker; a "model.diffusion_model." prefix, as ComfyUI and A1111 save DiT files, is looked through).
+# Where each weighted component other than the denoiser lives is in the row too (checkpoint_components): many
+# transformer files hold the denoiser alone (BFL's flux1-dev.safetensors, SD3 files without text encoders): diffusers
+# then needs the rest from elsewhere, so it is taken from model.config's weights, and a shipped (weightless) config
+# is refused up front.
 
 
 def checkpoint_family(file: Path) -> str | None:
@@ -51,16 +40,17 @@ def checkpoint_family(file: Path) -> str | None:
             keys = [k.removeprefix("model.diffusion_model.") for k in f.keys()]
     except Exception:  # an unreadable file: the conversion below reports it with the way out
         return None
-    for name, prefix in LAYOUT_KEYS:
-        if any(k.startswith(prefix) for k in keys):
+    for name, f in FAMILY_FACTS.items():
+        if f.released and f.checkpoint_marker and any(k.startswith(f.checkpoint_marker) for k in keys):
             return name
     return None
 
 
-def missing_components(file: Path, layout: str) -> list[str]:
-    """The weighted components (vae, text_encoder...) a .safetensors file of `layout` has no tensors for ([] for a
+def missing_components(file: Path, family: str) -> list[str]:
+    """The weighted components (vae, text_encoder...) a .safetensors file of `family` has no tensors for ([] for a
     .ckpt or an unreadable file: diffusers then reports what it cannot find)."""
-    if file.suffix.lower() != ".safetensors" or layout not in COMPONENT_PREFIXES:
+    components = dict(facts(family).checkpoint_components)
+    if file.suffix.lower() != ".safetensors" or not components:
         return []
     from safetensors import safe_open
 
@@ -69,7 +59,7 @@ def missing_components(file: Path, layout: str) -> list[str]:
             keys = list(f.keys())
     except Exception:
         return []
-    return [c for c, prefixes in COMPONENT_PREFIXES[layout].items()
+    return [c for c, prefixes in components.items()
             if not any(k.startswith(prefixes) for k in keys)]
 
 
@@ -105,13 +95,13 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
     if not hasattr(family.pipeline_class, "from_single_file"):
         raise ValueError(f"model.path: {file}: diffusers cannot load family {name!r} from a single file; "
                          f"convert it to a diffusers folder and point model.path at that")
-    found, want = checkpoint_family(file), SAME_LAYOUT.get(name, name)
-    if found is not None and found != want:
+    found = checkpoint_family(file)
+    if found is not None and FAMILY_FACTS[found].checkpoint_marker != family.facts.checkpoint_marker:
         raise ValueError(f"model.path: {file} is a {found} checkpoint (its tensor names are {found}'s original "
                          f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
-                         f"{want} checkpoint")
+                         f"{name} checkpoint")
     config, shipped = resolve_config(name, file, config)
-    missing = missing_components(file, want)
+    missing = missing_components(file, name)
     if missing and (shipped or config is None):
         where = (f"the shipped {Path(config).name} config (configs and tokenizers only) has none to add" if shipped
                  else "model.config is null")
@@ -152,12 +142,10 @@ def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing
     if missing and config is not None:
         extra.update(components_from_folder(family, file, Path(config), missing))
     try:
-        if SAME_LAYOUT.get(family.facts.name, family.facts.name) == "flux" and config is not None \
-                and file.suffix.lower() == ".safetensors":
-            from tuneline.stages.families.flux_layout import load_flux_transformer
-
-            # diffusers' Flux converter has FLUX.1's width written in; this one reads it from the file
-            extra["transformer"] = load_flux_transformer(file, Path(config))
+        if config is not None and file.suffix.lower() == ".safetensors":
+            denoiser = family.single_file_denoiser(file, Path(config))
+            if denoiser is not None:  # the family reads this layout itself (e.g. at any width)
+                extra[family.denoiser_component] = denoiser
         pipe = family.pipeline_class.from_single_file(str(file), local_files_only=True, **extra,
                                                       **family.pipeline_load_kwargs())
     except Exception as exc:  # diffusers raises many kinds here; the user needs the file name and the fix

@@ -20,7 +20,7 @@ from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.sizing import latent_shape
 from tuneline.stages.families import resolve as models
 from tuneline.stages.latents import masks, size_policy, store
-from tuneline.stages.latents.encode import Encoder
+from tuneline.stages.latents.encode import Encoder, vae_facts_of
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
 from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
 from tuneline.stages.scan.masks import mask_root
@@ -91,7 +91,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     settings = Settings(roots=scan.roots(), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
                         batch_size=lc.batch_size, names=store.array_names(lc.flip))
     results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
-    facts = manifest_facts(ctx, work, scan, results, jobs, fam, fam.vae_factors(vae), vae_dtype)
+    facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae_facts_of(fam, vae), vae_dtype)
     return facts | {"masked": write_masks(ctx, work, results, records, scan)}
 
 
@@ -110,10 +110,8 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
     p, encoder, reports = shard.build_sharded(ctx, work, scan, {"scan": scan.fingerprint})
     records = [r for job in p.jobs for r in job.records]
     results = write_buckets(ctx, p.settings, p.jobs, encoder, len(records))
-    factors = shard.vae_facts(reports, encoder)
     fam = models.family(ctx.cfg)
-    facts = manifest_facts(ctx, work, scan, results, p.jobs, fam, (factors["scaling_factor"],
-                           factors["shift_factor"]), p.vae_dtype)
+    facts = manifest_facts(ctx, work, scan, results, p.jobs, fam, shard.vae_facts(reports, encoder), p.vae_dtype)
     # The parent adopted the shards' rows as resumed; count them as the shards made them.
     for key in ("encoded", "reused"):
         facts[key] += sum(r[key] for r in reports)
@@ -140,7 +138,7 @@ def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, tot
 
 
 def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResult], jobs: list[BucketJob], fam,
-                   factors: tuple[float, float], vae_dtype: str) -> dict:
+                   vae_facts: dict, vae_dtype: str) -> dict:
     """Write the index and rejections; the manifest facts a consumer checks before reading."""
     cfg = ctx.cfg
     index = [row for r in results for row in r.index]
@@ -154,13 +152,13 @@ def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResu
                             f"{work / 'rejected.jsonl'} and fix the dataset")
     buckets = [{"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
                for j, r in zip(jobs, results) if r.index]
-    scale, shift = factors
     counts = {k: sum(getattr(r, k) for r in results) for k in ("encoded", "reused", "resumed")}
     ctx.log.info("latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
                  len(index), counts["encoded"], counts["reused"], counts["resumed"], len(rejected))
     return {"family": fam.facts.name, "vae_identity": models.identity(ctx, "vae"), "vae_dtype": vae_dtype,
             "vae_factor": fam.facts.vae_factor, "latent_channels": fam.facts.latent_channels,
-            "scaling_factor": scale, "shift_factor": shift, "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
+            **vae_facts,
+            "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
             "block_rows": cfg.latents.block_rows, "size_policy": size_policy(cfg), "buckets": buckets,
             "count": len(index), "rejected": len(rejected), **counts}
 

@@ -81,3 +81,11 @@ def check_latents(arrays: dict[str, np.ndarray], expected: tuple[int, int, int],
             raise LatentShapeError(f"the VAE produced NaN/Inf latent {name} for image {path}{variant} (stored as "
                                    f"{arr.dtype}): check the image, run the VAE in float32 (model.dtype) or "
                                    f"store float32 (latents.dtype)")
+
+
+def vae_facts_of(fam, vae) -> dict:
+    """What the latents manifest records of the VAE's normalisation: scalars and, where the family has them,
+    per-channel statistics."""
+    scale, shift = fam.vae_factors(vae)
+    mean, std = fam.latent_stats(vae) or (None, None)
+    return {"scaling_factor": scale, "shift_factor": shift, "latents_mean": mean, "latents_std": std}

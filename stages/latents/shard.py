@@ -23,7 +23,7 @@ from tuneline.schemas.scan import ScanManifest
 from tuneline.stages.common.shards import ShardJob, run_shards
 from tuneline.stages.families import resolve as models
 from tuneline.stages.latents import store
-from tuneline.stages.latents.encode import Encoder
+from tuneline.stages.latents.encode import Encoder, vae_facts_of
 from tuneline.stages.latents.reuse import PreviousRows, row_identity
 from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Reuse, Settings, fill_blocks
 
@@ -48,11 +48,10 @@ class LazyEncoder:
         return self.vae
 
     def facts(self) -> dict | None:
-        """The VAE's scaling and shift factors once loaded (the manifest records them)."""
+        """The VAE's scaling and shift factors and per-channel statistics once loaded (the manifest records them)."""
         if self.vae is None:
             return None
-        scale, shift = models.family(self.ctx.cfg).vae_factors(self.vae)
-        return {"scaling_factor": scale, "shift_factor": shift}
+        return vae_facts_of(models.family(self.ctx.cfg), self.vae)
 
     def __call__(self, pixels, paths, expected):
         self.load()

@@ -54,7 +54,8 @@ class Renderer:
 
             folder, weight_name = lora_source(Path(lora))  # train.lora_format kohya writes only the kohya file
             pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
-        pipe.vae.encoder = None  # rendering only decodes
+        # Rendering only decodes; an empty module rather than None, as some VAEs (Qwen-Image) walk theirs when decoding.
+        pipe.vae.encoder = torch.nn.Module()
         pipe.set_progress_bar_config(disable=True)
         encoders = fam.text_encoders_of(pipe, max_length)
         return cls(fam, pipe, encoders, device, autocast, prompt_cache)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.train import kohya
 from tuneline.stages.train.singlefile_export import SINGLE_FILE
@@ -25,14 +26,15 @@ from tuneline.stages.train.singlefile_export import SINGLE_FILE
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"
 
-# kohya's ss_base_model_version values and the SAI model spec architecture (modelspec.architecture is
-# "<arch>/lora" for a LoRA) and original implementation per family.
-BASE_VERSION = {"sd15": "sd_v1", "tiny": "sd_v1", "sdxl": "sdxl_base_v1-0", "sd3": "sd3", "flux": "flux1"}
-ARCH = {"sd15": "stable-diffusion-v1", "tiny": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base",
-        "sd3": "stable-diffusion-3-medium", "flux": "flux-1-dev"}
-IMPL = {"sd15": "https://github.com/Stability-AI/generative-models", "tiny": "diffusers",
-        "sdxl": "https://github.com/Stability-AI/generative-models",
-        "sd3": "https://github.com/Stability-AI/sd3-ref", "flux": "https://github.com/black-forest-labs/flux"}
+
+
+def _header_facts(family: str) -> tuple[str, str, str]:
+    """(kohya's ss_base_model_version, the SAI model spec architecture (modelspec.architecture is "<arch>/lora" for a
+    LoRA), its original implementation) from the family's row in schemas/families.py; the name where none is set."""
+    f = FAMILY_FACTS.get(family)
+    if f is None:
+        return family, family, "diffusers"
+    return f.kohya_base_version or family, f.modelspec_arch or family, f.modelspec_impl
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,15 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
     started = datetime.fromtimestamp(info.started_at, UTC)
     meta = {
         "ss_network_module": "networks.lora", "ss_network_dim": str(t.lora_rank), "ss_network_alpha": str(alpha),
-        "ss_base_model_version": BASE_VERSION.get(family, family), "ss_v2": "False",
+        "ss_base_model_version": _header_facts(family)[0], "ss_v2": "False",
         "ss_resolution": f"({info.resolution}, {info.resolution})", "ss_steps": str(info.steps),
         "ss_max_train_steps": str(t.steps), "ss_num_train_images": str(info.num_train_images),
         "ss_training_started_at": repr(float(info.started_at)), "ss_learning_rate": str(t.learning_rate),
         "ss_lr_scheduler": t.lr_schedule, "ss_seed": str(t.seed), "ss_mixed_precision": t.mixed_precision,
         "ss_batch_size_per_device": str(t.batch_size), "ss_gradient_accumulation_steps": str(t.grad_accumulation),
         "ss_output_name": info.title,
-        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": f"{ARCH.get(family, family)}/lora",
-        "modelspec.implementation": "diffusers" if fmt == "diffusers" else IMPL.get(family, "diffusers"),
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": f"{_header_facts(family)[1]}/lora",
+        "modelspec.implementation": "diffusers" if fmt == "diffusers" else _header_facts(family)[2],
         "modelspec.title": info.title, "modelspec.resolution": f"{info.resolution}x{info.resolution}",
         "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
         "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity,
@@ -82,11 +84,11 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
 def checkpoint_metadata(info: ExportInfo, family: str) -> dict[str, str]:
     """The header of a full model's single file: the SAI model spec and ours (no LoRA keys)."""
     started = datetime.fromtimestamp(info.started_at, UTC)
-    return {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": ARCH.get(family, family),
-            "modelspec.implementation": IMPL.get(family, "diffusers"), "modelspec.title": info.title,
+    return {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": _header_facts(family)[1],
+            "modelspec.implementation": _header_facts(family)[2], "modelspec.title": info.title,
             "modelspec.resolution": f"{info.resolution}x{info.resolution}",
             "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
-            "ss_base_model_version": BASE_VERSION.get(family, family), "ss_steps": str(info.steps),
+            "ss_base_model_version": _header_facts(family)[0], "ss_steps": str(info.steps),
             "ss_num_train_images": str(info.num_train_images),
             "ss_training_started_at": repr(float(info.started_at)),
             "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity}

@@ -52,8 +52,8 @@ class Data:
     reader: LatentReader
     text: TextCache | LiveText  # same .get(captions, variant_ids) and .variants
     records: dict[str, ImageRecord]
-    scaling: float
-    shift: float
+    scaling: float | torch.Tensor  # (C, 1, 1) per channel: families.base.latent_affine
+    shift: float | torch.Tensor
     sized: dict[tuple[str, str], ImageRecord] = field(default_factory=dict)  # (path, bucket) -> record
     rows: RowPlan | None = None  # which rows train, repeats, per-source loss weights
 

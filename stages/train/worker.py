@@ -27,6 +27,7 @@ from tuneline.stages.caption import captions_by_ref
 from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.families import resolve as models
+from tuneline.stages.families.base import latent_affine
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
@@ -94,7 +95,8 @@ def setup(spec: dict) -> Run:
     text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
     sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
     reader = LatentReader(up["latents"], lat)
-    data = Data(reader=reader, text=text, records=records, scaling=lat.scaling_factor, shift=lat.shift_factor,
+    scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
+    data = Data(reader=reader, text=text, records=records, scaling=scaling, shift=shift,
                 sized=sized, rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
     return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
                out=Path(spec["out_dir"]), data=data,

@@ -16,7 +16,7 @@ import torch
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.families.base import scale_latents
+from tuneline.stages.families.base import latent_affine, scale_latents
 from tuneline.stages.latents import store
 from tuneline.stages.render.renderer import Renderer, Sample
 
@@ -36,8 +36,7 @@ def class_means(latents_dir: Path, manifest: LatentsManifest, scan_dir: Path,
     blocks = {}
     for key, b in buckets.items():
         mean, _ = store.read_block(store.open_bucket(latents_dir, b.width, b.height), 0, b.count)
-        blocks[key] = scale_latents(torch.from_numpy(mean.astype(np.float32)), manifest.scaling_factor,
-                                    manifest.shift_factor).numpy()
+        blocks[key] = scale_latents(torch.from_numpy(mean.astype(np.float32)), *latent_affine(manifest)).numpy()
     found: dict[str, list[np.ndarray]] = defaultdict(list)
     for row in read_jsonl(latents_dir / store.INDEX):
         words = captions.get(row["path"], "").split()

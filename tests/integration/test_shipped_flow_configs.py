@@ -22,7 +22,7 @@ from transformers import (
 
 from tests.integration.original_layout import flux_original, sd3_original
 from tuneline.schemas.config import parse_config
-from tuneline.stages.families.flux_layout import flux_to_diffusers
+from tuneline.stages.families.flux.layout import flux_to_diffusers
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
 

@@ -48,6 +48,9 @@ def pixels() -> torch.Tensor:
 @pytest.mark.parametrize("name", family_names())
 def test_every_family_vae_encodes_as_diffusers_does(name, tmp_path, pixels):
     folder = get_family(name).ensure_model(None, tmp_path)
+    if json.loads((folder / "vae" / "config.json").read_text())["_class_name"] != "AutoencoderKL":
+        assert load(folder / "vae", torch.float32, CPU) is None  # another VAE class: diffusers encodes it
+        return
     assert_same(folder / "vae", pixels)
 
 

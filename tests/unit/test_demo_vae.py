@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
 from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.families.tiny import DEMO_VAE_FILE, POSTERIOR_LOGVAR, demo_vae_weights
+from tuneline.stages.families.tiny.adapter import DEMO_VAE_FILE, POSTERIOR_LOGVAR, demo_vae_weights
 from tuneline.stages.scan.demo import RGB, _draw
 from tuneline.stages.validate.colors import color_accuracy, dominant_color
 
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_weights_ship_in_the_package_and_are_small():
     assert DEMO_VAE_FILE.is_file() and DEMO_VAE_FILE.stat().st_size <= 2 * 1024 * 1024
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    rel = DEMO_VAE_FILE.relative_to(ROOT / "stages" / "families")
-    assert any(rel.match(p) for p in package_data["tuneline.stages.families"]), package_data
+    rel = DEMO_VAE_FILE.relative_to(ROOT / "stages" / "families" / "tiny")
+    assert any(rel.match(p) for p in package_data["tuneline.stages.families.tiny"]), package_data
 
 
 def test_scaling_factor_agrees_between_file_vae_config_and_facts():

@@ -10,7 +10,7 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, facts
 from tuneline.stages.families.base import MicroCond
 from tuneline.stages.families.common import unwrap
-from tuneline.stages.families.flux import image_ids, pack_latents, unpack_latents
+from tuneline.stages.families.flux.adapter import image_ids, pack_latents, unpack_latents
 from tuneline.stages.families.folders import required_components
 from tuneline.stages.families.registry import family_names, get_family
 from tuneline.stages.families.vocab import (
@@ -23,26 +23,26 @@ from tuneline.stages.families.vocab import (
 
 
 def test_registry_covers_every_family_with_facts():
-    assert set(family_names()) == set(FAMILY_FACTS) == {"tiny", "sd15", "sdxl", "sd3", "flux"}
+    assert set(family_names()) == set(FAMILY_FACTS) >= {"tiny", "sd15", "sdxl", "sd3", "flux", "qwen_image"}
     for name in family_names():
         fam = get_family(name)
         assert fam.facts is FAMILY_FACTS[name]
-        assert fam.lora_target_modules == ("to_q", "to_k", "to_v", "to_out.0")
+        assert set(fam.lora_target_modules) >= {"to_q", "to_k", "to_v", "to_out.0"}
     assert get_family("sdxl") is get_family("sdxl")
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown family 'sd2'.*tiny, sd15, sdxl, sd3, flux"):
+    with pytest.raises(ValueError, match="unknown family 'sd2'.*tiny, sd15, sdxl, sd3, flux, qwen_image"):
         get_family("sd2")
     with pytest.raises(ValueError, match="model.family"):
         facts("sd2")
 
 
 def test_facts_alignment_and_targets():
-    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {"tiny": 8, "sd15": 8, "sdxl": 8, "sd3": 16,
-                                                                 "flux": 16}
-    assert {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"} == {"sd3", "flux"}
-    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {"sd3", "flux"}
+    known = {"tiny": 8, "sd15": 8, "sdxl": 8, "sd3": 16, "flux": 16, "qwen_image": 16}
+    assert {n: FAMILY_FACTS[n].alignment for n in known} == known
+    assert {n for n in known if FAMILY_FACTS[n].prediction == "flow_matching"} == {"sd3", "flux", "qwen_image"}
+    assert {n for n in known if FAMILY_FACTS[n].latent_channels == 16} == {"sd3", "flux", "qwen_image"}
 
 
 def test_bpe_merges_rebuild_every_word_whole():
@@ -170,3 +170,19 @@ def test_bad_paths_are_named(tmp_path):
     with pytest.raises(ValueError, match=rf"cannot load {junk} as a single-file 'sdxl' checkpoint"):
         fam.ensure_model(str(junk), tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir()], "a failed conversion must leave nothing behind"
+
+
+def test_per_channel_statistics_normalise_as_the_pipeline_does():
+    """With latents_mean/std the denoiser sees ((z - mean) / std - shift) * scaling per channel; without them, the
+    scalars (old manifests)."""
+    from types import SimpleNamespace
+
+    from tuneline.stages.families.base import latent_affine, scale_latents
+
+    z = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    mean, std = [0.5, -1.0, 2.0], [2.0, 0.5, 4.0]
+    m = SimpleNamespace(scaling_factor=1.0, shift_factor=0.0, latents_mean=mean, latents_std=std)
+    want = (z - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    torch.testing.assert_close(scale_latents(z, *latent_affine(m)), want)
+    old = SimpleNamespace(scaling_factor=0.5, shift_factor=0.1)
+    torch.testing.assert_close(scale_latents(z, *latent_affine(old)), (z - 0.1) * 0.5)

@@ -46,7 +46,7 @@ def test_a_wheel_holds_only_the_tuneline_package(tmp_path):
     assert tops == {"tuneline", wheel.name.split("-py3")[0] + ".dist-info"}, tops
     names = zipfile.ZipFile(wheel).namelist()
     assert "tuneline/stages/code_versions.json" in names
-    assert "tuneline/stages/families/assets/demo_vae.safetensors" in names
+    assert "tuneline/stages/families/tiny/assets/demo_vae.safetensors" in names
     assert "tuneline/stages/families/configs/sdxl/unet/config.json" in names
 
 

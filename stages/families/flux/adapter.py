@@ -10,8 +10,8 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize, unwrap
-from tuneline.stages.families.sd3 import CLIP_LENGTH, T5_LIMIT, flow_vae, t5_embeds, tiny_t5
-from tuneline.stages.families.sd15 import tiny_clip_config
+from tuneline.stages.families.sd3.adapter import CLIP_LENGTH, T5_LIMIT, flow_vae, t5_embeds, tiny_t5
+from tuneline.stages.families.sd15.adapter import tiny_clip_config
 from tuneline.stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
 
 
@@ -46,6 +46,12 @@ class FluxFamily(DiffusersFamily):
     train_guidance: float = 1.0
     # FluxPipeline ignores a negative prompt unless true CFG is on; a negative given means the user wants it used.
     true_cfg_scale: float = 4.0
+
+    def single_file_denoiser(self, file: Path, config: Path) -> Any:
+        # diffusers' Flux converter has FLUX.1's width written in; this one reads it from the file
+        from tuneline.stages.families.flux.layout import load_flux_transformer
+
+        return load_flux_transformer(file, config)
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
@@ -93,7 +99,7 @@ class FluxFamily(DiffusersFamily):
                 text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
         """Velocity prediction for scaled latents (B, 16, H, W), returned in the same shape.
 
-        Flow-matching convention shared by sd3 and flux: `timesteps` is a float tensor in [0, 1000) with
+        Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
         sigma = timesteps / 1000, the noisy latent is (1 - sigma) * x0 + sigma * noise and the training target is
         noise - x0. Flux's transformer takes sigma itself (it scales by 1000 inside), so this divides by 1000,
         as FluxPipeline does. Latents are packed 2x2 into tokens here and unpacked on the way out."""

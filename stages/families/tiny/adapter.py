@@ -1,7 +1,7 @@
 """The demo's family: SD1.5's architecture at a size that trains in seconds on a CPU.
 
 Only the facts (16-token captions, the VAE's scaling factor), the tiny configs and a pretrained VAE differ from
-sd15; every behaviour is SD15Family's. The VAE's weights ship in the package (assets/demo_vae.safetensors, made by
+SD1.5; every behaviour is SD15Family's. The VAE's weights ship in the package (assets/demo_vae.safetensors, made by
 infra/demo_vae/train_demo_vae.py on the demo's shape domain), so demo renders show the prompted colors and shapes;
 the text encoder and UNet stay random-init.
 """
@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
-from tuneline.stages.families.sd15 import SD15Family, tiny_vae
+from tuneline.stages.families.sd15.adapter import SD15Family, tiny_vae
 
 # log-variance of the posterior: std e^-6, so sampled latents carry the image, not the VAE's noise (a trained SD
 # VAE's posterior is as narrow). The pretraining script pins it too; set again here so the rule lives in one place.

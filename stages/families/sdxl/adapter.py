@@ -10,7 +10,7 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize
-from tuneline.stages.families.sd15 import tiny_clip_config, tiny_unet, tiny_vae
+from tuneline.stages.families.sd15.adapter import tiny_clip_config, tiny_unet, tiny_vae
 from tuneline.stages.families.vocab import build_clip_tokenizer
 
 TIME_EMBED_DIM = 8  # tiny flavor's addition_time_embed_dim (SDXL: 256)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize
-from tuneline.stages.families.sd15 import tiny_clip_config, tiny_vae
+from tuneline.stages.families.sd15.adapter import tiny_clip_config, tiny_vae
 from tuneline.stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
 
 CLIP_LENGTH = 77  # SD3 and Flux always run CLIP at its full context; only the T5 length is a choice
@@ -104,7 +104,7 @@ class SD3Family(DiffusersFamily):
                 text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
         """Velocity prediction for scaled latents (B, 16, H, W); patching happens inside the transformer.
 
-        Flow-matching convention shared by sd3 and flux: `timesteps` is a float tensor in [0, 1000) with
+        Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
         sigma = timesteps / 1000, the noisy latent is (1 - sigma) * x0 + sigma * noise and the training target is
         noise - x0. SD3's transformer takes these timesteps as they are (the pipeline passes sigma * 1000)."""
         embeds = text["prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)

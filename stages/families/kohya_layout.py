@@ -1,0 +1,23 @@
+"""Shared pieces of the kohya (sd-scripts) LoRA layouts the families map their modules to (stages/train/kohya.py
+writes the file; each family's lora.py says where each of its diffusers modules lands)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one diffusers module's update lands: kohya module `name`, part `slot` of `parts` fused parts
+    (0 of 1 when not fused); the fused layer's output rows per part come from the model's modules."""
+
+    name: str
+    slot: int = 0
+    parts: tuple[str, ...] = ()  # the diffusers module paths fused into `name`, in row order
+
+
+QKV = ("to_q", "to_k", "to_v")
+ADD_QKV = ("add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def fused(prefix: str, names: tuple[str, ...], leaf: str, name: str) -> Target:
+    return Target(name, names.index(leaf), tuple(f"{prefix}.{n}" for n in names))

@@ -1,0 +1,1 @@
+"""The sd15 family: everything about it that is not pure data (that is its row in schemas/families.py)."""

@@ -1,0 +1,87 @@
+"""A family is one folder: no code outside stages/families/<name>/ names a family, except its registry line and its
+row in schemas/families.py (docs, config examples, the shipped configs' data and tests aside)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tuneline.schemas.families import FAMILY_FACTS
+from tuneline.stages.common import codeident
+
+ROOT = Path(__file__).resolve().parents[2]
+# Config examples (the demo's config) and the shipped weightless configs with their derivation script.
+ASIDE = {"schemas/demo.py"}
+ASIDE_DIRS = ("stages/families/configs/",)
+IMPORT = re.compile(r"tuneline\.stages\.families\.(\w+)")
+
+
+def _pattern(name: str) -> re.Pattern:
+    # "tiny" is also a word ("a tiny VAE"): only the quoted name counts; the others count as words (lower case).
+    return re.compile(rf"[\"']{name}[\"']") if name == "tiny" else re.compile(rf"(?<![\w.-]){name}(?![\w-])")
+
+
+def _rows() -> dict[str, range]:
+    """Line numbers of each family's row in schemas/families.py (from its key to the next key or the table's end)."""
+    lines = (ROOT / "schemas" / "families.py").read_text(encoding="utf-8").splitlines()
+    starts = {n: i for i, line in enumerate(lines) for n in FAMILY_FACTS if line.startswith(f'    "{n}": ')}
+    end = next(i for i, line in enumerate(lines) if i > max(starts.values()) and line == "}")
+    bounds = sorted(starts.values()) + [end]
+    return {n: range(i, bounds[bounds.index(i) + 1]) for n, i in starts.items()}
+
+
+def _offences() -> list[str]:
+    rows, out = _rows(), []
+    files = [p for d in ("stages", "schemas", "flows") for p in (ROOT / d).rglob("*.py")]
+    for f in sorted(files):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel in ASIDE or rel.startswith(ASIDE_DIRS):
+            continue
+        for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
+            for name in FAMILY_FACTS:
+                if not _pattern(name).search(line) or rel.startswith(f"stages/families/{name}/"):
+                    continue
+                if rel == "schemas/families.py" and i in rows[name]:
+                    continue
+                if rel == "stages/families/registry.py" and line.strip().startswith(f'"{name}": '):
+                    continue
+                # A family folder may build on another's code (hashed with it: codeident.family_files).
+                if rel.startswith("stages/families/") and name in IMPORT.findall(line):
+                    continue
+                out.append(f"{rel}:{i + 1}: {name}: {line.strip()}")
+    return out
+
+
+def test_no_family_is_named_outside_its_folder_registry_line_and_row():
+    assert _offences() == []
+
+
+def test_the_check_sees_a_family_named_in_generic_code(tmp_path, monkeypatch):
+    bad = ROOT / "stages" / "families" / "_probe_family_name.py"
+    bad.write_text('IF = "flux"\n', encoding="utf-8")
+    try:
+        assert any(o.startswith("stages/families/_probe_family_name.py:1: flux") for o in _offences())
+    finally:
+        bad.unlink()
+
+
+def test_each_family_is_hashed_apart_and_with_what_it_imports():
+    files = {n: {p.relative_to(ROOT).as_posix() for p in codeident.family_files(n)} for n in FAMILY_FACTS}
+    for name in FAMILY_FACTS:
+        assert any(f.startswith(f"stages/families/{name}/") for f in files[name])
+        assert not any(f.startswith("stages/families/") and f.count("/") == 2 for f in files[name])  # generic code
+    assert not any("/sdxl/" in f for f in files["sd15"])  # an sdxl edit leaves sd15's caches alone
+    assert any(f.startswith("stages/families/sd15/") for f in files["tiny"])  # tiny builds on SD1.5's adapter
+
+
+def test_a_family_revision_changes_only_its_own_stage_versions(monkeypatch):
+    monkeypatch.setattr(codeident, "family_recorded", lambda: {"flux": {"revision": 2}})
+    assert codeident.stage_code_version("train", "train-5", "flux") == "train-5+flux-2"
+    assert codeident.stage_code_version("train", "train-5", "sd15") == "train-5"
+    assert codeident.stage_code_version("scan", "scan-4", "flux") == "scan-4"
+
+
+def test_family_sources_are_recorded():
+    for name in FAMILY_FACTS:
+        assert codeident.family_hash(name) == codeident.family_recorded()[name]["source"], (
+            f"stages/families/{name}/ changed since it was recorded: run `python -m tuneline.stages.common.codeident "
+            f"--bump {name}` if its outputs change (only {name}'s versions become stale), else `--record {name}`")
