@@ -52,6 +52,9 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     "flux": FamilyFacts("flux", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
                         negative_needs_guidance=False, pipeline="FluxPipeline", denoiser="transformer",
                         text_encoders=("text_encoder", "text_encoder_2"), tokenizers=("tokenizer", "tokenizer_2")),
+    # Z-Image: Flux.1's VAE, 2x2 patches inside the transformer, Qwen3 captions of up to 512 chat-template tokens.
+    "z_image": FamilyFacts("z_image", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
+                           pipeline="ZImagePipeline", denoiser="transformer"),
 }
 
 

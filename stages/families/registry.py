@@ -14,6 +14,7 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
     "sdxl": ("tuneline.stages.families.sdxl", "SDXLFamily"),
     "sd3": ("tuneline.stages.families.sd3", "SD3Family"),
     "flux": ("tuneline.stages.families.flux", "FluxFamily"),
+    "z_image": ("tuneline.stages.families.z_image.adapter", "ZImageFamily"),
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 
