@@ -55,6 +55,9 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # Z-Image: Flux.1's VAE, 2x2 patches inside the transformer, Qwen3 captions of up to 512 chat-template tokens.
     "z_image": FamilyFacts("z_image", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
                            pipeline="ZImagePipeline", denoiser="transformer"),
+    # FLUX.2: 32 VAE channels, 2x2 patchified into 128 and batch-norm normalised (cached that way: scale 1, shift 0).
+    "flux2_klein": FamilyFacts("flux2_klein", 8, 2, 32, 1.0, 0.0, "flow_matching", 512, max_length_limit=512,
+                               negative_needs_guidance=True, pipeline="Flux2KleinPipeline", denoiser="transformer"),
 }
 
 

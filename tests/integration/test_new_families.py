@@ -1,4 +1,4 @@
-"""The newer families' tiny flavors (z_image, ...) through every stage on CPU, their LoRA files read by stock
+"""The newer families' tiny flavors (z_image, flux2_klein) through every stage on CPU, their LoRA files read by stock
 diffusers and laid out as ComfyUI maps them. One LoRA pipeline run per family is shared by the tests."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
-FAMILIES = ["z_image"]
+FAMILIES = ["z_image", "flux2_klein"]
 CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
 RANK, ALPHA = 4, 2.0
 
@@ -127,27 +127,46 @@ def test_lora_file_in_stock_pipeline_renders_as_trained(family, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_z_image_comfy_file_uses_only_mapped_keys(tmp_path):
-    """Every key is `diffusion_model.<diffusers path>.{lora_down,lora_up}.weight|alpha` for a path ComfyUI's
-    z_image_to_diffusers lists (rebuilt here from the tiny model's config as comfy/utils.py builds it), and each
-    pair's alpha/rank * up @ down is the trained update."""
-    fam = get_family("z_image")
-    model_dir = fam.ensure_model(None, tmp_path / "models")
-    fam, den = _trained_lora("z_image", model_dir, tmp_path / "final")
-    cfg = unwrap(den).config
+def _z_image_comfy_keys(cfg) -> set[str]:
+    """comfy/utils.py z_image_to_diffusers' LoRA-mappable modules, under comfy/lora.py's `diffusion_model.`."""
     blocks = [f"layers.{i}" for i in range(cfg.n_layers)]
     blocks += [f"{r}.{i}" for r in ("context_refiner", "noise_refiner") for i in range(cfg.n_refiner_layers)]
     subs = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
             "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0")
-    mapped = {f"diffusion_model.{b}.{s}" for b in blocks for s in subs}
+    return {f"diffusion_model.{b}.{s}" for b in blocks for s in subs}
+
+
+def _flux2_comfy_keys(cfg) -> set[str]:
+    """comfy/utils.py flux_to_diffusers' modules (ComfyUI's Flux2 is a Flux), under comfy/lora.py's `transformer.`."""
+    double = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+              "attn.to_out.0", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+              "ff_context.linear_out")
+    keys = {f"transformer.transformer_blocks.{i}.{s}" for i in range(cfg.num_layers) for s in double}
+    return keys | {f"transformer.single_transformer_blocks.{i}.attn.{s}" for i in range(cfg.num_single_layers)
+                   for s in ("to_qkv_mlp_proj", "to_out")}
+
+
+COMFY_KEYS = {"z_image": _z_image_comfy_keys, "flux2_klein": _flux2_comfy_keys}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_comfy_file_uses_only_mapped_keys(family, tmp_path):
+    """Every key is `<prefix><diffusers path>.{lora_down,lora_up}.weight|alpha` for a path ComfyUI maps for the
+    model (rebuilt here from the tiny model's config as comfy/utils.py builds it), every trained module is there,
+    and each pair's alpha/rank * up @ down is the trained update."""
+    fam = get_family(family)
+    model_dir = fam.ensure_model(None, tmp_path / "models")
+    fam, den = _trained_lora(family, model_dir, tmp_path / "final")
+    mapped = COMFY_KEYS[family](unwrap(den).config)
+    prefix = next(iter(mapped)).split(".")[0] + "."
     state = load_file(tmp_path / "final" / KOHYA_FILE)
     stems = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in state}
     assert stems and stems <= mapped, sorted(stems - mapped)
     modules = dict(unwrap(den).named_modules())
     trained = {p for p, m in modules.items() if hasattr(m, "lora_A")}
-    assert {s.removeprefix("diffusion_model.") for s in stems} == trained
+    assert {s.removeprefix(prefix) for s in stems} == trained
     for stem in stems:
-        mod = modules[stem.removeprefix("diffusion_model.")]
+        mod = modules[stem.removeprefix(prefix)]
         delta = state[f"{stem}.alpha"] / RANK * state[f"{stem}.lora_up.weight"] @ state[f"{stem}.lora_down.weight"]
         want = (ALPHA / RANK) * mod.lora_B["default"].weight @ mod.lora_A["default"].weight
         torch.testing.assert_close(delta, want.detach())

@@ -10,40 +10,8 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.common import DiffusersFamily, module_device
-
-TINY_TEXT_WIDTH = 32  # tiny Qwen3's hidden size = the transformer's cap_feat_dim
-
-
-def chat_prompts(tokenizer: Any, captions: list[str], enable_thinking: bool = True) -> list[str]:
-    """Captions wrapped in the tokenizer's chat template as one user turn, as ZImagePipeline._encode_prompt (and
-    Flux2KleinPipeline, with thinking off) do."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
-                                          add_generation_prompt=True, enable_thinking=enable_thinking)
-            for c in captions]
-
-
-def qwen_hidden(enc: TextEncoders, prompts: list[str], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states of `layers` side by side (B, L, D * len(layers)), attention mask (B, L)) at enc.max_length
-    tokens, padded as the pipelines pad."""
-    tok, te = enc.tokenizers[0], enc.encoders[0]
-    ids = tok(prompts, padding="max_length", max_length=enc.max_length, truncation=True, return_tensors="pt")
-    dev = module_device(te)
-    mask = ids.attention_mask.to(dev)
-    with torch.no_grad():
-        out = te(input_ids=ids.input_ids.to(dev), attention_mask=mask, output_hidden_states=True)
-    hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-    return hidden, mask
-
-
-def tiny_qwen3(tokenizer: Any, width: int = TINY_TEXT_WIDTH, layers: int = 2):
-    """A 2-layer Qwen3 decoder (grouped-query attention, q/k norms) `width` wide."""
-    from transformers import Qwen3Config, Qwen3Model
-
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
-                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    return Qwen3Model(cfg)
+from tuneline.stages.families.common import DiffusersFamily
+from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, chat_prompts, qwen_hidden, tiny_qwen3
 
 
 def tiny_flow_vae(facts: FamilyFacts):
@@ -76,7 +44,7 @@ class ZImageFamily(DiffusersFamily):
     def build_tiny(self, out_dir: Path) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
 
-        from tuneline.stages.families.z_image.vocab import build_qwen_tokenizer
+        from tuneline.stages.families.qwen import build_qwen_tokenizer
 
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit)
         # head dim 32 = sum(axes_dims); one main layer and one refiner layer each, as the released model's shape
@@ -132,9 +100,9 @@ class ZImageFamily(DiffusersFamily):
 
     def comfy_lora_state(self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor],
                          alpha: float) -> dict[str, torch.Tensor]:
-        from tuneline.stages.families.z_image.lora_layout import comfy_state
+        from tuneline.stages.families.z_image.lora_layout import z_image_comfy_state
 
-        return comfy_state(peft_state, alpha)
+        return z_image_comfy_state(peft_state, alpha)
 
     # ---- validation --------------------------------------------------------------------------
     def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
