@@ -83,6 +83,13 @@ class ZImageFamily(DiffusersFamily):
         hidden, mask = qwen_hidden(enc, chat_prompts(enc.tokenizers[0], captions), self.text_layers)
         return {"prompt_embeds": hidden, "prompt_attention_mask": mask}
 
+    def check_full_finetune(self, model_dir: Path) -> None:
+        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
+        from tuneline.stages.families.full_limit import check_full_fits
+
+        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
+        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
+
     # ---- training ----------------------------------------------------------------------------
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
