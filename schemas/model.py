@@ -7,7 +7,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tuneline.schemas.base import ConfigPath, Strict
 
-FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux", "z_image", "flux2_klein"]
+FamilyName = Literal["tiny", "sd15", "sdxl", "sd3", "flux", "z_image", "flux2", "flux2_klein"]
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
 # denoiser use them. No stage keeps weights in fp8 while computing in bf16, so fp8 is refused up front.

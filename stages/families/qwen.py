@@ -28,16 +28,23 @@ CHAT_TEMPLATE = (
 
 
 def build_qwen_tokenizer(folder: Path, model_max_length: int):
-    """A Qwen2TokenizerFast written to `folder` and loaded back through from_pretrained (the path real folders
-    take). Words are learned with GPT-2's leading-space marker so " red" is one token."""
+    """A Qwen-style tokenizer written to `folder` and loaded back through from_pretrained (the path real folders
+    take)."""
+    return build_bpe_tokenizer(folder, model_max_length, SPECIALS, CHAT_TEMPLATE, eos=SPECIALS[2])
+
+
+def build_bpe_tokenizer(folder: Path, model_max_length: int, specials: tuple[str, ...], chat_template: str,
+                        eos: str | None = None):
+    """A byte-level BPE fast tokenizer (pad = specials[0]) with `chat_template`, written to `folder` and loaded back.
+    Words are learned with GPT-2's leading-space marker so " red" is one token."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     byte_map = bytes_to_unicode()
     space = byte_map[ord(" ")]
     alphabet = list(byte_map.values())
-    merges = [m for m in learn_bpe_merges(tuple(space + w for w in WORDS))]
+    merges = learn_bpe_merges(tuple(space + w for w in WORDS))
     # learn_bpe_merges marks word ends with </w>; byte-level BPE has no end marker: drop it from the merges.
     merges = [(a.replace("</w>", ""), b.replace("</w>", "")) for a, b in merges]
     vocab = {t: i for i, t in enumerate(alphabet)}
@@ -47,13 +54,11 @@ def build_qwen_tokenizer(folder: Path, model_max_length: int):
     tk = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=model_max_length, pad_token=SPECIALS[0],
-                                  eos_token=SPECIALS[2], additional_special_tokens=list(SPECIALS[1:]))
-    tok.chat_template = CHAT_TEMPLATE
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=model_max_length, pad_token=specials[0],
+                                  eos_token=eos, additional_special_tokens=list(specials[1:]))
+    tok.chat_template = chat_template
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(folder))
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(str(folder))
 
 

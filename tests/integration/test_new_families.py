@@ -1,4 +1,4 @@
-"""The newer families' tiny flavors (z_image, flux2_klein) through every stage on CPU, their LoRA files read by stock
+"""The newer families' tiny flavors (z_image, flux2 [dev], flux2_klein) through every stage on CPU, their LoRA files read by stock
 diffusers and laid out as ComfyUI maps them. One LoRA pipeline run per family is shared by the tests."""
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
-FAMILIES = ["z_image", "flux2_klein"]
+FAMILIES = ["z_image", "flux2_klein", "flux2"]
+# Caption tokens: FLUX.2 [dev] prefixes its system message (138 tokens with the tiny vocabulary).
+LENGTH = {"z_image": 48, "flux2_klein": 48, "flux2": 160}
 CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
 RANK, ALPHA = 4, 2.0
 
@@ -37,7 +39,7 @@ def _context(root: Path, family: str, mode: str) -> StageContext:
         "dataset": {"path": str(data)},
         "model": {"family": family, "path": None, "device": "cpu"},
         "buckets": {"resolution": 64},
-        "text": {"max_length": 48},
+        "text": {"max_length": LENGTH[family]},
         "train": {"steps": 2, "batch_size": 2, "processes": 1, "caption_dropout": 0.5, "mode": mode},
         "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1},
                                              {"prompt": "blue, circle", "seed": 2}]},
@@ -118,11 +120,11 @@ def test_lora_file_in_stock_pipeline_renders_as_trained(family, tmp_path):
     fam, den = _trained_lora(family, model_dir, tmp_path / "final")
     with torch.no_grad():
         trained = fam.load_pipeline(model_dir, torch.float32, CPU, denoiser=unwrap(den).eval())
-        want = _render(fam, trained, fam.text_encoders_of(trained, 48))
+        want = _render(fam, trained, fam.text_encoders_of(trained, LENGTH[family]))
         stock = fam.load_pipeline(model_dir, torch.float32, CPU)
-        base = _render(fam, stock, fam.text_encoders_of(stock, 48))
+        base = _render(fam, stock, fam.text_encoders_of(stock, LENGTH[family]))
         stock.load_lora_weights(tmp_path / "final", weight_name=DIFFUSERS_FILE)
-        got = _render(fam, stock, fam.text_encoders_of(stock, 48))
+        got = _render(fam, stock, fam.text_encoders_of(stock, LENGTH[family]))
     assert not torch.allclose(base, want, atol=1e-4), "the LoRA must change the render"
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -146,7 +148,7 @@ def _flux2_comfy_keys(cfg) -> set[str]:
                    for s in ("to_qkv_mlp_proj", "to_out")}
 
 
-COMFY_KEYS = {"z_image": _z_image_comfy_keys, "flux2_klein": _flux2_comfy_keys}
+COMFY_KEYS = {"z_image": _z_image_comfy_keys, "flux2_klein": _flux2_comfy_keys, "flux2": _flux2_comfy_keys}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

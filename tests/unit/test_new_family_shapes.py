@@ -36,7 +36,7 @@ def test_released_size_parameter_counts(folder, component, cls, count, card):
         assert abs(n - card) / card < 0.04
 
 
-@pytest.mark.parametrize("name", ["z_image", "flux2_klein"])
+@pytest.mark.parametrize("name", ["z_image", "flux2", "flux2_klein"])
 def test_family_facts_and_example_config(name):
     assert name in family_names()
     f = facts(name)
@@ -52,6 +52,6 @@ def test_family_facts_and_example_config(name):
 def test_full_fine_tune_of_flux2_dev_refused_naming_the_limit(tmp_path):
     shutil.copytree(FAMILIES_DIR / "flux2" / "config_dev", tmp_path / "dev")
     with pytest.raises(ValueError, match=r"32\.2B parameters.*141 GB.*train.mode lora"):
-        get_family("flux2_klein").check_full_finetune(tmp_path / "dev")
+        get_family("flux2").check_full_finetune(tmp_path / "dev")
     shutil.copytree(FAMILIES_DIR / "z_image" / "config", tmp_path / "z")
     get_family("z_image").check_full_finetune(tmp_path / "z")  # 6.2B: 98 GB per GPU, fits the largest GPU

@@ -2,7 +2,7 @@
 normalised by the VAE's batch-norm statistics and packed into tokens (stages/families/flux2/latents.py); flow
 matching (the transformer takes sigma). [klein] captions through Qwen3 (hidden states of layers 9, 18, 27 side by
 side, chat template with thinking off) with true CFG against "" or a negative; [dev] through Mistral Small 3 with
-distilled guidance (its adapter is not written yet: the family's facts and shipped shapes only)."""
+distilled guidance (dev.py)."""
 from __future__ import annotations
 
 from pathlib import Path
