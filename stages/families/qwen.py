@@ -5,7 +5,6 @@ tiny flavors, with the same conventions (pad = <|endoftext|>, <|im_start|>/<|im_
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 

@@ -15,8 +15,8 @@ _ADAPTERS: dict[str, tuple[str, str]] = {
     "sd3": ("tuneline.stages.families.sd3", "SD3Family"),
     "flux": ("tuneline.stages.families.flux", "FluxFamily"),
     "z_image": ("tuneline.stages.families.z_image.adapter", "ZImageFamily"),
-    "flux2": ("tuneline.stages.families.flux2.dev", "Flux2DevFamily"),
-    "flux2_klein": ("tuneline.stages.families.flux2.adapter", "Flux2KleinFamily"),
+    "flux2": ("tuneline.stages.families.flux2.adapter", "Flux2DevFamily"),
+    "flux2_klein": ("tuneline.stages.families.flux2_klein.adapter", "Flux2KleinFamily"),
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

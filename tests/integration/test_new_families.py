@@ -31,8 +31,8 @@ RANK, ALPHA = 4, 2.0
 def _context(root: Path, family: str, mode: str) -> StageContext:
     """64 px, 2 steps, 1 process, 2 sampler steps, a negative prompt and one without (the pipeline's own "")."""
     data = root / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    for i, caption in enumerate(CAPTIONS):
+    for i, caption in enumerate(CAPTIONS) if not data.is_dir() else ():  # a second run reads the same files
+        data.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (64, 64), (60 * i, 140, 220 - 50 * i)).save(data / f"{i}.png")
         (data / f"{i}.txt").write_text(caption, encoding="utf-8")
     cfg = parse_config({
@@ -80,13 +80,23 @@ def test_lora_chain_scan_to_validate(lora_run):
     assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in PIPELINE), "a second run must skip every stage"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_full_fine_tune_chain(family, tmp_path):
-    ctx = _context(tmp_path, family, "full")
-    paths = _run_all(ctx)
+def test_full_fine_tune_chain(lora_run):
+    """train.mode full in the LoRA run's workdir: scan, latents and text are reused, train and validate rebuild."""
+    family, lora_ctx, _ = lora_run
+    ctx = _context(lora_ctx.workdir.parent, family, "full")
+    built = {sd.name: run_stage(ctx, sd, PIPELINE)[1] for sd in PIPELINE}
+    assert built == {"scan": False, "latents": False, "text": False, "train": True, "validate": True}
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in PIPELINE}
     _check_chain(ctx, paths, "full")
     index = json.loads((paths["train"] / "final" / "model_index.json").read_text())
     assert index["_class_name"] == get_family(family).facts.pipeline
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One tiny model folder per family for the LoRA file tests."""
+    cache = tmp_path_factory.mktemp("new-family-models")
+    return lambda family: get_family(family).ensure_model(None, cache)
 
 
 def _trained_lora(family: str, model_dir: Path, out: Path):
@@ -114,9 +124,8 @@ def _render(fam, pipe, enc) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_file_in_stock_pipeline_renders_as_trained(family, tmp_path):
-    fam = get_family(family)
-    model_dir = fam.ensure_model(None, tmp_path / "models")
+def test_lora_file_in_stock_pipeline_renders_as_trained(family, models, tmp_path):
+    model_dir = models(family)
     fam, den = _trained_lora(family, model_dir, tmp_path / "final")
     with torch.no_grad():
         trained = fam.load_pipeline(model_dir, torch.float32, CPU, denoiser=unwrap(den).eval())
@@ -152,12 +161,11 @@ COMFY_KEYS = {"z_image": _z_image_comfy_keys, "flux2_klein": _flux2_comfy_keys, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_comfy_file_uses_only_mapped_keys(family, tmp_path):
+def test_comfy_file_uses_only_mapped_keys(family, models, tmp_path):
     """Every key is `<prefix><diffusers path>.{lora_down,lora_up}.weight|alpha` for a path ComfyUI maps for the
     model (rebuilt here from the tiny model's config as comfy/utils.py builds it), every trained module is there,
     and each pair's alpha/rank * up @ down is the trained update."""
-    fam = get_family(family)
-    model_dir = fam.ensure_model(None, tmp_path / "models")
+    model_dir = models(family)
     fam, den = _trained_lora(family, model_dir, tmp_path / "final")
     mapped = COMFY_KEYS[family](unwrap(den).config)
     prefix = next(iter(mapped)).split(".")[0] + "."

@@ -1,1 +1,1 @@
-"""FLUX.2 [dev] and [klein]: one folder holds both adapters (the pipelines share the transformer, VAE and packing)."""
+"""FLUX.2 [dev]: adapter, latent space, LoRA layout and released-size configs ([klein] builds on them)."""
