@@ -1,6 +1,6 @@
 """FLUX.2: Flux2Transformer2DModel on the 32-channel AutoencoderKLFlux2 latents, patchified 2x2 into 128 channels,
 normalised by the VAE's batch-norm statistics and packed into tokens (stages/families/flux2/latents.py); flow
-matching (the transformer takes sigma). Flux2Family is what [dev] and [klein] (stages/families/flux2_klein/) share;
+matching (the transformer takes sigma). Flux2Family is what [dev] and [klein] (its own folder) share;
 Flux2DevFamily captions through Mistral Small 3 (Mistral3ForConditionalGeneration: hidden states of layers 10, 20,
 30 side by side, FLUX.2's system message in the chat template) with distilled guidance: Flux2Pipeline has no
 negative prompt, so a negative is dropped."""

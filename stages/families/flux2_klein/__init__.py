@@ -1,1 +1,1 @@
-"""FLUX.2 [klein]: builds on FLUX.2's folder (stages/families/flux2/) with its own Qwen3 text encoder."""
+"""FLUX.2 [klein]: builds on the FLUX.2 [dev] folder's adapter with its own Qwen3 text encoder."""

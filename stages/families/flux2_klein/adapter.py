@@ -1,4 +1,4 @@
-"""FLUX.2 [klein]: FLUX.2's VAE, latent space and transformer call (stages/families/flux2/), captions through Qwen3
+"""FLUX.2 [klein]: FLUX.2's VAE, latent space and transformer call (the [dev] folder's Flux2Family), captions through Qwen3
 (hidden states of layers 9, 18, 27 side by side, chat template with thinking off), true CFG against "" or a
 negative prompt."""
 from __future__ import annotations
