@@ -95,6 +95,14 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
                               negative_needs_guidance=False, pipeline="QwenImagePipeline", denoiser="transformer",
                               kohya_base_version="qwen_image", modelspec_arch="qwen-image",
                               modelspec_impl="https://github.com/QwenLM/Qwen-Image"),
+    # Z-Image: Flux.1's VAE, 2x2 patches inside the transformer, Qwen3 captions of up to 512 chat-template tokens.
+    "z_image": FamilyFacts("z_image", 8, 2, 16, 0.3611, 0.1159, "flow_matching", 512, max_length_limit=512,
+                           pipeline="ZImagePipeline", denoiser="transformer"),
+    # FLUX.2: 32 VAE channels, 2x2 patchified into 128 and batch-norm normalised (cached that way: scale 1, shift 0).
+    "flux2": FamilyFacts("flux2", 8, 2, 32, 1.0, 0.0, "flow_matching", 512, max_length_limit=512,
+                         negative_needs_guidance=False, pipeline="Flux2Pipeline", denoiser="transformer"),
+    "flux2_klein": FamilyFacts("flux2_klein", 8, 2, 32, 1.0, 0.0, "flow_matching", 512, max_length_limit=512,
+                               negative_needs_guidance=True, pipeline="Flux2KleinPipeline", denoiser="transformer"),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).
 FamilyName = Literal[tuple(FAMILY_FACTS)]  # type: ignore[valid-type]

@@ -107,6 +107,15 @@ class Family(Protocol):
         target = noise - x0 (the adapter converts to its model's own timestep convention)."""
 
     lora_target_modules: tuple[str, ...]
+    # True where the pipeline, given pre-encoded prompts, needs negative embeds too (the renderer then encodes "",
+    # as the pipeline would itself); families without the attribute are False.
+    negative_required: bool
+
+    # Optional: `comfy_lora_state(denoiser, peft_state, alpha) -> dict[str, Tensor]`, the ComfyUI-loadable LoRA
+    # file (lora_kohya.safetensors) of a family whose layout is not one of stages/train/kohya.py's; families
+    # without it are written by kohya.to_kohya.
+    # Optional: `check_full_finetune(model_dir)`, raising ValueError before a full fine-tune loads a denoiser too
+    # large for DDP (stages/families/full_limit.py); families without it are not checked.
 
     def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
         """Write a folder `DiffusionPipeline.from_pretrained(out_dir)` loads: the base components + `denoiser`."""

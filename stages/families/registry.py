@@ -22,6 +22,9 @@ _ADAPTERS: dict[str, str] = {
     "sd3": "SD3Family",
     "flux": "FluxFamily",
     "qwen_image": "QwenImageFamily",
+    "z_image": "ZImageFamily",
+    "flux2": "Flux2DevFamily",
+    "flux2_klein": "Flux2KleinFamily",
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

@@ -91,6 +91,8 @@ class Renderer:
         with torch.no_grad(), amp:
             prompts = [s.prompt for s in batch]
             negatives = [s.negative_prompt for s in batch] if batch[0].negative_prompt else []
+            if not negatives and getattr(self.fam, "negative_required", False):
+                negatives = [""] * len(batch)  # what such a pipeline encodes itself for a missing negative
             file, key = self.prompt_cache or (None, "")
             encoded = encode_prompts(self.fam, self.enc, prompts + negatives, cache=file, key=key)
             text = batch_of(encoded, prompts, self.device)

@@ -122,7 +122,10 @@ def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict
     if fmt in ("kohya", "both"):
         from safetensors.torch import save_file
 
-        state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
+        # A family whose ComfyUI loader reads its own layout writes it itself (Family.comfy_lora_state).
+        own = getattr(fam, "comfy_lora_state", None)
+        state = (own(den, layers, adapter_meta["lora_alpha"]) if own is not None
+                 else kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"]))
         meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
         save_file(state, str(out / KOHYA_FILE), metadata=meta)
 

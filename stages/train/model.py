@@ -53,6 +53,9 @@ def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dty
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     if t.mode == "full":
+        check = getattr(fam, "check_full_finetune", None)  # families too large for DDP refuse before loading
+        if check is not None:
+            check(model_dir)
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
     else:
         den = fam.load_denoiser(model_dir, base_dtype, device).requires_grad_(False)

@@ -23,7 +23,8 @@ from tuneline.stages.families.vocab import (
 
 
 def test_registry_covers_every_family_with_facts():
-    assert set(family_names()) == set(FAMILY_FACTS) >= {"tiny", "sd15", "sdxl", "sd3", "flux", "qwen_image"}
+    assert set(family_names()) == set(FAMILY_FACTS) == {"tiny", "sd15", "sdxl", "sd3", "flux", "qwen_image", "z_image",
+                                                          "flux2", "flux2_klein"}
     for name in family_names():
         fam = get_family(name)
         assert fam.facts is FAMILY_FACTS[name]
@@ -39,10 +40,12 @@ def test_unknown_family_names_the_known_ones():
 
 
 def test_facts_alignment_and_targets():
-    known = {"tiny": 8, "sd15": 8, "sdxl": 8, "sd3": 16, "flux": 16, "qwen_image": 16}
-    assert {n: FAMILY_FACTS[n].alignment for n in known} == known
-    assert {n for n in known if FAMILY_FACTS[n].prediction == "flow_matching"} == {"sd3", "flux", "qwen_image"}
-    assert {n for n in known if FAMILY_FACTS[n].latent_channels == 16} == {"sd3", "flux", "qwen_image"}
+    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {"tiny": 8, "sd15": 8, "sdxl": 8, "sd3": 16,
+                                                                 "flux": 16, "qwen_image": 16, "z_image": 16,
+                                                                 "flux2": 16, "flux2_klein": 16}
+    assert {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"} == {
+        "sd3", "flux", "qwen_image", "z_image", "flux2", "flux2_klein"}
+    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {"sd3", "flux", "qwen_image", "z_image"}
 
 
 def test_bpe_merges_rebuild_every_word_whole():
