@@ -15,6 +15,7 @@ import typer
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
 from tuneline.flows.captions_cli import captions_app
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
+from tuneline.schemas.families import SHIPPED_CONFIGS
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
 # (`--force <bool>`), which reads as if the flag took a value.
@@ -372,7 +373,7 @@ def plan_memory(config: ConfigArg = None, workdir: WorkdirOpt = None,
                     "--gpu-memory", metavar="GIB", help="plan for a CUDA GPU with this much memory")] = None,
                 model_config: Annotated[str | None, typer.Option(
                     "--model-config", metavar="NAME", help="plan a released model from its shipped weightless "
-                    "config (sd15, sdxl, sd3, flux)")] = None) -> None:
+                    f"config ({', '.join(SHIPPED_CONFIGS)})")] = None) -> None:
     """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
     cfg = _load(config, workdir)
     from tuneline.stages.train.memplan import plan_command

@@ -10,7 +10,8 @@ from tuneline.stages.common import codeident
 
 ROOT = Path(__file__).resolve().parents[2]
 # Config examples (the demo's config) and the shipped weightless configs with their derivation script.
-ASIDE = {"schemas/demo.py"}
+# caption.model: tiny names the tiny vision-language model of the caption stage, not the tiny family.
+ASIDE = {"schemas/demo.py", "schemas/caption.py", "stages/caption/__init__.py", "stages/caption/tiny.py"}
 ASIDE_DIRS = ("stages/families/configs/",)
 IMPORT = re.compile(r"tuneline\.stages\.families\.(\w+)")
 

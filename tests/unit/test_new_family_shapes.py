@@ -16,7 +16,7 @@ from tuneline.stages.families.registry import family_names, get_family
 
 FAMILIES_DIR = Path(__file__).resolve().parents[2] / "stages" / "families"
 # (config folder, component, class, parameters of the published architecture, the model card's rounded size).
-# Z-Image-Turbo: 6B; FLUX.2 [dev]: 32B; FLUX.2 [klein] 4B. See stages/families/z_image/README.md, flux2/README.md.
+# Z-Image-Turbo: 6B; FLUX.2 [dev]: 32B; FLUX.2 [klein] 4B. See stages/families/z_image/README.md, stages/families/flux2/README.md.
 SHAPES = [
     ("z_image/config", "transformer", "ZImageTransformer2DModel", 6_154_908_736, 6e9),
     ("flux2/config_dev", "transformer", "Flux2Transformer2DModel", 32_223_281_152, 32e9),
