@@ -116,6 +116,8 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
     for key in ("encoded", "reused"):
         facts[key] += sum(r[key] for r in reports)
     facts["resumed"] = max(0, facts["count"] - facts["encoded"] - facts["reused"])
+    ctx.log.info("latents: %d shards; in all %d rows encoded, %d copied from the previous version, %d resumed",
+                 len(reports), facts["encoded"], facts["reused"], facts["resumed"])
     return facts | {"masked": write_masks(ctx, work, results, scan_records(models.artifact_dir(ctx, scan)), scan),
                     "shards": shard.shard_entries(reports)}
 

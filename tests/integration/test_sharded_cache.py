@@ -165,3 +165,28 @@ def test_failed_shard_names_itself_and_publishes_nothing(data):
     assert ctx.store.latest("latents") is None
     blocker.rmdir()
     assert build(ctx, "latents")["latents"].is_dir()
+
+
+def test_text_shard_failure_then_rerun_resumes_the_other_shards_windows(data, single):
+    from tuneline.stages.text.shard import staging, to_encode
+
+    root, models = data
+    ctx = context(root, models, "text-failed", 2)
+    build(ctx, "scan")
+    work = ctx.store.partial_dir("text", expected_versions(ctx, [PIPELINE[0], stage("text")])["text"][0])
+    scan = ctx.store.read(ctx.store.latest("scan"), ScanManifest)
+    from tuneline.stages.text.core import wanted_strings
+
+    todo = to_encode(wanted_strings(ctx, scan), None, 4)
+    blocker = staging(work) / f"{todo[split(len(todo), 2, 0)[-1]][0]:08d}.pt"
+    blocker.mkdir(parents=True)  # shard 0 cannot store its last window
+    with pytest.raises(ShardFailed) as err:
+        build(ctx, "text")
+    assert "shard 0 of 2 failed" in str(err.value) and "shard 1" not in str(err.value)
+    assert ctx.store.latest("text") is None
+    blocker.rmdir()
+    path = build(ctx, "text")["text"]
+    assert files(path) == files(single["text"])
+    reports = [json.loads((shard_folder(work) / f"shard-{i}.json").read_text()) for i in (0, 1)]
+    assert reports[1]["encoded"] == 0 and reports[1]["resumed"] > 0  # shard 1 finished in the failed run
+    assert 0 < reports[0]["encoded"] < reports[0]["resumed"] + reports[0]["encoded"]  # shard 0 kept its windows
