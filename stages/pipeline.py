@@ -14,9 +14,13 @@ PIPELINE: list[StageDef] = [SCAN, CAPTION, LATENTS, TEXT, TRAIN, VALIDATE]
 STAGE_NAMES = [s.name for s in PIPELINE]
 
 
-def stage_names(cfg) -> list[str]:
+def stages_for(cfg) -> list[StageDef]:
     """The stages this config runs, in order (caption only with caption.model set)."""
-    return [s.name for s in PIPELINE if s.enabled is None or s.enabled(cfg)]
+    return [s for s in PIPELINE if s.enabled is None or s.enabled(cfg)]
+
+
+def stage_names(cfg) -> list[str]:
+    return [s.name for s in stages_for(cfg)]
 
 
 def stage(name: str) -> StageDef:

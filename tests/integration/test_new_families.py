@@ -16,7 +16,7 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.pipeline import PIPELINE
+from tuneline.stages.pipeline import PIPELINE, stages_for
 from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
@@ -49,7 +49,7 @@ def _context(root: Path, family: str, mode: str) -> StageContext:
 
 def _run_all(ctx: StageContext) -> dict[str, Path]:
     out = {}
-    for sd in PIPELINE:
+    for sd in stages_for(ctx.cfg):
         path, built = run_stage(ctx, sd, PIPELINE)
         assert built, f"{sd.name} should build in a fresh workdir"
         out[sd.name] = path
@@ -77,16 +77,16 @@ def test_lora_chain_scan_to_validate(lora_run):
     _check_chain(ctx, paths, "lora")
     final = paths["train"] / "final"
     assert {p.name for p in final.iterdir()} >= {DIFFUSERS_FILE, KOHYA_FILE}
-    assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in PIPELINE), "a second run must skip every stage"
+    assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in stages_for(ctx.cfg)), "a second run must skip every stage"
 
 
 def test_full_fine_tune_chain(lora_run):
     """train.mode full in the LoRA run's workdir: scan, latents and text are reused, train and validate rebuild."""
     family, lora_ctx, _ = lora_run
     ctx = _context(lora_ctx.workdir.parent, family, "full")
-    built = {sd.name: run_stage(ctx, sd, PIPELINE)[1] for sd in PIPELINE}
+    built = {sd.name: run_stage(ctx, sd, PIPELINE)[1] for sd in stages_for(ctx.cfg)}
     assert built == {"scan": False, "latents": False, "text": False, "train": True, "validate": True}
-    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in PIPELINE}
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
     _check_chain(ctx, paths, "full")
     index = json.loads((paths["train"] / "final" / "model_index.json").read_text())
     assert index["_class_name"] == get_family(family).facts.pipeline

@@ -18,7 +18,7 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.pipeline import PIPELINE
+from tuneline.stages.pipeline import PIPELINE, stages_for
 from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, ExportInfo
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
@@ -41,7 +41,7 @@ def _run(root: Path, mode: str) -> tuple[StageContext, dict[str, Path]]:
         "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1}]},
     }, workdir=str(root / "work"))
     ctx = StageContext(cfg)
-    return ctx, {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in PIPELINE}
+    return ctx, {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])

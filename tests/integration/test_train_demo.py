@@ -13,7 +13,7 @@ from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.pipeline import PIPELINE
+from tuneline.stages.pipeline import PIPELINE, stages_for
 from tuneline.stages.scan.demo import write_demo_dataset
 
 
@@ -26,7 +26,7 @@ def demo(tmp_path_factory):
     write_demo_dataset(cfg.resolve(cfg.dataset.path))
     reporter = RecordingReporter()
     ctx = StageContext(cfg, reporter=reporter)
-    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in PIPELINE}
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
     return cfg, paths, reporter
 
 
