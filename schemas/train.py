@@ -1,6 +1,7 @@
 """Training stage: config and manifest."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -77,8 +78,18 @@ class TrainConfig(Strict):
     blocks_to_swap: int = Field(0, ge=0, description="keep this many of the denoiser's transformer blocks in pinned "
                                 "CPU memory and bring each to the device just before its forward and backward "
                                 "(same numbers, less GPU memory, slower); `tuneline plan` prints the largest value")
-    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw: torch's AdamW; adamw8bit: "
-                                                     "torchao's AdamW with 8-bit state (a quarter of the memory)")
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "adafactor", "adamw_schedulefree", "lion"] = Field(
+        "adamw", description="adamw: torch's AdamW; adamw8bit: torchao's AdamW with 8-bit state (a quarter of the "
+                             "memory); prodigy: Prodigy (prodigyopt), which estimates the step size itself "
+                             "(learning_rate 1.0); adafactor: transformers' Adafactor (factored second moments, "
+                             "least memory); adamw_schedulefree: schedule-free AdamW (schedulefree; no decay "
+                             "schedule, exports its averaged weights); lion: Lion (lion-pytorch; use a learning "
+                             "rate 3-10x below AdamW's). The third-party ones: pip install 'tuneline[optimizers]'")
+    optimizer_betas: list[float] | None = Field(None, min_length=2, max_length=2, description="the optimizer's "
+                                                "(beta1, beta2); null = its own default (Lion (0.9, 0.99), the "
+                                                "Adam kinds (0.9, 0.999)); unused by adafactor")
+    prodigy_d_coef: float = Field(1.0, gt=0, description="train.optimizer prodigy: multiplies its step-size "
+                                  "estimate (below 1 for smaller steps)")
     ema: bool = Field(False, description="keep an exponential moving average of the trained weights; final/ holds it")
     ema_decay: float = Field(0.999, gt=0, lt=1)
     loss_weighting: Literal["auto", "none", "min_snr"] = Field(
@@ -146,6 +157,34 @@ class TrainConfig(Strict):
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
                              "train.mode lora use init_from base")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_settings(self) -> TrainConfig:
+        o = self.optimizer
+        if self.optimizer_betas is not None:
+            if o == "adafactor":
+                raise ValueError("train.optimizer_betas: train.optimizer adafactor takes no betas; set "
+                                 "train.optimizer_betas: null")
+            if not all(0 <= b < 1 for b in self.optimizer_betas):
+                raise ValueError(f"train.optimizer_betas {list(self.optimizer_betas)} must each lie in [0, 1)")
+        if o == "prodigy" and not 0.1 <= self.learning_rate <= 10:
+            raise ValueError(f"train.learning_rate {self.learning_rate} with train.optimizer prodigy: Prodigy "
+                             f"estimates the step size and the learning rate multiplies it; set "
+                             f"train.learning_rate: 1.0 (train.prodigy_d_coef scales the estimate)")
+        if o != "prodigy" and self.prodigy_d_coef != 1.0:
+            raise ValueError(f"train.prodigy_d_coef applies to train.optimizer prodigy, not {o}; remove it")
+        if o == "adamw_schedulefree" and self.lr_schedule != "constant":
+            raise ValueError(f"train.lr_schedule {self.lr_schedule} with train.optimizer adamw_schedulefree: "
+                             f"schedule-free AdamW replaces the decay schedule; set train.lr_schedule: constant "
+                             f"(warmup_steps still applies)")
+        module = {"prodigy": "prodigyopt", "adamw_schedulefree": "schedulefree", "lion": "lion_pytorch"}.get(o)
+        if module and importlib.util.find_spec(module) is None:
+            raise ValueError(f"train.optimizer {o} needs the {module} package, which is not installed: "
+                             f"pip install 'tuneline[optimizers]'")
+        if o == "adamw_schedulefree" and self.ema:
+            raise ValueError("train.ema with train.optimizer adamw_schedulefree: schedule-free AdamW already "
+                             "exports the average of its iterates; set train.ema: false")
         return self
 
     @model_validator(mode="after")

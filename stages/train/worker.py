@@ -37,6 +37,7 @@ from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
+from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.plan import micro_batches
 from tuneline.stages.train.procwatch import worker_guard
 from tuneline.stages.train.rows import RowPlan
@@ -148,7 +149,9 @@ def finish(run: Run, trainer: Trainer) -> None:
         t = run.cfg.train
         if trainer.ema is not None:
             trainer.ema.copy_to(trainer.params)
-        exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run))
+        with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: its averaged weights
+            exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final",
+                                 export_info(run))
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
