@@ -59,6 +59,12 @@ class TrainConfig(Strict):
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = Field(8, ge=1, le=MAX_LORA_RANK, description="LoRA rank (at most the widest layer any family has)")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator; null = lora_rank (scale 1)")
+    adapter: Literal["lora", "lokr", "loha", "dora"] = Field(
+        "lora", description="train.mode lora: the adapter peft trains; lokr (Kronecker product, train.lokr_factor), "
+                            "loha (Hadamard product), dora (LoRA with weight decomposition). lokr/loha/dora files "
+                            "use the LyCORIS key layout ComfyUI, A1111 and Forge read")
+    lokr_factor: int = Field(-1, ge=-1, description="train.adapter lokr: split each dimension into factor x rest "
+                             "(kohya/LyCORIS `factor`); -1 = the most square split")
     lora_format: Literal["diffusers", "kohya", "both"] = Field(
         "both", description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
                             "diffusers' load_lora_weights), kohya (lora_kohya.safetensors, for ComfyUI, A1111, "
@@ -154,6 +160,12 @@ class TrainConfig(Strict):
         if self.export_single_file and self.mode != "full":
             raise ValueError("train.export_single_file exports a full fine-tune's model; with train.mode lora the "
                              "LoRA files are the export (train.lora_format): set train.export_single_file false")
+        if self.adapter != "lora" and self.mode != "lora":
+            raise ValueError(f"train.adapter {self.adapter} trains on top of a frozen base: it needs train.mode lora "
+                             f"(train.mode is {self.mode}); set train.mode: lora or train.adapter: lora")
+        if self.lokr_factor != -1 and (self.adapter != "lokr" or self.lokr_factor in (0, 1)):
+            raise ValueError(f"train.lokr_factor {self.lokr_factor}: it applies to train.adapter lokr (now "
+                             f"{self.adapter}) and is -1 or a factor >= 2")
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
                              "train.mode lora use init_from base")
@@ -249,6 +261,9 @@ class TrainManifest(Manifest):
     seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
                                         "{source, root, role, samples} (repeats and regularization share)")
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
+    adapter: str = Field("lora", description="train.adapter of a LoRA-mode run (lora, lokr, loha, dora)")
+    not_exported: list[dict] = Field(default_factory=list, description="files train.lora_format asked for that "
+                                     "the adapter cannot have: {format, reason} (e.g. no diffusers loader for lokr)")
     memory_plan: dict | None = Field(None, description="the planned peak device memory per process and its terms "
                                      "(bytes), the device's free memory, the fixes when it did not fit")
     peak_memory: int | None = Field(None, description="measured peak CUDA memory of rank 0 "

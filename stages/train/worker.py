@@ -32,6 +32,7 @@ from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text.live import open_text
 from tuneline.stages.train import collectives, evaluation
+from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CheckpointError
 from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
@@ -164,7 +165,8 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
                   "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
                                                                    dataset_sources(run.cfg)),
-                  "exports": exports,
+                  "exports": exports, "adapter": t.adapter if t.mode == "lora" else "lora",
+                  "not_exported": not_exported(t),
                   # measured beside the memory plan (tuneline.stages.train.memplan)
                   "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
