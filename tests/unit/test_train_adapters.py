@@ -104,3 +104,27 @@ def test_adapter_settings_refused_naming_fields():
     TrainConfig(mode="lora", adapter="dora")
     refused({"model": {"quantize": "int8"}, "train": {"mode": "lora", "adapter": "loha"}},
             "train.adapter loha", "model.quantize int8")
+
+
+def test_dora_diffusers_file_loads_with_load_lora_weights_exactly(models, tmp_path):
+    """dora keeps the diffusers file: stock load_lora_weights + fuse_lora gives peft's merged weights."""
+    from diffusers import DiffusionPipeline
+
+    fam, model_dir = models["sd15"]
+    t = TrainConfig(mode="lora", adapter="dora", lora_rank=4, lora_alpha=3.0, processes=1)
+    den, params = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    den.eval()
+    save_final(fam, model_dir, den, t, tmp_path / "final")
+    pipe = DiffusionPipeline.from_pretrained(model_dir, safety_checker=None, requires_safety_checker=False)
+    pipe.load_lora_weights(tmp_path / "final")
+    pipe.fuse_lora()
+    loaded = dict(pipe.unet.named_modules())
+    deltas = trained_deltas(den)
+    for path, (base, delta) in deltas.items():
+        layer = loaded[path]
+        torch.testing.assert_close(getattr(layer, "base_layer", layer).weight.detach(), base + delta)
+    assert deltas
