@@ -261,7 +261,8 @@ class TrainManifest(Manifest):
     seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
                                         "{source, root, role, samples} (repeats and regularization share)")
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
-    adapter: str = Field("lora", description="train.adapter of a LoRA-mode run (lora, lokr, loha, dora)")
+    adapter: str | None = Field(None, description="train.adapter of a LoRA-mode run (lora, lokr, loha, dora); null "
+                                "for a full fine-tune")
     not_exported: list[dict] = Field(default_factory=list, description="files train.lora_format asked for that "
                                      "the adapter cannot have: {format, reason} (e.g. no diffusers loader for lokr)")
     memory_plan: dict | None = Field(None, description="the planned peak device memory per process and its terms "

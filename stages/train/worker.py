@@ -165,7 +165,7 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
                   "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
                                                                    dataset_sources(run.cfg)),
-                  "exports": exports, "adapter": t.adapter if t.mode == "lora" else "lora",
+                  "exports": exports, "adapter": t.adapter if t.mode == "lora" else None,
                   "not_exported": not_exported(t),
                   # measured beside the memory plan (tuneline.stages.train.memplan)
                   "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None}

@@ -1,4 +1,4 @@
-"""A LoKr trained by schedule-free AdamW through the real train stage (one process): the manifest lists the
+"""A LoKr trained by schedule-free AdamW through the real train stage (2-process gloo DDP): the manifest lists the
 LyCORIS file and records the diffusers file's absence; the file holds schedule-free's eval-mode weights; a run
 resumed from the middle checkpoint (after an in-training validation) ends with the uninterrupted run's weights."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.integration.test_train_support import build_upstream, small_config, t
 from tuneline.stages.train.export import KOHYA_FILE
 
 LOKR = {"mode": "lora", "adapter": "lokr", "optimizer": "adamw_schedulefree", "lora_rank": 4, "lora_alpha": 4,
-        "steps": 4, "processes": 1, "batch_size": 4, "checkpoint_every": 2, "validate_every": 2,
+        "steps": 4, "processes": 2, "batch_size": 2, "checkpoint_every": 2, "validate_every": 2,
         "learning_rate": 1e-2, "lora_format": "both", "keep_checkpoints": 3}
 
 
