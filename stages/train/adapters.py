@@ -131,3 +131,47 @@ def to_lycoris(family: str, den: torch.nn.Module, state: dict[str, torch.Tensor]
         name = stem(family, path, den)
         out.update({f"{name}.{k}": v.detach().to("cpu", torch.float32).contiguous() for k, v in keys.items()})
     return out
+
+
+def delta(f: dict[str, torch.Tensor], base: torch.Tensor) -> torch.Tensor:
+    """The weight change one module's LyCORIS keys make at strength 1, as ComfyUI computes it
+    (comfy/weight_adapter/lokr.py, loha.py, lora.py and base.weight_decompose)."""
+    alpha = float(f["alpha"]) if "alpha" in f else None
+    if "hada_w1_a" in f:
+        m1, m2 = f["hada_w1_a"] @ f["hada_w1_b"], f["hada_w2_a"] @ f["hada_w2_b"]
+        return (m1 * m2).reshape(base.shape) * (alpha / f["hada_w1_b"].shape[0])
+    if "lokr_w1" in f or "lokr_w1_a" in f:
+        dim, w1, w2 = None, f.get("lokr_w1"), f.get("lokr_w2")
+        if w1 is None:
+            dim, w1 = f["lokr_w1_b"].shape[0], f["lokr_w1_a"] @ f["lokr_w1_b"]
+        if w2 is None:
+            dim, w2 = f["lokr_w2_b"].shape[0], f["lokr_w2_a"] @ f["lokr_w2_b"]
+        if w2.dim() == 4:
+            w1 = w1[:, :, None, None]
+        return torch.kron(w1, w2).reshape(base.shape) * (alpha / dim if alpha is not None and dim else 1.0)
+    down, up = f["lora_down.weight"], f["lora_up.weight"]
+    diff = (up.flatten(1) @ down.flatten(1)).reshape(base.shape) * ((alpha or down.shape[0]) / down.shape[0])
+    if "dora_scale" not in f:
+        return diff
+    rows = base.shape[0]
+    norm = base.reshape(rows, -1).norm(dim=1).reshape(rows, *[1] * (base.dim() - 1)) + torch.finfo(base.dtype).eps
+    return (base + diff) * (f["dora_scale"] / norm) - base
+
+
+def apply_file(family: str, den: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Merge a LyCORIS-layout file's updates into `den`'s weights (how validation renders a lokr/loha run, which
+    diffusers cannot load). Returns the modules changed; raises naming keys that match no module."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        name, suffix = key.split(".", 1)
+        groups.setdefault(name, {})[suffix] = value.float()
+    layers = {stem(family, p, den): m for p, m in den.named_modules() if isinstance(m, (torch.nn.Linear,
+                                                                                           torch.nn.Conv2d))}
+    unknown = sorted(set(groups) - set(layers))
+    if unknown:
+        raise ValueError(f"adapter file keys match no module of {type(den).__name__}: {unknown[:5]}")
+    with torch.no_grad():
+        for name, f in groups.items():
+            w = layers[name].weight
+            w.add_(delta(f, w.detach().float()).to(w.device, w.dtype))
+    return len(groups)

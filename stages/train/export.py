@@ -135,6 +135,21 @@ def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict
         save_file(state, str(out / KOHYA_FILE), metadata=meta)
 
 
+def load_lora(pipe, family: str, final: Path) -> None:
+    """Apply final/'s adapter to a diffusers pipeline: load_lora_weights for LoRA/DoRA files; a lokr/loha file
+    (no diffusers loader) is merged into the denoiser's weights with ComfyUI's formulas (stages/train/adapters.py)."""
+    from safetensors import safe_open
+
+    folder, weight_name = lora_source(final)
+    if weight_name == KOHYA_FILE:
+        with safe_open(str(folder / KOHYA_FILE), framework="pt") as f:
+            if any(".lokr_" in k or ".hada_" in k for k in f.keys()):
+                den = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+                adapters.apply_file(family, den, {k: f.get_tensor(k) for k in f.keys()})
+                return
+    pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
+
+
 def lora_source(final: Path) -> tuple[Path, str | None]:
     """(folder, weight_name) for load_lora_weights: the diffusers file when written, else the kohya one."""
     if (final / DIFFUSERS_FILE).is_file() or not (final / KOHYA_FILE).is_file():

@@ -93,6 +93,12 @@ def test_exported_file_recomputes_the_trained_delta(models, tmp_path, family, ad
         keys = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
         assert delta.abs().max() > 0
         torch.testing.assert_close(comfy_delta(keys, base), delta, rtol=1e-4, atol=1e-5)
+    # validation's loader for the file (diffusers has none for lokr/loha) gives the trained weights too
+    fresh = fam.load_denoiser(model_dir, torch.float32, CPU)
+    assert adapters.apply_file(family, fresh, state) == len(deltas)
+    modules = dict(fresh.named_modules())
+    for path, (base, delta) in deltas.items():
+        torch.testing.assert_close(modules[path].weight.detach(), base + delta, rtol=1e-4, atol=1e-5)
 
 
 def test_adapter_settings_refused_naming_fields():
