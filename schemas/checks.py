@@ -200,6 +200,9 @@ def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if cfg.train.mode != "lora":
         out.append(f"model.quantize {q} freezes the base in {q}, which only a LoRA can train on top of: set "
                    f"train.mode lora or model.quantize null")
+    if cfg.train.adapter != "lora":
+        out.append(f"train.adapter {cfg.train.adapter} cannot train on a model.quantize {q} base (peft applies only "
+                   f"a LoRA to quantized layers): set train.adapter lora or model.quantize null")
     if q == "fp8" and cfg.model.device == "cpu":
         out.append("model.quantize fp8 needs a CUDA GPU with float8 support; with model.device cpu use int8 or null")
     return out

@@ -1,6 +1,7 @@
 """Training stage: config and manifest."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -62,6 +63,12 @@ class TrainConfig(Strict):
     mode: Literal["full", "lora"] = "full"
     lora_rank: int = Field(8, ge=1, le=MAX_LORA_RANK, description="LoRA rank (at most the widest layer any family has)")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA scale numerator; null = lora_rank (scale 1)")
+    adapter: Literal["lora", "lokr", "loha", "dora"] = Field(
+        "lora", description="train.mode lora: the adapter peft trains; lokr (Kronecker product, train.lokr_factor), "
+                            "loha (Hadamard product), dora (LoRA with weight decomposition). lokr/loha/dora files "
+                            "use the LyCORIS key layout ComfyUI, A1111 and Forge read")
+    lokr_factor: int = Field(-1, ge=-1, description="train.adapter lokr: split each dimension into factor x rest "
+                             "(kohya/LyCORIS `factor`); -1 = the most square split")
     lora_format: Literal["diffusers", "kohya", "both"] = Field(
         "both", description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
                             "diffusers' load_lora_weights), kohya (lora_kohya.safetensors, for ComfyUI, A1111, "
@@ -81,8 +88,18 @@ class TrainConfig(Strict):
     blocks_to_swap: int = Field(0, ge=0, description="keep this many of the denoiser's transformer blocks in pinned "
                                 "CPU memory and bring each to the device just before its forward and backward "
                                 "(same numbers, less GPU memory, slower); `tuneline plan` prints the largest value")
-    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw: torch's AdamW; adamw8bit: "
-                                                     "torchao's AdamW with 8-bit state (a quarter of the memory)")
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "adafactor", "adamw_schedulefree", "lion"] = Field(
+        "adamw", description="adamw: torch's AdamW; adamw8bit: torchao's AdamW with 8-bit state (a quarter of the "
+                             "memory); prodigy: Prodigy (prodigyopt), which estimates the step size itself "
+                             "(learning_rate 1.0); adafactor: transformers' Adafactor (factored second moments, "
+                             "least memory); adamw_schedulefree: schedule-free AdamW (schedulefree; no decay "
+                             "schedule, exports its averaged weights); lion: Lion (lion-pytorch; use a learning "
+                             "rate 3-10x below AdamW's). The third-party ones: pip install 'tuneline[optimizers]'")
+    optimizer_betas: list[float] | None = Field(None, min_length=2, max_length=2, description="the optimizer's "
+                                                "(beta1, beta2); null = its own default (Lion (0.9, 0.99), the "
+                                                "Adam kinds (0.9, 0.999)); unused by adafactor")
+    prodigy_d_coef: float = Field(1.0, gt=0, description="train.optimizer prodigy: multiplies its step-size "
+                                  "estimate (below 1 for smaller steps)")
     ema: bool = Field(False, description="keep an exponential moving average of the trained weights; final/ holds it")
     ema_decay: float = Field(0.999, gt=0, lt=1)
     loss_weighting: Literal["auto", "none", "min_snr"] = Field(
@@ -147,9 +164,43 @@ class TrainConfig(Strict):
         if self.export_single_file and self.mode != "full":
             raise ValueError("train.export_single_file exports a full fine-tune's model; with train.mode lora the "
                              "LoRA files are the export (train.lora_format): set train.export_single_file false")
+        if self.adapter != "lora" and self.mode != "lora":
+            raise ValueError(f"train.adapter {self.adapter} trains on top of a frozen base: it needs train.mode lora "
+                             f"(train.mode is {self.mode}); set train.mode: lora or train.adapter: lora")
+        if self.lokr_factor != -1 and (self.adapter != "lokr" or self.lokr_factor in (0, 1)):
+            raise ValueError(f"train.lokr_factor {self.lokr_factor}: it applies to train.adapter lokr (now "
+                             f"{self.adapter}) and is -1 or a factor >= 2")
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError("train.init_from previous continues a full fine-tune's pipeline folder; with "
                              "train.mode lora use init_from base")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_settings(self) -> TrainConfig:
+        o = self.optimizer
+        if self.optimizer_betas is not None:
+            if o == "adafactor":
+                raise ValueError("train.optimizer_betas: train.optimizer adafactor takes no betas; set "
+                                 "train.optimizer_betas: null")
+            if not all(0 <= b < 1 for b in self.optimizer_betas):
+                raise ValueError(f"train.optimizer_betas {list(self.optimizer_betas)} must each lie in [0, 1)")
+        if o == "prodigy" and not 0.1 <= self.learning_rate <= 10:
+            raise ValueError(f"train.learning_rate {self.learning_rate} with train.optimizer prodigy: Prodigy "
+                             f"estimates the step size and the learning rate multiplies it; set "
+                             f"train.learning_rate: 1.0 (train.prodigy_d_coef scales the estimate)")
+        if o != "prodigy" and self.prodigy_d_coef != 1.0:
+            raise ValueError(f"train.prodigy_d_coef applies to train.optimizer prodigy, not {o}; remove it")
+        if o == "adamw_schedulefree" and self.lr_schedule != "constant":
+            raise ValueError(f"train.lr_schedule {self.lr_schedule} with train.optimizer adamw_schedulefree: "
+                             f"schedule-free AdamW replaces the decay schedule; set train.lr_schedule: constant "
+                             f"(warmup_steps still applies)")
+        module = {"prodigy": "prodigyopt", "adamw_schedulefree": "schedulefree", "lion": "lion_pytorch"}.get(o)
+        if module and importlib.util.find_spec(module) is None:
+            raise ValueError(f"train.optimizer {o} needs the {module} package, which is not installed: "
+                             f"pip install 'tuneline[optimizers]'")
+        if o == "adamw_schedulefree" and self.ema:
+            raise ValueError("train.ema with train.optimizer adamw_schedulefree: schedule-free AdamW already "
+                             "exports the average of its iterates; set train.ema: false")
         return self
 
     @model_validator(mode="after")
@@ -214,6 +265,10 @@ class TrainManifest(Manifest):
     seen_per_source: list[dict] = Field(default_factory=list, description="samples trained per dataset folder: "
                                         "{source, root, role, samples} (repeats and regularization share)")
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
+    adapter: str | None = Field(None, description="train.adapter of a LoRA-mode run (lora, lokr, loha, dora); null "
+                                "for a full fine-tune")
+    not_exported: list[dict] = Field(default_factory=list, description="files train.lora_format asked for that "
+                                     "the adapter cannot have: {format, reason} (e.g. no diffusers loader for lokr)")
     memory_plan: dict | None = Field(None, description="the planned peak device memory per process and its terms "
                                      "(bytes), the device's free memory, the fixes when it did not fit")
     peak_memory: int | None = Field(None, description="measured peak CUDA memory of rank 0 "

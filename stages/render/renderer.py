@@ -50,10 +50,9 @@ class Renderer:
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
         if lora is not None:
-            from tuneline.stages.train.export import lora_source
+            from tuneline.stages.train.export import load_lora
 
-            folder, weight_name = lora_source(Path(lora))  # train.lora_format kohya writes only the kohya file
-            pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
+            load_lora(pipe, fam.facts.name, Path(lora))  # load_lora_weights, or a lokr/loha file merged
         # Rendering only decodes; an empty module rather than None, as some VAEs (Qwen-Image) walk theirs when decoding.
         pipe.vae.encoder = torch.nn.Module()
         pipe.set_progress_bar_config(disable=True)

@@ -12,6 +12,7 @@ import torch
 
 from tuneline.stages.train.loop import Trainer, micro_cond
 from tuneline.stages.train.objective import scale_latents
+from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.rows import Rows
 
 
@@ -45,6 +46,15 @@ class Evaluator:
         model.eval()  # dropout off: the same weights must give the same number
         sums = dict.fromkeys(self.timesteps, 0.0)
         n = 0
+        # schedule-free: the averaged weights it exports (tuneline.stages.train.optimizers.eval_weights)
+        with eval_weights(tr.opt, tr.params):
+            n = self._sum(tr, data, model, was_training, sums)
+        per_t = {str(t): round(s / n, 6) for t, s in sums.items()}
+        return {"step": tr.step, "loss": round(sum(s / n for s in sums.values()) / len(sums), 6),
+                "per_timestep": per_t}
+
+    def _sum(self, tr, data, model, was_training, sums) -> int:
+        n = 0
         try:
             for bucket, rows in self.held.items():
                 for row in rows:
@@ -62,6 +72,4 @@ class Evaluator:
                     n += 1
         finally:
             model.train(was_training)
-        per_t = {str(t): round(s / n, 6) for t, s in sums.items()}
-        return {"step": tr.step, "loss": round(sum(s / n for s in sums.values()) / len(sums), 6),
-                "per_timestep": per_t}
+        return n

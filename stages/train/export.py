@@ -4,7 +4,8 @@ their headers, and the `exports` entries of the train manifest.
 Files (under the train artifact's `final/`):
 - `pytorch_lora_weights.safetensors`: diffusers/peft layout, for `pipe.load_lora_weights(final_dir)`.
 - `lora_kohya.safetensors`: kohya sd-scripts layout (stages/train/kohya.py), for ComfyUI `models/loras`,
-  A1111/Forge `models/Lora`.
+  A1111/Forge `models/Lora`; for train.adapter lokr/loha/dora the LyCORIS layout (stages/train/adapters.py), the
+  only file for lokr/loha, which diffusers cannot load.
 - a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
   `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile_export.py).
 """
@@ -20,7 +21,7 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.stages.common.hashing import file_sha256
-from tuneline.stages.train import kohya
+from tuneline.stages.train import adapters, kohya
 from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
@@ -60,8 +61,9 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
     """The safetensors header metadata (strings only) of a LoRA file in format `fmt`."""
     alpha = t.lora_alpha or t.lora_rank
     started = datetime.fromtimestamp(info.started_at, UTC)
+    module, algo = adapters.NETWORK[adapters.adapter_of(t)]
     meta = {
-        "ss_network_module": "networks.lora", "ss_network_dim": str(t.lora_rank), "ss_network_alpha": str(alpha),
+        "ss_network_module": module, "ss_network_dim": str(t.lora_rank), "ss_network_alpha": str(alpha),
         "ss_base_model_version": _header_facts(family)[0], "ss_v2": "False",
         "ss_resolution": f"({info.resolution}, {info.resolution})", "ss_steps": str(info.steps),
         "ss_max_train_steps": str(t.steps), "ss_num_train_images": str(info.num_train_images),
@@ -76,6 +78,10 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
         "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity,
         "tuneline.lora_format": fmt,
     }
+    if algo:  # kohya's network_args as it writes them (LyCORIS algo, its factor; DoRA's weight decomposition)
+        args = {"algo": algo, **({"factor": str(t.lokr_factor)} if algo == "lokr" else {})} if algo != "dora" \
+            else {"dora_wd": "True"}
+        meta["ss_network_args"] = json.dumps(args, sort_keys=True)
     if t.metadata_captions and info.tag_frequency:
         meta["ss_tag_frequency"] = json.dumps({"train": info.tag_frequency}, sort_keys=True)
     return meta
@@ -113,6 +119,9 @@ def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict
     fmt = getattr(t, "lora_format", "both")
     family = fam.facts.name
     out.mkdir(parents=True, exist_ok=True)
+    adapter = adapters.adapter_of(t)
+    if adapter not in adapters.DIFFUSERS_LOADS:
+        fmt = "kohya"  # no diffusers loader: the LyCORIS file only (the manifest's not_exported says so)
     if fmt in ("diffusers", "both"):
         getattr(diffusers, pipe_name).save_lora_weights(out, weight_name=DIFFUSERS_FILE,
                                                         **{f"{comp}_lora_layers": layers,
@@ -124,10 +133,29 @@ def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict
 
         # A family whose ComfyUI loader reads its own layout writes it itself (Family.comfy_lora_state).
         own = getattr(fam, "comfy_lora_state", None)
-        state = (own(den, layers, adapter_meta["lora_alpha"]) if own is not None
-                 else kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"]))
+        if adapter != "lora":
+            state = adapters.to_lycoris(family, den, layers, t)
+        elif own is not None:
+            state = own(den, layers, adapter_meta["lora_alpha"])
+        else:
+            state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
         meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
         save_file(state, str(out / KOHYA_FILE), metadata=meta)
+
+
+def load_lora(pipe, family: str, final: Path) -> None:
+    """Apply final/'s adapter to a diffusers pipeline: load_lora_weights for LoRA/DoRA files; a lokr/loha file
+    (no diffusers loader) is merged into the denoiser's weights with ComfyUI's formulas (stages/train/adapters.py)."""
+    from safetensors import safe_open
+
+    folder, weight_name = lora_source(final)
+    if weight_name == KOHYA_FILE:
+        with safe_open(str(folder / KOHYA_FILE), framework="pt") as f:
+            if any(".lokr_" in k or ".hada_" in k for k in f.keys()):
+                den = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+                adapters.apply_file(family, den, {k: f.get_tensor(k) for k in f.keys()})
+                return
+    pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
 
 
 def lora_source(final: Path) -> tuple[Path, str | None]:

@@ -5,7 +5,6 @@ Only rank 0 writes files.
 from __future__ import annotations
 
 import gc
-from contextlib import nullcontext
 
 import torch
 
@@ -15,6 +14,7 @@ from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.loop import Trainer
+from tuneline.stages.train.optimizers import eval_weights
 
 LOG_EVERY = 10
 CHECKPOINTS = "checkpoints"
@@ -71,7 +71,7 @@ class Hooks:
         samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()
         try:
-            with tr.ema.applied(tr.params) if tr.ema is not None else nullcontext():
+            with tr.ema.applied(tr.params) if tr.ema is not None else eval_weights(tr.opt, tr.params):
                 images = renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
         finally:
             tr.denoiser.train()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
+from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
 
 GIB = 1024 ** 3
@@ -182,7 +183,7 @@ class Planner:
                 -(sum(x[key] for x in per) - window)),
                ("trainable parameters (float32)", 0 if full else 4 * trainable),
                ("gradients", 4 * trainable),
-               (f"optimizer state ({s.optimizer})", {"adamw": 8, "adamw8bit": 2}[s.optimizer]
+               (f"optimizer state ({s.optimizer})", STATE_BYTES[s.optimizer]
                 * (trainable - swapped_trainable)),
                ("EMA", 4 * trainable if t.ema else 0),
                (f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge})",
@@ -268,8 +269,8 @@ def plan(cfg, model_dir: Path, device: torch.device, gpu_memory_gib: float | Non
          family: str | None = None) -> MemoryPlan:
     """The plan for training `cfg` on `device`, or, with `gpu_memory_gib`, on a CUDA card of that size with
     model.dtype and autocast as they would run there (bf16 where `auto`)."""
-    from tuneline.stages.families.resolve import dtypes
     from tuneline.stages.families.registry import get_family
+    from tuneline.stages.families.resolve import dtypes
 
     cuda = gpu_memory_gib is not None or device.type == "cuda"
     mixed = cfg.train.mixed_precision

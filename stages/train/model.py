@@ -12,6 +12,7 @@ import torch
 
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
+from tuneline.stages.train.adapters import peft_config
 from tuneline.stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from tuneline.stages.train.quantize import quantize_base
 from tuneline.stages.train.singlefile_export import save_single_file
@@ -38,10 +39,8 @@ def grad_scaler(dtype: torch.dtype | None) -> torch.amp.GradScaler:
 
 
 def lora_config(t: TrainConfig, target_modules: tuple[str, ...]):
-    from peft import LoraConfig
-
-    return LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha or t.lora_rank, init_lora_weights=True,
-                      target_modules=list(target_modules))
+    """The peft config of train.adapter (stages/train/adapters.py)."""
+    return peft_config(t, target_modules)
 
 
 def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype,

@@ -1,10 +1,22 @@
 """The optimizer (train.optimizer) and its state in checkpoints.
 
+Each comes from its maintained package: torch's AdamW, torchao's AdamW8bit, prodigyopt's Prodigy, schedulefree's
+AdamWScheduleFree, transformers' Adafactor, lion-pytorch's Lion (`pip install 'tuneline[optimizers]'` for the
+third-party ones). Their state is plain tensors and JSON-able numbers, so checkpoints store it as AdamW's.
+
+Schedule-free AdamW trains at one point (y) and evaluates at another (x, the average of its iterates); the
+weights it means for use are x. `eval_weights` switches to them for validation and export and puts the exact
+training weights back afterwards (a train()/eval() round trip is not bit-exact), so a run that validated
+continues as one that did not. Checkpoints hold the training weights and the optimizer's z (its state).
+
 adamw8bit is torchao's AdamW with block-wise 8-bit moments (a quarter of AdamW's state memory; it runs on CPU too).
 Its moments are tensor subclasses safetensors cannot store, so a checkpoint holds their parts (codes, scale,
 quantization map) and a resumed run rebuilds the very same state, so it continues exactly.
 """
 from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -15,16 +27,74 @@ PARTS = "quantized"
 TENSOR_KEYS = "tensor_keys"  # in a param group: the settings the optimizer keeps as tensors  # key in the optimizer's JSON state: flat name -> the subclass's non-tensor attributes
 
 
+# Bytes of optimizer state per trainable parameter (the memory plan's term). Adafactor keeps a row and a column
+# second moment per matrix (a few bytes per row/column, counted here as 1 per parameter to stay on the safe side);
+# Prodigy keeps AdamW's two moments, its s and the initial weights p0.
+STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "prodigy": 16, "adafactor": 1, "adamw_schedulefree": 8, "lion": 4}
+# The package each optimizer needs (module, pip extra), for the refusal at load.
+PACKAGES = {"adamw8bit": ("torchao", "quantize"), "prodigy": ("prodigyopt", "optimizers"),
+            "adamw_schedulefree": ("schedulefree", "optimizers"), "lion": ("lion_pytorch", "optimizers"),
+            "adafactor": ("transformers", "optimizers")}
+
+
+def _needs(module: str, name: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        extra = PACKAGES[name][1]
+        raise ValueError(f"train.optimizer {name} needs the {module} package: pip install 'tuneline[{extra}]'") \
+            from None
+
+
+def _betas(t, default: tuple[float, float]) -> tuple[float, float]:
+    betas = getattr(t, "optimizer_betas", None)
+    return tuple(betas) if betas else default
+
+
 def build_optimizer(params: list[torch.nn.Parameter], t) -> torch.optim.Optimizer:
-    if getattr(t, "optimizer", "adamw") == "adamw8bit":
-        try:
-            from torchao.optim import AdamW8bit
-        except ImportError:
-            raise ValueError("train.optimizer adamw8bit needs torchao: pip install 'tuneline[quantize]'") from None
-        return AdamW8bit(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    name = getattr(t, "optimizer", "adamw")
+    if name == "adamw8bit":
+        return _needs("torchao.optim", name).AdamW8bit(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                                       betas=_betas(t, (0.9, 0.999)))
+    if name == "prodigy":
+        return _needs("prodigyopt", name).Prodigy(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                                  betas=_betas(t, (0.9, 0.999)), d_coef=t.prodigy_d_coef)
+    if name == "adamw_schedulefree":
+        opt = _needs("schedulefree", name).AdamWScheduleFree(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                                             betas=_betas(t, (0.9, 0.999)))
+        opt.train()  # it starts in eval mode and refuses to step there
+        return opt
+    if name == "adafactor":
+        # A fixed learning rate (the stage's schedule drives it), as kohya's and SimpleTuner's presets with lr set.
+        return _needs("transformers.optimization", name).Adafactor(
+            params, lr=t.learning_rate, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False,
+            warmup_init=False)
+    if name == "lion":
+        return _needs("lion_pytorch", name).Lion(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                                 betas=_betas(t, (0.9, 0.99)))
     # foreach: one kernel per op over all tensors; torch picks it only on CUDA by default, and per-tensor
     # updates of a model's hundreds of small tensors cost a CPU as much as a fifth of a step.
-    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, foreach=True)
+    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, foreach=True,
+                             betas=_betas(t, (0.9, 0.999)))
+
+
+@contextmanager
+def eval_weights(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], restore: bool = True):
+    """The weights the optimizer means for use while inside (schedule-free: its averaged x; others: the
+    parameters as they are). With `restore`, the exact training weights and mode come back after."""
+    if not callable(getattr(opt, "eval", None)):
+        yield
+        return
+    kept = {n: p.detach().clone() for n, p in params.items()} if restore else None
+    opt.eval()
+    try:
+        yield
+    finally:
+        if restore:
+            opt.train()
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(kept[n])
 
 
 def state_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -61,8 +131,6 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 def restore_state(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], meta: dict) -> None:
     tensors = dict(tensors)
     for flat, (module, qualname, inner, attrs) in meta.get(PARTS, {}).items():
-        import importlib
-
         if not module.startswith("torchao."):  # the JSON names the class; only torchao's state is rebuilt
             raise ckpt.CheckpointError(f"optimizer state {flat} names {module}.{qualname}, not a torchao state")
         cls = getattr(importlib.import_module(module), qualname)

@@ -34,11 +34,13 @@ from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text.live import open_text
 from tuneline.stages.train import collectives, evaluation
+from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CheckpointError
 from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
+from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.plan import micro_batches
 from tuneline.stages.train.procwatch import worker_guard
 from tuneline.stages.train.rows import RowPlan
@@ -154,7 +156,9 @@ def finish(run: Run, trainer: Trainer) -> None:
         t = run.cfg.train
         if trainer.ema is not None:
             trainer.ema.copy_to(trainer.params)
-        exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run))
+        with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: its averaged weights
+            exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final",
+                                 export_info(run))
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
@@ -167,7 +171,8 @@ def finish(run: Run, trainer: Trainer) -> None:
                   "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
                   "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
                                                                    dataset_sources(run.cfg)),
-                  "exports": exports,
+                  "exports": exports, "adapter": t.adapter if t.mode == "lora" else None,
+                  "not_exported": not_exported(t),
                   # measured beside the memory plan (tuneline.stages.train.memplan)
                   "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None}
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")

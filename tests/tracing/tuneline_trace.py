@@ -82,7 +82,7 @@ def install_trainer_wrapper(module) -> None:
     step = cls.train_step
 
     @functools.wraps(step)
-    def train_step(self, micro, *args, **kwargs):
+    def train_step(self, micro, *args, **kwargs):  # the stop/checkpoint flags pass through
         folder = os.environ.get(TRACE_ENV)
         if folder:
             with open(Path(folder) / f"trace-rank{self.rank}.jsonl", "a", encoding="utf-8") as f:

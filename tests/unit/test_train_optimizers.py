@@ -1,0 +1,107 @@
+"""train.optimizer: every choice resumes exactly through a checkpoint; schedule-free's eval weights; refusals."""
+import pytest
+import torch
+
+from tuneline.schemas.train import TrainConfig
+from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train.optimizers import build_optimizer, eval_weights, restore_state, state_tensors
+
+SETTINGS = {"adamw": {"learning_rate": 1e-2}, "prodigy": {"learning_rate": 1.0},
+            "adafactor": {"learning_rate": 1e-2}, "adamw_schedulefree": {"learning_rate": 1e-2},
+            "lion": {"learning_rate": 1e-3}}
+
+
+def init_and_grads(steps=4):
+    torch.manual_seed(0)
+    init = {"w": torch.randn(16, 24), "conv": torch.randn(8, 4, 3, 3), "b": torch.randn(24)}
+    return init, [{k: torch.randn_like(v) for k, v in init.items()} for _ in range(steps)]
+
+
+def run_steps(params, opt, grads):
+    for g in grads:
+        for k, p in params.items():
+            p.grad = g[k].clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def fresh(init):
+    return {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_optimizer_resumes_exactly(name, tmp_path):
+    """Four steps straight equal two steps, a checkpoint through safetensors + JSON, a new optimizer, two
+    steps; the state changed the weights (the run is not a no-op)."""
+    t = TrainConfig(optimizer=name, weight_decay=0.01, **SETTINGS[name])
+    init, grads = init_and_grads()
+    straight = fresh(init)
+    run_steps(straight, build_optimizer(list(straight.values()), t), grads)
+    first = fresh(init)
+    opt = build_optimizer(list(first.values()), t)
+    run_steps(first, opt, grads[:2])
+    names = list(first)
+    tensors, meta = state_tensors(opt, names)
+    path = ckpt.save(tmp_path, 2, {"optimizer": tensors, "trainable": dict(first)}, {"optimizer": meta})
+    state, loaded = ckpt.load(path)
+    resumed = {k: torch.nn.Parameter(loaded["trainable"][k].clone()) for k in names}  # the model's order
+    opt2 = build_optimizer(list(resumed.values()), t)
+    restore_state(opt2, names, loaded["optimizer"], state["optimizer"])
+    run_steps(resumed, opt2, grads[2:])
+    for k in init:
+        torch.testing.assert_close(resumed[k].detach(), straight[k].detach(), rtol=0, atol=0)
+        assert not torch.equal(straight[k].detach(), init[k])
+
+
+def test_schedule_free_eval_weights_and_exact_return():
+    """Inside eval_weights the parameters are schedule-free's averaged x (not the training y); after it the
+    exact training weights come back, so validating mid-run changes nothing that follows."""
+    t = TrainConfig(optimizer="adamw_schedulefree", learning_rate=1e-2)
+    init, grads = init_and_grads()
+    plain = fresh(init)
+    run_steps(plain, build_optimizer(list(plain.values()), t), grads)
+    checked = fresh(init)
+    opt = build_optimizer(list(checked.values()), t)
+    run_steps(checked, opt, grads[:2])
+    y = {k: p.detach().clone() for k, p in checked.items()}
+    with eval_weights(opt, checked):
+        x = {k: p.detach().clone() for k, p in checked.items()}
+        z = {k: opt.state[p]["z"] for k, p in checked.items()}
+        beta1 = opt.param_groups[0]["betas"][0]
+        for k in init:  # y = (1 - beta1) z + beta1 x  (the method's interpolation)
+            torch.testing.assert_close(y[k], (1 - beta1) * z[k] + beta1 * x[k])
+            assert not torch.equal(x[k], y[k])
+    for k in init:
+        assert torch.equal(checked[k].detach(), y[k])
+    run_steps(checked, opt, grads[2:])
+    for k in init:
+        assert torch.equal(checked[k].detach(), plain[k].detach())
+
+
+def test_eval_weights_leaves_other_optimizers_alone():
+    init, grads = init_and_grads(1)
+    params = fresh(init)
+    opt = build_optimizer(list(params.values()), TrainConfig(optimizer="lion", learning_rate=1e-3))
+    run_steps(params, opt, grads)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    with eval_weights(opt, params, restore=False):
+        assert all(torch.equal(params[k].detach(), before[k]) for k in init)
+
+
+@pytest.mark.parametrize("settings, fields", [
+    ({"optimizer": "prodigy", "learning_rate": 1e-4}, "train.learning_rate.*train.optimizer prodigy"),
+    ({"optimizer": "adamw_schedulefree", "lr_schedule": "cosine"}, "train.lr_schedule.*adamw_schedulefree"),
+    ({"optimizer": "adamw_schedulefree", "ema": True}, "train.ema.*adamw_schedulefree"),
+    ({"optimizer": "adafactor", "optimizer_betas": [0.9, 0.99]}, "train.optimizer_betas.*adafactor"),
+    ({"optimizer": "lion", "optimizer_betas": [0.9, 1.5]}, "train.optimizer_betas"),
+    ({"optimizer": "adamw", "prodigy_d_coef": 0.5}, "train.prodigy_d_coef.*prodigy"),
+])
+def test_optimizer_settings_refused_at_load_naming_fields(settings, fields):
+    with pytest.raises(ValueError, match=fields):
+        TrainConfig(**settings)
+
+
+def test_optimizer_settings_accepted():
+    TrainConfig(optimizer="prodigy", learning_rate=1.0, prodigy_d_coef=0.5)
+    TrainConfig(optimizer="adamw_schedulefree", warmup_steps=10)
+    TrainConfig(optimizer="lion", optimizer_betas=[0.95, 0.98], learning_rate=1e-4)
