@@ -28,8 +28,7 @@ NEEDS_CUDA = {"flux_lora_peak_gib": "peak GPU memory is a CUDA figure",
               "sdxl_lora_step_vs_diffusers": "diffusers' script is measured on the GPU only"}
 DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
 
-from gpu_setup import (IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds,  # noqa: E402
-                       trainer_for)
+from gpu_setup import IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds, trainer_for  # noqa: E402
 
 
 # ---- ddp_two_process_cuda ---------------------------------------------------------------------------------
@@ -86,7 +85,7 @@ def pure_seconds(b: Bench, trainer) -> float:
     target = torch.randn_like(x)
     amp = trainer.autocast
     times = []
-    for i in range(b.warmup + b.steps):
+    for _ in range(b.warmup + b.steps):
         b.sync()
         start = time.perf_counter()
         with torch.autocast(dev.type, amp, enabled=amp is not None):
@@ -119,8 +118,8 @@ def encoder_images_per_s(b: Bench, ctx) -> float:
     import torch
 
     from tuneline.schemas.scan import ImageRecord
-    from tuneline.stages.families import resolve as models
     from tuneline.stages.common.jsonl import read_jsonl
+    from tuneline.stages.families import resolve as models
     from tuneline.stages.latents.encode import to_pixels
     from tuneline.stages.scan.images import load_rgb
 
@@ -131,7 +130,7 @@ def encoder_images_per_s(b: Bench, ctx) -> float:
     vae = models.family(cfg).load_vae_encoder(models.model_dir(ctx), dtype, dev)
     batch = cfg.latents.batch_size
     with torch.no_grad():
-        for rnd in range(2):  # the first round warms up
+        for _ in range(2):  # the first round warms up
             b.sync()
             start = time.perf_counter()
             for i in range(0, len(pixels), batch):

@@ -114,8 +114,8 @@ def trainer_for(cfg, ctx, rank: int = 0, world: int = 1):
     from tuneline.schemas.scan import ImageRecord
     from tuneline.schemas.sources import dataset_sources
     from tuneline.schemas.text import TextManifest
-    from tuneline.stages.families import resolve as models
     from tuneline.stages.common.jsonl import read_jsonl
+    from tuneline.stages.families import resolve as models
     from tuneline.stages.latents.reader import LatentReader
     from tuneline.stages.text.live import open_text
     from tuneline.stages.train.loop import Data, Trainer
@@ -142,7 +142,7 @@ def step_seconds(b: Bench, trainer) -> float:
     times = []
     with closing(trainer.feed(micro_batches(trainer.data.rows.epoch_plans(1), t.batch_size, 0,
                                             trainer.position))) as feed:
-        for i in range(b.warmup + b.steps):
+        for _ in range(b.warmup + b.steps):
             b.sync()
             start = time.perf_counter()
             trainer.train_step([next(feed) for _ in range(t.grad_accumulation)])

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.stages.train import collectives
 from tuneline.stages.train.stopping import StopSignals
-from tests.integration.test_train_support import build_upstream, small_config, train
 
 RECORD_ENV = "TUNELINE_TEST_COLLECTIVES"
 
@@ -58,7 +58,7 @@ if os.environ.get("%(env)s") and os.environ.get("RANK") is not None:
                   "scatter_object_list", "send", "recv", "_broadcast_coalesced", "_verify_params_across_processes"):
         if hasattr(dist, _name):
             setattr(dist, _name, _wrap(_name, getattr(dist, _name)))
-''' % {"env": RECORD_ENV}
+''' % {"env": RECORD_ENV}  # noqa: UP031 (the code's own braces stay literal)
 
 TRAIN = {"steps": 4, "checkpoint_every": 2, "batch_size": 2, "grad_accumulation": 1, "processes": 2,
          "keep_checkpoints": 2, "mode": "lora", "ema": False}

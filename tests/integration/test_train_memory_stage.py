@@ -2,10 +2,10 @@
 and 8-bit AdamW trains the same losses as without swap, and the manifest records the memory plan."""
 from __future__ import annotations
 
+from tests.integration.test_train_support import build_upstream, small_config
 from tuneline.schemas.train import TrainManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
-from tests.integration.test_train_support import build_upstream, small_config
 
 OPTIONS = {"mode": "lora", "lora_rank": 4, "steps": 3, "processes": 2, "batch_size": 2, "checkpoint_every": 3,
            "gradient_checkpointing": "offload", "optimizer": "adamw8bit", "learning_rate": 1e-2}

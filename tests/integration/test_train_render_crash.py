@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.stages.common.stage import StageContext, expected_versions
 from tuneline.stages.pipeline import PIPELINE
 from tuneline.stages.train.launch import TrainingFailed
-from tests.integration.test_train_support import build_upstream, small_config, train
 
 
 def test_a_crashing_validation_keeps_the_checkpoint_of_its_step(tmp_path):

@@ -129,7 +129,7 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise AssertionError("tuneline was still running 150 s after Ctrl-C")
+        raise AssertionError("tuneline was still running 150 s after Ctrl-C") from None
     err = "".join(err_lines) + (rest or "")
     assert proc.returncode != 0
     assert "ConnectError" not in err and "Traceback" not in err, err[-4000:]
