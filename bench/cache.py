@@ -13,6 +13,7 @@ aspect buckets), so decoding and resizing cost what they cost on real data. In o
 The machine is shared and its load swings by 3x within a minute, so limit and stage alternate for ROUNDS
 rounds (the stage on a fresh workdir each time) and the fastest of each counts.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,9 +59,17 @@ def make_model(root: Path) -> Path:
     shutil.copytree(base, folder)
     shutil.rmtree(folder / "vae")
     torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=VAE_CHANNELS,
-                        layers_per_block=2, latent_channels=4, norm_num_groups=32, sample_size=RESOLUTION)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=VAE_CHANNELS,
+        layers_per_block=2,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=RESOLUTION,
+    )
     vae.save_pretrained(folder / "vae", safe_serialization=True)
     return folder
 
@@ -85,9 +94,15 @@ def make_images(folder: Path, names: range, seed: int = 0) -> None:
 
 
 def context(work: Path, data: Path, model: Path) -> StageContext:
-    cfg = parse_config({"dataset": {"path": str(data)}, "model": {"family": "tiny", "path": str(model)},
-                        "buckets": {"resolution": RESOLUTION}, "latents": {"batch_size": BATCH}},
-                       workdir=str(work))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(data)},
+            "model": {"family": "tiny", "path": str(model)},
+            "buckets": {"resolution": RESOLUTION},
+            "latents": {"batch_size": BATCH},
+        },
+        workdir=str(work),
+    )
     return StageContext(cfg)
 
 
@@ -112,7 +127,7 @@ def time_limit(ctx: StageContext, data: Path) -> float:
     with torch.no_grad():
         for pixels in by_bucket.values():
             for i in range(0, len(pixels), BATCH):
-                vae.encode(torch.stack(pixels[i:i + BATCH])).latent_dist.mean.sum()
+                vae.encode(torch.stack(pixels[i : i + BATCH])).latent_dist.mean.sum()
     return time.perf_counter() - t
 
 
@@ -148,16 +163,20 @@ def main() -> None:
             limits.append(time_limit(ctx, data))
             stages.append(time_stage(ctx))
         t_naive = time_naive(ctx, data, tmp / "naive")
-        print(f"rounds: encoder alone {', '.join(f'{t:.1f}' for t in limits)} s; "
-              f"stage {', '.join(f'{t:.1f}' for t in stages)} s")
+        print(
+            f"rounds: encoder alone {', '.join(f'{t:.1f}' for t in limits)} s; "
+            f"stage {', '.join(f'{t:.1f}' for t in stages)} s"
+        )
         report(min(stages), min(limits), t_naive)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def report(t_stage: float, t_limit: float, t_naive: float) -> None:
-    print(f"{N_IMAGES} images, {RESOLUTION} px buckets, SD VAE architecture {VAE_CHANNELS}, batch {BATCH}, "
-          f"{torch.get_num_threads()} torch threads, CPU")
+    print(
+        f"{N_IMAGES} images, {RESOLUTION} px buckets, SD VAE architecture {VAE_CHANNELS}, batch {BATCH}, "
+        f"{torch.get_num_threads()} torch threads, CPU"
+    )
     print(f"encoder forward alone (limit): {t_limit:.1f} s (fastest round)")
     print(f"latents stage:                 {t_stage:.1f} s (fastest round)")
     print(f"naive loop:                    {t_naive:.1f} s (every {NAIVE_EVERY}rd image, scaled)")

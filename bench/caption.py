@@ -12,6 +12,7 @@ Both run on one thread (see main). The machine is shared and its load swings, so
 and the fastest of each counts.
 RESULT caption_vs_generate = (images/s of the stage) / (images/s of generate), goal >= 0.9.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,13 @@ from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
 from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402
 
 IMAGES, BATCH, NEW_TOKENS, ROUNDS = 16, 8, 24, 3
-TEXT = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-        "num_key_value_heads": 12}
+TEXT = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+}
 PROMPT = "Describe this image in one sentence."
 
 
@@ -52,8 +58,14 @@ def dataset(root: Path) -> None:
 def config(workdir: Path, model: Path):
     data = dict(DEMO_CONFIG) | {"workdir": str(workdir)}
     data["dataset"] = {**data["dataset"], "demo": False, "path": "photos"}
-    data["caption"] = {"model": str(model), "policy": "all", "prompt": PROMPT, "max_new_tokens": NEW_TOKENS,
-                       "batch_size": BATCH, "device": "cpu"}
+    data["caption"] = {
+        "model": str(model),
+        "policy": "all",
+        "prompt": PROMPT,
+        "max_new_tokens": NEW_TOKENS,
+        "batch_size": BATCH,
+        "device": "cpu",
+    }
     return parse_config(data)
 
 
@@ -63,7 +75,7 @@ def reference(folder: Path, images: list[Image.Image]) -> float:
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
     start = time.perf_counter()
     for i in range(0, len(images), BATCH):
-        c.generate(c.inputs(images[i:i + BATCH]), settings, 0)
+        c.generate(c.inputs(images[i : i + BATCH]), settings, 0)
     return time.perf_counter() - start
 
 
@@ -82,8 +94,10 @@ def main() -> None:
         root = Path(tmp)
         folder = tiny.build("tiny", root / "model", text=TEXT)
         params = sum(p.numel() for p in vlm.load(folder, PROMPT, "cpu", "auto").model.parameters())
-        print(f"model: random-weight Qwen2-VL, {params / 1e6:.0f}M parameters; {IMAGES} images, batch {BATCH}, "
-              f"{NEW_TOKENS} new tokens")
+        print(
+            f"model: random-weight Qwen2-VL, {params / 1e6:.0f}M parameters; {IMAGES} images, batch {BATCH}, "
+            f"{NEW_TOKENS} new tokens"
+        )
         dataset(root / "w" / "photos")
         cfg = config(root / "w", folder)
         run_stage(StageContext(cfg), stage("scan"), PIPELINE)

@@ -12,6 +12,7 @@ again, the new version is the one the killed run was building (its .partial dire
 resumed every finished block; training resumed from its last checkpoint). Walks are repeated with new seeds
 until every stage has taken its kills. See tests/reliability/killwalk.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,9 @@ def main() -> int:
         walk_no = 0
         while walk_no < 3 and any(_aimed(kills, s) < KILLS for s in fl.STAGES):
             need = max(KILLS - _aimed(kills, s) for s in fl.STAGES)
-            w = killwalk.walk(tmp / f"walk{walk_no}", config, server.env, need, SEED + walk_no,
-                              tmp / f"walk{walk_no}.log")
+            w = killwalk.walk(
+                tmp / f"walk{walk_no}", config, server.env, need, SEED + walk_no, tmp / f"walk{walk_no}.log"
+            )
             kills += w.kills
             problems += w.problems
             final += w.final
@@ -54,18 +56,24 @@ def main() -> int:
     failed = {id(k) for k in kills if k.problems}
     for s in fl.STAGES:
         ks = [k for k in kills if k.landed == s]
-        print(f"{s:9s} kills {len(ks):3d}  in build {sum(k.phase == 'build' for k in ks):3d}  "
-              f"preparing {sum(k.phase == 'prepare' for k in ks):3d}  "
-              f"failed {sum(id(k) in failed for k in ks):3d}")
-    print(f"outside any stage: {sum(k.landed == '-' for k in kills)}; total {len(kills)} kills in "
-          f"{time.monotonic() - started:.0f} s")
+        print(
+            f"{s:9s} kills {len(ks):3d}  in build {sum(k.phase == 'build' for k in ks):3d}  "
+            f"preparing {sum(k.phase == 'prepare' for k in ks):3d}  "
+            f"failed {sum(id(k) in failed for k in ks):3d}"
+        )
+    print(
+        f"outside any stage: {sum(k.landed == '-' for k in kills)}; total {len(kills)} kills in "
+        f"{time.monotonic() - started:.0f} s"
+    )
     print(f"tuneline-train concurrency slots still held after the walks: {leaked} (killed trainings' leases)")
     for p in problems[:40]:
         print(f"PROBLEM {p}")
     fraction = (len(kills) - len(failed)) / max(1, len(kills))
     enough = all(_aimed(kills, s) >= KILLS for s in fl.STAGES)
-    print(f"kills aimed at each stage that landed in it: "
-          f"{', '.join(f'{s} {_aimed(kills, s)}' for s in fl.STAGES)}; final runs completed: {not final}")
+    print(
+        f"kills aimed at each stage that landed in it: "
+        f"{', '.join(f'{s} {_aimed(kills, s)}' for s in fl.STAGES)}; final runs completed: {not final}"
+    )
     ok = fraction >= 1 and enough and not final
     print(f"RESULT fault_trials_passed {fraction:.3f} goal >= 1 {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -8,6 +8,7 @@ without --tiny it prints `no CUDA device: skipped` and exits 0. Models are rando
 the shipped configs (stages/families/configs); timings are post-warm-up, caching and validation excluded.
 No Prefect: the stages run through their plain runner. bench/README.md lists the wheels a bare GPU machine needs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FIGURES = ("ddp_two_process_cuda", "sdxl_lora_step_vs_pure", "cache_vs_encoder", "flux_lora_peak_gib",
-           "sdxl_lora_step_vs_diffusers")
-NEEDS_CUDA = {"flux_lora_peak_gib": "peak GPU memory is a CUDA figure",
-              "sdxl_lora_step_vs_diffusers": "diffusers' script is measured on the GPU only"}
+FIGURES = (
+    "ddp_two_process_cuda",
+    "sdxl_lora_step_vs_pure",
+    "cache_vs_encoder",
+    "flux_lora_peak_gib",
+    "sdxl_lora_step_vs_diffusers",
+)
+NEEDS_CUDA = {
+    "flux_lora_peak_gib": "peak GPU memory is a CUDA figure",
+    "sdxl_lora_step_vs_diffusers": "diffusers' script is measured on the GPU only",
+}
 DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
 
 from gpu_setup import IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds, trainer_for  # noqa: E402
@@ -95,7 +103,7 @@ def pure_seconds(b: Bench, trainer) -> float:
         trainer.opt.zero_grad(set_to_none=True)
         b.sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[b.warmup:])
+    return statistics.median(times[b.warmup :])
 
 
 def sdxl_lora_step_vs_pure(b: Bench) -> None:
@@ -105,8 +113,11 @@ def sdxl_lora_step_vs_pure(b: Bench) -> None:
         trainer = trainer_for(cfg, caches(cfg))
         ours, pure = step_seconds(b, trainer), pure_seconds(b, trainer)
         ratios.append(ours / pure)
-        print(f"sdxl_lora_step gradient_checkpointing={checkpointing}: ours {ours:.4f} s/step, bare {pure:.4f} "
-              f"s/step, ratio {ratios[-1]:.3f}", flush=True)
+        print(
+            f"sdxl_lora_step gradient_checkpointing={checkpointing}: ours {ours:.4f} s/step, bare {pure:.4f} "
+            f"s/step, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
         del trainer
         free(b)
     result("sdxl_lora_step_vs_pure", max(ratios), "<=", 1.1)
@@ -134,7 +145,7 @@ def encoder_images_per_s(b: Bench, ctx) -> float:
             b.sync()
             start = time.perf_counter()
             for i in range(0, len(pixels), batch):
-                vae.encode(pixels[i:i + batch].to(dev, dtype)).latent_dist.mean.sum()
+                vae.encode(pixels[i : i + batch].to(dev, dtype)).latent_dist.mean.sum()
             b.sync()
     return len(pixels) / (time.perf_counter() - start)
 
@@ -161,8 +172,11 @@ def cache_vs_encoder(b: Bench) -> None:
         cfg = b.config(f"cache-{family}", family, latents={"batch_size": 4})
         ours, ctx = stage_images_per_s(b, cfg)
         pure = encoder_images_per_s(b, ctx)
-        print(f"cache {family} at {b.resolution(family)}: stage {ours:.2f} images/s, encoder {pure:.2f} images/s, "
-              f"ratio {ours / pure:.3f}", flush=True)
+        print(
+            f"cache {family} at {b.resolution(family)}: stage {ours:.2f} images/s, encoder {pure:.2f} images/s, "
+            f"ratio {ours / pure:.3f}",
+            flush=True,
+        )
         free(b)
     result("cache_vs_encoder", ours / pure, ">=", 0.8)
 
@@ -206,11 +220,26 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def diffusers_run(b: Bench, script: Path, model: str, steps: int, checkpointing: bool) -> tuple[float, float]:
     """(wall seconds, peak bytes) of diffusers' SDXL LoRA script for `steps` steps at our settings."""
     out = b.work / f"diffusers-{steps}-{checkpointing}"
-    args = [sys.executable, "-c", PEAK_WRAPPER, str(script), f"--pretrained_model_name_or_path={model}",
-            f"--instance_data_dir={b.images('sdxl')}", "--instance_prompt=a photo", f"--output_dir={out}",
-            "--resolution=1024", "--train_batch_size=1", f"--max_train_steps={steps}", "--rank=16",
-            "--mixed_precision=bf16", "--learning_rate=1e-4", "--seed=0", "--checkpointing_steps=1000000",
-            "--cache_latents", "--report_to=tensorboard"] + (["--gradient_checkpointing"] if checkpointing else [])
+    args = [
+        sys.executable,
+        "-c",
+        PEAK_WRAPPER,
+        str(script),
+        f"--pretrained_model_name_or_path={model}",
+        f"--instance_data_dir={b.images('sdxl')}",
+        "--instance_prompt=a photo",
+        f"--output_dir={out}",
+        "--resolution=1024",
+        "--train_batch_size=1",
+        f"--max_train_steps={steps}",
+        "--rank=16",
+        "--mixed_precision=bf16",
+        "--learning_rate=1e-4",
+        "--seed=0",
+        "--checkpointing_steps=1000000",
+        "--cache_latents",
+        "--report_to=tensorboard",
+    ] + (["--gradient_checkpointing"] if checkpointing else [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=b.work)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEAK ")]
@@ -235,15 +264,22 @@ def sdxl_lora_step_vs_diffusers(b: Bench) -> None:
     torch.cuda.reset_peak_memory_stats()
     ours = step_seconds(b, trainer_for(cfg, ctx))
     our_peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"sdxl vs diffusers: ours {ours:.4f} s/step, {our_peak:.2f} GiB; theirs {theirs:.4f} s/step, "
-          f"{their_peak:.2f} GiB", flush=True)
+    print(
+        f"sdxl vs diffusers: ours {ours:.4f} s/step, {our_peak:.2f} GiB; theirs {theirs:.4f} s/step, "
+        f"{their_peak:.2f} GiB",
+        flush=True,
+    )
     print(f"sdxl_lora_peak_vs_diffusers {our_peak / their_peak:.3f} (goal <= 1.0)", flush=True)
     result("sdxl_lora_step_vs_diffusers", ours / theirs, "<=", 1.0)
 
 
-RUN = {"ddp_two_process_cuda": ddp_two_process_cuda, "sdxl_lora_step_vs_pure": sdxl_lora_step_vs_pure,
-       "cache_vs_encoder": cache_vs_encoder, "flux_lora_peak_gib": flux_lora_peak_gib,
-       "sdxl_lora_step_vs_diffusers": sdxl_lora_step_vs_diffusers}
+RUN = {
+    "ddp_two_process_cuda": ddp_two_process_cuda,
+    "sdxl_lora_step_vs_pure": sdxl_lora_step_vs_pure,
+    "cache_vs_encoder": cache_vs_encoder,
+    "flux_lora_peak_gib": flux_lora_peak_gib,
+    "sdxl_lora_step_vs_diffusers": sdxl_lora_step_vs_diffusers,
+}
 
 
 def skip_reason(name: str, tiny: bool, examples: Path | None) -> str | None:
@@ -258,8 +294,12 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=FIGURES, help="run one figure")
     ap.add_argument("--tiny", action="store_true", help="the tiny flavors on the CPU (the CPU-able figures)")
-    ap.add_argument("--diffusers-examples", type=Path, metavar="DIR",
-                    help=f"a folder holding diffusers' {DIFFUSERS_SCRIPT} (from the tag matching our diffusers)")
+    ap.add_argument(
+        "--diffusers-examples",
+        type=Path,
+        metavar="DIR",
+        help=f"a folder holding diffusers' {DIFFUSERS_SCRIPT} (from the tag matching our diffusers)",
+    )
     ap.add_argument("--work", type=Path, help="working folder (models, images, workdirs); a temporary one if unset")
     args = ap.parse_args(argv)
     import torch

@@ -1,5 +1,6 @@
 """Shared parts of bench/gpu.py: where the figures run (device, tiny or full size), the random-weight full-size
 models from the shipped configs, the caches through the plain stage runner, an in-process Trainer, the step timer."""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 
 STEPS, WARMUP = 10, 3  # timed steps after warm-up steps (--tiny: 3 after 1, enough to run the code)
 IMAGES = 8
+
 
 class Bench:
     """Where and how big: the device, tiny flavors or full size, the working folder, the examples folder."""
@@ -32,13 +34,28 @@ class Bench:
     def config(self, name: str, family: str, train: dict | None = None, **sections):
         from tuneline.schemas.config import parse_config
 
-        data = {"workdir": str(self.work / name), "dataset": {"path": str(self.images(family))},
-                "model": {"family": family, "path": self.model(family), "device": self.device,
-                          "dtype": "float32" if self.tiny else "bfloat16"},
-                "buckets": {"resolution": self.resolution(family)},
-                "train": {"mode": "lora", "lora_rank": 16, "batch_size": 1, "processes": 1, "steps": 1000,
-                          "mixed_precision": "no" if self.tiny else "bf16", "ema": False, **(train or {})},
-                "validate": {"learning_check": False}}
+        data = {
+            "workdir": str(self.work / name),
+            "dataset": {"path": str(self.images(family))},
+            "model": {
+                "family": family,
+                "path": self.model(family),
+                "device": self.device,
+                "dtype": "float32" if self.tiny else "bfloat16",
+            },
+            "buckets": {"resolution": self.resolution(family)},
+            "train": {
+                "mode": "lora",
+                "lora_rank": 16,
+                "batch_size": 1,
+                "processes": 1,
+                "steps": 1000,
+                "mixed_precision": "no" if self.tiny else "bf16",
+                "ema": False,
+                **(train or {}),
+            },
+            "validate": {"learning_check": False},
+        }
         for key, values in sections.items():
             data[key] = {**data.get(key, {}), **values}
         return parse_config(data)
@@ -129,8 +146,14 @@ def trainer_for(cfg, ctx, rank: int = 0, world: int = 1):
     fam, model_dir = models.family(cfg), models.model_dir(ctx)
     reader = LatentReader(lat_dir, lat)
     text = open_text(txt, txt_dir, fam, model_dir, dev, models.dtype(cfg, dev))
-    data = Data(reader, text, records, lat.scaling_factor, lat.shift_factor,
-                rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
+    data = Data(
+        reader,
+        text,
+        records,
+        lat.scaling_factor,
+        lat.shift_factor,
+        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
+    )
     return Trainer(cfg, fam, model_dir, data, rank, world, dev)
 
 
@@ -140,15 +163,16 @@ def step_seconds(b: Bench, trainer) -> float:
 
     t = trainer.t
     times = []
-    with closing(trainer.feed(micro_batches(trainer.data.rows.epoch_plans(1), t.batch_size, 0,
-                                            trainer.position))) as feed:
+    with closing(
+        trainer.feed(micro_batches(trainer.data.rows.epoch_plans(1), t.batch_size, 0, trainer.position))
+    ) as feed:
         for _ in range(b.warmup + b.steps):
             b.sync()
             start = time.perf_counter()
             trainer.train_step([next(feed) for _ in range(t.grad_accumulation)])
             b.sync()
             times.append(time.perf_counter() - start)
-    return statistics.median(times[b.warmup:])
+    return statistics.median(times[b.warmup :])
 
 
 def free(b: Bench) -> None:

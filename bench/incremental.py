@@ -12,6 +12,7 @@ run pays it:
 ROUNDS rounds; the medians count. incremental_vs_full = (incremental - no-op) / full: the work an added 1 % costs,
 as a share of a full cache, net of the fixed cost of starting a process (printed).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def run(spec: Path, name: str) -> tuple[float, dict]:
     """One stage in a fresh process: (wall seconds, what it reports)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", STAGE, str(spec), name], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", STAGE, str(spec), name], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"stage {name} failed:\n{out.stderr[-3000:]}")
@@ -61,10 +63,18 @@ def run(spec: Path, name: str) -> tuple[float, dict]:
 
 def import_seconds() -> float:
     """What a fresh process pays to import what an encoding latents run needs, measured inside it."""
-    code = ("import time; t = time.perf_counter(); import torch, tuneline.stages.latents.core, tuneline.stages.families.vae_encoder; "
-            "print(time.perf_counter() - t)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, check=True)
+    code = (
+        "import time; t = time.perf_counter(); import torch, tuneline.stages.latents.core, tuneline.stages.families.vae_encoder; "
+        "print(time.perf_counter() - t)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -95,12 +105,15 @@ def main() -> None:
     t_incr, t_noop = statistics.median(incremental), statistics.median(noop)
     t_import = statistics.median(import_seconds() for _ in range(ROUNDS))
     print(f"full cache of {N_IMAGES} images: {t_full:.1f} s (fresh process)")
-    print(f"+{new} new images (1 %), {ROUNDS} rounds: {', '.join(f'{t:.1f}' for t in incremental)} s; "
-          f"median {t_incr:.1f} s")
-    print(f"no-op latents run (fixed per-process cost): {', '.join(f'{t:.1f}' for t in noop)} s; "
-          f"median {t_noop:.1f} s")
-    print(f"of the incremental run, importing torch and the stage's encoding code (which a no-op run skips): "
-          f"{t_import:.1f} s")
+    print(
+        f"+{new} new images (1 %), {ROUNDS} rounds: {', '.join(f'{t:.1f}' for t in incremental)} s; "
+        f"median {t_incr:.1f} s"
+    )
+    print(f"no-op latents run (fixed per-process cost): {', '.join(f'{t:.1f}' for t in noop)} s; median {t_noop:.1f} s")
+    print(
+        f"of the incremental run, importing torch and the stage's encoding code (which a no-op run skips): "
+        f"{t_import:.1f} s"
+    )
     ratio = (t_incr - t_noop) / t_full
     print(f"RESULT incremental_vs_full {ratio:.3f} goal <= {GOAL} {'PASS' if ratio <= GOAL else 'FAIL'}")
 

@@ -15,6 +15,7 @@ layouts load their stored latent (one fixed draw), stack and convert it; the lim
 memory-mapped arrays and draws the same eps. Rounds alternate between loaders; the best round of each counts
 (shared, noisy machine).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -53,16 +54,31 @@ def write_ours(root: Path, data: dict[str, np.ndarray]) -> LatentReader:
         std = (np.abs(mean) * 0.01 + 1e-3).astype(np.float16)
         arrays = store.create_arrays(root, key, shape, n, "float16", BLOCK_ROWS, store.DIST)
         for b in range(0, n, BLOCK_ROWS):
-            store.write_block(arrays, b // BLOCK_ROWS, {"mean": mean[b:b + BLOCK_ROWS], "std": std[b:b + BLOCK_ROWS]})
+            store.write_block(
+                arrays, b // BLOCK_ROWS, {"mean": mean[b : b + BLOCK_ROWS], "std": std[b : b + BLOCK_ROWS]}
+            )
         index += [{"path": f"{key}/{i}.png", "bucket": key, "row": i, "key": f"{key}-{i}"} for i in range(n)]
         w, h = (int(x) for x in key.split("x"))
         buckets.append(LatentBucket(width=w, height=h, shape=shape, count=n, array=key))
     write_jsonl(root / store.INDEX, index)
-    manifest = LatentsManifest(fingerprint="bench", tool_version="bench", code_version="bench", family="sd15",
-                               vae_identity="bench", vae_dtype="float32", vae_factor=8, latent_channels=4,
-                               scaling_factor=0.18215, shift_factor=0.0, dtype="float16", flip=False,
-                               block_rows=BLOCK_ROWS, size_policy={}, buckets=buckets,
-                               count=len(index))
+    manifest = LatentsManifest(
+        fingerprint="bench",
+        tool_version="bench",
+        code_version="bench",
+        family="sd15",
+        vae_identity="bench",
+        vae_dtype="float32",
+        vae_factor=8,
+        latent_channels=4,
+        scaling_factor=0.18215,
+        shift_factor=0.0,
+        dtype="float16",
+        flip=False,
+        block_rows=BLOCK_ROWS,
+        size_policy={},
+        buckets=buckets,
+        count=len(index),
+    )
     return LatentReader(root, manifest)
 
 
@@ -72,8 +88,12 @@ def write_files(root: Path, data: dict[str, np.ndarray]) -> None:
         (root / "npz" / key).mkdir(parents=True)
         for i, lat in enumerate(mean):
             torch.save(torch.from_numpy(lat.copy()), root / "pt" / key / f"{i}.pt")
-            np.savez(root / "npz" / key / f"{i}.npz", latents=lat, original_size=np.array([512, 512]),
-                     crop_ltrb=np.array([0, 0, 0, 0]))
+            np.savez(
+                root / "npz" / key / f"{i}.npz",
+                latents=lat,
+                original_size=np.array([512, 512]),
+                crop_ltrb=np.array([0, 0, 0, 0]),
+            )
 
 
 def through_feed(plan, prepare: Callable, finish: Callable, workers: int) -> int:
@@ -94,6 +114,7 @@ def synchronous(plan, prepare: Callable, finish: Callable) -> int:
 def sampler(gather: Callable, device: torch.device) -> tuple[Callable, Callable]:
     """(prepare, finish) of a loader that stores mean + std and draws latent = mean + std * eps where the trainer
     draws it (tuneline.stages.train.loop.samples_in_feed), from the micro-batch's generator on the training device."""
+
     def prepare(item):
         i, (bucket, rows) = item
         mean, std = gather(bucket, rows)
@@ -113,14 +134,17 @@ def ours(reader: LatentReader, device: torch.device) -> tuple[Callable, Callable
 
 def limit(arrays, device: torch.device) -> tuple[Callable, Callable]:
     """Rows gathered from contiguous memory-mapped arrays, sampled the same way."""
+
     def gather(bucket, rows):
         idx = np.sort(rows)
         return tuple(torch.from_numpy(np.ascontiguousarray(a[idx])) for a in arrays[bucket])
+
     return sampler(gather, device)
 
 
 def files(load: Callable, root: Path, device: torch.device) -> tuple[Callable, Callable]:
     """A per-image layout: its stored latent (one fixed draw) per file, stacked, in float32 on the device."""
+
     def prepare(item):
         _, (bucket, rows) = item
         batch = load(root, bucket, rows)
@@ -135,8 +159,7 @@ def write_mmap(root: Path, data: dict[str, np.ndarray]) -> dict[str, tuple[np.me
         std = (np.abs(mean) * 0.01 + 1e-3).astype(np.float16)
         arrays = []
         for name, values in (("mean", mean), ("std", std)):
-            m = np.lib.format.open_memmap(root / f"{key}-{name}.npy", mode="w+", dtype=values.dtype,
-                                          shape=values.shape)
+            m = np.lib.format.open_memmap(root / f"{key}-{name}.npy", mode="w+", dtype=values.dtype, shape=values.shape)
             m[:] = values
             m.flush()
             arrays.append(np.load(root / f"{key}-{name}.npy", mmap_mode="r"))
@@ -161,16 +184,21 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tuneline-bench-loader-"))
     try:
         rng = np.random.default_rng(0)
-        data = {k: rng.standard_normal((PER_BUCKET, *s), dtype=np.float32).astype(np.float16)
-                for k, s in BUCKETS.items()}
+        data = {
+            k: rng.standard_normal((PER_BUCKET, *s), dtype=np.float32).astype(np.float16) for k, s in BUCKETS.items()
+        }
         reader = write_ours(tmp / "ours", data)
         write_files(tmp, data)
         mapped = write_mmap(tmp, data)
         plan = epoch_plan(reader.counts(), BATCH, 1, seed=0, epoch=0, block_rows=BLOCK_ROWS)
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         workers = feed_workers(reader, dev)
-        loaders = {"ours": ours(reader, dev), "mmap": limit(mapped, dev), "pt": files(load_pt, tmp, dev),
-                   "npz": files(load_npz, tmp, dev)}
+        loaders = {
+            "ours": ours(reader, dev),
+            "mmap": limit(mapped, dev),
+            "pt": files(load_pt, tmp, dev),
+            "npz": files(load_npz, tmp, dev),
+        }
         # Ours runs as training runs it; each reference runs both through the same feed and synchronously, and its
         # better way counts (the GIL makes a thread pool slower for loaders whose reads are Python work).
         runs = [("ours", "feed")] + [(name, way) for name in ("mmap", "pt", "npz") for way in ("feed", "sync")]
@@ -179,7 +207,11 @@ def main() -> None:
             for name, way in runs:
                 prepare, finish = loaders[name]
                 t = time.perf_counter()
-                n = through_feed(plan, prepare, finish, workers) if way == "feed" else synchronous(plan, prepare, finish)
+                n = (
+                    through_feed(plan, prepare, finish, workers)
+                    if way == "feed"
+                    else synchronous(plan, prepare, finish)
+                )
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)  # the copies and draws queued on the GPU are part of the work
                 rate[name, way] = max(rate[name, way], n / (time.perf_counter() - t))
@@ -190,14 +222,19 @@ def main() -> None:
 
 def report(rate: dict[tuple[str, str], float], device: torch.device, workers: int) -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{PER_BUCKET * len(BUCKETS)} latents in {len(BUCKETS)} buckets (4x64x64 class, float16), batch {BATCH}, "
-          f"best of {ROUNDS} rounds; samples/s of float32 batches on the training device ({where}); the trainer's "
-          f"feed: {workers} thread(s), {FEED_DEPTH} batches ahead")
+    print(
+        f"{PER_BUCKET * len(BUCKETS)} latents in {len(BUCKETS)} buckets (4x64x64 class, float16), batch {BATCH}, "
+        f"best of {ROUNDS} rounds; samples/s of float32 batches on the training device ({where}); the trainer's "
+        f"feed: {workers} thread(s), {FEED_DEPTH} batches ahead"
+    )
     drawn = "in the feed" if samples_in_feed(device) else "by the step, on the device"
     print(f"ours (the trainer's feed: block reads, eps drawn {drawn}): {rate['ours', 'feed']:.0f}")
     best = {"ours": rate["ours", "feed"]}
-    for name, what in (("mmap", "limit, memory-mapped contiguous mean + std, same eps draw"),
-                       ("pt", ".pt per image (SimpleTuner)"), ("npz", ".npz per image (kohya)")):
+    for name, what in (
+        ("mmap", "limit, memory-mapped contiguous mean + std, same eps draw"),
+        ("pt", ".pt per image (SimpleTuner)"),
+        ("npz", ".npz per image (kohya)"),
+    ):
         feed, sync = rate[name, "feed"], rate[name, "sync"]
         best[name] = max(feed, sync)
         print(f"{what}: {feed:.0f} through the feed, {sync:.0f} synchronous; the better counts")

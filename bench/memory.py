@@ -9,6 +9,7 @@ process and its peak resident set size is read from the kernel (getrusage of the
 - the latents stage (in-process) against a bare loop that loads the VAE and encodes the same images.
 A ratio above 1 is memory the stage holds beyond the work itself (other models, copies, caches).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,15 +29,38 @@ GOAL = 1.15
 IMAGES = 2
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # the sd15 family's (stages/families/common.py)
 
-SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
-                 block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
-                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
-SD15_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-                layers_per_block=2, latent_channels=4, norm_num_groups=32, sample_size=512, scaling_factor=0.18215)
-CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+SD15_UNET = dict(
+    sample_size=64,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
+    cross_attention_dim=768,
+    attention_head_dim=8,
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+)
+SD15_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=512,
+    scaling_factor=0.18215,
+)
+CLIP_L = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=77,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+)
 
 # The bare references: the same work as the stage, nothing else.
 PURE_TRAIN = """
@@ -96,8 +120,11 @@ def make_model(root: Path) -> Path:
     folder = root / "sd15-full"
     shutil.copytree(base, folder)
     torch.manual_seed(0)
-    for name, model in (("unet", UNet2DConditionModel(**SD15_UNET)), ("vae", AutoencoderKL(**SD15_VAE)),
-                        ("text_encoder", CLIPTextModel(CLIPTextConfig(vocab_size=49408, **CLIP_L)))):
+    for name, model in (
+        ("unet", UNet2DConditionModel(**SD15_UNET)),
+        ("vae", AutoencoderKL(**SD15_VAE)),
+        ("text_encoder", CLIPTextModel(CLIPTextConfig(vocab_size=49408, **CLIP_L))),
+    ):
         shutil.rmtree(folder / name)
         model.save_pretrained(folder / name, safe_serialization=True)
         del model
@@ -137,15 +164,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tuneline-memory-") as tmp:
         root = Path(tmp)
         model = root / "sd15-full"
-        subprocess.run([sys.executable, __file__, "--make-model", str(root)], check=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+        subprocess.run(
+            [sys.executable, __file__, "--make-model", str(root)],
+            check=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+        )
         images = make_images(root / "data")
-        cfg = parse_config({"dataset": {"path": str(root / "data")},
-                            "model": {"family": "sd15", "path": str(model), "device": "cpu"},
-                            "buckets": {"resolution": RESOLUTION}, "latents": {"batch_size": 1},
-                            "train": {"mode": "lora", "lora_rank": RANK, "batch_size": 1, "processes": 1,
-                                      "steps": 1, "threads_per_process": os.cpu_count() or 1},
-                            "validate": {"learning_check": False}}, workdir=str(root / "work"))
+        cfg = parse_config(
+            {
+                "dataset": {"path": str(root / "data")},
+                "model": {"family": "sd15", "path": str(model), "device": "cpu"},
+                "buckets": {"resolution": RESOLUTION},
+                "latents": {"batch_size": 1},
+                "train": {
+                    "mode": "lora",
+                    "lora_rank": RANK,
+                    "batch_size": 1,
+                    "processes": 1,
+                    "steps": 1,
+                    "threads_per_process": os.cpu_count() or 1,
+                },
+                "validate": {"learning_check": False},
+            },
+            workdir=str(root / "work"),
+        )
         spec = root / "config.json"
         spec.write_text(json.dumps(cfg.dump()))
         peak_mb(["-c", STAGE, str(spec), "scan"])
@@ -155,8 +199,10 @@ def main() -> None:
         train = peak_mb(["-c", STAGE, str(spec), "train"])
         targets = ",".join(LORA_TARGETS)
         bare_train = peak_mb(["-c", PURE_TRAIN, str(model), str(RANK), targets])
-    print(f"latents stage peak RSS {latents:.0f} MB, bare VAE-encoder loop {bare_latents:.0f} MB "
-          f"(ratio {latents / bare_latents:.3f})")
+    print(
+        f"latents stage peak RSS {latents:.0f} MB, bare VAE-encoder loop {bare_latents:.0f} MB "
+        f"(ratio {latents / bare_latents:.3f})"
+    )
     print(f"train stage worker peak RSS {train:.0f} MB, bare UNet LoRA step {bare_train:.0f} MB")
     ratio = train / bare_train
     print(f"RESULT train_peak_rss_vs_pure_step {ratio:.3f} goal <= {GOAL} {'PASS' if ratio <= GOAL else 'FAIL'}")

@@ -6,6 +6,7 @@ dataset (one colored shape per image, captioned), runs the pipeline once with th
 the default (ephemeral) Prefect. The same for the built-in demo. Both times are wall clock of the whole command,
 interpreter start included. `noop_vs_full` = no-op seconds / full-run seconds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,9 @@ def timed_run(*args: str) -> float:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PYTHONPATH"] = str(ROOT)
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "tuneline.flows.cli", "run", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tuneline.flows.cli", "run", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"tuneline run {' '.join(args)} failed:\n{out.stderr[-3000:]}")

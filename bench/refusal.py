@@ -11,6 +11,7 @@ Each case runs once untimed (the model identity is then cached, as after a first
 RESULT is the slowest median wall time in seconds (goal <= 2). CPU seconds are printed beside it, and a bare
 `python -c pass` start as the floor any command pays on this machine.
 """
+
 from __future__ import annotations
 
 import resource
@@ -28,8 +29,7 @@ GOAL = 2.0
 
 
 def tuneline(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tuneline.flows.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True)
+    return subprocess.run([sys.executable, "-m", "tuneline.flows.cli", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def write_config(path: Path, **edits: dict) -> Path:
@@ -69,8 +69,11 @@ def main() -> None:
     write_demo_dataset(data)
     good = write_config(tmp / "good.yaml", dataset={"path": str(data), "demo": False})
     no_data = write_config(tmp / "no-data.yaml", dataset={"path": str(tmp / "missing"), "demo": False})
-    no_model = write_config(tmp / "no-model.yaml", dataset={"path": str(data), "demo": False},
-                            model={"path": str(tmp / "missing.safetensors")})
+    no_model = write_config(
+        tmp / "no-model.yaml",
+        dataset={"path": str(data), "demo": False},
+        model={"path": str(tmp / "missing.safetensors")},
+    )
     fresh, scanned = tmp / "fresh", tmp / "scanned"
     print("building a scan for the last case (one real `tuneline stage scan`)", flush=True)
     scan = tuneline("stage", "scan", str(good), "--workdir", str(scanned))
@@ -78,12 +81,15 @@ def main() -> None:
         sys.exit(f"`tuneline stage scan` failed:\n{scan.stderr[-3000:]}")
     cases = {
         "run, dataset.path missing": (["run", str(no_data), "--workdir", str(fresh)], ["dataset.path"]),
-        "stage scan, model.path missing": (["stage", "scan", str(no_model), "--workdir", str(fresh)],
-                                           ["model.path"]),
-        "stage train, fresh workdir": (["stage", "train", str(good), "--workdir", str(fresh)],
-                                       ["scan", "latents", "text", "--until train"]),
-        "stage validate after scan": (["stage", "validate", str(good), "--workdir", str(scanned)],
-                                      ["latents", "text", "train", "--until validate"]),
+        "stage scan, model.path missing": (["stage", "scan", str(no_model), "--workdir", str(fresh)], ["model.path"]),
+        "stage train, fresh workdir": (
+            ["stage", "train", str(good), "--workdir", str(fresh)],
+            ["scan", "latents", "text", "--until train"],
+        ),
+        "stage validate after scan": (
+            ["stage", "validate", str(good), "--workdir", str(scanned)],
+            ["latents", "text", "train", "--until validate"],
+        ),
     }
     medians = {}
     for name, (args, must_name) in cases.items():

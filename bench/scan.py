@@ -17,6 +17,7 @@ to RGB with the scan's thread count. First on the at-most-1-MP subset (a folder 
 files), where decoding is cheap and the scan's advantage smallest; then on the whole set, whose ratio is the
 RESULT (last line).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,12 +48,21 @@ SMALL_PIXELS = 1024 * 1024  # the subset whose ratio is printed beside the RESUL
 # (extension, PIL mode, content, size class) in the proportions of a mixed training folder: mostly JPEG
 # photos; PNGs split between photo-like renders and illustrations (flat regions: what PNG is usually chosen
 # for); a few WebP; BMP, uncompressed TIFF and GIF as the rare, cheap-to-decode, expensive-to-hash outliers.
-KINDS = ([("jpg", "RGB", "photo", "photo")] * 8
-         + [("jpg", "RGB", "photo", "render"), ("jpg", "RGB", "photo", "small")]
-         + [("png", "RGB", "photo", "render")] * 2 + [("png", "RGB", "flat", "render")] * 2
-         + [("png", "RGBA", "flat", "render"), ("webp", "RGB", "photo", "render"), ("tiff", "RGB", "photo", "render"),
-            ("webp", "RGB", "photo", "small"), ("png", "L", "photo", "small"), ("bmp", "RGB", "photo", "small"),
-            ("gif", "P", "flat", "small")])
+KINDS = (
+    [("jpg", "RGB", "photo", "photo")] * 8
+    + [("jpg", "RGB", "photo", "render"), ("jpg", "RGB", "photo", "small")]
+    + [("png", "RGB", "photo", "render")] * 2
+    + [("png", "RGB", "flat", "render")] * 2
+    + [
+        ("png", "RGBA", "flat", "render"),
+        ("webp", "RGB", "photo", "render"),
+        ("tiff", "RGB", "photo", "render"),
+        ("webp", "RGB", "photo", "small"),
+        ("png", "L", "photo", "small"),
+        ("bmp", "RGB", "photo", "small"),
+        ("gif", "P", "flat", "small"),
+    ]
+)
 # Sizes of a real training folder rather than thumbnails: photos are what phones and cameras write (half are
 # 12 MP phone frames, 4032x3024, a third of those portrait shots stored sideways with EXIF orientation 6 as
 # phones store them; the other half 2-12 MP camera frames and exports), renders 1024-2048 px on the long
@@ -140,8 +150,9 @@ def generate(root: Path) -> tuple[Path, Path]:
 def time_scan(root: Path) -> tuple[float, int]:
     work = Path(tempfile.mkdtemp(prefix="tuneline-bench-scan-work-"))
     try:
-        cfg = parse_config({"workdir": str(work), "dataset": {"path": str(root)},
-                            "buckets": {"resolution": 512}}, "<bench>")
+        cfg = parse_config(
+            {"workdir": str(work), "dataset": {"path": str(root)}, "buckets": {"resolution": 512}}, "<bench>"
+        )
         t = time.perf_counter()
         path, built = run_stage(StageContext(cfg), STAGE, [STAGE])
         elapsed = time.perf_counter() - t
@@ -180,9 +191,12 @@ def measure(root: Path, label: str, expected: int) -> float:
     (scan_s, accepted), (decode_s, decoded) = min(scans), min(decodes)
     assert accepted == decoded == expected, (accepted, decoded, expected)
     scan_rate, decode_rate = accepted / scan_s, decoded / decode_s
-    print(f"{label}: scan stage (cold, hashing every byte) {scan_s:.2f}s, {scan_rate:.0f} images/s; full decode "
-          f"with {SCAN_WORKERS} threads like the scan {decode_s:.2f}s, {decode_rate:.0f} images/s; "
-          f"ratio {scan_rate / decode_rate:.2f}", flush=True)
+    print(
+        f"{label}: scan stage (cold, hashing every byte) {scan_s:.2f}s, {scan_rate:.0f} images/s; full decode "
+        f"with {SCAN_WORKERS} threads like the scan {decode_s:.2f}s, {decode_rate:.0f} images/s; "
+        f"ratio {scan_rate / decode_rate:.2f}",
+        flush=True,
+    )
     return scan_rate / decode_rate
 
 
@@ -192,8 +206,11 @@ def main() -> None:
     every, small = generate(DATA)
     n_small = len(small_indices())
     size = sum(p.stat().st_size for p in every.iterdir())
-    print(f"{N_IMAGES} images ({size / 1e9:.2f} GB, {n_small} of at most 1 MP) in {DATA} ready in "
-          f"{time.perf_counter() - t:.1f}s", flush=True)
+    print(
+        f"{N_IMAGES} images ({size / 1e9:.2f} GB, {n_small} of at most 1 MP) in {DATA} ready in "
+        f"{time.perf_counter() - t:.1f}s",
+        flush=True,
+    )
     small_ratio = measure(small, f"{n_small} images of at most 1 MP", n_small)
     speedup = measure(every, f"all {N_IMAGES} images", N_IMAGES)
     print(f"scan_speedup on the images of at most 1 MP only: {small_ratio:.2f}")

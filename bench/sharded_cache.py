@@ -10,6 +10,7 @@ is printed before and after, and the figure is only meaningful when it is low.
 
     python bench/sharded_cache.py [--images N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,15 @@ def context(work: Path, data: Path, model: Path, shards: int):
     from tuneline.schemas.config import parse_config
     from tuneline.stages.common.stage import StageContext
 
-    cfg = parse_config({"dataset": {"path": str(data)}, "model": {"family": "tiny", "path": str(model),
-                                                                  "device": "cpu"},
-                        "buckets": {"resolution": RESOLUTION},
-                        "latents": {"batch_size": BATCH, "workers": 1, "shards": shards}}, workdir=str(work))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(data)},
+            "model": {"family": "tiny", "path": str(model), "device": "cpu"},
+            "buckets": {"resolution": RESOLUTION},
+            "latents": {"batch_size": BATCH, "workers": 1, "shards": shards},
+        },
+        workdir=str(work),
+    )
     return StageContext(cfg)
 
 
@@ -59,15 +65,33 @@ def side(work: Path, data: Path, model: Path, shards: int) -> None:
     seconds = time.perf_counter() - t
     assert built
     m = ctx.store.read(path, LatentsManifest)
-    print(json.dumps({"seconds": seconds, "path": str(path), "count": m.count,
-                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "shards": [s.model_dump() for s in m.shards or []]}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "path": str(path),
+                "count": m.count,
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "shards": [s.model_dump() for s in m.shards or []],
+            }
+        )
+    )
 
 
 def run_side(root: Path, data: Path, model: Path, shards: int) -> dict:
     work = root / f"work-{shards}"
-    cmd = [sys.executable, __file__, "--side", str(shards), "--work", str(work), "--data", str(data),
-           "--model", str(model)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--side",
+        str(shards),
+        "--work",
+        str(work),
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+    ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ENV), check=False)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the side's process and its shards, all waited for
@@ -78,8 +102,11 @@ def run_side(root: Path, data: Path, model: Path, shards: int) -> dict:
 
 
 def files(path: Path) -> dict[str, bytes]:
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def main() -> None:
@@ -105,15 +132,21 @@ def main() -> None:
         load_after = os.getloadavg()
         same = files(Path(single["path"])) == files(Path(sharded["path"]))
         print(f"images {single['count']}, one decode worker and one torch thread per process")
-        print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} "
-              f"{load_after[1]:.2f} (1 and 5 min; 2 cores)")
-        print(f"CPU seconds of every process of a side (scan included): 1 process {single['cpu']:.0f}, "
-              f"2 shards {sharded['cpu']:.0f}")
+        print(
+            f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} "
+            f"{load_after[1]:.2f} (1 and 5 min; 2 cores)"
+        )
+        print(
+            f"CPU seconds of every process of a side (scan included): 1 process {single['cpu']:.0f}, "
+            f"2 shards {sharded['cpu']:.0f}"
+        )
         print(f"1 process: {single['seconds']:.1f} s, peak RSS {single['peak_rss'] / 2**20:.0f} MiB")
         print(f"2 shards: {sharded['seconds']:.1f} s (parent peak RSS {sharded['peak_rss'] / 2**20:.0f} MiB)")
         for s in sharded["shards"]:
-            print(f"  shard {s['index']}: {s['blocks']} blocks, {s['encoded']} encoded, {s['seconds']:.1f} s, "
-                  f"peak RSS {s['peak_rss'] / 2**20:.0f} MiB")
+            print(
+                f"  shard {s['index']}: {s['blocks']} blocks, {s['encoded']} encoded, {s['seconds']:.1f} s, "
+                f"peak RSS {s['peak_rss'] / 2**20:.0f} MiB"
+            )
         print(f"caches byte-identical: {same}")
         if single["seconds"] < MIN_SECONDS:
             print(f"warning: the single process took under {MIN_SECONDS:.0f} s: raise --images")

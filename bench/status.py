@@ -4,6 +4,7 @@ Builds the demo workdir once (`tuneline run --workdir <temp>`, kept for later ru
 then times three fresh `tuneline status` processes and, as the floor any CLI pays on this machine, three bare
 `python -c pass` starts. Prints both; the RESULT is the median status time in seconds (goal <= 2.5).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ def main() -> None:
     cmd = [sys.executable, "-m", "tuneline.flows.cli", "status", "--workdir", str(WORKDIR)]
     times = [timed(cmd) for _ in range(3)]
     floor = [timed([sys.executable, "-c", "pass"]) for _ in range(3)]
-    print(f"tuneline status: {', '.join(f'{t:.2f}' for t in times)} s; python start alone: "
-          f"{statistics.median(floor):.2f} s")
+    print(
+        f"tuneline status: {', '.join(f'{t:.2f}' for t in times)} s; python start alone: "
+        f"{statistics.median(floor):.2f} s"
+    )
     median = statistics.median(times)
     print(f"RESULT status_seconds {median:.3f} goal <= {GOAL} {'PASS' if median <= GOAL else 'FAIL'}")
 

@@ -8,6 +8,7 @@ times both back to back (alternating which goes first); on a shared, noisy machi
 ratios counts, with the best round of each printed too. The ratio is samples/s of the loop over samples/s of the
 reference.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,10 @@ def caches(workdir: Path):
         run_stage(ctx, stage(name), PIPELINE)
     lat_dir, txt_dir = ctx.store.latest("latents"), ctx.store.latest("text")
     lat, txt = ctx.store.read(lat_dir, LatentsManifest), ctx.store.read(txt_dir, TextManifest)
-    records = {r["path"]: ImageRecord.model_validate(r)
-               for r in read_jsonl(ctx.store.version_dir("scan", lat.upstream["scan"]) / "images.jsonl")}
+    records = {
+        r["path"]: ImageRecord.model_validate(r)
+        for r in read_jsonl(ctx.store.version_dir("scan", lat.upstream["scan"]) / "images.jsonl")
+    }
     text = open_text(txt, txt_dir, models.family(cfg), models.model_dir(ctx), torch.device("cpu"), torch.float32)
     return ctx, Data(LatentReader(lat_dir, lat), text, records, lat.scaling_factor, lat.shift_factor)
 
@@ -117,6 +120,7 @@ def main() -> None:
         cfg = ctx.cfg
         t = cfg.train
         trainer = Trainer(cfg, models.family(cfg), models.model_dir(ctx), data, 0, 1, torch.device("cpu"))
+
         def plan_of(epoch: int):
             return data.reader.plan(t.batch_size, 1, t.seed, epoch)
 
@@ -127,11 +131,16 @@ def main() -> None:
             loop_s, pure_s = one_round(trainer, plan_of, tensors, pure_first=r % 2 == 1)
             loops.append(loop_s)
             pures.append(pure_s)
-            print(f"round {r + 1}: loop {loop_s:.2f} s, pure {pure_s:.2f} s for {STEPS * t.grad_accumulation} "
-                  f"micro-batches of {t.batch_size}", flush=True)
+            print(
+                f"round {r + 1}: loop {loop_s:.2f} s, pure {pure_s:.2f} s for {STEPS * t.grad_accumulation} "
+                f"micro-batches of {t.batch_size}",
+                flush=True,
+            )
         samples = STEPS * t.grad_accumulation * t.batch_size
-        print(f"best rounds: training loop {samples / min(loops):.1f} samples/s, pure forward/backward/step "
-              f"{samples / min(pures):.1f} samples/s")
+        print(
+            f"best rounds: training loop {samples / min(loops):.1f} samples/s, pure forward/backward/step "
+            f"{samples / min(pures):.1f} samples/s"
+        )
         ratio = statistics.median(p / lp for lp, p in zip(loops, pures))
         print(f"RESULT train_loop_ratio {ratio:.3f} goal >= {GOAL} {'PASS' if ratio >= GOAL else 'FAIL'}")
 

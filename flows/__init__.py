@@ -1,4 +1,5 @@
 """Prefect flows (one per stage + the pipeline) and the `tuneline` CLI. Thin: no maths here."""
+
 import os
 
 # Stage cores log to the "tuneline" logger; this makes Prefect ship those records to the flow run's log.

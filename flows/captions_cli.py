@@ -1,4 +1,5 @@
 """`tuneline captions export|show`: the caption stage's artifact for people to review (registered in cli.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,12 +16,13 @@ def fresh_caption_dir(cfg) -> Path:
     from tuneline.stages.pipeline import PIPELINE
 
     if not cfg.caption.enabled:
-        raise ArtifactError("caption.model is not set, so there is no caption stage: set caption.model to a "
-                            "local vision-language model folder (or tiny) and run `tuneline stage caption`")
+        raise ArtifactError(
+            "caption.model is not set, so there is no caption stage: set caption.model to a "
+            "local vision-language model folder (or tiny) and run `tuneline stage caption`"
+        )
     row = next(r for r in status(StageContext(cfg), PIPELINE) if r.stage == "caption")
     if row.state != "fresh" or row.path is None:
-        raise ArtifactError(f"the caption artifact is {row.state} ({row.reason}); run `tuneline stage caption` "
-                            f"first")
+        raise ArtifactError(f"the caption artifact is {row.state} ({row.reason}); run `tuneline stage caption` first")
     return Path(row.path)
 
 
@@ -31,9 +33,14 @@ WorkdirOpt = Annotated[str | None, typer.Option("--workdir", help="overrides the
 
 
 @captions_app.command("export")
-def captions_export(config: ConfigArg, workdir: WorkdirOpt = None,
-                    to: Annotated[Path | None, typer.Option("--to", help="folder to write the .txt sidecars to; "
-                                                            "default <workdir>/captions/<version>")] = None) -> None:
+def captions_export(
+    config: ConfigArg,
+    workdir: WorkdirOpt = None,
+    to: Annotated[
+        Path | None,
+        typer.Option("--to", help="folder to write the .txt sidecars to; default <workdir>/captions/<version>"),
+    ] = None,
+) -> None:
     """Write the captions as .txt sidecars (without the trigger) for review and editing."""
     from tuneline.flows import cli
     from tuneline.stages.caption.export import export
@@ -47,8 +54,11 @@ def captions_export(config: ConfigArg, workdir: WorkdirOpt = None,
 
 
 @captions_app.command("show")
-def captions_show(config: ConfigArg, workdir: WorkdirOpt = None,
-                  count: Annotated[int, typer.Option("--count", min=1, help="captions printed")] = 8) -> None:
+def captions_show(
+    config: ConfigArg,
+    workdir: WorkdirOpt = None,
+    count: Annotated[int, typer.Option("--count", min=1, help="captions printed")] = 8,
+) -> None:
     """Print a sample of the captions (model captions first)."""
     from tuneline.flows import cli
     from tuneline.stages.caption.export import show_lines

@@ -1,4 +1,5 @@
 """The `tuneline` command line (docs/design.md). Errors a user can fix print one clear message and exit 1."""
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,14 @@ from tuneline.schemas.families import SHIPPED_CONFIGS
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
 # (`--force <bool>`), which reads as if the flag took a value.
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-                  help="Diffusion fine-tuning as Prefect flows.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Diffusion fine-tuning as Prefect flows."
+)
 config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
-remote_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                         help="Artifact versions on object storage (ops.remote).")
+remote_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode=None, help="Artifact versions on object storage (ops.remote)."
+)
 app.add_typer(remote_app, name="remote")
 app.add_typer(captions_app, name="captions")
 
@@ -40,6 +43,7 @@ FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+(?: [a-z]+)
 def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
     """Make every `tuneline run|stage …` a message names runnable as printed from this directory: it gets the
     CONFIG and --workdir of the command that failed (docs/design.md)."""
+
     def complete(m: re.Match) -> str:
         args = [m.group(1)] + ([shlex.quote(config)] if config else []) + ([m.group(2).strip()] if m.group(2) else [])
         args += [f"--workdir {shlex.quote(workdir)}"] if workdir else []
@@ -76,15 +80,29 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tuneline.stages.common.stage import StageFailed
     from tuneline.stages.train.launch import TrainingFailed
 
-    return (Refused, ConfigError, ArtifactError, StageFailed, TrainingFailed, StoreLocked, RemoteError,
-            FileNotFoundError, ValueError)
+    return (
+        Refused,
+        ConfigError,
+        ArtifactError,
+        StageFailed,
+        TrainingFailed,
+        StoreLocked,
+        RemoteError,
+        FileNotFoundError,
+        ValueError,
+    )
 
 
 @app.command()
-def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
-        force: Annotated[bool, typer.Option("--force", help="rebuild every stage")] = False,
-        until: Annotated[str | None, typer.Option("--until", metavar="STAGE", help="build every stage up to "
-                                                     "and including STAGE, then stop")] = None) -> None:
+def run(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="rebuild every stage")] = False,
+    until: Annotated[
+        str | None,
+        typer.Option("--until", metavar="STAGE", help="build every stage up to and including STAGE, then stop"),
+    ] = None,
+) -> None:
     """Run the whole pipeline (or up to --until); stages already fresh are skipped."""
     from tuneline.flows import preflight
     from tuneline.stages.pipeline import STAGE_NAMES, stage_names
@@ -96,9 +114,10 @@ def run(config: ConfigArg = None, workdir: WorkdirOpt = None,
     every = stage_names(cfg)
     if until is not None and until not in every:
         _fail(f"--until {until}: the {until} stage is off in this config (it runs: {', '.join(every)})")
-    names = every[:every.index(until) + 1] if until else every
+    names = every[: every.index(until) + 1] if until else every
     runs = None if force else _nothing_to_run(cfg, names)
     if runs is None:
+
         def call():
             from tuneline.flows.pipeline import pipeline_flow
 
@@ -183,9 +202,12 @@ def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | 
 
 
 @app.command()
-def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | train | validate")],
-          config: ConfigArg = None, workdir: WorkdirOpt = None,
-          force: Annotated[bool, typer.Option("--force", help="rebuild even if fresh")] = False) -> None:
+def stage(
+    name: Annotated[str, typer.Argument(help="scan | latents | text | train | validate")],
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="rebuild even if fresh")] = False,
+) -> None:
     """Run one stage as its own flow run (its upstream artifacts must be fresh)."""
     from tuneline.stages.pipeline import STAGE_NAMES
 
@@ -196,8 +218,10 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
     from tuneline.stages.pipeline import stage_names
 
     if name not in stage_names(cfg):  # refused before any Prefect server starts
-        _fail(f"stage {name} is off in this config: set {name}.model (a local vision-language model folder, or "
-              f"tiny) to run it")
+        _fail(
+            f"stage {name} is off in this config: set {name}.model (a local vision-language model folder, or "
+            f"tiny) to run it"
+        )
 
     _refuse(lambda: preflight.check_stage(cfg, name))
 
@@ -210,8 +234,11 @@ def stage(name: Annotated[str, typer.Argument(help="scan | latents | text | trai
 
 
 @app.command()
-def status(config: ConfigArg = None, workdir: WorkdirOpt = None,
-           as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout, logs on stderr")] = False) -> None:
+def status(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout, logs on stderr")] = False,
+) -> None:
     """Per stage: fresh / stale / missing / failed, version, path, reason."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = _load(config, workdir)
@@ -225,8 +252,10 @@ def status(config: ConfigArg = None, workdir: WorkdirOpt = None,
     if as_json:
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
-    _print_table(("stage", "state", "version", "path", "summary", "reason"),
-                 [(r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason) for r in rows])
+    _print_table(
+        ("stage", "state", "version", "path", "summary", "reason"),
+        [(r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason) for r in rows],
+    )
 
 
 @config_app.command("example")
@@ -242,9 +271,11 @@ def config_schema() -> None:
 
 
 @app.command()
-def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
-           pool: Annotated[str | None, typer.Option("--pool", help="work pool; default ops.work_pool")] = None
-           ) -> None:
+def deploy(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    pool: Annotated[str | None, typer.Option("--pool", help="work pool; default ops.work_pool")] = None,
+) -> None:
     """Register one Prefect deployment per stage plus the pipeline (CONFIG = their default parameters)."""
     cfg = _load(config, workdir)
     from prefect.settings import PREFECT_API_URL
@@ -252,8 +283,11 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
     from tuneline.flows.deploy import deploy as register
 
     if not PREFECT_API_URL.value():
-        typer.echo("warning: PREFECT_API_URL is not set, so the deployments go to the local ephemeral database, "
-                   "which no UI shows; start `prefect server start` and set PREFECT_API_URL", err=True)
+        typer.echo(
+            "warning: PREFECT_API_URL is not set, so the deployments go to the local ephemeral database, "
+            "which no UI shows; start `prefect server start` and set PREFECT_API_URL",
+            err=True,
+        )
     try:
         deployed = register(cfg, pool)
     except _user_errors() as err:
@@ -268,8 +302,10 @@ def deploy(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 
 @app.command()
-def worker(pool: Annotated[str, typer.Option("--pool", help="work pool to serve")] = "tuneline",
-           limit: Annotated[int | None, typer.Option("--limit", min=1, help="flow runs at once")] = None) -> None:
+def worker(
+    pool: Annotated[str, typer.Option("--pool", help="work pool to serve")] = "tuneline",
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="flow runs at once")] = None,
+) -> None:
     """Start a Prefect process worker for the pool (created if missing); restarted if it crashes."""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s | %(levelname)s | %(message)s")
     from tuneline.flows.worker import serve
@@ -278,8 +314,11 @@ def worker(pool: Annotated[str, typer.Option("--pool", help="work pool to serve"
 
 
 @app.command()
-def lineage(config: ConfigArg = None, workdir: WorkdirOpt = None,
-            as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False) -> None:
+def lineage(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False,
+) -> None:
     """Every published version: stage, version, upstream versions, created, fresh for this config."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = _load(config, workdir)
@@ -292,18 +331,27 @@ def lineage(config: ConfigArg = None, workdir: WorkdirOpt = None,
     if as_json:
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
-    _print_table(("stage", "version", "fresh", "upstream", "created_at"),
-                 [(r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(),
-                   r.created_at[:19].replace("T", " ")) for r in rows])
+    _print_table(
+        ("stage", "version", "fresh", "upstream", "created_at"),
+        [
+            (r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(), r.created_at[:19].replace("T", " "))
+            for r in rows
+        ],
+    )
 
 
 @app.command()
-def gc(config: ConfigArg = None, workdir: WorkdirOpt = None,
-       keep: Annotated[int | None, typer.Option("--keep", min=0, help="versions kept per stage; "
-                                                   "default ops.keep_versions")] = None,
-       dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would go")] = False,
-       partial: Annotated[bool, typer.Option("--partial", help="also delete interrupted work in progress "
-                                             "(loses resumability)")] = False) -> None:
+def gc(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    keep: Annotated[
+        int | None, typer.Option("--keep", min=0, help="versions kept per stage; default ops.keep_versions")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would go")] = False,
+    partial: Annotated[
+        bool, typer.Option("--partial", help="also delete interrupted work in progress (loses resumability)")
+    ] = False,
+) -> None:
     """Delete old versions: keep the newest K per stage and everything fresh or used by a fresh version."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = _load(config, workdir)
@@ -324,9 +372,11 @@ def gc(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 
 @remote_app.command("push")
-def remote_push(config: ConfigArg = None, workdir: WorkdirOpt = None,
-                stages: Annotated[list[str] | None, typer.Option("--stage", help="repeatable; default all")] = None
-                ) -> None:
+def remote_push(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    stages: Annotated[list[str] | None, typer.Option("--stage", help="repeatable; default all")] = None,
+) -> None:
     """Upload each stage's fresh version to ops.remote (versions already there are skipped)."""
     cfg = _load(config, workdir)
     from tuneline.flows.ops import push
@@ -339,8 +389,12 @@ def remote_push(config: ConfigArg = None, workdir: WorkdirOpt = None,
 
 
 @remote_app.command("pull")
-def remote_pull(stage_name: Annotated[str, typer.Argument(metavar="STAGE")], version: str,
-                config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
+def remote_pull(
+    stage_name: Annotated[str, typer.Argument(metavar="STAGE")],
+    version: str,
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+) -> None:
     """Download one version from ops.remote into the workdir, checking every file's checksum."""
     cfg = _load(config, workdir)
     from tuneline.flows.ops import pull
@@ -368,12 +422,21 @@ def remote_ls(config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
 
 
 @app.command("plan")
-def plan_memory(config: ConfigArg = None, workdir: WorkdirOpt = None,
-                gpu_memory: Annotated[float | None, typer.Option(
-                    "--gpu-memory", metavar="GIB", help="plan for a CUDA GPU with this much memory")] = None,
-                model_config: Annotated[str | None, typer.Option(
-                    "--model-config", metavar="NAME", help="plan a released model from its shipped weightless "
-                    f"config ({', '.join(SHIPPED_CONFIGS)})")] = None) -> None:
+def plan_memory(
+    config: ConfigArg = None,
+    workdir: WorkdirOpt = None,
+    gpu_memory: Annotated[
+        float | None, typer.Option("--gpu-memory", metavar="GIB", help="plan for a CUDA GPU with this much memory")
+    ] = None,
+    model_config: Annotated[
+        str | None,
+        typer.Option(
+            "--model-config",
+            metavar="NAME",
+            help=f"plan a released model from its shipped weightless config ({', '.join(SHIPPED_CONFIGS)})",
+        ),
+    ] = None,
+) -> None:
     """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
     cfg = _load(config, workdir)
     from tuneline.stages.train.memplan import plan_command

@@ -5,6 +5,7 @@ pipeline's, once more in each `Finished in state Failed(...)` line, and then by 
 tracebacks. The CLI prints it once (`error: …`), so the console drops Prefect's copies of it; the records still
 reach the flow run's log in the UI (the API handler is left alone). Errors that are bugs keep their traceback.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,10 +39,14 @@ def quiet_console(user_errors: tuple[type[BaseException], ...], hidden_url: str 
 
     ensure_logging_setup()  # Prefect attaches its handlers lazily; the filter needs them now
     quiet = QuietUserErrors(user_errors, hidden_url)
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     for lg in loggers:
         for h in lg.handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, APILogHandler) \
-                    and not any(isinstance(f, QuietUserErrors) for f in h.filters):
+            if (
+                isinstance(h, logging.StreamHandler)
+                and not isinstance(h, APILogHandler)
+                and not any(isinstance(f, QuietUserErrors) for f in h.filters)
+            ):
                 h.addFilter(quiet)

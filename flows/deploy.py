@@ -5,6 +5,7 @@ so no code storage or image is needed for a process pool, and a container image 
 serves a Kubernetes pool the same way. The config becomes every deployment's default `config` parameter
 (a typed form in the UI), with its workdir made absolute because a worker runs flows in a temporary folder.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,17 +44,30 @@ def deployments(cfg: PipelineConfig, pool: str | None = None) -> list:
 
     on = stage_names(cfg)  # the caption stage only with caption.model set
     for name, fl in [("pipeline", pipeline_flow), *((n, f) for n, f in STAGE_FLOWS.items() if n in on)]:
-        out.append(fl.to_deployment(
-            name=deployment_name(name), parameters=params, work_pool_name=cpu_pool if name == "scan" else gpu_pool,
-            tags=TAGS, schedules=_schedules(cfg) if name == "pipeline" else [], description=fl.description,
-            entrypoint_type=EntrypointType.MODULE_PATH,
-            concurrency_limit=cfg.ops.train_concurrency if name == "train" else None))
+        out.append(
+            fl.to_deployment(
+                name=deployment_name(name),
+                parameters=params,
+                work_pool_name=cpu_pool if name == "scan" else gpu_pool,
+                tags=TAGS,
+                schedules=_schedules(cfg) if name == "pipeline" else [],
+                description=fl.description,
+                entrypoint_type=EntrypointType.MODULE_PATH,
+                concurrency_limit=cfg.ops.train_concurrency if name == "train" else None,
+            )
+        )
     from tuneline.flows.shards import DEPLOYMENT, shard_flow
 
     # Shards of a sharded latents/text stage, started by the stage (tuneline.flows.shards): no parameters to fill.
-    out.append(shard_flow.to_deployment(
-        name=DEPLOYMENT, work_pool_name=cfg.ops.shard_pool or gpu_pool, tags=TAGS, description=shard_flow.description,
-        entrypoint_type=EntrypointType.MODULE_PATH))
+    out.append(
+        shard_flow.to_deployment(
+            name=DEPLOYMENT,
+            work_pool_name=cfg.ops.shard_pool or gpu_pool,
+            tags=TAGS,
+            description=shard_flow.description,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        )
+    )
     return out
 
 

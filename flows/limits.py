@@ -3,6 +3,7 @@
 A deployment-level limit would only count runs of the train deployment; the pipeline runs its train stage as
 an in-process subflow, so the slot is taken inside the train stage itself, whoever started it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

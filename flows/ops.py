@@ -1,4 +1,5 @@
 """Operations over a workdir that need the pipeline's stage list: lineage, gc, remote push/pull."""
+
 from __future__ import annotations
 
 import contextlib

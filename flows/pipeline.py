@@ -4,6 +4,7 @@ Stages run as subflows inside this flow run's process, not as deployment runs: a
 runs that need a free worker slot would deadlock a worker started with `--limit 1` (docs/platform.md). Each stage
 is still its own flow run, so a failed one shows (and is retried) on its own.
 """
+
 from __future__ import annotations
 
 from prefect import flow
@@ -25,7 +26,7 @@ def pipeline_flow(config: PipelineConfig, force: bool = False, until: str | None
 
     Returns per stage its path, seconds and whether it was built (for the run's summary)."""
     every = stage_names(config)
-    names = every[:every.index(until) + 1] if until in every else every
+    names = every[: every.index(until) + 1] if until in every else every
     if not preflight.checked_in_this_process:  # a run from a deployment: nothing checked the paths yet
         try:
             preflight.check_paths(config)
@@ -35,10 +36,14 @@ def pipeline_flow(config: PipelineConfig, force: bool = False, until: str | None
     # The run's lease on the workdir: `tuneline gc` waits for it, so nothing this run publishes or uses is collected.
     try:
         with run_lease(config.workdir_path(), timeout=config.ops.lock_timeout):
-            runs = {name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force))
-                    for name in names}
+            runs = {
+                name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force)) for name in names
+            }
     finally:
         preflight.in_pipeline = False
-    PrefectReporter().table("lineage", visibility.lineage_table(ops.lineage_rows(config)),
-                            "every published version: stage, version, fresh, upstream versions, created")
+    PrefectReporter().table(
+        "lineage",
+        visibility.lineage_table(ops.lineage_rows(config)),
+        "every published version: stage, version, fresh, upstream versions, created",
+    )
     return runs

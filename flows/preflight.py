@@ -5,6 +5,7 @@ Importing prefect, torch or diffusers costs seconds here, so nothing on this pat
 config answers in about the time `tuneline status` takes and writes nothing. A run started from a deployment
 makes the same checks at the start of its flow (tuneline.flows.stage_flows), so the message is the same.
 """
+
 from __future__ import annotations
 
 import os
@@ -87,8 +88,11 @@ def check_paths(cfg: PipelineConfig) -> None:
         raise Refused(problem)
     missing = missing_paths(cfg)
     if missing:
-        raise Refused("the config names paths that do not exist: " + "; ".join(missing)
-                      + ": fix them in the config (or copy the files there)")
+        raise Refused(
+            "the config names paths that do not exist: "
+            + "; ".join(missing)
+            + ": fix them in the config (or copy the files there)"
+        )
 
 
 def upstream_chain(name: str, cfg: PipelineConfig | None = None) -> list[str]:
@@ -132,4 +136,3 @@ def check_stage(cfg: PipelineConfig, name: str) -> None:
     msg = upstream_refusal(cfg, name)
     if msg:
         raise Refused(msg)
-

@@ -1,4 +1,5 @@
 """Stage reports as Prefect artifacts (progress, tables, markdown), visible in the UI per flow run."""
+
 from __future__ import annotations
 
 import logging

@@ -1,11 +1,13 @@
 """What `tuneline run` decides before (or instead of) starting Prefect, and how a Prefect HTTP refusal reads."""
+
 from __future__ import annotations
 
 from tuneline.schemas.config import PipelineConfig
 
 
-def fresh_summary(cfg: PipelineConfig, names: list[str],
-                  user_errors: tuple[type[BaseException], ...]) -> dict[str, dict] | None:
+def fresh_summary(
+    cfg: PipelineConfig, names: list[str], user_errors: tuple[type[BaseException], ...]
+) -> dict[str, dict] | None:
     """Every stage fresh and no Prefect server to record a flow run on: the stages' summary without starting
     Prefect (its temporary server is most of a no-op run's time). None = run the pipeline flow."""
     from prefect.settings import get_current_settings
@@ -41,9 +43,11 @@ def unauthorized_message(err: BaseException) -> str | None:
         if getattr(response, "status_code", None) == 401:
             from prefect.settings import PREFECT_API_URL
 
-            return (f"the Prefect server at {PREFECT_API_URL.value() or '(temporary server)'} answered 401 "
-                    "Unauthorized: it requires basic auth; set PREFECT_API_AUTH_STRING=user:password to the "
-                    "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)")
+            return (
+                f"the Prefect server at {PREFECT_API_URL.value() or '(temporary server)'} answered 401 "
+                "Unauthorized: it requires basic auth; set PREFECT_API_AUTH_STRING=user:password to the "
+                "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)"
+            )
         seen = seen.__cause__ or seen.__context__
     return None
 

@@ -11,6 +11,7 @@ idle 2-core machine: a busy machine crashed every command with a traceback. Star
   orphans no server.
 The server is the one Prefect runs for its own temporary server (its API app, migrations, no UI, no services).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -75,7 +76,8 @@ class TemporaryServer:
         raise ServerUnavailable(
             f"the temporary Prefect server did not start within {timeout:.0f} s, twice{why} (a busy machine is "
             f"the usual cause): set {TIMEOUT_ENV} higher, or start a server (`prefect server start`) and point "
-            f"tuneline at it with PREFECT_API_URL=http://127.0.0.1:4200/api")
+            f"tuneline at it with PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
 
     def _start_once(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -97,16 +99,38 @@ class TemporaryServer:
         from prefect.settings import get_current_settings
 
         self.port = _free_port()
-        env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
-               # what Prefect sets for its own temporary server: no UI, no background services
-               "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env = {
+            **os.environ,
+            **get_current_settings().to_environment_variables(exclude_unset=True),
+            # what Prefect sets for its own temporary server: no UI, no background services
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+        }
         env.pop("PREFECT_API_URL", None)
-        server = ["-m", "uvicorn", "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                  "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+        server = [
+            "-m",
+            "uvicorn",
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+        ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *server],
-                                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *server],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
 
     def _why(self) -> str:
         try:

@@ -5,6 +5,7 @@ The stage that starts them only waits (polling the API): run it where it holds n
 stage` on the machine you submit from, or the pipeline on another pool), and a pool of two one-slot workers runs
 two shards at once and never deadlocks.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,13 +33,19 @@ def run_on_pool(job: ShardJob) -> dict[int, str]:
     from prefect.exceptions import ObjectNotFound
 
     try:
-        runs = {i: run_deployment(name=f"{DEPLOYMENT}/{DEPLOYMENT}", timeout=0,
-                                  parameters={"folder": str(job.folder), "index": i},
-                                  flow_run_name=f"{job.stage}-shard-{i}-of-{job.count}")
-                for i in range(job.count)}
+        runs = {
+            i: run_deployment(
+                name=f"{DEPLOYMENT}/{DEPLOYMENT}",
+                timeout=0,
+                parameters={"folder": str(job.folder), "index": i},
+                flow_run_name=f"{job.stage}-shard-{i}-of-{job.count}",
+            )
+            for i in range(job.count)
+        }
     except ObjectNotFound:
-        return {i: f"there is no {DEPLOYMENT} deployment: run `tuneline deploy` with this config" for i in
-                range(job.count)}
+        return {
+            i: f"there is no {DEPLOYMENT} deployment: run `tuneline deploy` with this config" for i in range(job.count)
+        }
     failures: dict[int, str] = {}
     with get_client(sync_client=True) as client:
         pending = dict(runs)
@@ -49,6 +56,8 @@ def run_on_pool(job: ShardJob) -> dict[int, str]:
                 if run.state is not None and run.state.is_final():
                     del pending[i]
                     if not run.state.is_completed():
-                        failures[i] = (f"flow run {run.name} ({run.id}) ended {run.state.name}: "
-                                       f"{run.state.message}; its log is in the Prefect UI")
+                        failures[i] = (
+                            f"flow run {run.name} ({run.id}) ended {run.state.name}: "
+                            f"{run.state.message}; its log is in the Prefect UI"
+                        )
     return failures

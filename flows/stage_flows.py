@@ -2,6 +2,7 @@
 
 A retried run rebuilds only what is not fresh: upstream artifacts published before the failure are reused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,7 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
         from tuneline.stages.common.shards import RUNNER_KEY
 
         ctx.cache[RUNNER_KEY] = run_on_pool
-    lock = functools.partial(store_lock, config.workdir_path(), timeout=config.ops.lock_timeout,
-                             purpose=_purpose(name))
+    lock = functools.partial(store_lock, config.workdir_path(), timeout=config.ops.lock_timeout, purpose=_purpose(name))
     whole = lock
     if name == "train" and config.train.nodes > 1:
         # Nodes sharing a workdir: a node waiting in torchrun's rendezvous must not hold the lock the other nodes
@@ -123,5 +123,11 @@ def validate_flow(config: PipelineConfig, force: bool = False) -> str:
     return checked_run("validate", config, force)
 
 
-STAGE_FLOWS = {"scan": scan_flow, "caption": caption_flow, "latents": latents_flow, "text": text_flow, "train": train_flow,
-               "validate": validate_flow}
+STAGE_FLOWS = {
+    "scan": scan_flow,
+    "caption": caption_flow,
+    "latents": latents_flow,
+    "text": text_flow,
+    "train": train_flow,
+    "validate": validate_flow,
+}

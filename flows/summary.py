@@ -1,5 +1,6 @@
 """What `tuneline run` prints at the end: per stage built or reused and its time, the final loss, the learning
 figures of validation and where the grid and the trained weights are."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-LEARNING = ("color_accuracy", "untrained_color_accuracy", "class_separation_accuracy",
-            "untrained_class_separation_accuracy")
+LEARNING = (
+    "color_accuracy",
+    "untrained_color_accuracy",
+    "class_separation_accuracy",
+    "untrained_class_separation_accuracy",
+)
 
 
 def timed_stage(run: Callable[[], str]) -> dict:
@@ -23,8 +28,10 @@ def timed_stage(run: Callable[[], str]) -> dict:
 
 
 def summary_lines(runs: dict[str, dict]) -> list[str]:
-    lines = [f"{name:9s} {'built ' if r['built'] else 'reused'} {r['seconds']:7.1f} s  {r['path']}"
-             for name, r in runs.items()]
+    lines = [
+        f"{name:9s} {'built ' if r['built'] else 'reused'} {r['seconds']:7.1f} s  {r['path']}"
+        for name, r in runs.items()
+    ]
     lines += rejected_lines(runs)
     train = _manifest(runs.get("train"))
     if train.get("losses"):
@@ -49,8 +56,11 @@ def rejected_lines(runs: dict[str, dict]) -> list[str]:
         if name == "scan" or m.get("rejected"):
             if m:
                 kinds = ", ".join(f"{k} {v}" for k, v in sorted(m.get("rejected_by_kind", {}).items()))
-                out.append(f"rejected images ({name}): {m.get('rejected', 0)}" + (f" ({kinds})" if kinds else "")
-                           + f", listed in {Path(runs[name]['path']) / 'rejected.jsonl'}")
+                out.append(
+                    f"rejected images ({name}): {m.get('rejected', 0)}"
+                    + (f" ({kinds})" if kinds else "")
+                    + f", listed in {Path(runs[name]['path']) / 'rejected.jsonl'}"
+                )
     return out
 
 

@@ -6,6 +6,7 @@ grid and the lineage table. Browsers cannot open local paths, so images become i
 URL reaches them (ops.report_url, or a signed URL of the pushed remote copy); markdown artifacts carry
 size-capped thumbnails inline as data: URIs, which the UI renders without any web server.
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,9 +20,22 @@ from tuneline.flows.reporter import PrefectReporter
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lineage import Version
 
-FACTS = ("accepted", "rejected", "count", "captioned", "encoded", "reused", "resumed", "step", "world_size", "mode",
-         "class_separation_accuracy", "untrained_class_separation_accuracy", "color_accuracy",
-         "untrained_color_accuracy")
+FACTS = (
+    "accepted",
+    "rejected",
+    "count",
+    "captioned",
+    "encoded",
+    "reused",
+    "resumed",
+    "step",
+    "world_size",
+    "mode",
+    "class_separation_accuracy",
+    "untrained_class_separation_accuracy",
+    "color_accuracy",
+    "untrained_color_accuracy",
+)
 PLOT_WIDTH, PLOT_HEIGHT = 60, 10
 THUMB_SIDE, THUMB_BYTES = 768, 150_000  # an artifact is stored in Prefect's database: keep each image small
 
@@ -30,18 +44,29 @@ def report_stage(rep: PrefectReporter, cfg: PipelineConfig, name: str, path: Pat
     m = _manifest(path)
     rep.markdown(f"{name}-summary", summary_markdown(name, path, m, built), f"{name} {path.name}")
     if name == "scan" and not built:  # a build already reported its bucket table
-        rep.table("scan-buckets", [{"bucket": f"{b['width']}x{b['height']}", "count": b["count"],
-                                    "dropped": b.get("dropped", False)} for b in m.get("buckets", [])],
-                  "aspect buckets of the scan in use")
+        rep.table(
+            "scan-buckets",
+            [
+                {"bucket": f"{b['width']}x{b['height']}", "count": b["count"], "dropped": b.get("dropped", False)}
+                for b in m.get("buckets", [])
+            ],
+            "aspect buckets of the scan in use",
+        )
     elif name == "latents":
         rep.table("latents-cache", cache_rows(m), cache_description(m))
     elif name == "train" and m.get("losses"):
-        rep.markdown("train-loss", _with_image(path / m.get("loss_curve", "loss.png"), loss_markdown(m["losses"])),
-                      f"training loss, {len(m['losses'])} steps")
+        rep.markdown(
+            "train-loss",
+            _with_image(path / m.get("loss_curve", "loss.png"), loss_markdown(m["losses"])),
+            f"training loss, {len(m['losses'])} steps",
+        )
         samples = [s for s in (inline_png(path / rel) for rel in m.get("samples", [])[-4:]) if s]
         if samples:
-            rep.markdown("train-samples", "\n\n".join(f"![]({s})" for s in samples),
-                         "sample grids rendered during training (latest last)")
+            rep.markdown(
+                "train-samples",
+                "\n\n".join(f"![]({s})" for s in samples),
+                "sample grids rendered during training (latest last)",
+            )
     elif name == "validate":
         _report_validation(rep, cfg, path, m)
     elif name == "caption":
@@ -51,30 +76,40 @@ def report_stage(rep: PrefectReporter, cfg: PipelineConfig, name: str, path: Pat
 def summary_markdown(name: str, path: Path, m: dict, built: bool) -> str:
     how = "built in this run" if built else "fresh: reused as is, nothing rebuilt"
     ups = ", ".join(f"{s} `{v}`" for s, v in m.get("upstream", {}).items()) or "none"
-    lines = [f"### {name} `{path.name}`", "", f"- {how}", f"- path: `{path}`", f"- created: {m.get('created_at')}",
-             f"- upstream: {ups}"]
+    lines = [
+        f"### {name} `{path.name}`",
+        "",
+        f"- {how}",
+        f"- path: `{path}`",
+        f"- created: {m.get('created_at')}",
+        f"- upstream: {ups}",
+    ]
     lines += [f"- {k}: {m[k]}" for k in FACTS if m.get(k) is not None]
     return "\n".join(lines)
 
 
 def cache_rows(m: dict) -> list[dict]:
-    return [{"bucket": f"{b['width']}x{b['height']}", "latent shape": "x".join(map(str, b["shape"])),
-             "rows": b["count"]} for b in m.get("buckets", [])]
+    return [
+        {"bucket": f"{b['width']}x{b['height']}", "latent shape": "x".join(map(str, b["shape"])), "rows": b["count"]}
+        for b in m.get("buckets", [])
+    ]
 
 
 def cache_description(m: dict) -> str:
     total = m.get("count", 0)
     reused = m.get("reused", 0) + m.get("resumed", 0)
     rate = f"{reused / total:.0%}" if total else "n/a"
-    return (f"{total} cached images: {m.get('encoded', 0)} encoded, {m.get('reused', 0)} reused from the previous "
-            f"version, {m.get('resumed', 0)} resumed; {m.get('rejected', 0)} rejected; reuse rate {rate}")
+    return (
+        f"{total} cached images: {m.get('encoded', 0)} encoded, {m.get('reused', 0)} reused from the previous "
+        f"version, {m.get('resumed', 0)} resumed; {m.get('rejected', 0)} rejected; reuse rate {rate}"
+    )
 
 
 def loss_plot(losses: list[float], width: int = PLOT_WIDTH, height: int = PLOT_HEIGHT) -> str:
     """A text chart (renders anywhere, needs no image URL): one column per bucket of steps, mean loss."""
     n = len(losses)
     cols = min(width, n)
-    means = [_mean(losses[i * n // cols:(i + 1) * n // cols]) for i in range(cols)]
+    means = [_mean(losses[i * n // cols : (i + 1) * n // cols]) for i in range(cols)]
     lo, hi = min(means), max(means)
     span = (hi - lo) or 1.0
     levels = [round((v - lo) / span * (height - 1)) for v in means]
@@ -88,14 +123,24 @@ def loss_plot(losses: list[float], width: int = PLOT_WIDTH, height: int = PLOT_H
 
 
 def loss_markdown(losses: list[float]) -> str:
-    head = (f"first {losses[0]:.4f}, last {losses[-1]:.4f}, min {min(losses):.4f} "
-            f"(mean of the last {min(10, len(losses))}: {_mean(losses[-10:]):.4f})")
+    head = (
+        f"first {losses[0]:.4f}, last {losses[-1]:.4f}, min {min(losses):.4f} "
+        f"(mean of the last {min(10, len(losses))}: {_mean(losses[-10:]):.4f})"
+    )
     return f"{head}\n\n```\n{loss_plot(losses)}\n```"
 
 
 def lineage_table(versions: list[Version]) -> list[dict]:
-    return [{"stage": v.stage, "version": v.version, "fresh": "yes" if v.fresh else "", "upstream": v.upstream_text(),
-             "created_at": v.created_at} for v in versions]
+    return [
+        {
+            "stage": v.stage,
+            "version": v.version,
+            "fresh": "yes" if v.fresh else "",
+            "upstream": v.upstream_text(),
+            "created_at": v.created_at,
+        }
+        for v in versions
+    ]
 
 
 def image_url(cfg: PipelineConfig, stage: str, version: str, rel: str) -> str | None:
@@ -113,13 +158,19 @@ def _report_validation(rep: PrefectReporter, cfg: PipelineConfig, path: Path, m:
     url = image_url(cfg, "validate", path.name, grid)
     if url:
         rep.image("validate-grid-image", url, f"validation grid of {path.name}")
-    rows = [f"| [{i['file']}]({image_url(cfg, 'validate', path.name, i['file']) or i['file']}) | {i['prompt']} | "
-            f"{i['negative_prompt']} | {i['seed']} |" for i in m.get("images", [])]
+    rows = [
+        f"| [{i['file']}]({image_url(cfg, 'validate', path.name, i['file']) or i['file']}) | {i['prompt']} | "
+        f"{i['negative_prompt']} | {i['seed']} |"
+        for i in m.get("images", [])
+    ]
     thumb = inline_png(path / grid)
     where = f"![grid]({thumb})" if thumb else ""
     where += f"\n\nfull size: [{grid}]({url})" if url else f"\n\nfull size: `{path / grid}`"
-    rep.markdown("validate-grid", "\n".join([where, "", "| image | prompt | negative | seed |", "|---|---|---|---|",
-                                             *rows]), f"validation images of {path.name}")
+    rep.markdown(
+        "validate-grid",
+        "\n".join([where, "", "| image | prompt | negative | seed |", "|---|---|---|---|", *rows]),
+        f"validation images of {path.name}",
+    )
 
 
 def caption_markdown(path: Path, count: int = 8) -> str:

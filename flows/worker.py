@@ -6,6 +6,7 @@ PrefectHQ/prefect#16806): exactly what Retry pressed right after a failure does.
 Scheduled, so a restarted worker picks it up. A worker that keeps dying at once (wrong API URL, bad auth) is
 not restarted forever.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,9 @@ def serve(pool: str, limit: int | None) -> int:
             return rc
         quick_exits = quick_exits + 1 if time.monotonic() - started < QUICK_EXIT_S else 0
         if quick_exits >= MAX_QUICK_EXITS:
-            log.error("the Prefect worker exited %d times in a row right after starting (code %d); giving up",
-                      quick_exits, rc)
+            log.error(
+                "the Prefect worker exited %d times in a row right after starting (code %d); giving up", quick_exits, rc
+            )
             return rc
         log.warning("the Prefect worker exited with code %d; restarting it in %.0f s", rc, RESTART_DELAY_S)
         time.sleep(RESTART_DELAY_S)

@@ -1,4 +1,5 @@
 """Building blocks shared by configs and manifests."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

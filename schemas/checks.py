@@ -7,6 +7,7 @@ problems instead of stopping at the first, so one load reports everything to fix
 within one section live in the section schemas (e.g. fp8 in schemas/model.py, bfloat16 storage in schemas/text.py).
 A new cross-section rule is one more function in RULES.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,38 +52,67 @@ def _alignment(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     align = cfg.buckets.alignment
     if align is None or align % fam.alignment == 0:
         return []
-    return [f"buckets.alignment: {align} is not a multiple of {fam.alignment}, the requirement of model.family "
-            f"{fam.name} (VAE factor {fam.vae_factor} x patch {fam.patch_size}); use a multiple of "
-            f"{fam.alignment} or null for automatic"]
+    return [
+        f"buckets.alignment: {align} is not a multiple of {fam.alignment}, the requirement of model.family "
+        f"{fam.name} (VAE factor {fam.vae_factor} x patch {fam.patch_size}); use a multiple of "
+        f"{fam.alignment} or null for automatic"
+    ]
 
 
-def _edge_problem(res: float, rtype: str, align: int, align_src: str, res_key: str, type_key: str,
-                  unit_key: str) -> str | None:
+def _edge_problem(
+    res: float, rtype: str, align: int, align_src: str, res_key: str, type_key: str, unit_key: str
+) -> str | None:
     """Why a resolution in its unit cannot be meant as given (None when plausible); `type_key` is the field the
     unit comes from, `unit_key` the one to change. The size function rounds any edge up to one alignment unit,
     so without this a unit mistake would silently train or render at a tiny size."""
     if rtype == "area" and res > MAX_AREA_MEGAPIXELS:
-        return (f"{res_key} {res:g} with {type_key} area means {res:g} megapixels (about "
-                f"{math.sqrt(res) * MEGAPIXEL_EDGE:.0f} px square); area takes megapixels (1.0 = 1024x1024): did "
-                f"you mean {unit_key} pixel?")
+        return (
+            f"{res_key} {res:g} with {type_key} area means {res:g} megapixels (about "
+            f"{math.sqrt(res) * MEGAPIXEL_EDGE:.0f} px square); area takes megapixels (1.0 = 1024x1024): did "
+            f"you mean {unit_key} pixel?"
+        )
     edge = math.sqrt(res) * MEGAPIXEL_EDGE if rtype == "area" else res
     if edge > MAX_EDGE:
-        return (f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, past the {MAX_EDGE} px any "
-                f"family trains or renders at; lower {res_key}")
+        return (
+            f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, past the {MAX_EDGE} px any "
+            f"family trains or renders at; lower {res_key}"
+        )
     if edge >= align:
         return None
     hint = f" Did you mean {unit_key} area (1.0 = 1024x1024)?" if rtype != "area" and res <= 16 else ""
-    return (f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, smaller than one alignment unit "
-            f"({align} px, {align_src}); raise {res_key}.{hint}")
+    return (
+        f"{res_key} {res:g} with {type_key} {rtype} is a {edge:.0f} px edge, smaller than one alignment unit "
+        f"({align} px, {align_src}); raise {res_key}.{hint}"
+    )
 
 
 def _bucket_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     align, src = _alignment_source(cfg, fam)
     b = cfg.buckets
-    out = [_edge_problem(b.resolution, b.resolution_type, align, src, "buckets.resolution",
-                         "buckets.resolution_type", "buckets.resolution_type")]
-    out += [_edge_problem(r, b.resolution_type, align, src, f"buckets.resolutions.{i}", "buckets.resolution_type",
-                          "buckets.resolution_type") for i, r in enumerate(b.resolutions or ()) if r != b.resolution]
+    out = [
+        _edge_problem(
+            b.resolution,
+            b.resolution_type,
+            align,
+            src,
+            "buckets.resolution",
+            "buckets.resolution_type",
+            "buckets.resolution_type",
+        )
+    ]
+    out += [
+        _edge_problem(
+            r,
+            b.resolution_type,
+            align,
+            src,
+            f"buckets.resolutions.{i}",
+            "buckets.resolution_type",
+            "buckets.resolution_type",
+        )
+        for i, r in enumerate(b.resolutions or ())
+        if r != b.resolution
+    ]
     return [p for p in out if p]
 
 
@@ -91,9 +121,11 @@ def _validate_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if v.resolution is None and v.resolution_type is None:
         return []  # renders at the buckets' size, checked above
     if v.resolution is None and v.resolution_type != b.resolution_type:
-        return [f"validate.resolution_type {v.resolution_type} is set but validate.resolution is null, so "
-                f"buckets.resolution {b.resolution:g} (in buckets.resolution_type {b.resolution_type} units) would "
-                f"be read as {v.resolution_type}; set validate.resolution too, or drop validate.resolution_type"]
+        return [
+            f"validate.resolution_type {v.resolution_type} is set but validate.resolution is null, so "
+            f"buckets.resolution {b.resolution:g} (in buckets.resolution_type {b.resolution_type} units) would "
+            f"be read as {v.resolution_type}; set validate.resolution too, or drop validate.resolution_type"
+        ]
     align, src = _alignment_source(cfg, fam)
     res = v.resolution if v.resolution is not None else b.resolution
     rtype = v.resolution_type or b.resolution_type
@@ -104,21 +136,26 @@ def _validate_resolution(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
 
 def _text_variants(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     t = cfg.text
-    augmenting = [f for f, on in (("text.shuffle_tags", t.shuffle_tags), ("text.tag_dropout", t.tag_dropout > 0))
-                  if on]
+    augmenting = [f for f, on in (("text.shuffle_tags", t.shuffle_tags), ("text.tag_dropout", t.tag_dropout > 0)) if on]
     if t.caption_variants == 1 and augmenting:
         # Variants are precomputed (cached, or encoded live from the same list), so one variant means the
         # augmentation could never be seen.
         verb = "need" if len(augmenting) > 1 else "needs"
-        return [f"{' and '.join(augmenting)} {verb} text.caption_variants > 1 (the number of shuffled/dropped "
-                f"variants cached per caption; text.enabled {str(t.enabled).lower()}); set "
-                f"text.caption_variants to e.g. 4, or turn {' and '.join(augmenting)} off"]
+        return [
+            f"{' and '.join(augmenting)} {verb} text.caption_variants > 1 (the number of shuffled/dropped "
+            f"variants cached per caption; text.enabled {str(t.enabled).lower()}); set "
+            f"text.caption_variants to e.g. 4, or turn {' and '.join(augmenting)} off"
+        ]
     if t.caption_variants > 1 and not augmenting:
-        return [f"text.caption_variants {t.caption_variants} without text.shuffle_tags or text.tag_dropout makes "
-                f"{t.caption_variants} identical variants; turn one on or set text.caption_variants to 1"]
+        return [
+            f"text.caption_variants {t.caption_variants} without text.shuffle_tags or text.tag_dropout makes "
+            f"{t.caption_variants} identical variants; turn one on or set text.caption_variants to 1"
+        ]
     if t.keep_tags and not augmenting:
-        return [f"text.keep_tags {t.keep_tags} has no effect without text.shuffle_tags or text.tag_dropout; "
-                f"set it to 0 or turn one of them on"]
+        return [
+            f"text.keep_tags {t.keep_tags} has no effect without text.shuffle_tags or text.tag_dropout; "
+            f"set it to 0 or turn one of them on"
+        ]
     return []
 
 
@@ -126,9 +163,11 @@ def _text_length(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     n = cfg.text.max_length
     if n is None or n <= fam.max_length_limit:
         return []
-    return [f"text.max_length {n} exceeds the {fam.max_length_limit} tokens the text encoder of model.family "
-            f"{fam.name} can embed; lower text.max_length or set it to null (the family's default, "
-            f"{fam.max_length})"]
+    return [
+        f"text.max_length {n} exceeds the {fam.max_length_limit} tokens the text encoder of model.family "
+        f"{fam.name} can embed; lower text.max_length or set it to null (the family's default, "
+        f"{fam.max_length})"
+    ]
 
 
 def _rendezvous(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
@@ -138,23 +177,31 @@ def _rendezvous(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     m = ENDPOINT.match(t.rdzv_endpoint)
     if m and 0 < int(m.group(2)) < 65536:
         return []
-    return [f"train.rdzv_endpoint {t.rdzv_endpoint!r} is not host:port (port 1-65535), which train.nodes "
-            f"{t.nodes} needs for the rendezvous every node joins; e.g. node0.cluster:29500"]
+    return [
+        f"train.rdzv_endpoint {t.rdzv_endpoint!r} is not host:port (port 1-65535), which train.nodes "
+        f"{t.nodes} needs for the rendezvous every node joins; e.g. node0.cluster:29500"
+    ]
 
 
 def _training_mode(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     t, problems = cfg.train, []
     if t.mixed_precision in ("bf16", "fp16") and cfg.model.device == "cpu":
         # The trainer refuses this too, but only after scan, latents and text have run.
-        problems.append(f"train.mixed_precision {t.mixed_precision} needs a CUDA device and model.device is cpu, "
-                        f"where training runs in float32; set train.mixed_precision to auto or no, or model.device "
-                        f"to cuda/auto")
+        problems.append(
+            f"train.mixed_precision {t.mixed_precision} needs a CUDA device and model.device is cpu, "
+            f"where training runs in float32; set train.mixed_precision to auto or no, or model.device "
+            f"to cuda/auto"
+        )
     if t.export_single_file and not fam.single_file_export:
-        problems.append(f"train.export_single_file: model.family {fam.name} has no single-file export (supported: "
-                        f"{SINGLE_FILE_FAMILIES}); set train.export_single_file false")
+        problems.append(
+            f"train.export_single_file: model.family {fam.name} has no single-file export (supported: "
+            f"{SINGLE_FILE_FAMILIES}); set train.export_single_file false"
+        )
     if t.lora_alpha is not None and t.mode != "lora":
-        problems.append(f"train.lora_alpha {t.lora_alpha:g} has no effect with train.mode {t.mode}; set "
-                        f"train.mode lora or train.lora_alpha null")
+        problems.append(
+            f"train.lora_alpha {t.lora_alpha:g} has no effect with train.mode {t.mode}; set "
+            f"train.mode lora or train.lora_alpha null"
+        )
     return problems
 
 
@@ -164,10 +211,13 @@ def _prompts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         return ["validate.prompts is empty: the validate stage would render nothing; give at least one prompt"]
     if not fam.negative_needs_guidance or v.guidance_scale > 1:
         return []
-    return [f"validate.prompts.{i}.negative_prompt is set but validate.guidance_scale {v.guidance_scale:g} <= 1 "
-            f"turns classifier-free guidance off, so model.family {fam.name} ignores the negative prompt; raise "
-            f"validate.guidance_scale above 1 or remove the negative prompt"
-            for i, p in enumerate(v.prompts) if p.negative_prompt]
+    return [
+        f"validate.prompts.{i}.negative_prompt is set but validate.guidance_scale {v.guidance_scale:g} <= 1 "
+        f"turns classifier-free guidance off, so model.family {fam.name} ignores the negative prompt; raise "
+        f"validate.guidance_scale above 1 or remove the negative prompt"
+        for i, p in enumerate(v.prompts)
+        if p.negative_prompt
+    ]
 
 
 def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
@@ -175,20 +225,28 @@ def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     t, out = cfg.train, []
     if fam.prediction == "flow_matching":
         if t.loss_weighting == "min_snr":
-            out.append(f"train.loss_weighting min_snr does not fit model.family {fam.name}, which trains by flow "
-                       f"matching (min-SNR weighting is defined for epsilon/v-prediction); use auto or none")
+            out.append(
+                f"train.loss_weighting min_snr does not fit model.family {fam.name}, which trains by flow "
+                f"matching (min-SNR weighting is defined for epsilon/v-prediction); use auto or none"
+            )
         if cfg.model.prediction_type != "auto":
-            out.append(f"model.prediction_type {cfg.model.prediction_type} does not fit model.family {fam.name} "
-                       f"(flow matching); use auto")
+            out.append(
+                f"model.prediction_type {cfg.model.prediction_type} does not fit model.family {fam.name} "
+                f"(flow matching); use auto"
+            )
     else:
         if t.timestep_sampling != "uniform":
-            out.append(f"train.timestep_sampling {t.timestep_sampling} is for flow-matching families "
-                       f"({FLOW_FAMILIES}); "
-                       f"model.family {fam.name} samples DDPM timesteps uniformly: use uniform")
+            out.append(
+                f"train.timestep_sampling {t.timestep_sampling} is for flow-matching families "
+                f"({FLOW_FAMILIES}); "
+                f"model.family {fam.name} samples DDPM timesteps uniformly: use uniform"
+            )
         if t.timestep_shift != "auto":
-            out.append(f"train.timestep_shift {t.timestep_shift} is for flow-matching families "
-                       f"({FLOW_FAMILIES}); "
-                       f"model.family {fam.name} has no shift: use auto")
+            out.append(
+                f"train.timestep_shift {t.timestep_shift} is for flow-matching families "
+                f"({FLOW_FAMILIES}); "
+                f"model.family {fam.name} has no shift: use auto"
+            )
     return out
 
 
@@ -198,11 +256,15 @@ def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         return []
     out = []
     if cfg.train.mode != "lora":
-        out.append(f"model.quantize {q} freezes the base in {q}, which only a LoRA can train on top of: set "
-                   f"train.mode lora or model.quantize null")
+        out.append(
+            f"model.quantize {q} freezes the base in {q}, which only a LoRA can train on top of: set "
+            f"train.mode lora or model.quantize null"
+        )
     if cfg.train.adapter != "lora":
-        out.append(f"train.adapter {cfg.train.adapter} cannot train on a model.quantize {q} base (peft applies only "
-                   f"a LoRA to quantized layers): set train.adapter lora or model.quantize null")
+        out.append(
+            f"train.adapter {cfg.train.adapter} cannot train on a model.quantize {q} base (peft applies only "
+            f"a LoRA to quantized layers): set train.adapter lora or model.quantize null"
+        )
     if q == "fp8" and cfg.model.device == "cpu":
         out.append("model.quantize fp8 needs a CUDA GPU with float8 support; with model.device cpu use int8 or null")
     return out
@@ -210,8 +272,10 @@ def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
 
 def _masks(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if cfg.train.masked_loss and cfg.dataset.masks is None:
-        return ["train.masked_loss is true but dataset.masks is null: set dataset.masks to alpha or a folder of "
-                "mask images, or set train.masked_loss false"]
+        return [
+            "train.masked_loss is true but dataset.masks is null: set dataset.masks to alpha or a folder of "
+            "mask images, or set train.masked_loss false"
+        ]
     return []
 
 
@@ -222,5 +286,16 @@ def _cpu_dtype(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
 
 
 RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
-    _alignment, _bucket_resolution, _validate_resolution, _text_variants, _text_length, _rendezvous, _training_mode,
-    _prompts, _objective, _masks, _quantize, _cpu_dtype)
+    _alignment,
+    _bucket_resolution,
+    _validate_resolution,
+    _text_variants,
+    _text_length,
+    _rendezvous,
+    _training_mode,
+    _prompts,
+    _objective,
+    _masks,
+    _quantize,
+    _cpu_dtype,
+)

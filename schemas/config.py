@@ -4,6 +4,7 @@ Every rule is a pydantic validator (on a section, or on PipelineConfig for rules
 schemas/checks.py), so `parse_config`, Prefect's UI form and `PipelineConfig.model_validate` refuse the same configs
 with the same message. A validated config is frozen: what was checked is what runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ class PipelineConfig(Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     buckets: BucketConfig = Field(default_factory=BucketConfig)
     latents: LatentsConfig = Field(default_factory=LatentsConfig)
-    caption: CaptionConfig = Field(default_factory=CaptionConfig, description="captions from a vision-language "
-                                   "model (the caption stage, on when caption.model is set)")
+    caption: CaptionConfig = Field(
+        default_factory=CaptionConfig,
+        description="captions from a vision-language model (the caption stage, on when caption.model is set)",
+    )
     text: TextConfig = Field(default_factory=TextConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
@@ -72,16 +75,20 @@ class PipelineConfig(Strict):
     def _cross_field(self) -> PipelineConfig:
         problems = checks.problems(self)
         if self.caption.enabled and self.dataset.empty_caption == "reject":
-            problems.append("caption.model is set but dataset.empty_caption is reject: the scan would reject the "
-                            "images without a caption before the caption stage sees them; set dataset.empty_caption "
-                            "to keep (or unset caption.model)")
+            problems.append(
+                "caption.model is set but dataset.empty_caption is reject: the scan would reject the "
+                "images without a caption before the caption stage sees them; set dataset.empty_caption "
+                "to keep (or unset caption.model)"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         size = len(json.dumps(self.dump()))
         if size > MAX_CONFIG_BYTES:
-            raise ValueError(f"the config is {size:,} bytes as JSON, over the {MAX_CONFIG_BYTES:,} Prefect accepts "
-                             f"as a flow run's parameters; {_largest_field(self.dump())} holds most of it: shorten "
-                             f"it")
+            raise ValueError(
+                f"the config is {size:,} bytes as JSON, over the {MAX_CONFIG_BYTES:,} Prefect accepts "
+                f"as a flow run's parameters; {_largest_field(self.dump())} holds most of it: shorten "
+                f"it"
+            )
         return self
 
     # Paths ---------------------------------------------------------------------------------------
@@ -155,9 +162,11 @@ def _check_overlap(cfg: PipelineConfig) -> None:
             where = "lies inside the workdir's outputs"
         else:
             continue
-        raise ConfigError(f"{src.field} {root} {where} (workdir {workdir}): the scan would read the pipeline's own "
-                          f"outputs as training images; put the images in a folder of their own, or set workdir "
-                          f"(or --workdir) to a folder outside {src.field}")
+        raise ConfigError(
+            f"{src.field} {root} {where} (workdir {workdir}): the scan would read the pipeline's own "
+            f"outputs as training images; put the images in a folder of their own, or set workdir "
+            f"(or --workdir) to a folder outside {src.field}"
+        )
 
 
 def _absolute(model: BaseModel, data: dict, workdir: Path) -> None:
@@ -176,8 +185,9 @@ def _absolute(model: BaseModel, data: dict, workdir: Path) -> None:
                     _absolute(item, item_data, workdir)
 
 
-def parse_config(data: dict, source: str = "<config>", workdir: str | None = None, *,
-                 resolve: bool = True) -> PipelineConfig:
+def parse_config(
+    data: dict, source: str = "<config>", workdir: str | None = None, *, resolve: bool = True
+) -> PipelineConfig:
     """Validate a config mapping (`workdir` overrides its workdir); with `resolve`, its paths made absolute."""
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping of sections")

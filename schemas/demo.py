@@ -1,4 +1,5 @@
 """The built-in demo: `tuneline run` without a config runs exactly this (and `config example` prints it)."""
+
 from __future__ import annotations
 
 # Colors are the demo's classes: the learning check asks whether "a <color> ..." samples land nearest
@@ -19,11 +20,22 @@ DEMO_CONFIG: dict = {
     # two minutes of training on 2 CPU cores (measured 1.0 at 1000 steps, 0.84 at 600): min-SNR weighting and noise
     # offset put the effort on the coarse, colour-carrying structure; training on the latent means keeps the
     # VAE's posterior noise out of the data.
-    "train": {"steps": 1000, "batch_size": 8, "processes": 2, "learning_rate": 1e-3, "loss_weighting": "auto",
-              "noise_offset": 0.1, "latent_sampling": "mean", "checkpoint_every": 500, "validate_every": 500},
+    "train": {
+        "steps": 1000,
+        "batch_size": 8,
+        "processes": 2,
+        "learning_rate": 1e-3,
+        "loss_weighting": "auto",
+        "noise_offset": 0.1,
+        "latent_sampling": "mean",
+        "checkpoint_every": 500,
+        "validate_every": 500,
+    },
     "validate": {
-        "prompts": [{"prompt": f"a {c} {s}", "negative_prompt": "", "seed": i}
-                    for i, (c, s) in enumerate(zip(DEMO_COLORS, DEMO_SHAPES * 2))],
+        "prompts": [
+            {"prompt": f"a {c} {s}", "negative_prompt": "", "seed": i}
+            for i, (c, s) in enumerate(zip(DEMO_COLORS, DEMO_SHAPES * 2))
+        ],
         "steps": 10,
         "learning_check": True,
         "check_seeds": 8,

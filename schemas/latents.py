@@ -1,4 +1,5 @@
 """Latent cache stage: config and manifest."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -9,19 +10,35 @@ from tuneline.schemas.base import MAX_BATCH, Manifest, Strict
 
 
 class LatentsConfig(Strict):
-    batch_size: int = Field(8, ge=1, le=MAX_BATCH, description="images per VAE forward (always within one bucket); does not "
-                            "change the cache, so it is not part of its version")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        le=MAX_BATCH,
+        description="images per VAE forward (always within one bucket); does not "
+        "change the cache, so it is not part of its version",
+    )
     dtype: Literal["float16", "float32"] = Field("float16", description="stored dtype (Zarr has no bfloat16)")
     flip: bool = Field(False, description="also cache the horizontally flipped variant of every image")
-    workers: int = Field(2, ge=1, le=1024, description="decode/resize worker threads overlapping the VAE; does not change "
-                         "the cache")
-    block_rows: int = Field(64, ge=1, le=4096, description="rows per block: the unit of writing, resuming and "
-                            "reading (one Zarr chunk per array); larger blocks read faster and cost more memory "
-                            "in the training reader")
-    shards: int = Field(1, ge=1, le=1024, description="processes that encode at once, each its own single process "
-                        "(its own GPU: CUDA_VISIBLE_DEVICES per shard, or a worker of ops.shard_pool), each owning "
-                        "a fixed part of the blocks to encode; the cache is byte-identical to a 1-shard build, so "
-                        "it is not part of its version")
+    workers: int = Field(
+        2, ge=1, le=1024, description="decode/resize worker threads overlapping the VAE; does not change the cache"
+    )
+    block_rows: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="rows per block: the unit of writing, resuming and "
+        "reading (one Zarr chunk per array); larger blocks read faster and cost more memory "
+        "in the training reader",
+    )
+    shards: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="processes that encode at once, each its own single process "
+        "(its own GPU: CUDA_VISIBLE_DEVICES per shard, or a worker of ops.shard_pool), each owning "
+        "a fixed part of the blocks to encode; the cache is byte-identical to a 1-shard build, so "
+        "it is not part of its version",
+    )
 
 
 class LatentBucket(BaseModel):
@@ -52,22 +69,29 @@ class LatentsManifest(Manifest):
     scaling_factor: float = Field(description="the denoiser sees (latent - shift_factor) * scaling_factor")
     shift_factor: float
     # Optional (older manifests have none): with them the denoiser sees ((latent - mean) / std - shift) * scaling.
-    latents_mean: list[float] | None = Field(None, description="per-channel mean the VAE's latents are normalised "
-                                             "with (e.g. Qwen-Image), null: none")
+    latents_mean: list[float] | None = Field(
+        None, description="per-channel mean the VAE's latents are normalised with (e.g. Qwen-Image), null: none"
+    )
     latents_std: list[float] | None = Field(None, description="per-channel std, with latents_mean")
     dtype: str = Field(description="stored dtype of mean and std")
     flip: bool = Field(description="flip_mean / flip_std arrays hold the horizontally flipped images")
     block_rows: int = Field(description="rows per block = per Zarr chunk")
-    size_policy: dict = Field(description="resolution, unit, alignment, aspect limits, upscale, crop that made "
-                              "the buckets (the scan recorded the resulting sizes and crops)")
+    size_policy: dict = Field(
+        description="resolution, unit, alignment, aspect limits, upscale, crop that made "
+        "the buckets (the scan recorded the resulting sizes and crops)"
+    )
     store: str = "latents.zarr"
     buckets: list[LatentBucket]
     count: int
     rejected: int = 0
     encoded: int = Field(0, description="images run through the VAE by this build")
-    reused: int = Field(0, description="rows copied from the previous version (same image bytes, bucket, crop, "
-                        "VAE identity, dtypes)")
+    reused: int = Field(
+        0, description="rows copied from the previous version (same image bytes, bucket, crop, VAE identity, dtypes)"
+    )
     resumed: int = Field(0, description="rows kept from finished blocks of an interrupted build")
-    masked: int = Field(0, description="rows with a loss mask; when > 0, masks/<bucket>.npy holds every row's mask "
-                        "at the latent grid (dataset.masks)")
+    masked: int = Field(
+        0,
+        description="rows with a loss mask; when > 0, masks/<bucket>.npy holds every row's mask "
+        "at the latent grid (dataset.masks)",
+    )
     shards: list[ShardReport] | None = Field(None, description="per shard of a sharded build (latents.shards > 1)")

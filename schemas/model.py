@@ -1,4 +1,5 @@
 """Model selection, shared by every stage that loads weights."""
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -19,45 +20,61 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnu
 class ModelConfig(Strict):
     family: FamilyName = DEFAULT_FAMILY
     path: Annotated[str | None, ConfigPath()] = Field(
-        None, description="local diffusers folder or single checkpoint file (relative: against the workdir); null = "
-                          "the family's built-in tiny random-init flavor")
+        None,
+        description="local diffusers folder or single checkpoint file (relative: against the workdir); null = "
+        "the family's built-in tiny random-init flavor",
+    )
     config: Annotated[str | None, ConfigPath(keywords=tuple(SHIPPED_CONFIGS))] = Field(
-        None, description="with model.path a single checkpoint file: a shipped config ("
-                          + ", ".join(f"{n} = {FAMILY_FACTS[n].shipped_config}" for n in SHIPPED_CONFIGS)
-                          + ": configs and tokenizers, no weights) or a local diffusers folder of the same model "
-                          "(./name for a folder so named) whose configs and tokenizers describe the file's model, "
-                          "so the file loads offline; components the file lacks (the VAE and text encoders of a "
-                          "transformer-only file) are loaded from that folder's weights; null = the family's "
-                          "shipped config when the file's shapes fit it")
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights dtype for frozen parts "
-                                                             "(fp8 is not supported: see FP8_DTYPES)")
+        None,
+        description="with model.path a single checkpoint file: a shipped config ("
+        + ", ".join(f"{n} = {FAMILY_FACTS[n].shipped_config}" for n in SHIPPED_CONFIGS)
+        + ": configs and tokenizers, no weights) or a local diffusers folder of the same model "
+        "(./name for a folder so named) whose configs and tokenizers describe the file's model, "
+        "so the file loads offline; components the file lacks (the VAE and text encoders of a "
+        "transformer-only file) are loaded from that folder's weights; null = the family's "
+        "shipped config when the file's shapes fit it",
+    )
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="weights dtype for frozen parts (fp8 is not supported: see FP8_DTYPES)"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
-        "auto", description="what an epsilon/v family's denoiser predicts; auto = the model's scheduler config "
-                            "(set v_prediction for a v-prediction checkpoint whose config says otherwise)")
-    quantize: Literal["int8", "fp8"] | None = Field(None, description="quantize the frozen denoiser's linear "
-                                                    "layers (torchao) under a LoRA; only with train.mode lora; "
-                                                    "fp8 needs a CUDA GPU with float8 support")
+        "auto",
+        description="what an epsilon/v family's denoiser predicts; auto = the model's scheduler config "
+        "(set v_prediction for a v-prediction checkpoint whose config says otherwise)",
+    )
+    quantize: Literal["int8", "fp8"] | None = Field(
+        None,
+        description="quantize the frozen denoiser's linear "
+        "layers (torchao) under a LoRA; only with train.mode lora; "
+        "fp8 needs a CUDA GPU with float8 support",
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod
     def _no_fp8(cls, v: object) -> object:
         if isinstance(v, str) and v.lower() in FP8_DTYPES:
-            raise ValueError(f"{v} weights cannot be used: torch has no float8 kernels for conv2d, layer/group "
-                             f"norm and softmax, which the VAE, text encoders and denoiser of every family need "
-                             f"(training and encoding would stop with 'not implemented for Float8'); use "
-                             f"bfloat16 on a GPU (half the memory of float32) or float32; to keep a LoRA's frozen base in 8 bits "
-                             f"use model.quantize (int8, or fp8 on a float8 GPU)")
+            raise ValueError(
+                f"{v} weights cannot be used: torch has no float8 kernels for conv2d, layer/group "
+                f"norm and softmax, which the VAE, text encoders and denoiser of every family need "
+                f"(training and encoding would stop with 'not implemented for Float8'); use "
+                f"bfloat16 on a GPU (half the memory of float32) or float32; to keep a LoRA's frozen base in 8 bits "
+                f"use model.quantize (int8, or fp8 on a float8 GPU)"
+            )
         return v
 
     @model_validator(mode="after")
     def _config_needs_a_file(self) -> ModelConfig:
         if self.config is not None and self.path is None:
-            raise ValueError("model.config describes a single checkpoint file given as model.path; with model.path "
-                             "null (the tiny flavor) set model.config null")
+            raise ValueError(
+                "model.config describes a single checkpoint file given as model.path; with model.path "
+                "null (the tiny flavor) set model.config null"
+            )
         shipped_family = SHIPPED_CONFIGS.get(self.config or "")
         if shipped_family is not None and shipped_family != self.family:
-            raise ValueError(f"model.config: {self.config} is the shipped {shipped_family} config but model.family is "
-                             f"{self.family}; set model.family {shipped_family}, or set model.config to a "
-                             f"{self.family} config")
+            raise ValueError(
+                f"model.config: {self.config} is the shipped {shipped_family} config but model.family is "
+                f"{self.family}; set model.family {shipped_family}, or set model.config to a "
+                f"{self.family} config"
+            )
         return self

@@ -1,4 +1,5 @@
 """Scan stage: dataset + bucketing config, per-image records, the scan manifest."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,14 +18,17 @@ Channel = Annotated[int, Field(ge=0, le=255)]
 class SourceConfig(Strict):
     """One folder of a dataset made of several (dataset.sources)."""
 
-    path: Annotated[str, ConfigPath()] = Field(description="folder of images (+ captions); relative paths resolve "
-                                               "against the workdir")
+    path: Annotated[str, ConfigPath()] = Field(
+        description="folder of images (+ captions); relative paths resolve against the workdir"
+    )
     repeats: int = Field(1, ge=1, description="times each image is seen per epoch")
-    role: Literal["train", "regularization"] = Field("train", description="regularization: prior-preservation "
-                                                     "images (class images), trained with loss_weight")
+    role: Literal["train", "regularization"] = Field(
+        "train", description="regularization: prior-preservation images (class images), trained with loss_weight"
+    )
     loss_weight: float = Field(1.0, gt=0, description="multiplies the loss of this source's samples")
-    caption_extension: str | None = Field(None, description="sidecar caption extension of this folder; null = "
-                                          "dataset.caption_extension")
+    caption_extension: str | None = Field(
+        None, description="sidecar caption extension of this folder; null = dataset.caption_extension"
+    )
 
     @field_validator("caption_extension")
     @classmethod
@@ -36,48 +40,75 @@ class SourceConfig(Strict):
 
 class DatasetConfig(Strict):
     path: Annotated[str | None, ConfigPath()] = Field(
-        "demo-data", description="folder of images (+ captions); relative paths resolve against the workdir. "
-                                 "null when dataset.sources lists the folders")
+        "demo-data",
+        description="folder of images (+ captions); relative paths resolve against the workdir. "
+        "null when dataset.sources lists the folders",
+    )
     sources: list[SourceConfig] | None = Field(
-        None, min_length=1, description="several folders, each with its repeats, role (train | regularization), "
-                                        "loss_weight and caption_extension; dataset.path must then be null")
+        None,
+        min_length=1,
+        description="several folders, each with its repeats, role (train | regularization), "
+        "loss_weight and caption_extension; dataset.path must then be null",
+    )
     demo: bool = Field(False, description="write the demo's generated dataset to `path` first")
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True
-    extensions: list[str] = Field(list(IMAGE_EXTENSIONS), min_length=1,
-                                  description="image file extensions scanned (case-insensitive)")
-    metadata_file: str = Field("metadata.jsonl", description="HF imagefolder captions: one JSON object per line "
-                               "with `file_name` (relative to the metadata file's folder) and a caption field")
-    metadata_caption_field: str | None = Field(None, description="caption field in metadata_file; null = the first "
-                                               "of text, caption, prompt present")
+    extensions: list[str] = Field(
+        list(IMAGE_EXTENSIONS), min_length=1, description="image file extensions scanned (case-insensitive)"
+    )
+    metadata_file: str = Field(
+        "metadata.jsonl",
+        description="HF imagefolder captions: one JSON object per line "
+        "with `file_name` (relative to the metadata file's folder) and a caption field",
+    )
+    metadata_caption_field: str | None = Field(
+        None, description="caption field in metadata_file; null = the first of text, caption, prompt present"
+    )
     empty_caption: Literal["keep", "reject", "filename"] = Field(
-        "keep", description="missing/empty caption: keep it empty (unconditional sample), reject the image, "
-                            "or caption it from its file name")
+        "keep",
+        description="missing/empty caption: keep it empty (unconditional sample), reject the image, "
+        "or caption it from its file name",
+    )
     background: tuple[Channel, Channel, Channel] = Field(
-        (255, 255, 255), strict=False, description="RGB (0-255) that transparent pixels are composited on")
-    max_image_pixels: int = Field(89_478_485, ge=1, le=PIL_BOMB_LIMIT,
-                                  description="decompression-bomb guard: larger images are rejected unread")
-    duplicates: Literal["keep", "reject"] = Field("keep", description="images with identical content are always "
-                                                  "reported; `reject` keeps only the first path of each group")
+        (255, 255, 255), strict=False, description="RGB (0-255) that transparent pixels are composited on"
+    )
+    max_image_pixels: int = Field(
+        89_478_485, ge=1, le=PIL_BOMB_LIMIT, description="decompression-bomb guard: larger images are rejected unread"
+    )
+    duplicates: Literal["keep", "reject"] = Field(
+        "keep",
+        description="images with identical content are always "
+        "reported; `reject` keeps only the first path of each group",
+    )
     masks: Annotated[str | None, ConfigPath(keywords=("alpha",))] = Field(
-        None, description="loss masks (train.masked_loss): `alpha` = each image's alpha channel, or a folder of "
-                          "mask images matched by file stem (white = train, black = ignore; same size as the "
-                          "image; relative: against the workdir); images without one weigh fully. null = none")
+        None,
+        description="loss masks (train.masked_loss): `alpha` = each image's alpha channel, or a folder of "
+        "mask images matched by file stem (white = train, black = ignore; same size as the "
+        "image; relative: against the workdir); images without one weigh fully. null = none",
+    )
 
     @model_validator(mode="after")
     def _one_dataset(self) -> DatasetConfig:
         if self.sources is not None and self.path is not None:
-            raise ValueError(f"dataset.path ({self.path}) and dataset.sources are exclusive: set dataset.path to "
-                             f"null to train on the sources, or remove dataset.sources")
+            raise ValueError(
+                f"dataset.path ({self.path}) and dataset.sources are exclusive: set dataset.path to "
+                f"null to train on the sources, or remove dataset.sources"
+            )
         if self.sources is None and self.path is None:
-            raise ValueError("dataset.path is null and dataset.sources is not set: give a folder in dataset.path "
-                             "or a list in dataset.sources")
+            raise ValueError(
+                "dataset.path is null and dataset.sources is not set: give a folder in dataset.path "
+                "or a list in dataset.sources"
+            )
         if self.sources is not None and not any(s.role == "train" for s in self.sources):
-            raise ValueError("dataset.sources has no source with role train: regularization images only "
-                             "preserve a prior, something must be trained")
+            raise ValueError(
+                "dataset.sources has no source with role train: regularization images only "
+                "preserve a prior, something must be trained"
+            )
         if self.demo and self.path is None:
-            raise ValueError("dataset.demo writes the demo dataset to dataset.path: set dataset.path, or "
-                             "dataset.demo false with dataset.sources")
+            raise ValueError(
+                "dataset.demo writes the demo dataset to dataset.path: set dataset.path, or "
+                "dataset.demo false with dataset.sources"
+            )
         return self
 
     @field_validator("masks")
@@ -104,11 +135,19 @@ class DatasetConfig(Strict):
 
 
 class BucketConfig(Strict):
-    resolution: float = Field(64, gt=0, description="pixel: shorter edge in px; area: megapixels (1.0 = 1024x1024); "
-                              "pixel_area: edge whose square is the target area")
+    resolution: float = Field(
+        64,
+        gt=0,
+        description="pixel: shorter edge in px; area: megapixels (1.0 = 1024x1024); "
+        "pixel_area: edge whose square is the target area",
+    )
     resolution_type: Literal["pixel", "area", "pixel_area"] = "pixel"
-    alignment: int | None = Field(None, ge=1, description="bucket edges are multiples of this; null = the family's "
-                                  "requirement (VAE factor x patch size). Must be a multiple of it.")
+    alignment: int | None = Field(
+        None,
+        ge=1,
+        description="bucket edges are multiples of this; null = the family's "
+        "requirement (VAE factor x patch size). Must be a multiple of it.",
+    )
     min_aspect: float = Field(0.25, gt=0, description="width/height below this is clamped (cropped)")
     max_aspect: float = Field(4.0, gt=0, description="width/height above this is clamped (cropped)")
     upscale: bool = Field(True, description="allow images smaller than the target to be upscaled to it")
@@ -116,23 +155,31 @@ class BucketConfig(Strict):
     crop: Literal["center", "random", "corner"] = "center"
     seed: Seed = 0
     small_bucket: Literal["repeat", "drop"] = Field(
-        "repeat", description="a bucket with fewer images than one global batch (train.batch_size x "
-                              "train.processes x gradient accumulation): repeat its images to fill a batch, or drop "
-                              "it (its images are listed in rejected.jsonl)")
+        "repeat",
+        description="a bucket with fewer images than one global batch (train.batch_size x "
+        "train.processes x gradient accumulation): repeat its images to fill a batch, or drop "
+        "it (its images are listed in rejected.jsonl)",
+    )
 
-    resolutions: list[float] | None = Field(None, min_length=1, description="multi-resolution training: every "
-                                            "image is bucketed and cached at each of these (same unit as "
-                                            "`resolution`, which must be among them); null = `resolution` only")
+    resolutions: list[float] | None = Field(
+        None,
+        min_length=1,
+        description="multi-resolution training: every "
+        "image is bucketed and cached at each of these (same unit as "
+        "`resolution`, which must be among them); null = `resolution` only",
+    )
 
     @model_validator(mode="after")
     def _aspects(self) -> BucketConfig:
         if self.min_aspect > self.max_aspect:
-            raise ValueError(f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect "
-                             f"({self.max_aspect})")
+            raise ValueError(
+                f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect ({self.max_aspect})"
+            )
         if self.resolutions is not None:
             if self.resolution not in self.resolutions:
-                raise ValueError(f"buckets.resolutions {self.resolutions} must include buckets.resolution "
-                                 f"{self.resolution}")
+                raise ValueError(
+                    f"buckets.resolutions {self.resolutions} must include buckets.resolution {self.resolution}"
+                )
             if any(r <= 0 for r in self.resolutions) or len(set(self.resolutions)) != len(self.resolutions):
                 raise ValueError(f"buckets.resolutions {self.resolutions} must be distinct and > 0")
         return self
@@ -153,8 +200,10 @@ class ImageRecord(BaseModel):
     height: int
     bucket_width: int
     bucket_height: int
-    crop: tuple[int, int, int, int] = Field(description="left, top, right, bottom in oriented original pixels; "
-                                            "this region is resized to the bucket (SDXL crop conditioning)")
+    crop: tuple[int, int, int, int] = Field(
+        description="left, top, right, bottom in oriented original pixels; "
+        "this region is resized to the bucket (SDXL crop conditioning)"
+    )
     caption: str
     caption_source: Literal["sidecar", "metadata", "filename", "none"] = "none"
     sha256: str
@@ -165,16 +214,26 @@ class ImageRecord(BaseModel):
     orientation: int = Field(1, ge=1, le=8, description="EXIF orientation applied (1 = none)")
     conversion: str = Field("", description="how the file's mode becomes RGB, empty when it already is")
     background: tuple[int, int, int] | None = Field(None, description="RGB transparent pixels are composited on")
-    trailer: int = Field(0, ge=0, description="bytes after the image's end marker (a phone's Motion Photo video, "
-                         "an editor's appended data): kept in the file, never decoded; 0 when none")
-    resolution: float | None = Field(None, description="the buckets.resolutions entry this record is sized for "
-                                     "(one record per image and resolution); null without buckets.resolutions")
+    trailer: int = Field(
+        0,
+        ge=0,
+        description="bytes after the image's end marker (a phone's Motion Photo video, "
+        "an editor's appended data): kept in the file, never decoded; 0 when none",
+    )
+    resolution: float | None = Field(
+        None,
+        description="the buckets.resolutions entry this record is sized for "
+        "(one record per image and resolution); null without buckets.resolutions",
+    )
     mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")
     mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
     mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
-    source: int | None = Field(None, description="with dataset.sources or train.eval.path: the index of the "
-                               "folder `path` is relative to (dataset.sources in order, then train.eval.path); "
-                               "null for a plain dataset.path")
+    source: int | None = Field(
+        None,
+        description="with dataset.sources or train.eval.path: the index of the "
+        "folder `path` is relative to (dataset.sources in order, then train.eval.path); "
+        "null for a plain dataset.path",
+    )
 
     @property
     def ref(self) -> str:
@@ -217,8 +276,10 @@ class ScanManifest(Manifest):
     rejected_by_kind: dict[str, int] = Field(default_factory=dict)
     conversions: dict[str, int] = Field(default_factory=dict, description="mode conversion -> image count")
     reopened: int = Field(0, description="image files read in this build (the rest reused the previous scan)")
-    sources: list[SourceRow] = Field(default_factory=list, description="with dataset.sources or train.eval.path: "
-                                     "each folder by record `source` index")
+    sources: list[SourceRow] = Field(
+        default_factory=list,
+        description="with dataset.sources or train.eval.path: each folder by record `source` index",
+    )
 
     def roots(self) -> dict[int | None, Path]:
         """record.source -> the folder its path is relative to."""

@@ -1,5 +1,6 @@
 """The folders a dataset is made of, as every stage sees them: `dataset.path` alone, or `dataset.sources`, plus
 `train.eval.path` as a held-out source. Records name their folder by index (ImageRecord.source)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,18 @@ def dataset_sources(cfg) -> list[Source]:
     if d.sources is None:
         out = [Source(0, cfg.resolve(d.path), "train", d.caption_extension, "dataset.path")]
     else:
-        out = [Source(i, cfg.resolve(s.path), s.role, s.caption_extension or d.caption_extension,
-                      f"dataset.sources[{i}].path", s.repeats, s.loss_weight) for i, s in enumerate(d.sources)]
+        out = [
+            Source(
+                i,
+                cfg.resolve(s.path),
+                s.role,
+                s.caption_extension or d.caption_extension,
+                f"dataset.sources[{i}].path",
+                s.repeats,
+                s.loss_weight,
+            )
+            for i, s in enumerate(d.sources)
+        ]
     if eval_path is not None:
         out.append(Source(len(out), cfg.resolve(eval_path), "eval", d.caption_extension, "train.eval.path"))
     return out

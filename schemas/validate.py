@@ -1,4 +1,5 @@
 """Validation stage: prompts, rendering settings, manifest."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -15,18 +16,23 @@ class ValidationPrompt(Strict):
 
 
 class ValidateConfig(Strict):
-    prompts: list[ValidationPrompt] = Field(default_factory=lambda: [ValidationPrompt(prompt="a photo")],
-                                            min_length=1)
+    prompts: list[ValidationPrompt] = Field(default_factory=lambda: [ValidationPrompt(prompt="a photo")], min_length=1)
     resolution: float | None = Field(None, gt=0, description="null = buckets.resolution")
     resolution_type: Literal["pixel", "area", "pixel_area"] | None = Field(None, description="null = buckets'")
     aspect: float = Field(1.0, ge=1 / 16, le=16, description="width/height of rendered images")
     steps: int = Field(20, ge=1, description="sampler steps")
     guidance_scale: float = Field(4.0, ge=0)
-    learning_check: bool = Field(False, description="demo only: measure class separation in latent space and "
-                                 "whether renders show the prompted color")
+    learning_check: bool = Field(
+        False,
+        description="demo only: measure class separation in latent space and whether renders show the prompted color",
+    )
     check_seeds: int = Field(4, ge=1, description="seeds per class for the learning check")
-    check_steps: int = Field(10, ge=1, description="sampler steps for the learning check (it compares latent "
-                             "channel means, which settle in fewer steps than a picture)")
+    check_steps: int = Field(
+        10,
+        ge=1,
+        description="sampler steps for the learning check (it compares latent "
+        "channel means, which settle in fewer steps than a picture)",
+    )
 
 
 class RenderedImage(BaseModel):

@@ -7,6 +7,7 @@ PyYAML's safe_load alone lets three things through that only fail (or silently d
 - `.inf` / `.nan` inside free-form mappings (ops.remote_options) that no typed field refuses.
 Each is refused here naming the key path and line.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except TypeError:
                 continue  # SafeLoader's own error for an unhashable key follows
             if key in seen:
-                raise YamlProblem(f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
-                                  f"{key_node.start_mark.line + 1}); YAML would silently keep only the last: "
-                                  f"merge them into one")
+                raise YamlProblem(
+                    f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); YAML would silently keep only the last: "
+                    f"merge them into one"
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -96,8 +99,10 @@ def load_yaml(text: str):
             return None
         memo: dict[int, int] = {}
         if _expanded_sizes(node, memo) > MAX_NODES:
-            raise YamlProblem(f"{_largest_path(node, memo)}: its aliases expand to more than {MAX_NODES:,} values "
-                              f"(an alias bomb, or a config far larger than any real one); write the values out")
+            raise YamlProblem(
+                f"{_largest_path(node, memo)}: its aliases expand to more than {MAX_NODES:,} values "
+                f"(an alias bomb, or a config far larger than any real one); write the values out"
+            )
         data = loader.construct_document(node)
     except RecursionError:
         raise YamlProblem("nested deeper than Python can read; a config is a few levels deep") from None

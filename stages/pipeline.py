@@ -1,4 +1,5 @@
 """The stages in pipeline order."""
+
 from __future__ import annotations
 
 from tuneline.stages.caption import STAGE as CAPTION

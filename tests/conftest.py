@@ -1,4 +1,5 @@
 """Shared test setup: Prefect state in temp dirs, repo root importable."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Helpers shared by tests: run the CLI as users do."""
+
 from __future__ import annotations
 
 import os
@@ -13,27 +14,40 @@ STAGES = ["scan", "latents", "text", "train", "validate"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tuneline(*args: str, timeout: int = 1200, env: dict | None = None, cwd: Path | None = None
-             ) -> subprocess.CompletedProcess:
+def tuneline(
+    *args: str, timeout: int = 1200, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`tuneline ARGS` in a subprocess (same interpreter), capturing stdout and stderr separately; from `cwd`
     (default: the repository root) with this checkout importable, as an installed tuneline would be."""
     full_env = dict(os.environ) | (env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "tuneline.flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd or ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tuneline.flows.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd or ROOT,
+    )
 
 
 def prefect_cli(*args: str, env: dict, timeout: int = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Prefect's own CLI, as users run it against the same server."""
-    return subprocess.run([sys.executable, "-m", "prefect", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ) | env | {"COLUMNS": "250"}, cwd=cwd or ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ) | env | {"COLUMNS": "250"},
+        cwd=cwd or ROOT,
+    )
 
 
 def readme_commands() -> tuple[str, str]:
     """The README quick start's two set-up commands (demo, tests), exactly as written."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    quick = text[text.index("## Quick start"):]
-    quick = quick[:quick.index("\n## ", 3)]
+    quick = text[text.index("## Quick start") :]
+    quick = quick[: quick.index("\n## ", 3)]
     blocks = [b.split("\n", 1)[1].strip() for b in quick.split("```")[1::2]]
     assert len(blocks) == 2, f"the quick start should hold exactly two commands, found {blocks}"
     return blocks[0], blocks[1]
@@ -42,8 +56,16 @@ def readme_commands() -> tuple[str, str]:
 def fresh_clone(dest: Path) -> Path:
     """What `git clone` of this checkout gives (every tracked file, plus untracked ones git does not ignore, as
     they are now), without the build outputs and caches a working checkout accumulates."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = ROOT / rel
         if src.is_file():
@@ -68,5 +90,6 @@ def run_readme_command(command: str, clone: Path, timeout: int = 1800) -> subpro
     if not venv.exists():
         venv.symlink_to(Path(sys.prefix), target_is_directory=True)
     env = dict(os.environ) | {"PYTHONPATH": str(clone)}
-    return subprocess.run(["bash", "-c", " && ".join(kept)], cwd=clone, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        ["bash", "-c", " && ".join(kept)], cwd=clone, capture_output=True, text=True, timeout=timeout, env=env
+    )

@@ -20,6 +20,7 @@ the decoder tolerates the imperfect latents a briefly trained denoiser produces.
 log-variance is pinned to POSTERIOR_LOGVAR (near-deterministic, like a trained SD VAE) and the scaling factor that
 gives the demo's latent means unit std is measured and stored in the file's metadata.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,8 +121,15 @@ def train(steps: int, batch_size: int, lr: float, log_every: int) -> tuple[torch
         mse = torch.nn.functional.mse_loss(vae.decode(mean).sample, x).item()
     # Scaling factor as SD defines it: 1 / std of the latents; rounded so facts and file can agree exactly.
     scale = round(1.0 / mean.std().item(), 4)
-    info = {"scaling_factor": scale, "demo_mse": round(mse, 6), "steps": steps, "batch_size": batch_size,
-            "lr": lr, "seed": SEED, "torch": torch.__version__}
+    info = {
+        "scaling_factor": scale,
+        "demo_mse": round(mse, 6),
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": SEED,
+        "torch": torch.__version__,
+    }
     # Printed, not stored: the file must not depend on how long the run took.
     print(f"trained in {time.monotonic() - start:.0f}s", flush=True)
     return vae, info

@@ -6,6 +6,7 @@ an upstream (its fingerprint is in their keys) and take captions from it instead
 dataset folder is never written. A model caption is reused from the previous version when the image's content, the
 model (by content), the prompt and the decoding settings are the same, so an added image is the only one captioned.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,9 +31,15 @@ def _config(cfg) -> dict:
     # The folder's path is not keyed (the model's content is, in the inputs); batch size and device only change
     # how fast captions come.
     c = cfg.caption
-    return {"caption": {"policy": c.policy, "trigger": c.trigger, "tiny": c.model if c.model.startswith("tiny")
-                        else None, **generation_settings(cfg)},
-            "dataset": {"empty_caption": cfg.dataset.empty_caption}}
+    return {
+        "caption": {
+            "policy": c.policy,
+            "trigger": c.trigger,
+            "tiny": c.model if c.model.startswith("tiny") else None,
+            **generation_settings(cfg),
+        },
+        "dataset": {"empty_caption": cfg.dataset.empty_caption},
+    }
 
 
 def _inputs(ctx, upstream) -> dict:
@@ -64,5 +71,13 @@ def upstream_captions(ctx, upstream: dict) -> dict[str, str] | None:
     return captions_by_ref(ctx.store.version_dir("caption", m.fingerprint))
 
 
-STAGE = StageDef(name="caption", upstream=("scan",), code_version=CODE_VERSION, manifest_cls=CaptionManifest,
-                 config=_config, inputs=_inputs, build=_build, enabled=lambda cfg: cfg.caption.enabled)
+STAGE = StageDef(
+    name="caption",
+    upstream=("scan",),
+    code_version=CODE_VERSION,
+    manifest_cls=CaptionManifest,
+    config=_config,
+    inputs=_inputs,
+    build=_build,
+    enabled=lambda cfg: cfg.caption.enabled,
+)

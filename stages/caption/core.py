@@ -6,6 +6,7 @@ Kill safety: generated captions are appended to `generated.jsonl` in the work-in
 a killed build publishes nothing (the stage runner publishes only a finished build) and its rerun continues from
 what that file holds.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ GENERATED = "generated.jsonl"  # in the work folder only: {sha256, key, caption}
 @dataclass
 class Item:
     record: ImageRecord
-    user: str          # the user's caption ("" when none)
+    user: str  # the user's caption ("" when none)
     needs_model: bool
 
 
@@ -48,8 +49,11 @@ def plan(records: list[ImageRecord], cfg, roots: dict) -> list[Item]:
             continue
         seen.add(rec.ref)
         sidecar = Path(os.path.splitext(rec.path)[0] + ext.get(rec.source, cfg.dataset.caption_extension))
-        kept_empty = cfg.dataset.empty_caption == "keep" and rec.caption_source == "none" and \
-            safe_join(roots[rec.source], sidecar.as_posix()).is_file()
+        kept_empty = (
+            cfg.dataset.empty_caption == "keep"
+            and rec.caption_source == "none"
+            and safe_join(roots[rec.source], sidecar.as_posix()).is_file()
+        )
         user, given = user_caption(rec, kept_empty)
         items.append(Item(rec, user, needs_model=policy != "missing" or not given))
     return items
@@ -126,21 +130,45 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     for it in items:
         model_caption = captions.get(it.record.sha256) if it.needs_model else None
         caption, source = combine(it, model_caption, cfg)
-        rows.append({"ref": it.record.ref, "path": it.record.path, "sha256": it.record.sha256, "caption": caption,
-                     "source": source, "user_caption": it.user, "model_caption": model_caption,
-                     "generated_by": key if it.needs_model else None})
+        rows.append(
+            {
+                "ref": it.record.ref,
+                "path": it.record.path,
+                "sha256": it.record.sha256,
+                "caption": caption,
+                "source": source,
+                "user_caption": it.user,
+                "model_caption": model_caption,
+                "generated_by": key if it.needs_model else None,
+            }
+        )
     write_jsonl(work / CAPTIONS, rows)
     (work / GENERATED).unlink(missing_ok=True)
     wanted = {it.record.sha256 for it in items if it.needs_model}
     reused, resumed_now = wanted & set(previous), (wanted & set(resumed)) - set(previous)
-    ctx.log.info("caption: %d images, %d captioned now, %d resumed, %d reused, %d kept the user's caption",
-                 len(items), len(todo), len(resumed_now), len(reused), sum(not it.needs_model for it in items))
-    return {"model": cfg.caption.model, "model_identity": identity, "architecture": arch, "prompt": cfg.caption.prompt,
-            "trigger": cfg.caption.trigger, "policy": cfg.caption.policy, "decoding": cfg.caption.decoding(),
-            "images": len(items), "captioned": len(todo) + len(resumed_now), "reused": len(reused),
-            "resumed": len(resumed_now),
-            "user": sum(r["source"] == "user" for r in rows),
-            "seconds": round(time.monotonic() - started, 3)}
+    ctx.log.info(
+        "caption: %d images, %d captioned now, %d resumed, %d reused, %d kept the user's caption",
+        len(items),
+        len(todo),
+        len(resumed_now),
+        len(reused),
+        sum(not it.needs_model for it in items),
+    )
+    return {
+        "model": cfg.caption.model,
+        "model_identity": identity,
+        "architecture": arch,
+        "prompt": cfg.caption.prompt,
+        "trigger": cfg.caption.trigger,
+        "policy": cfg.caption.policy,
+        "decoding": cfg.caption.decoding(),
+        "images": len(items),
+        "captioned": len(todo) + len(resumed_now),
+        "reused": len(reused),
+        "resumed": len(resumed_now),
+        "user": sum(r["source"] == "user" for r in rows),
+        "seconds": round(time.monotonic() - started, 3),
+    }
 
 
 def generate_missing(ctx, work: Path, todo: list[Item], roots: dict, key: str, captions: dict[str, str]) -> str:
@@ -155,9 +183,11 @@ def generate_missing(ctx, work: Path, todo: list[Item], roots: dict, key: str, c
     bs, done = cfg.batch_size, 0
     with open(work / GENERATED, "a", encoding="utf-8") as log:
         for start in range(0, len(todo), bs):
-            batch = todo[start:start + bs]
-            images = [shrink(load_rgb(safe_join(roots[it.record.source], it.record.path), it.record), cfg.image_size)
-                      for it in batch]
+            batch = todo[start : start + bs]
+            images = [
+                shrink(load_rgb(safe_join(roots[it.record.source], it.record.path), it.record), cfg.image_size)
+                for it in batch
+            ]
             texts = captioner.generate(captioner.inputs(images), cfg.decoding(), cfg.seed + start)
             for it, text in zip(batch, texts):
                 captions[it.record.sha256] = text

@@ -1,5 +1,6 @@
 """Reading a published caption artifact for people: `.txt` sidecars to review and edit, a printed sample, and
 the sample rows the Prefect run shows. Nothing here writes into a dataset folder."""
+
 from __future__ import annotations
 
 import posixpath
@@ -20,7 +21,7 @@ def editable_text(row: dict, trigger: str) -> str:
     """The caption without the trigger the stage prepends (the trigger is added again on the next run)."""
     text = row["caption"]
     if trigger and text.startswith(trigger):
-        text = text[len(trigger):].removeprefix(",").strip()
+        text = text[len(trigger) :].removeprefix(",").strip()
     return text
 
 
@@ -32,8 +33,10 @@ def export(cfg, src: Path, to: Path | None = None) -> tuple[Path, int]:
     for s in dataset_sources(cfg):
         root = s.root.expanduser().resolve()
         if out == root or out.is_relative_to(root):
-            raise ArtifactError(f"--to {out} is inside the dataset folder {root}: captions are never written into "
-                                f"the dataset; export elsewhere and copy back the files you edited")
+            raise ArtifactError(
+                f"--to {out} is inside the dataset folder {root}: captions are never written into "
+                f"the dataset; export elsewhere and copy back the files you edited"
+            )
     ext = {s.index: s.caption_extension or cfg.dataset.caption_extension for s in dataset_sources(cfg)}
     n = 0
     for r in rows(src):
@@ -69,6 +72,8 @@ def image_paths(store, caption_manifest, picked: list[dict]) -> list[Path | None
 
 def show_lines(caption_dir: Path, count: int = 8) -> list[str]:
     rs = rows(caption_dir)
-    head = (f"{len(rs)} images: {sum(r['source'] == 'model' for r in rs)} model captions, "
-            f"{sum(r['source'] == 'user' for r in rs)} user captions ({caption_dir})")
+    head = (
+        f"{len(rs)} images: {sum(r['source'] == 'model' for r in rs)} model captions, "
+        f"{sum(r['source'] == 'user' for r in rs)} user captions ({caption_dir})"
+    )
     return [head, *(f"[{r['source']}] {r['ref']}: {r['caption']}" for r in sample(caption_dir, count))]

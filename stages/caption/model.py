@@ -5,6 +5,7 @@ Nothing is downloaded: loading is `local_files_only`. A folder whose processor t
 torchvision (Qwen2-VL-style processors insist on a video processor) is loaded from its parts instead: the
 tokenizer, the image processor and the chat template, in an image-only subclass of the same processor class.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,6 +21,7 @@ IDENTITY_SUFFIXES = (".json", ".jinja", ".safetensors", ".bin", ".model", ".txt"
 
 def model_folder(ctx) -> Path:
     """The configured model's folder; the tiny models are built once under <workdir>/models/."""
+
     def make() -> Path:
         m = ctx.cfg.caption.model
         if tiny.is_tiny(m):
@@ -30,9 +32,11 @@ def model_folder(ctx) -> Path:
             return folder
         folder = Path(m).expanduser()
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"caption.model {folder}: not a model folder (no config.json); give the local "
-                                    f"folder of a vision-language model transformers loads (e.g. a Qwen2.5-VL or "
-                                    f"LLaVA download), or `tiny` for the test model")
+            raise FileNotFoundError(
+                f"caption.model {folder}: not a model folder (no config.json); give the local "
+                f"folder of a vision-language model transformers loads (e.g. a Qwen2.5-VL or "
+                f"LLaVA download), or `tiny` for the test model"
+            )
         return folder.resolve()
 
     return ctx.memo("caption:model_folder", make)
@@ -45,8 +49,13 @@ def identity(ctx) -> str:
 
     def make() -> str:
         folder = model_folder(ctx)
-        files = sorted(f for f in folder.rglob("*") if f.is_file() and f.name.endswith(IDENTITY_SUFFIXES)
-                       and not any(p.startswith(".") for p in f.relative_to(folder).parts))
+        files = sorted(
+            f
+            for f in folder.rglob("*")
+            if f.is_file()
+            and f.name.endswith(IDENTITY_SUFFIXES)
+            and not any(p.startswith(".") for p in f.relative_to(folder).parts)
+        )
         cache, h = hash_cache(), hashlib.sha256()
         for f in files:
             h.update(f"{f.relative_to(folder).as_posix()}\0{cache.sha256(f)}\0".encode())
@@ -69,11 +78,9 @@ class Captioner:
 
     def inputs(self, images: list) -> dict:
         """The processor's batch for these images (same prompt each), moved to the model's device and dtype."""
-        batch = self.processor(images=images, text=[self.prompt_text] * len(images), return_tensors="pt",
-                               padding=True)
+        batch = self.processor(images=images, text=[self.prompt_text] * len(images), return_tensors="pt", padding=True)
         dtype = next(self.model.parameters()).dtype
-        return {k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device)) for k, v in
-                batch.items()}
+        return {k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device)) for k, v in batch.items()}
 
     def generate(self, inputs: dict, decoding: dict, seed: int) -> list[str]:
         """Captions for one processed batch: the model's own generate, new tokens only, special tokens dropped."""
@@ -85,7 +92,7 @@ class Captioner:
             if decoding.get("do_sample"):
                 torch.manual_seed(seed)
             out = self.model.generate(**inputs, **kwargs, pad_token_id=tok.pad_token_id)
-        new = out[:, inputs["input_ids"].shape[1]:]
+        new = out[:, inputs["input_ids"].shape[1] :]
         return [" ".join(t.split()) for t in self.processor.batch_decode(new, skip_special_tokens=True)]
 
 
@@ -93,12 +100,14 @@ def load(folder: Path, prompt: str, device: str, dtype: str) -> Captioner:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       "cpu" if device == "auto" else device)
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("caption.device is cuda but no CUDA device is visible: set caption.device to auto or cpu")
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        dtype, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    )
     processor = load_processor(folder)
     # Batches are padded on the left: generation continues every row from its last real token.
     processor.tokenizer.padding_side = "left"

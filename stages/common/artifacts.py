@@ -3,6 +3,7 @@
 A version directory exists only once complete: stages build in `artifacts/<stage>/.<version>.partial/`
 (kept across crashes so a rerun can resume finished blocks) and `os.replace` it into place.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -118,7 +119,9 @@ class ArtifactStore:
         d = self.stage_dir(stage)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f"{FAILURE}.tmp"
-        tmp.write_text(json.dumps({"version": version, "key": key, "error": error, "at": time.time()}), encoding="utf-8")
+        tmp.write_text(
+            json.dumps({"version": version, "key": key, "error": error, "at": time.time()}), encoding="utf-8"
+        )
         os.replace(tmp, d / FAILURE)
 
     def last_failure(self, stage: str) -> dict | None:
@@ -149,14 +152,19 @@ def parse_manifest(raw: bytes, where: str, stage: str, version: str, cls: type[M
         raise ArtifactError(f"{where}: {MANIFEST} is not a JSON object; {hint}")
     sv = data.get("schema_version")
     if sv != MANIFEST_SCHEMA_VERSION:
-        raise ArtifactError(f"{where}: manifest schema_version {sv!r} is not one this tuneline knows "
-                            f"({MANIFEST_SCHEMA_VERSION}); {hint}")
+        raise ArtifactError(
+            f"{where}: manifest schema_version {sv!r} is not one this tuneline knows "
+            f"({MANIFEST_SCHEMA_VERSION}); {hint}"
+        )
     if data.get("digest") != manifest_digest(data):
-        raise ArtifactError(f"{where}: {MANIFEST} does not match its own digest (edited after it was published); "
-                            f"{hint}")
+        raise ArtifactError(
+            f"{where}: {MANIFEST} does not match its own digest (edited after it was published); {hint}"
+        )
     if data.get("stage") != stage or data.get("fingerprint") != version:
-        raise ArtifactError(f"{where}: manifest says stage {data.get('stage')!r} version {data.get('fingerprint')!r}, "
-                            f"which is not where it lies; {hint}")
+        raise ArtifactError(
+            f"{where}: manifest says stage {data.get('stage')!r} version {data.get('fingerprint')!r}, "
+            f"which is not where it lies; {hint}"
+        )
     if cls is None:
         return data
     try:

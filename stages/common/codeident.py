@@ -10,6 +10,7 @@ makes only that family's latents/text/train/validate versions stale (their code 
 revision 0 it is the stage's own, so a family never bumped keeps the keys it had). The libraries that compute a stage's output are part of its key by major.minor, so an upgrade that can
 change numbers makes caches stale, while a patch release does not.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,14 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "latents": ("stages/latents/*.py", "stages/common/sizing.py", *FAMILIES),
     "caption": ("stages/caption/*.py", "schemas/caption.py"),
     "text": ("stages/text/*.py", *FAMILIES),
-    "train": ("stages/train/*.py", "stages/latents/reader.py", "stages/text/live.py", "stages/text/store.py",
-              "stages/render/*.py", *FAMILIES),
+    "train": (
+        "stages/train/*.py",
+        "stages/latents/reader.py",
+        "stages/text/live.py",
+        "stages/text/store.py",
+        "stages/render/*.py",
+        *FAMILIES,
+    ),
     "validate": ("stages/validate/*.py", "stages/render/*.py", *FAMILIES),
 }
 LIBRARIES: dict[str, tuple[str, ...]] = {
@@ -49,8 +56,13 @@ _IMPORT = re.compile(r"tuneline\.stages\.families\.(\w+)")
 
 
 def _folder_files(name: str) -> set[Path]:
-    return {p for d in (FAMILY_DIR / name, FAMILY_DIR / "configs" / name) if d.is_dir()
-            for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    return {
+        p
+        for d in (FAMILY_DIR / name, FAMILY_DIR / "configs" / name)
+        if d.is_dir()
+        for p in d.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def family_files(name: str) -> list[Path]:
@@ -150,8 +162,10 @@ def main(argv: list[str]) -> None:
     from tuneline.schemas.families import FAMILY_FACTS
 
     if len(argv) != 2 or argv[0] not in ("--record", "--bump") or argv[1] not in (*SOURCES, *FAMILY_FACTS):
-        sys.exit(f"usage: python -m tuneline.stages.common.codeident --record|--bump "
-                 f"{'|'.join(SOURCES)}|<family: {'|'.join(FAMILY_FACTS)}>")
+        sys.exit(
+            f"usage: python -m tuneline.stages.common.codeident --record|--bump "
+            f"{'|'.join(SOURCES)}|<family: {'|'.join(FAMILY_FACTS)}>"
+        )
     if argv[1] in SOURCES:
         _write(argv[1], bump=argv[0] == "--bump")
     else:

@@ -5,6 +5,7 @@ Protected, whatever K: every fresh version and, transitively, every version a pr
 not a published version (docs/design.md), then deleted: a gc killed halfway never leaves a half-deleted
 directory that still looks published. Callers hold the store lock, so no stage is writing meanwhile.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,7 +57,7 @@ def plan(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None], 
     out = GcPlan()
     for stage in stages:
         versions = store.versions(stage)  # oldest first
-        newest = set(versions[len(versions) - keep:]) if keep else set()
+        newest = set(versions[len(versions) - keep :]) if keep else set()
         for path in versions:
             why = guard.get((stage, path.name)) or ("among the newest kept" if path in newest else None)
             if why:

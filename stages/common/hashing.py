@@ -1,4 +1,5 @@
 """Content fingerprints: canonical JSON and file hashes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,12 @@ class HashCache:
         st = file.stat()
         key = str(file.resolve())
         hit = self.known.get(key)
-        if isinstance(hit, list) and len(hit) == 3 and hit[:2] == [st.st_size, st.st_mtime_ns] \
-                and isinstance(hit[2], str):
+        if (
+            isinstance(hit, list)
+            and len(hit) == 3
+            and hit[:2] == [st.st_size, st.st_mtime_ns]
+            and isinstance(hit[2], str)
+        ):
             return hit[2]
         sha = file_sha256(file)
         self.known[key] = [st.st_size, st.st_mtime_ns, sha]

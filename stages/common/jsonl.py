@@ -1,4 +1,5 @@
 """JSON-lines read/write for the small per-image tables artifacts carry."""
+
 from __future__ import annotations
 
 import json

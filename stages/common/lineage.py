@@ -3,6 +3,7 @@
 Read straight from the manifests (stage-agnostic: only the fields every manifest carries), so it works for
 versions written by older code and never needs the stage definitions.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,15 @@ class Version:
     initialized_from: str | None = None  # train.init_from previous: the train version whose weights it continued
 
     def as_json(self) -> dict:
-        return {"stage": self.stage, "version": self.version, "fresh": self.fresh, "upstream": self.upstream,
-                "initialized_from": self.initialized_from,
-                "created_at": self.created_at, "path": str(self.path)}
+        return {
+            "stage": self.stage,
+            "version": self.version,
+            "fresh": self.fresh,
+            "upstream": self.upstream,
+            "initialized_from": self.initialized_from,
+            "created_at": self.created_at,
+            "path": str(self.path),
+        }
 
     def upstream_text(self) -> str:
         return ", ".join(f"{s} {v}" for s, v in self.upstream.items()) or "-"
@@ -39,9 +46,14 @@ def read_version(path: Path) -> Version:
         raw = {}
     upstream = raw.get("upstream") if isinstance(raw.get("upstream"), dict) else {}
     init = raw.get("initialized_from")
-    return Version(stage=path.parent.name, version=path.name, path=path,
-                   created_at=str(raw.get("created_at", "?")), upstream=dict(upstream),
-                   initialized_from=init if isinstance(init, str) else None)
+    return Version(
+        stage=path.parent.name,
+        version=path.name,
+        path=path,
+        created_at=str(raw.get("created_at", "?")),
+        upstream=dict(upstream),
+        initialized_from=init if isinstance(init, str) else None,
+    )
 
 
 def lineage(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None]) -> list[Version]:
@@ -53,4 +65,3 @@ def lineage(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None
             v.fresh = fresh.get(stage) == v.version
             out.append(v)
     return out
-

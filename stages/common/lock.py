@@ -6,6 +6,7 @@ holder (pid, host, purpose) only for the refusal message; the flock is the truth
 within one thread (the pipeline runs stage flows inside its own process) and exclusive between threads.
 Files opened by Python are not inherited by child processes (PEP 446), so torchrun workers never hold it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -102,8 +103,12 @@ def _acquire(path: Path, workdir: Path, deadline: float, timeout: float, purpose
             os.close(fd)
             raise StoreLocked(_refusal(workdir, timeout))
         if not waited:
-            log.info("artifact store %s is locked by %s; waiting up to %.0f s", workdir,
-                     describe_holder(holder(workdir)), timeout)
+            log.info(
+                "artifact store %s is locked by %s; waiting up to %.0f s",
+                workdir,
+                describe_holder(holder(workdir)),
+                timeout,
+            )
             waited = True
         time.sleep(POLL_SECONDS)
     info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": purpose, "since": time.time()}
@@ -141,9 +146,11 @@ def is_in_use(folder: Path) -> bool:
 
 
 def _refusal(workdir: Path, timeout: float) -> str:
-    return (f"the artifact store in {workdir} is in use by {describe_holder(holder(workdir))}; waited "
-            f"{timeout:.0f} s. Let that run finish (or stop it: the lock is released when its process exits), "
-            f"or raise ops.lock_timeout to wait longer")
+    return (
+        f"the artifact store in {workdir} is in use by {describe_holder(holder(workdir))}; waited "
+        f"{timeout:.0f} s. Let that run finish (or stop it: the lock is released when its process exits), "
+        f"or raise ops.lock_timeout to wait longer"
+    )
 
 
 RUNS_NAME = ".tuneline.runs"
@@ -180,8 +187,10 @@ def run_lease(workdir: Path, *, timeout: float) -> Iterator[None]:
     Like the store lock it is a flock: the kernel drops it when the run's process dies, however it dies."""
     fd = _flock_wait(lock_path(workdir).with_name(RUNS_NAME), fcntl.LOCK_SH, time.monotonic() + timeout)
     if fd is None:
-        raise StoreLocked(f"`tuneline gc` holds the workdir {workdir} and did not finish within {timeout:.0f} s; "
-                          f"wait for it, or raise ops.lock_timeout")
+        raise StoreLocked(
+            f"`tuneline gc` holds the workdir {workdir} and did not finish within {timeout:.0f} s; "
+            f"wait for it, or raise ops.lock_timeout"
+        )
     key = str(Path(workdir).resolve())
     _active_runs[key] = f"{os.getpid()}-{time.monotonic_ns()}"
     try:
@@ -205,9 +214,11 @@ def exclusive_runs(workdir: Path, *, timeout: float) -> Iterator[None]:
     """No pipeline run in progress for the block (gc): waits up to `timeout` for running ones, then refuses."""
     fd = _flock_wait(lock_path(workdir).with_name(RUNS_NAME), fcntl.LOCK_EX, time.monotonic() + timeout)
     if fd is None:
-        raise RunInProgress(f"a `tuneline run` is in progress in {workdir} (waited {timeout:.0f} s): gc never "
-                            f"collects versions a run in progress published or uses; run `tuneline gc` again "
-                            f"when it has finished, or raise ops.lock_timeout to wait longer")
+        raise RunInProgress(
+            f"a `tuneline run` is in progress in {workdir} (waited {timeout:.0f} s): gc never "
+            f"collects versions a run in progress published or uses; run `tuneline gc` again "
+            f"when it has finished, or raise ops.lock_timeout to wait longer"
+        )
     try:
         yield
     finally:

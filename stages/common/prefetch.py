@@ -6,6 +6,7 @@ remote cache (one GET per array and block) keeps several reads in flight with mo
 `items` lazily, so an endless stream is fine; what is prepared ahead and never taken is discarded. An exception
 raised by prepare reaches the caller when it takes that item.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -17,8 +18,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def ahead(items: Iterable[T], prepare: Callable[[T], R], *, workers: int = 1, depth: int = 2,
-          name: str = "prefetch") -> Iterator[R]:
+def ahead(
+    items: Iterable[T], prepare: Callable[[T], R], *, workers: int = 1, depth: int = 2, name: str = "prefetch"
+) -> Iterator[R]:
     if workers < 1 or depth < 1:
         raise ValueError(f"ahead needs workers >= 1 and depth >= 1, got {workers} and {depth}")
     pool = ThreadPoolExecutor(workers, thread_name_prefix=name)

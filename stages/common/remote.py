@@ -8,6 +8,7 @@ the manifest last and renames the directory into place, exactly like a local pub
 Versions are immutable (same fingerprint, same content), so a version already present is never re-sent.
 A consumer may also read a version in place (the training reader does): read_remote_manifest checks it first.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def storage_options(configured: dict[str, Any] | None = None) -> dict[str, Any]:
         try:
             opts.update(json.loads(raw))
         except ValueError as err:
-            raise RemoteError(f"{OPTIONS_ENV} is not valid JSON ({err}); expected e.g. "
-                              '{"key": "...", "secret": "..."}') from None
+            raise RemoteError(
+                f'{OPTIONS_ENV} is not valid JSON ({err}); expected e.g. {{"key": "...", "secret": "..."}}'
+            ) from None
     return opts
 
 
@@ -152,19 +154,23 @@ def read_remote_manifest(url: str, cls: type[M], options: dict[str, Any] | None 
     except FileNotFoundError:
         raise _unpublished(url) from None
     manifest = _load_manifest(raw, url, stage, version, cls)
-    sizes = {path[len(root) + 1:]: info["size"] for path, info in fs.find(root, detail=True).items()}
+    sizes = {path[len(root) + 1 :]: info["size"] for path, info in fs.find(root, detail=True).items()}
     for entry in manifest.files:
         got = sizes.get(entry.path)
         if got != entry.bytes:
             has = "is missing" if got is None else f"has {got} bytes"
-            raise RemoteError(f"remote version {url}: file {entry.path} {has}, its manifest says {entry.bytes} "
-                              f"(edited or overwritten since its push); remove the remote version and push it again")
+            raise RemoteError(
+                f"remote version {url}: file {entry.path} {has}, its manifest says {entry.bytes} "
+                f"(edited or overwritten since its push); remove the remote version and push it again"
+            )
     return manifest
 
 
 def _unpublished(where: str) -> RemoteError:
-    return RemoteError(f"remote version {where} has no {MANIFEST}: it was never pushed or its push was "
-                       f"interrupted; push it again from the machine that built it (`tuneline remote push`)")
+    return RemoteError(
+        f"remote version {where} has no {MANIFEST}: it was never pushed or its push was "
+        f"interrupted; push it again from the machine that built it (`tuneline remote push`)"
+    )
 
 
 def _load_manifest(raw: bytes, where: str, stage: str, version: str, cls: type[M] | None = None):
@@ -177,7 +183,6 @@ def _load_manifest(raw: bytes, where: str, stage: str, version: str, cls: type[M
 
 def _check_file(path: Path, entry: dict, where: str) -> None:
     """The store's own per-file check (size, then SHA-256 always), reported as a remote problem."""
-    problem = file_problem(path, FileEntry.model_validate(entry), always_hash=True,
-                           checksum="SHA-256 checksum")
+    problem = file_problem(path, FileEntry.model_validate(entry), always_hash=True, checksum="SHA-256 checksum")
     if problem:
         raise RemoteError(f"{where}: {problem}")

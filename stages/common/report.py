@@ -2,6 +2,7 @@
 
 The plain Reporter logs; flows pass a subclass that also creates Prefect artifacts.
 """
+
 from __future__ import annotations
 
 import logging

@@ -11,6 +11,7 @@ processes on this machine (each its own GPU through CUDA_VISIBLE_DEVICES when se
 layer passes a runner that starts each shard as a flow run on a Prefect work pool (tuneline.flows.shards), so this
 module never imports Prefect.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,13 +93,18 @@ def run_shards(ctx, job: ShardJob) -> list[dict]:
     job.save()
     runner: Callable[[ShardJob], dict[int, str]] = ctx.cache.get(RUNNER_KEY) or run_local
     failures = runner(job)  # shard -> why it failed (and where its log is)
-    missing = {i: f"it wrote no report; see its log {job.log(i)}" for i in range(job.count)
-               if i not in failures and not job.report(i).is_file()}
+    missing = {
+        i: f"it wrote no report; see its log {job.log(i)}"
+        for i in range(job.count)
+        if i not in failures and not job.report(i).is_file()
+    }
     failures |= missing
     if failures:
         what = "; ".join(f"shard {i} of {job.count} failed: {why}" for i, why in sorted(failures.items()))
-        raise ShardFailed(f"{job.stage}: {what}. Nothing was published; finished blocks are kept, so "
-                          f"`tuneline stage {job.stage}` resumes them")
+        raise ShardFailed(
+            f"{job.stage}: {what}. Nothing was published; finished blocks are kept, so "
+            f"`tuneline stage {job.stage}` resumes them"
+        )
     return [json.loads(job.report(i).read_text(encoding="utf-8")) for i in range(job.count)]
 
 
@@ -114,10 +120,19 @@ def run_local(job: ShardJob) -> dict[int, str]:
             if len(gpus) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
             log = open(job.log(i), "w", encoding="utf-8")
-            cmd = [sys.executable, "-m", "tuneline.stages.common.shards", str(job.folder), str(i),
-                   "--parent", str(os.getpid())]
-            procs[i] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL), log)
+            cmd = [
+                sys.executable,
+                "-m",
+                "tuneline.stages.common.shards",
+                str(job.folder),
+                str(i),
+                "--parent",
+                str(os.getpid()),
+            ]
+            procs[i] = (
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL),
+                log,
+            )
         for i, (proc, _) in procs.items():
             rc = proc.wait()
             if rc != 0:

@@ -5,6 +5,7 @@ Resolution units (docs/design.md):
   area        megapixels, 1.0 = 1024 x 1024 pixels
   pixel_area  an edge length whose square is the target area
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -64,12 +65,16 @@ def size_problem(width: int, height: int, policy: SizePolicy) -> str | None:
     if width <= 0 or height <= 0:
         return f"image size {width}x{height} is not positive"
     if min(width, height) < policy.min_edge:
-        return (f"image is {width}x{height}, its shorter edge is below buckets.min_edge {policy.min_edge}; "
-                f"use a larger image or lower buckets.min_edge")
+        return (
+            f"image is {width}x{height}, its shorter edge is below buckets.min_edge {policy.min_edge}; "
+            f"use a larger image or lower buckets.min_edge"
+        )
     cw, ch = usable_region(width, height, clamp_aspect(width, height, policy))
     if not policy.upscale and min(cw, ch) < policy.alignment:
-        return (f"image is {width}x{height}: with buckets.upscale false its crop ({cw:.0f}x{ch:.0f}) is smaller "
-                f"than one alignment unit ({policy.alignment} px); allow upscaling or remove the image")
+        return (
+            f"image is {width}x{height}: with buckets.upscale false its crop ({cw:.0f}x{ch:.0f}) is smaller "
+            f"than one alignment unit ({policy.alignment} px); allow upscaling or remove the image"
+        )
     return None
 
 
@@ -93,8 +98,9 @@ def bucket_size(width: int, height: int, policy: SizePolicy) -> tuple[int, int]:
     return bw, bh
 
 
-def crop_box(width: int, height: int, bucket_w: int, bucket_h: int, mode: str = "center",
-             seed: int = 0, key: str = "") -> tuple[int, int, int, int]:
+def crop_box(
+    width: int, height: int, bucket_w: int, bucket_h: int, mode: str = "center", seed: int = 0, key: str = ""
+) -> tuple[int, int, int, int]:
     """(left, top, right, bottom) of the original image region that is resized to the bucket.
 
     `random` is seeded by (seed, key) so a rescan reproduces the recorded crop.
@@ -124,8 +130,9 @@ def latent_shape(bucket_w: int, bucket_h: int, channels: int, vae_factor: int) -
     return channels, bucket_h // vae_factor, bucket_w // vae_factor
 
 
-def render_size(resolution: float, resolution_type: ResolutionType, alignment: int,
-                aspect: float = 1.0) -> tuple[int, int]:
+def render_size(
+    resolution: float, resolution_type: ResolutionType, alignment: int, aspect: float = 1.0
+) -> tuple[int, int]:
     """Validation render size: the same function applied to a virtual image of the requested aspect."""
     policy = SizePolicy(resolution, resolution_type, alignment, min_aspect=aspect, max_aspect=aspect)
     return bucket_size(max(1, round(1000 * aspect)), 1000, policy)
@@ -133,7 +140,12 @@ def render_size(resolution: float, resolution_type: ResolutionType, alignment: i
 
 def size_policy(buckets, family_alignment: int) -> SizePolicy:
     """The policy a config's `buckets` section means (alignment null = the family's requirement)."""
-    return SizePolicy(resolution=buckets.resolution, resolution_type=buckets.resolution_type,
-                      alignment=buckets.alignment or family_alignment, min_aspect=buckets.min_aspect,
-                      max_aspect=buckets.max_aspect, upscale=buckets.upscale,
-                      min_edge=buckets.min_edge)
+    return SizePolicy(
+        resolution=buckets.resolution,
+        resolution_type=buckets.resolution_type,
+        alignment=buckets.alignment or family_alignment,
+        min_aspect=buckets.min_aspect,
+        max_aspect=buckets.max_aspect,
+        upscale=buckets.upscale,
+        min_edge=buckets.min_edge,
+    )

@@ -5,6 +5,7 @@ upstream versions). Its *version* is the key, except for content-addressed stage
 hashes what they produced, so touching a file without changing it leaves every downstream stage fresh.
 `.index.json` in the stage directory remembers key -> version.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +89,12 @@ def active(cfg: PipelineConfig, stages: list[StageDef]) -> list[StageDef]:
     """The stages this config runs, each with the optional upstreams that are on added to its upstream."""
     on = [s for s in stages if s.enabled is None or s.enabled(cfg)]
     names = {s.name for s in on}
-    return [replace(s, upstream=s.upstream + tuple(u for u in s.optional_upstream if u in names))
-            if s.optional_upstream else s for s in on]
+    return [
+        replace(s, upstream=s.upstream + tuple(u for u in s.optional_upstream if u in names))
+        if s.optional_upstream
+        else s
+        for s in on
+    ]
 
 
 @dataclass
@@ -102,8 +107,13 @@ class StageStatus:
     summary: str = ""
 
     def as_json(self) -> dict:
-        return {"stage": self.stage, "state": self.state, "version": self.version, "path": self.path,
-                "reason": self.reason}
+        return {
+            "stage": self.stage,
+            "state": self.state,
+            "version": self.version,
+            "path": self.path,
+            "reason": self.reason,
+        }
 
 
 def _read_index(store: ArtifactStore, stage: str) -> dict[str, str]:
@@ -138,8 +148,13 @@ def reusable_previous(ctx: StageContext, stage: str, cls: type[Manifest]) -> tup
 def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict:
     inputs = sd.inputs(ctx, upstream) | {"libraries": library_versions(sd.name)}
     code_version = stage_code_version(sd.name, sd.code_version, ctx.cfg.model.family)  # + a bumped family's revision
-    return {"stage": sd.name, "code_version": code_version, "config": sd.config(ctx.cfg), "inputs": inputs,
-            "upstream": upstream}
+    return {
+        "stage": sd.name,
+        "code_version": code_version,
+        "config": sd.config(ctx.cfg),
+        "inputs": inputs,
+        "upstream": upstream,
+    }
 
 
 def expected_versions(ctx: StageContext, stages: list[StageDef]) -> dict[str, tuple[str | None, dict | None]]:
@@ -201,14 +216,24 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
             # Built from the right versions, but one of them no longer verifies: reading it would fail.
             bad = [r for r in rows if r.stage in sd.upstream and r.state != "fresh"]
             if bad:
-                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir),
-                                        f"upstream {bad[0].stage} is {bad[0].state}: {bad[0].reason}"))
+                rows.append(
+                    StageStatus(
+                        sd.name,
+                        "stale",
+                        version,
+                        str(fresh_dir),
+                        f"upstream {bad[0].stage} is {bad[0].state}: {bad[0].reason}",
+                    )
+                )
                 continue
             rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date", _summary(m)))
             continue
         if failure is not None and (parts is None or failure.get("key") in (None, digest(parts))):
-            rows.append(StageStatus(sd.name, "failed", failure.get("version"), None,
-                                    f"last attempt failed: {failure.get('error', '?')}"))
+            rows.append(
+                StageStatus(
+                    sd.name, "failed", failure.get("version"), None, f"last attempt failed: {failure.get('error', '?')}"
+                )
+            )
             continue
         latest = store.latest(sd.name)
         if latest is None:
@@ -223,8 +248,9 @@ def _summary(m: Manifest) -> str:
     return ", ".join(f"{k} {v}" for k, v in facts.items())
 
 
-def load_upstream(ctx: StageContext, sd: StageDef, by_name: dict[str, StageDef],
-                  versions: dict[str, str]) -> dict[str, Manifest]:
+def load_upstream(
+    ctx: StageContext, sd: StageDef, by_name: dict[str, StageDef], versions: dict[str, str]
+) -> dict[str, Manifest]:
     """Read and verify each upstream artifact this stage consumes, or refuse naming it and the fix."""
     got: dict[str, Manifest] = {}
     for u in sd.upstream:
@@ -232,9 +258,15 @@ def load_upstream(ctx: StageContext, sd: StageDef, by_name: dict[str, StageDef],
         udef = by_name[u]
         if v is None or not ctx.store.version_dir(u, v).is_dir():
             latest = ctx.store.latest(u)
-            what = "missing" if latest is None else f"stale (latest {latest.name} does not match the current config/inputs)"
-            raise ArtifactError(f"stage {sd.name} needs the {u} artifact, which is {what}; "
-                                f"run `tuneline stage {u}` (or `tuneline run`) first")
+            what = (
+                "missing"
+                if latest is None
+                else f"stale (latest {latest.name} does not match the current config/inputs)"
+            )
+            raise ArtifactError(
+                f"stage {sd.name} needs the {u} artifact, which is {what}; "
+                f"run `tuneline stage {u}` (or `tuneline run`) first"
+            )
         m = ctx.store.read(ctx.store.version_dir(u, v), udef.manifest_cls)
         got[u] = m
     return got
@@ -273,9 +305,16 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
             version = digest({"stage": sd.name, "code_version": parts["code_version"], "content": content})
         else:
             version = key
-        manifest = sd.manifest_cls(stage=sd.name, fingerprint=version, upstream=parts["upstream"],
-                                   tool_version=TOOL_VERSION, code_version=parts["code_version"],
-                                   config=parts["config"], inputs=parts["inputs"], **facts)
+        manifest = sd.manifest_cls(
+            stage=sd.name,
+            fingerprint=version,
+            upstream=parts["upstream"],
+            tool_version=TOOL_VERSION,
+            code_version=parts["code_version"],
+            config=parts["config"],
+            inputs=parts["inputs"],
+            **facts,
+        )
         with ctx.publish_lock():
             path = store.publish(work, manifest)
             _write_index(store, sd.name, key, version)

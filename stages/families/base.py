@@ -6,6 +6,7 @@ kohya_target(path, denoiser) -> kohya_layout.Target | None: where a trained diff
 file), shipped.py (SIGNATURE: the released model's tensor shapes its shipped config describes), and anything else
 only the family uses (latent packing, single-file layout). Its pure-data facts are its row in schemas/families.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -86,8 +87,9 @@ class Family(Protocol):
         None (scalars only). The latents manifest records them."""
 
     # Text ------------------------------------------------------------------------------------
-    def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                           max_length: int | None = None) -> TextEncoders: ...
+    def load_text_encoders(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, max_length: int | None = None
+    ) -> TextEncoders: ...
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """Every tensor the denoiser and the pipeline need for these captions, batch first
@@ -98,8 +100,14 @@ class Family(Protocol):
 
     def load_noise_scheduler(self, model_dir: Path) -> Any: ...
 
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """The denoiser's prediction for scaled latents `noisy` (B, C, H, W) = (z - shift) * scale, returned in
         the same shape (the adapter packs/unpacks tokens itself). The target kind is facts.prediction.
         Timesteps: epsilon/v families take the DDPM schedule's integer steps in [0, 1000); flow-matching families
@@ -121,13 +129,13 @@ class Family(Protocol):
         """Write a folder `DiffusionPipeline.from_pretrained(out_dir)` loads: the base components + `denoiser`."""
 
     # Validation ------------------------------------------------------------------------------
-    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                      denoiser: torch.nn.Module | None = None) -> Any: ...
+    def load_pipeline(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, denoiser: torch.nn.Module | None = None
+    ) -> Any: ...
 
     def text_encoders_of(self, pipe: Any, max_length: int | None = None) -> TextEncoders: ...
 
-    def prompt_kwargs(self, text: dict[str, torch.Tensor],
-                      negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Keyword arguments for the pipeline call from pre-encoded prompt and negative prompt (batch 1 each,
         both from encode_text). A None/empty negative is left to the pipeline. Pass an encoded negative (e.g. of
         "") whenever text.max_length differs from the tokenizer's own length, so both have the same length."""

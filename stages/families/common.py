@@ -3,6 +3,7 @@
 A family adapter subclasses `DiffusersFamily` and supplies only what differs: its pipeline class, component names,
 tiny flavor, text encoding, denoiser call and prompt kwargs (the SD1.5 adapter is the smallest complete one).
 """
+
 from __future__ import annotations
 
 import os
@@ -91,8 +92,10 @@ class DiffusersFamily:
             return p
         if p.is_file():
             return convert_single_file(self, p, cache_dir, config)
-        raise ValueError(f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "
-                         f"of family {self.facts.name!r})")
+        raise ValueError(
+            f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "
+            f"of family {self.facts.name!r})"
+        )
 
     def check_folder(self, folder: Path) -> None:
         folders.check_folder(self.facts, folder)
@@ -146,8 +149,10 @@ class DiffusersFamily:
         cfg = vae.config
         scale = getattr(cfg, "scaling_factor", None)
         shift = getattr(cfg, "shift_factor", None)
-        return (float(scale) if scale is not None else self.facts.scaling_factor,
-                float(shift) if shift is not None else self.facts.shift_factor)
+        return (
+            float(scale) if scale is not None else self.facts.scaling_factor,
+            float(shift) if shift is not None else self.facts.shift_factor,
+        )
 
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
@@ -162,8 +167,9 @@ class DiffusersFamily:
         config = cls.load_config(model_dir, subfolder="scheduler")
         return cls.from_config(config)
 
-    def load_pipeline(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                      denoiser: torch.nn.Module | None = None) -> Any:
+    def load_pipeline(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, denoiser: torch.nn.Module | None = None
+    ) -> Any:
         """The folder's pipeline; a given live `denoiser` (training's) takes the place of the folder's own, which
         is then never loaded. Its text encoders serve the renderer too (text_encoders_of): loaded once."""
         parts: dict[str, Any] = {self.denoiser_component: denoiser} if denoiser is not None else {}
@@ -172,8 +178,9 @@ class DiffusersFamily:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                           max_length: int | None = None) -> TextEncoders:
+    def load_text_encoders(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, max_length: int | None = None
+    ) -> TextEncoders:
         types = self.pipeline_class._get_signature_types()
         toks = [_first_type(types[c]).from_pretrained(model_dir, subfolder=c) for c in self.tokenizer_components]
         encs = []
@@ -196,8 +203,10 @@ class DiffusersFamily:
         """The main (last) tokenizer sets the caption length; refuse lengths its encoder cannot embed."""
         limit = tokenizers[-1].model_max_length
         if max_length > limit:
-            raise ValueError(f"text.max_length {max_length} exceeds what family {self.facts.name!r}'s text encoder "
-                             f"accepts ({limit}); lower it or leave it automatic")
+            raise ValueError(
+                f"text.max_length {max_length} exceeds what family {self.facts.name!r}'s text encoder "
+                f"accepts ({limit}); lower it or leave it automatic"
+            )
 
     # ---- saving ------------------------------------------------------------------------------
     def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
@@ -215,8 +224,7 @@ class DiffusersFamily:
         unwrap(denoiser).save_pretrained(out_dir / self.denoiser_component, safe_serialization=True)
 
     # ---- validation --------------------------------------------------------------------------
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
-                      ) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Pre-encoded prompt and negative prompt as the pipeline's `*_embeds` arguments. An empty/None negative
         is left out, so the pipeline falls back to its own unconditional input."""
         kwargs: dict[str, Any] = {k: text[k] for k in self.prompt_keys}
@@ -246,7 +254,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-def tokenize(tokenizer: Any, captions: list[str], max_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenize(
+    tokenizer: Any, captions: list[str], max_length: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) padded and truncated to exactly `max_length`."""
     out = tokenizer(captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     return out.input_ids.to(device), out.attention_mask.to(device)

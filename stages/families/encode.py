@@ -1,5 +1,6 @@
 """The one way strings become tensors, shared by the cache writer, live encoding and validation prompts, so a
 cached embedding and a live one come from the same calls."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -9,17 +10,17 @@ import torch
 from tuneline.stages.families.base import Family, TextEncoders
 
 
-def encode_batches(fam: Family, enc: TextEncoders, strings: list[str], batch_size: int
-                   ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def encode_batches(
+    fam: Family, enc: TextEncoders, strings: list[str], batch_size: int
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(start row, every tensor the family returns for strings[start:start + batch_size]) per batch."""
     for start in range(0, len(strings), batch_size):
         with torch.no_grad():
-            out = fam.encode_text(enc, strings[start:start + batch_size])
+            out = fam.encode_text(enc, strings[start : start + batch_size])
         yield start, {k: v.detach() for k, v in out.items()}
 
 
-def encode_strings(fam: Family, enc: TextEncoders, strings: list[str], batch_size: int = 32
-                   ) -> dict[str, torch.Tensor]:
+def encode_strings(fam: Family, enc: TextEncoders, strings: list[str], batch_size: int = 32) -> dict[str, torch.Tensor]:
     """All of `strings` encoded, batch first, on the encoders' device and dtype."""
     parts: dict[str, list[torch.Tensor]] = {}
     for _, out in encode_batches(fam, enc, strings, batch_size):

@@ -1,5 +1,6 @@
 """Model folders without loading a model: is a diffusers folder complete for a family, and what is the identity of
 each component. Pure file work (no torch, no diffusers), so `tuneline status` and stage planning stay fast."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,14 +13,21 @@ from tuneline.stages.common.hashing import HashCache
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
 # Files of a tokenizer folder that change what token ids come out.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "spiece.model",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "special_tokens_map.json",
+)
 
 
 def hash_cache() -> HashCache:
     """One per user (TUNELINE_CACHE_DIR, else XDG_CACHE_HOME or ~/.cache): identities survive across workdirs."""
-    root = os.environ.get("TUNELINE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
-                                                        "tuneline")
+    root = os.environ.get("TUNELINE_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "tuneline"
+    )
     return HashCache(Path(root) / "file-hashes.json")
 
 
@@ -47,13 +55,17 @@ def check_folder(facts: FamilyFacts, folder: Path) -> None:
     index = json.loads(index_file.read_text())
     cls, accepted = index.get("_class_name", ""), pipeline_class_names(facts)
     if cls not in accepted:
-        raise ValueError(f"model.path: {folder} holds a {cls or 'unknown'} pipeline, not family {facts.name!r} "
-                         f"({' / '.join(accepted)}); fix model.family or model.path")
+        raise ValueError(
+            f"model.path: {folder} holds a {cls or 'unknown'} pipeline, not family {facts.name!r} "
+            f"({' / '.join(accepted)}); fix model.family or model.path"
+        )
     needed = required_components(facts)
     missing = [c for c in needed if not index.get(c) or index[c] == [None, None] or not (folder / c).is_dir()]
     if missing:
-        raise ValueError(f"model.path: {folder} lacks component {', '.join(map(repr, missing))} needed by "
-                         f"family {facts.name!r} (not in model_index.json or no such subfolder)")
+        raise ValueError(
+            f"model.path: {folder} lacks component {', '.join(map(repr, missing))} needed by "
+            f"family {facts.name!r} (not in model_index.json or no such subfolder)"
+        )
     for comp in needed:
         problem = _component_problem(facts, folder / comp, comp)
         if problem:
@@ -76,8 +88,11 @@ def identity(facts: FamilyFacts, model_dir: Path, component: str) -> str:
     same weights in another folder have the same identity. File hashes come from the on-disk HashCache."""
     # 'text' covers tokenizers too: a different vocabulary changes the embeddings as much as new weights; the
     # denoiser's covers the noise scheduler, whose config (prediction type, schedule) sets the training target.
-    named = {"vae": ("vae",), "denoiser": (facts.denoiser, "scheduler"),
-             "text": (*facts.text_encoders, *facts.tokenizers)}
+    named = {
+        "vae": ("vae",),
+        "denoiser": (facts.denoiser, "scheduler"),
+        "text": (*facts.text_encoders, *facts.tokenizers),
+    }
     files = sorted(f for c in named.get(component, (component,)) for f in _identity_files(Path(model_dir) / c))
     if not files:
         raise ValueError(f"{model_dir}: nothing to identify for component {component!r}")

@@ -5,6 +5,7 @@ moments, 16 bytes per parameter before a single activation. The largest GPU this
 denoiser above ~8.8B parameters cannot be fully fine-tuned that way (FLUX.2 [dev]'s 32B would need 516 GB per GPU):
 it is refused at load, naming the limit, instead of failing out of memory after the model was read.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,4 +34,5 @@ def check_full_fits(family: str, cls: type, model_dir: Path, component: str) -> 
             f"train.mode full: the {family} {component} has {n / 1e9:.1f}B parameters; a full fine-tune under DDP "
             f"holds {BYTES_PER_PARAM} bytes per parameter on every GPU ({n * BYTES_PER_PARAM / 1e9:.0f} GB), above "
             f"the {GPU_BYTES / 1e9:.0f} GB of the largest GPU (limit {PARAM_LIMIT / 1e9:.1f}B parameters); set "
-            f"train.mode lora")
+            f"train.mode lora"
+        )

@@ -1,5 +1,6 @@
 """Shared pieces of the kohya (sd-scripts) LoRA layouts the families map their modules to (stages/train/kohya.py
 writes the file; each family's lora.py says where each of its diffusers modules lands)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

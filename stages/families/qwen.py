@@ -3,6 +3,7 @@ and a tiny Qwen-style tokenizer (byte-level BPE, Qwen's special tokens and chat 
 tiny flavors, with the same conventions (pad = <|endoftext|>, <|im_start|>/<|im_end|> turns, a template that takes
 `enable_thinking`) so the adapters run the same calls on tiny and real folders.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,9 @@ def build_qwen_tokenizer(folder: Path, model_max_length: int):
     return build_bpe_tokenizer(folder, model_max_length, SPECIALS, CHAT_TEMPLATE, eos=SPECIALS[2])
 
 
-def build_bpe_tokenizer(folder: Path, model_max_length: int, specials: tuple[str, ...], chat_template: str,
-                        eos: str | None = None):
+def build_bpe_tokenizer(
+    folder: Path, model_max_length: int, specials: tuple[str, ...], chat_template: str, eos: str | None = None
+):
     """A byte-level BPE fast tokenizer (pad = specials[0]) with `chat_template`, written to `folder` and loaded back.
     Words are learned with GPT-2's leading-space marker so " red" is one token."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
@@ -53,8 +55,13 @@ def build_bpe_tokenizer(folder: Path, model_max_length: int, specials: tuple[str
     tk = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=model_max_length, pad_token=specials[0],
-                                  eos_token=eos, additional_special_tokens=list(specials[1:]))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        model_max_length=model_max_length,
+        pad_token=specials[0],
+        eos_token=eos,
+        additional_special_tokens=list(specials[1:]),
+    )
     tok.chat_template = chat_template
     folder.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(folder))
@@ -64,9 +71,15 @@ def build_bpe_tokenizer(folder: Path, model_max_length: int, specials: tuple[str
 def chat_prompts(tokenizer: Any, captions: list[str], enable_thinking: bool = True) -> list[str]:
     """Captions wrapped in the tokenizer's chat template as one user turn, as ZImagePipeline._encode_prompt (and
     Flux2KleinPipeline, with thinking off) do."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
-                                          add_generation_prompt=True, enable_thinking=enable_thinking)
-            for c in captions]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )
+        for c in captions
+    ]
 
 
 def qwen_hidden(enc: TextEncoders, prompts: list[str], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +100,16 @@ def tiny_qwen3(tokenizer: Any, width: int = TINY_TEXT_WIDTH, layers: int = 2, ca
     class FLUX.2 [klein] names), the bare model otherwise (Z-Image's)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
-                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
     return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(cfg)

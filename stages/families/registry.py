@@ -4,6 +4,7 @@ Each family is one folder, stages/families/<name>/ (stages/families/README.md): 
 class (named here), and optional parts the generic code looks up by name through family_part (lora.py: its kohya
 LoRA layout; shipped.py: the released model's shapes its shipped config describes).
 """
+
 from __future__ import annotations
 
 from functools import cache

@@ -2,6 +2,7 @@
 
 Folder checks and identities are file work (tuneline.stages.families.folders): planning and `tuneline status` never
 import torch or diffusers unless a model must be built or converted first."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +46,9 @@ def _model_dir(cfg: PipelineConfig, cache_dir: Path) -> Path:
 
 
 def identity(ctx, component: str) -> str:
-    return ctx.memo(f"identity:{component}",
-                    lambda: folders.identity(facts(ctx.cfg.model.family), model_dir(ctx), component))
+    return ctx.memo(
+        f"identity:{component}", lambda: folders.identity(facts(ctx.cfg.model.family), model_dir(ctx), component)
+    )
 
 
 def device(cfg: PipelineConfig) -> torch.device:

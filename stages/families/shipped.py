@@ -5,6 +5,7 @@ A shipped folder describes one size of model; a file of another size (an SD2 che
 UNet with 9 input channels, a pruned or custom-width model) would convert into garbage or fail deep in diffusers, so
 the file's shapes of a few telling tensors are compared first and a mismatch names model.config.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,6 +29,7 @@ def shipped_dir(name: str) -> Path:
 def file_shapes(file: Path, keys: list[str]) -> dict[str, tuple[int, ...]] | None:
     """Shapes of `keys` present in the checkpoint, each also looked up under the "model.diffusion_model." prefix
     (None: unreadable). .safetensors reads only the header; a .ckpt is memory-mapped, so neither reads the weights."""
+
     def found(names) -> dict[str, str]:
         return {k: n for k in keys for n in (k, UNET + k) if n in names}
 
@@ -53,8 +55,11 @@ def misfits(file: Path, name: str) -> list[str]:
     got = file_shapes(file, list(want))
     if got is None:
         return []
-    return [f"{k} is {'missing' if k not in got else list(got[k])} (the shipped {name} has {list(v)})"
-            for k, v in want.items() if got.get(k) != v]
+    return [
+        f"{k} is {'missing' if k not in got else list(got[k])} (the shipped {name} has {list(v)})"
+        for k, v in want.items()
+        if got.get(k) != v
+    ]
 
 
 def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[str | None, bool]:
@@ -68,10 +73,14 @@ def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[st
     name = config or family_name
     problems = misfits(file, name)
     if problems:
-        which = (f"model.config: {name} (the shipped config of the released {name} model)" if config else
-                 f"model.config: null uses the shipped {name} config (the released {name} model), which")
+        which = (
+            f"model.config: {name} (the shipped config of the released {name} model)"
+            if config
+            else f"model.config: null uses the shipped {name} config (the released {name} model), which"
+        )
         raise ValueError(
             f"{which} does not fit model.path {file}: " + "; ".join(problems[:3]) + ". Set model.config to a local "
             "diffusers folder of this model (its configs and tokenizers are read, not its weights), or check "
-            "model.family and model.path")
+            "model.family and model.path"
+        )
     return str(shipped_dir(name)), True

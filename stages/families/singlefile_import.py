@@ -5,6 +5,7 @@ shipped weightless folder, stages/families/shipped.py, or a local diffusers fold
 naming the file and the way out. Components the file has no tensors for (SD3/Flux files often hold only the
 transformer) are loaded from model.config's weights; a family may read its denoiser itself (single_file_denoiser).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +60,7 @@ def missing_components(file: Path, family: str) -> list[str]:
             keys = list(f.keys())
     except Exception:
         return []
-    return [c for c, prefixes in components.items()
-            if not any(k.startswith(prefixes) for k in keys)]
+    return [c for c, prefixes in components.items() if not any(k.startswith(prefixes) for k in keys)]
 
 
 def components_from_folder(family: Any, file: Path, folder: Path, names: list[str]) -> dict[str, Any]:
@@ -75,12 +75,14 @@ def components_from_folder(family: Any, file: Path, folder: Path, names: list[st
         library, cls = index[name]
         try:
             out[name] = getattr(importlib.import_module(library), cls).from_pretrained(
-                str(folder), subfolder=name, local_files_only=True)
+                str(folder), subfolder=name, local_files_only=True
+            )
         except Exception as exc:  # no weights there, or unreadable ones: name the folder and the component
             raise ValueError(
                 f"model.config: {folder} has no loadable {name} weights ({type(exc).__name__}: {exc}), and "
                 f"model.path {file} holds none for it; set model.config to a local diffusers folder of the "
-                f"{family.facts.name} model that holds its {', '.join(names)} weights") from exc
+                f"{family.facts.name} model that holds its {', '.join(names)} weights"
+            ) from exc
     return out
 
 
@@ -90,26 +92,36 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
     conversion."""
     name = family.facts.name
     if file.suffix.lower() not in SINGLE_FILE_SUFFIXES:
-        raise ValueError(f"model.path: {file} is neither a diffusers folder nor a single checkpoint file "
-                         f"({', '.join(SINGLE_FILE_SUFFIXES)})")
+        raise ValueError(
+            f"model.path: {file} is neither a diffusers folder nor a single checkpoint file "
+            f"({', '.join(SINGLE_FILE_SUFFIXES)})"
+        )
     if not hasattr(family.pipeline_class, "from_single_file"):
-        raise ValueError(f"model.path: {file}: diffusers cannot load family {name!r} from a single file; "
-                         f"convert it to a diffusers folder and point model.path at that")
+        raise ValueError(
+            f"model.path: {file}: diffusers cannot load family {name!r} from a single file; "
+            f"convert it to a diffusers folder and point model.path at that"
+        )
     found = checkpoint_family(file)
     if found is not None and FAMILY_FACTS[found].checkpoint_marker != family.facts.checkpoint_marker:
-        raise ValueError(f"model.path: {file} is a {found} checkpoint (its tensor names are {found}'s original "
-                         f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
-                         f"{name} checkpoint")
+        raise ValueError(
+            f"model.path: {file} is a {found} checkpoint (its tensor names are {found}'s original "
+            f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
+            f"{name} checkpoint"
+        )
     config, shipped = resolve_config(name, file, config)
     missing = missing_components(file, name)
     if missing and (shipped or config is None):
-        where = (f"the shipped {Path(config).name} config (configs and tokenizers only) has none to add" if shipped
-                 else "model.config is null")
+        where = (
+            f"the shipped {Path(config).name} config (configs and tokenizers only) has none to add"
+            if shipped
+            else "model.config is null"
+        )
         raise ValueError(
             f"model.path: {file} holds the {family.denoiser_component} but no weights for "
             f"{', '.join(missing)}, and {where}; set model.config to a local diffusers folder of "
             f"the same {name} model that holds them (its {', '.join(missing)} are loaded from it, the "
-            f"{family.denoiser_component} from the file), or use a checkpoint file that includes them")
+            f"{family.denoiser_component} from the file), or use a checkpoint file that includes them"
+        )
     if config is not None and not shipped:  # shipped folders hold no weights; tests check them
         try:
             family.check_folder(Path(config))
@@ -146,8 +158,9 @@ def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing
             denoiser = family.single_file_denoiser(file, Path(config))
             if denoiser is not None:  # the family reads this layout itself (e.g. at any width)
                 extra[family.denoiser_component] = denoiser
-        pipe = family.pipeline_class.from_single_file(str(file), local_files_only=True, **extra,
-                                                      **family.pipeline_load_kwargs())
+        pipe = family.pipeline_class.from_single_file(
+            str(file), local_files_only=True, **extra, **family.pipeline_load_kwargs()
+        )
     except Exception as exc:  # diffusers raises many kinds here; the user needs the file name and the fix
         raise ValueError(
             f"model.path: cannot load {file} as a single-file {family.facts.name!r} checkpoint "
@@ -155,5 +168,6 @@ def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing
             f"here; set model.config to a shipped config name ({', '.join(SHIPPED_CONFIGS)}) or a local diffusers "
             f"folder of the same model (its configs and tokenizers are read, and the weights of components the "
             f"file lacks), or convert the checkpoint to a diffusers folder where a model hub is "
-            f"reachable and point model.path at that folder") from exc
+            f"reachable and point model.path at that folder"
+        ) from exc
     pipe.save_pretrained(out_dir, safe_serialization=True)

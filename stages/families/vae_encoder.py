@@ -8,6 +8,7 @@ tests/integration/test_vae_encoder.py holds the output equal to diffusers' `Auto
 VAE. A folder of any other layout (another class or block type, activation, or weight format) gets None from `load`
 and is loaded through diffusers (DiffusersFamily.load_vae_encoder).
 """
+
 from __future__ import annotations
 
 import json
@@ -99,7 +100,8 @@ class Encoder(nn.Module):
         self.conv_in = nn.Conv2d(cfg["in_channels"], widths[0], 3, padding=1)
         self.down_blocks = nn.ModuleList(
             DownBlock(widths[max(i - 1, 0)], w, layers, groups, downsample=i < len(widths) - 1)
-            for i, w in enumerate(widths))
+            for i, w in enumerate(widths)
+        )
         self.mid_block = MidBlock(widths[-1], groups, cfg.get("mid_block_add_attention", True))
         self.conv_norm_out = nn.GroupNorm(groups, widths[-1], eps=EPS)
         self.conv_out = nn.Conv2d(widths[-1], 2 * cfg["latent_channels"], 3, padding=1)
@@ -149,10 +151,14 @@ class VAEEncoder(nn.Module):
 def supported(cfg: dict) -> bool:
     """The AutoencoderKL layout these modules reproduce (every shipped and tiny family VAE has it)."""
     widths = cfg.get("block_out_channels", ())
-    return (cfg.get("_class_name") == "AutoencoderKL" and cfg.get("act_fn", "silu") == "silu"
-            and cfg.get("double_z", True) and len(widths) > 0
-            and list(cfg.get("down_block_types", ())) == ["DownEncoderBlock2D"] * len(widths)
-            and all(w % cfg.get("norm_num_groups", 32) == 0 for w in widths))
+    return (
+        cfg.get("_class_name") == "AutoencoderKL"
+        and cfg.get("act_fn", "silu") == "silu"
+        and cfg.get("double_z", True)
+        and len(widths) > 0
+        and list(cfg.get("down_block_types", ())) == ["DownEncoderBlock2D"] * len(widths)
+        and all(w % cfg.get("norm_num_groups", 32) == 0 for w in widths)
+    )
 
 
 def load(vae_dir: Path, dtype: torch.dtype, device: torch.device) -> VAEEncoder | None:
@@ -163,8 +169,13 @@ def load(vae_dir: Path, dtype: torch.dtype, device: torch.device) -> VAEEncoder 
     cfg_file, weights = vae_dir / "config.json", vae_dir / WEIGHTS
     if not (cfg_file.is_file() and weights.is_file()):
         return None
-    cfg = {"in_channels": 3, "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 32,
-           **json.loads(cfg_file.read_text())}
+    cfg = {
+        "in_channels": 3,
+        "latent_channels": 4,
+        "layers_per_block": 1,
+        "norm_num_groups": 32,
+        **json.loads(cfg_file.read_text()),
+    }
     if not supported(cfg):
         return None
     with torch.device("meta"):

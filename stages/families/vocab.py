@@ -4,6 +4,7 @@ Both tokenize any ASCII text (CLIP falls back to single bytes, T5 to single char
 for a small English vocabulary, so demo captions ("a red square") are a few meaningful tokens each.
 Everything here is deterministic: same code, same files, same tokenizer identity.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,49 @@ from pathlib import Path
 
 # Words that become single tokens; the demo's colours and shapes first.
 WORDS: tuple[str, ...] = (
-    "red", "green", "blue", "yellow", "square", "circle",
-    "a", "an", "the", "of", "and", "with", "on", "in", "photo", "picture", "image", "drawing", "small", "large",
-    "big", "white", "black", "orange", "purple", "pink", "gray", "triangle", "star", "background", "shape",
-    "colored", "bright", "dark", "blurry", "ugly", "low", "quality", "cat", "dog", "person", "style", "sks",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "square",
+    "circle",
+    "a",
+    "an",
+    "the",
+    "of",
+    "and",
+    "with",
+    "on",
+    "in",
+    "photo",
+    "picture",
+    "image",
+    "drawing",
+    "small",
+    "large",
+    "big",
+    "white",
+    "black",
+    "orange",
+    "purple",
+    "pink",
+    "gray",
+    "triangle",
+    "star",
+    "background",
+    "shape",
+    "colored",
+    "bright",
+    "dark",
+    "blurry",
+    "ugly",
+    "low",
+    "quality",
+    "cat",
+    "dog",
+    "person",
+    "style",
+    "sks",
 )
 
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
@@ -93,14 +133,23 @@ def build_t5_tokenizer(folder: Path, model_max_length: int):
     pieces += [(c, -5.0) for c in string.printable.strip()]
     pieces += [("▁" + w, -1.0) for w in WORDS]
     tk = Tokenizer(Unigram(pieces, unk_id=2, byte_fallback=False))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-    ])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ]
+    )
     tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    tk.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                      special_tokens=[("</s>", 1)])
+    tk.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     tk.save(str(folder / "tokenizer.json"))
-    return T5TokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>", unk_token="<unk>",
-                           pad_token="<pad>", extra_ids=0, model_max_length=model_max_length)
+    return T5TokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_ids=0,
+        model_max_length=model_max_length,
+    )

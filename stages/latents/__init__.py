@@ -4,6 +4,7 @@ Its version hashes the stage config, the size policy, the VAE identity (config +
 and the scan version, so a change to any of them makes the cache stale; rows whose content did not change
 are copied from the previous version instead of being encoded again (stages/latents/reuse.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -32,8 +33,10 @@ def _config(cfg) -> dict:
     # batch_size, workers and shards change how fast the cache is built, not what it holds.
     # The size policy is not keyed here: it acts through the scan's records (bucket, crop), which are the scan's
     # version, so a policy change that moves no record rebuilds nothing.
-    return {"latents": cfg.latents.model_dump(mode="json", exclude={"workers", "batch_size", "shards"}),
-            "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
+    return {
+        "latents": cfg.latents.model_dump(mode="json", exclude={"workers", "batch_size", "shards"}),
+        "model": cfg.model.model_dump(mode="json", include={"family", "dtype"}),
+    }
 
 
 def _inputs(ctx, upstream) -> dict:
@@ -50,13 +53,26 @@ def _check(ctx, upstream: dict) -> None:
     """Before loading any weights: every scan bucket must be a whole number of latent pixels."""
     fam = models.family(ctx.cfg)
     scan: ScanManifest = upstream["scan"]
-    bad = [f"{b.width}x{b.height}" for b in scan.buckets
-           if b.width % fam.facts.vae_factor or b.height % fam.facts.vae_factor]
+    bad = [
+        f"{b.width}x{b.height}"
+        for b in scan.buckets
+        if b.width % fam.facts.vae_factor or b.height % fam.facts.vae_factor
+    ]
     if bad:
-        raise ArtifactError(f"scan {scan.fingerprint} has buckets {', '.join(bad[:5])} that are not multiples of "
-                            f"the {fam.facts.name} VAE factor {fam.facts.vae_factor}: set buckets.alignment to a "
-                            f"multiple of it (or null) and run `tuneline stage scan`")
+        raise ArtifactError(
+            f"scan {scan.fingerprint} has buckets {', '.join(bad[:5])} that are not multiples of "
+            f"the {fam.facts.name} VAE factor {fam.facts.vae_factor}: set buckets.alignment to a "
+            f"multiple of it (or null) and run `tuneline stage scan`"
+        )
 
 
-STAGE = StageDef(name="latents", upstream=("scan",), code_version=CODE_VERSION, manifest_cls=LatentsManifest,
-                 config=_config, inputs=_inputs, build=_build, check=_check)
+STAGE = StageDef(
+    name="latents",
+    upstream=("scan",),
+    code_version=CODE_VERSION,
+    manifest_cls=LatentsManifest,
+    config=_config,
+    inputs=_inputs,
+    build=_build,
+    check=_check,
+)

@@ -3,6 +3,7 @@
 Spine: read the scan's records -> plan rows per bucket -> per bucket: resume finished blocks, then copy rows
 the previous version already holds and encode the rest (decoding overlaps the VAE) -> index + manifest facts.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,17 +61,26 @@ def plan(records: list[ImageRecord], channels: int, vae_factor: int, identity: d
     jobs = []
     for (w, h), recs in sorted(by_bucket.items()):
         recs.sort(key=lambda r: r.ref)
-        jobs.append(BucketJob(key=store.bucket_key(w, h), width=w, height=h,
-                              shape=latent_shape(w, h, channels, vae_factor), records=recs,
-                              row_keys=[row_key(r, identity) for r in recs]))
+        jobs.append(
+            BucketJob(
+                key=store.bucket_key(w, h),
+                width=w,
+                height=h,
+                shape=latent_shape(w, h, channels, vae_factor),
+                records=recs,
+                row_keys=[row_key(r, identity) for r in recs],
+            )
+        )
     return jobs
 
 
 def single_process() -> None:
     """Caching inside a multi-process launch caches nothing useful (docs/design.md): refuse it."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError("the latents stage runs in one process, before training: run `tuneline stage latents` "
-                           "(or `tuneline run`), not under torchrun / a distributed launcher")
+        raise RuntimeError(
+            "the latents stage runs in one process, before training: run `tuneline stage latents` "
+            "(or `tuneline run`), not under torchrun / a distributed launcher"
+        )
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
@@ -88,8 +98,14 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     if ctx.force:  # --force: resume nothing either
         for done in (store.BLOCKS, store.STORE):
             shutil.rmtree(work / done, ignore_errors=True)
-    settings = Settings(roots=scan.roots(), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
-                        batch_size=lc.batch_size, names=store.array_names(lc.flip))
+    settings = Settings(
+        roots=scan.roots(),
+        work=work,
+        dtype=lc.dtype,
+        block_rows=lc.block_rows,
+        batch_size=lc.batch_size,
+        names=store.array_names(lc.flip),
+    )
     results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
     facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae_facts_of(fam, vae), vae_dtype)
     return facts | {"masked": write_masks(ctx, work, results, records, scan)}
@@ -97,8 +113,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
 
 def write_masks(ctx, work: Path, results: list[BucketResult], records: list[ImageRecord], scan: ScanManifest) -> int:
     index = [row for r in results for row in r.index]
-    return masks.write_masks(work, index, records, scan.roots(), mask_root(ctx.cfg),
-                             models.family(ctx.cfg).facts.vae_factor)
+    return masks.write_masks(
+        work, index, records, scan.roots(), mask_root(ctx.cfg), models.family(ctx.cfg).facts.vae_factor
+    )
 
 
 def build_sharded(ctx, work: Path, upstream: dict) -> dict:
@@ -116,10 +133,17 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
     for key in ("encoded", "reused"):
         facts[key] += sum(r[key] for r in reports)
     facts["resumed"] = max(0, facts["count"] - facts["encoded"] - facts["reused"])
-    ctx.log.info("latents: %d shards; in all %d rows encoded, %d copied from the previous version, %d resumed",
-                 len(reports), facts["encoded"], facts["reused"], facts["resumed"])
-    return facts | {"masked": write_masks(ctx, work, results, scan_records(models.artifact_dir(ctx, scan)), scan),
-                    "shards": shard.shard_entries(reports)}
+    ctx.log.info(
+        "latents: %d shards; in all %d rows encoded, %d copied from the previous version, %d resumed",
+        len(reports),
+        facts["encoded"],
+        facts["reused"],
+        facts["resumed"],
+    )
+    return facts | {
+        "masked": write_masks(ctx, work, results, scan_records(models.artifact_dir(ctx, scan)), scan),
+        "shards": shard.shard_entries(reports),
+    }
 
 
 def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, total: int) -> list[BucketResult]:
@@ -139,8 +163,16 @@ def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, tot
     return results
 
 
-def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResult], jobs: list[BucketJob], fam,
-                   vae_facts: dict, vae_dtype: str) -> dict:
+def manifest_facts(
+    ctx,
+    work: Path,
+    scan: ScanManifest,
+    results: list[BucketResult],
+    jobs: list[BucketJob],
+    fam,
+    vae_facts: dict,
+    vae_dtype: str,
+) -> dict:
     """Write the index and rejections; the manifest facts a consumer checks before reading."""
     cfg = ctx.cfg
     index = [row for r in results for row in r.index]
@@ -150,17 +182,37 @@ def manifest_facts(ctx, work: Path, scan: ScanManifest, results: list[BucketResu
     for x in rejected[:20]:
         ctx.log.warning("latents: rejected %s: %s", x.path, x.reason)
     if not index:
-        raise ArtifactError(f"no image of scan version {scan.fingerprint} could be encoded; see the reasons in "
-                            f"{work / 'rejected.jsonl'} and fix the dataset")
-    buckets = [{"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
-               for j, r in zip(jobs, results) if r.index]
+        raise ArtifactError(
+            f"no image of scan version {scan.fingerprint} could be encoded; see the reasons in "
+            f"{work / 'rejected.jsonl'} and fix the dataset"
+        )
+    buckets = [
+        {"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
+        for j, r in zip(jobs, results)
+        if r.index
+    ]
     counts = {k: sum(getattr(r, k) for r in results) for k in ("encoded", "reused", "resumed")}
-    ctx.log.info("latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
-                 len(index), counts["encoded"], counts["reused"], counts["resumed"], len(rejected))
-    return {"family": fam.facts.name, "vae_identity": models.identity(ctx, "vae"), "vae_dtype": vae_dtype,
-            "vae_factor": fam.facts.vae_factor, "latent_channels": fam.facts.latent_channels,
-            **vae_facts,
-            "dtype": cfg.latents.dtype, "flip": cfg.latents.flip,
-            "block_rows": cfg.latents.block_rows, "size_policy": size_policy(cfg), "buckets": buckets,
-            "count": len(index), "rejected": len(rejected), **counts}
-
+    ctx.log.info(
+        "latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
+        len(index),
+        counts["encoded"],
+        counts["reused"],
+        counts["resumed"],
+        len(rejected),
+    )
+    return {
+        "family": fam.facts.name,
+        "vae_identity": models.identity(ctx, "vae"),
+        "vae_dtype": vae_dtype,
+        "vae_factor": fam.facts.vae_factor,
+        "latent_channels": fam.facts.latent_channels,
+        **vae_facts,
+        "dtype": cfg.latents.dtype,
+        "flip": cfg.latents.flip,
+        "block_rows": cfg.latents.block_rows,
+        "size_policy": size_policy(cfg),
+        "buckets": buckets,
+        "count": len(index),
+        "rejected": len(rejected),
+        **counts,
+    }

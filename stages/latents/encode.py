@@ -1,4 +1,5 @@
 """Pixels in, checked latent distributions out: the decode side (worker threads) and the VAE side."""
+
 from __future__ import annotations
 
 import zlib
@@ -15,8 +16,16 @@ from tuneline.stages.latents import store
 from tuneline.stages.scan.images import load_rgb
 
 # What PIL raises on a file whose header parsed but whose pixel data is broken (truncated, bad zlib stream).
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, zlib.error,
-                 Image.DecompressionBombError)
+DECODE_ERRORS = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    EOFError,
+    IndexError,
+    KeyError,
+    zlib.error,
+    Image.DecompressionBombError,
+)
 
 
 class LatentShapeError(RuntimeError):
@@ -50,8 +59,9 @@ class Encoder:
     def __init__(self, vae: torch.nn.Module, device: torch.device, dtype: str, flip: bool):
         self.vae, self.device, self.dtype, self.flip = vae, device, np.dtype(dtype), flip
 
-    def __call__(self, pixels: list[torch.Tensor], paths: list[str],
-                 expected: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    def __call__(
+        self, pixels: list[torch.Tensor], paths: list[str], expected: tuple[int, int, int]
+    ) -> dict[str, np.ndarray]:
         x = torch.stack(pixels).to(self.device, self.vae.dtype)
         if self.flip:
             x = torch.cat([x, x.flip(-1)])  # one forward for both variants
@@ -73,14 +83,18 @@ def check_latents(arrays: dict[str, np.ndarray], expected: tuple[int, int, int],
         variant = " (flipped)" if name in store.FLIPPED else ""
         for i, path in enumerate(paths):
             if tuple(arr[i].shape) != expected:
-                raise LatentShapeError(f"latent shape mismatch for image {path}{variant}: expected {expected}, "
-                                       f"got {tuple(arr[i].shape)}; its bucket size and the VAE disagree")
+                raise LatentShapeError(
+                    f"latent shape mismatch for image {path}{variant}: expected {expected}, "
+                    f"got {tuple(arr[i].shape)}; its bucket size and the VAE disagree"
+                )
         bad = ~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
         if bad.any():
             path = paths[int(np.argmax(bad))]
-            raise LatentShapeError(f"the VAE produced NaN/Inf latent {name} for image {path}{variant} (stored as "
-                                   f"{arr.dtype}): check the image, run the VAE in float32 (model.dtype) or "
-                                   f"store float32 (latents.dtype)")
+            raise LatentShapeError(
+                f"the VAE produced NaN/Inf latent {name} for image {path}{variant} (stored as "
+                f"{arr.dtype}): check the image, run the VAE in float32 (model.dtype) or "
+                f"store float32 (latents.dtype)"
+            )
 
 
 def vae_facts_of(fam, vae) -> dict:

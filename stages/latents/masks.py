@@ -4,6 +4,7 @@ Each mask gets the crop its image got and is area-averaged down to the latent gr
 what share of its pixels the mask keeps. The flipped variant is the same plane mirrored (the reader does that).
 Rows without a mask are all ones.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -38,15 +39,23 @@ def _plane(rec: ImageRecord, image_root: Path, mask_root: Path | None, grid: tup
         with Image.open(mask_root / rec.mask_path) as im:
             mask = im.convert("L")
     if mask.size != (rec.width, rec.height):
-        raise ValueError(f"mask of {rec.path} is {mask.size[0]}x{mask.size[1]}, the scan recorded "
-                         f"{rec.width}x{rec.height}: the file changed since the scan; run `tuneline stage scan`")
+        raise ValueError(
+            f"mask of {rec.path} is {mask.size[0]}x{mask.size[1]}, the scan recorded "
+            f"{rec.width}x{rec.height}: the file changed since the scan; run `tuneline stage scan`"
+        )
     # Float before averaging: an 8-bit average would round a half-covered position to 128 / 255.
     small = mask.crop(rec.crop).convert("F").resize((grid[1], grid[0]), Image.Resampling.BOX)
     return (np.asarray(small, np.float32) / 255.0).astype(np.float16)
 
 
-def write_masks(work: Path, index: list[dict], records: list[ImageRecord], roots: dict[int | None, Path],
-                mask_root: Path | None, vae_factor: int) -> int:
+def write_masks(
+    work: Path,
+    index: list[dict],
+    records: list[ImageRecord],
+    roots: dict[int | None, Path],
+    mask_root: Path | None,
+    vae_factor: int,
+) -> int:
     """Write every bucket's masks when any cached image has one; returns how many rows have a mask."""
     sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
     rows = [row for row in index if sized[row["path"], row["bucket"]].mask_kind is not None]

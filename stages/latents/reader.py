@@ -16,6 +16,7 @@ Remote.options as storage_options): then every block read is one GET per array, 
 (tuneline.stages.train.loop.Trainer.feed) keep several in flight. Verify a remote manifest with
 tuneline.stages.common.remote.read_remote_manifest before reading.
 """
+
 from __future__ import annotations
 
 import threading
@@ -57,13 +58,21 @@ def block_shuffle(n: int, block_rows: int, window: int, rng: np.random.Generator
     blocks = rng.permutation(-(-n // block_rows))
     parts = []
     for i in range(0, len(blocks), window):
-        rows = np.concatenate([np.arange(b * block_rows, min(n, (b + 1) * block_rows)) for b in blocks[i:i + window]])
+        rows = np.concatenate([np.arange(b * block_rows, min(n, (b + 1) * block_rows)) for b in blocks[i : i + window]])
         parts.append(rng.permutation(rows))
     return np.concatenate(parts)
 
 
-def epoch_plan(counts: dict[str, int], batch_size: int, world_size: int, seed: int, epoch: int, *,
-               block_rows: int = DEFAULT_BLOCK_ROWS, window: int = WINDOW_BLOCKS) -> list[tuple[str, np.ndarray]]:
+def epoch_plan(
+    counts: dict[str, int],
+    batch_size: int,
+    world_size: int,
+    seed: int,
+    epoch: int,
+    *,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    window: int = WINDOW_BLOCKS,
+) -> list[tuple[str, np.ndarray]]:
     """Global batches for one epoch: (bucket, row ids of length batch_size * world_size).
 
     A bucket too small for a global batch is repeated to fill it rather than dropped; a bucket's remainder
@@ -79,7 +88,7 @@ def epoch_plan(counts: dict[str, int], batch_size: int, world_size: int, seed: i
         rows = block_shuffle(n, block_rows, window, rng)
         if n < gb:
             rows = np.resize(rows, gb)  # repeats the permutation cyclically
-        per_bucket[bucket] = [rows[i:i + gb] for i in range(0, len(rows) // gb * gb, gb)]
+        per_bucket[bucket] = [rows[i : i + gb] for i in range(0, len(rows) // gb * gb, gb)]
     labels = [b for b, batches in per_bucket.items() for _ in batches]
     taken = dict.fromkeys(per_bucket, 0)
     plan = []
@@ -103,15 +112,20 @@ class LatentReader:
         self.arrays = {b.array: self._open(b) for b in manifest.buckets}
         self._blocks: dict[str, OrderedDict[int, dict[str, np.ndarray]]] = {b: OrderedDict() for b in self.shapes}
         remote = store.is_url(self.dir)
-        self._keep = {b: 2 * WINDOW_BLOCKS if remote else max(2 * WINDOW_BLOCKS, self._mapped_blocks(b))
-                      for b in self.shapes}  # blocks held per bucket
+        self._keep = {
+            b: 2 * WINDOW_BLOCKS if remote else max(2 * WINDOW_BLOCKS, self._mapped_blocks(b)) for b in self.shapes
+        }  # blocks held per bucket
         self._lock = threading.Lock()
 
     def _mapped_blocks(self, bucket: str) -> int:
         """How many blocks of `bucket` a local reader keeps mapped: its share of MAPPED_BYTES and MAPPED_BLOCKS."""
         share = max(1, len(self.shapes))
-        block_bytes = (self.block_rows * int(np.prod(self.shapes[bucket])) * len(self.names)
-                       * np.dtype(self.manifest.dtype).itemsize)
+        block_bytes = (
+            self.block_rows
+            * int(np.prod(self.shapes[bucket]))
+            * len(self.names)
+            * np.dtype(self.manifest.dtype).itemsize
+        )
         return min(MAPPED_BLOCKS // share, MAPPED_BYTES // share // block_bytes)
 
     def _fail(self, what: str) -> ReaderError:
@@ -139,8 +153,10 @@ class LatentReader:
                 raise self._fail(f"bucket {b.array} array {name} cannot be read block-wise: {problem}")
             got = (tuple(arr.shape), tuple(arr.chunks), str(arr.dtype))
             if got != want:
-                raise self._fail(f"bucket {b.array} array {name} is {got[0]} {got[2]} in chunks of {got[1][0]} "
-                                 f"rows, the manifest says {want[0]} {want[2]} in chunks of {want[1][0]}")
+                raise self._fail(
+                    f"bucket {b.array} array {name} is {got[0]} {got[2]} in chunks of {got[1][0]} "
+                    f"rows, the manifest says {want[0]} {want[2]} in chunks of {want[1][0]}"
+                )
         return arrays
 
     def counts(self) -> dict[str, int]:
@@ -153,8 +169,9 @@ class LatentReader:
     def batch(self, bucket: str, rows: np.ndarray, flip: Iterable[bool] | None = None) -> Batch:
         flip = None if flip is None else tuple(bool(f) for f in flip)
         if flip is not None and any(flip) and not self.manifest.flip:
-            raise self._fail("a flipped batch was asked for but the cache holds no flipped variant "
-                             "(set latents.flip true)")
+            raise self._fail(
+                "a flipped batch was asked for but the cache holds no flipped variant (set latents.flip true)"
+            )
         return Batch(bucket, tuple(int(r) for r in rows), tuple(self.paths[bucket][int(r)] for r in rows), flip)
 
     def _block(self, bucket: str, block: int) -> dict[str, np.ndarray]:
@@ -169,8 +186,10 @@ class LatentReader:
             raise self._fail(f"bucket {bucket} block {block}: {err}") from None
         for name, arr in data.items():  # once per block read: cheap, and it catches a store edited since open
             if arr.shape[1:] != self.shapes[bucket] or str(arr.dtype) != self.manifest.dtype:
-                raise self._fail(f"bucket {bucket} block {block} of {name} reads as {arr.shape[1:]} {arr.dtype}, "
-                                 f"the manifest says {self.shapes[bucket]} {self.manifest.dtype}")
+                raise self._fail(
+                    f"bucket {bucket} block {block} of {name} reads as {arr.shape[1:]} {arr.dtype}, "
+                    f"the manifest says {self.shapes[bucket]} {self.manifest.dtype}"
+                )
         with self._lock:
             cache[block] = data
             while len(cache) > self._keep[bucket]:
@@ -184,8 +203,10 @@ class LatentReader:
         flip = np.zeros(len(rows), bool) if batch.flip is None else np.asarray(batch.flip, dtype=bool)
         shape, count = self.shapes[batch.bucket], len(self.paths[batch.bucket])
         if len(flip) != len(rows) or rows.min(initial=0) < 0 or rows.max(initial=0) >= count:
-            raise ReaderError(f"batch of bucket {batch.bucket} asks for rows {list(rows[:8])} (flip "
-                              f"{batch.flip}); the bucket has rows 0..{count - 1}")
+            raise ReaderError(
+                f"batch of bucket {batch.bucket} asks for rows {list(rows[:8])} (flip "
+                f"{batch.flip}); the bucket has rows 0..{count - 1}"
+            )
         dtype = getattr(torch, self.manifest.dtype)
         mean_t, std_t = (torch.empty((len(rows), *shape), dtype=dtype, pin_memory=pin) for _ in range(2))
         mean, std = mean_t.numpy(), std_t.numpy()

@@ -5,6 +5,7 @@ A row's key hashes everything its latents depend on (image bytes, bucket, crop, 
 VAE and stored dtypes, flip, pixel pipeline version), so a match means encoding would give the same row.
 Only the latest published version is consulted, after the artifact store has verified its files.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -32,8 +33,16 @@ def row_identity(vae_identity: str, vae_dtype: str, dtype: str, flip: bool) -> d
 
 
 def row_key(rec: ImageRecord, identity: dict) -> str:
-    return digest({"sha256": rec.sha256, "bucket": [rec.bucket_width, rec.bucket_height], "crop": list(rec.crop),
-                   "background": rec.background, **identity}, length=32)
+    return digest(
+        {
+            "sha256": rec.sha256,
+            "bucket": [rec.bucket_width, rec.bucket_height],
+            "crop": list(rec.crop),
+            "background": rec.background,
+            **identity,
+        },
+        length=32,
+    )
 
 
 class PreviousRows:

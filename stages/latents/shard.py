@@ -11,6 +11,7 @@ chunks are byte for byte a single process's. Images rejected while encoding shif
 the parent's pass (the single-process writer's resume) adopts every block that checks out at its place and
 writes the rest itself, so the published cache is the 1-shard cache whatever was rejected.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -79,10 +80,15 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
     fam = models.family(cfg)
     vae_dtype = planned_vae_dtype(cfg)
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
-    jobs = plan(scan_records(models.artifact_dir(ctx, scan)), fam.facts.latent_channels, fam.facts.vae_factor,
-                identity)
-    settings = Settings(roots=scan.roots(), work=work, dtype=lc.dtype, block_rows=lc.block_rows,
-                        batch_size=lc.batch_size, names=store.array_names(lc.flip))
+    jobs = plan(scan_records(models.artifact_dir(ctx, scan)), fam.facts.latent_channels, fam.facts.vae_factor, identity)
+    settings = Settings(
+        roots=scan.roots(),
+        work=work,
+        dtype=lc.dtype,
+        block_rows=lc.block_rows,
+        batch_size=lc.batch_size,
+        names=store.array_names(lc.flip),
+    )
     previous = PreviousRows.latest(ctx, settings.names)
     return Plan(jobs, settings, previous if previous is not None else NO_REUSE, vae_dtype)
 
@@ -93,7 +99,7 @@ def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
     with the block before it."""
     size = p.settings.block_rows
     blocks = [(k, b) for k, job in enumerate(p.jobs) for b in range(-(-len(job.records) // size))]
-    todo = [sum(key not in p.reuse for key in p.jobs[k].row_keys[b * size:(b + 1) * size]) for k, b in blocks]
+    todo = [sum(key not in p.reuse for key in p.jobs[k].row_keys[b * size : (b + 1) * size]) for k, b in blocks]
     total = sum(todo)
     out: list[list[tuple[int, int]]] = [[] for _ in range(count)]
     owner, before = 0, 0
@@ -151,8 +157,14 @@ def build_sharded(ctx, work: Path, scan: ScanManifest, upstream_versions: dict) 
     s = p.settings
     for job in p.jobs:  # made here, once: shards only write chunk files and block records
         store.create_arrays(work, job.key, job.shape, len(job.records), s.dtype, s.block_rows, s.names)
-    job = ShardJob(stage="latents", work=str(work.resolve()), count=lc.shards, force=ctx.force,
-                   upstream=upstream_versions, config=ctx.cfg.dump())
+    job = ShardJob(
+        stage="latents",
+        work=str(work.resolve()),
+        count=lc.shards,
+        force=ctx.force,
+        upstream=upstream_versions,
+        config=ctx.cfg.dump(),
+    )
     reports = run_shards(ctx, job)
     encoder = LazyEncoder(ctx, p.vae_dtype)
     return p, encoder, reports
@@ -169,4 +181,3 @@ def vae_facts(reports: list[dict], encoder: LazyEncoder) -> dict:
             return r["vae"]
     encoder.load()
     return encoder.facts()
-

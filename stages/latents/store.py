@@ -33,6 +33,7 @@ so training can read a pushed version in place (stages/common/remote.py): on obj
 The default block of 64 rows is 2 MB per array at SD1.5's 4x64x64 latents and 8 MB at SDXL's 4x128x128: one
 sequential read each, and a reader holding 2 x 4 blocks per bucket (reader.py) needs tens of MB per bucket.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -117,8 +118,15 @@ def _open_raw(where: Path | str, options: dict | None = None) -> RawArray:
     return RawArray(where, json.loads(text), options)
 
 
-def create_arrays(root: Path, bucket: str, shape: tuple[int, int, int], capacity: int, dtype: str,
-                  block_rows: int, names: tuple[str, ...]) -> dict[str, RawArray]:
+def create_arrays(
+    root: Path,
+    bucket: str,
+    shape: tuple[int, int, int],
+    capacity: int,
+    dtype: str,
+    block_rows: int,
+    names: tuple[str, ...],
+) -> dict[str, RawArray]:
     """The bucket's arrays, reopened when a resumed build already made them with this layout.
 
     `capacity` is the bucket's image count; rows of images rejected while encoding are trimmed at the end.
@@ -133,8 +141,16 @@ def create_arrays(root: Path, bucket: str, shape: tuple[int, int, int], capacity
                 if arr.shape[0] != capacity:
                     arr.resize((capacity, *shape))
                 continue
-        group.create_array(name, shape=(capacity, *shape), chunks=chunks, dtype=dtype, compressors=None,
-                           fill_value=0, overwrite=True, config={"write_empty_chunks": True})
+        group.create_array(
+            name,
+            shape=(capacity, *shape),
+            chunks=chunks,
+            dtype=dtype,
+            compressors=None,
+            fill_value=0,
+            overwrite=True,
+            config={"write_empty_chunks": True},
+        )
     return {name: _open_raw(root / STORE / bucket / name) for name in names}
 
 
@@ -150,7 +166,7 @@ def write_block(arrays: dict[str, RawArray], block: int, data: dict[str, np.ndar
         if rows.shape[1:] != arr.chunks[1:] or len(rows) > arr.chunks[0]:
             raise ValueError(f"block of shape {rows.shape} does not fit chunks of {arr.chunks} in {arr.where}")
         chunk = np.full(arr.chunks, arr.meta.get("fill_value") or 0, dtype=rows.dtype)
-        chunk[:len(rows)] = rows
+        chunk[: len(rows)] = rows
         target = Path(arr.chunk_path(block))
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + PARTIAL)
@@ -169,7 +185,7 @@ def read_arrays(arrays: dict[str, RawArray], start: int, stop: int) -> dict[str,
         parts = [read_rows(arr, b) for b in range(start // size, -(-stop // size))]
         rows = np.concatenate(parts) if parts else np.empty((0, *arr.chunks[1:]), arr.dtype)
         first = (start // size) * size
-        out[name] = rows[start - first:stop - first]
+        out[name] = rows[start - first : stop - first]
     return out
 
 
@@ -183,7 +199,7 @@ def read_rows(arr: RawArray, block: int) -> np.ndarray:
     if raw_layout_problem(arr) is None:
         return read_chunk(arr, block)
     zarr_array = zarr.open_array(str(arr.where), mode="r", storage_options=arr.options)
-    return zarr_array[block * arr.chunks[0]:(block + 1) * arr.chunks[0]]
+    return zarr_array[block * arr.chunks[0] : (block + 1) * arr.chunks[0]]
 
 
 def block_digest(data: dict[str, np.ndarray]) -> str:
@@ -262,14 +278,14 @@ def join(root: Path | str, *parts: str) -> Path | str:
     return Path(root).joinpath(*parts)
 
 
-def open_arrays(root: Path | str, bucket: str, names: tuple[str, ...],
-                storage_options: dict | None = None) -> dict[str, RawArray]:
+def open_arrays(
+    root: Path | str, bucket: str, names: tuple[str, ...], storage_options: dict | None = None
+) -> dict[str, RawArray]:
     return {name: _open_raw(join(root, STORE, bucket, name), storage_options) for name in names}
 
 
 def open_bucket(root: Path | str, width: int, height: int, storage_options: dict | None = None) -> zarr.Group:
-    return zarr.open_group(str(join(root, STORE, bucket_key(width, height))), mode="r",
-                           storage_options=storage_options)
+    return zarr.open_group(str(join(root, STORE, bucket_key(width, height))), mode="r", storage_options=storage_options)
 
 
 def read_index(root: Path | str, storage_options: dict | None = None) -> Iterator[dict]:
@@ -315,8 +331,10 @@ def link_block(src: dict[str, RawArray], src_block: int, dst: dict[str, RawArray
     for name, arr in dst.items():
         source, target = Path(src[name].chunk_path(src_block)), Path(arr.chunk_path(dst_block))
         if src[name].chunks != arr.chunks or src[name].dtype != arr.dtype:
-            raise ValueError(f"cannot link {source} into {target}: chunks {src[name].chunks} {src[name].dtype} "
-                             f"vs {arr.chunks} {arr.dtype}")
+            raise ValueError(
+                f"cannot link {source} into {target}: chunks {src[name].chunks} {src[name].dtype} "
+                f"vs {arr.chunks} {arr.dtype}"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         target.unlink(missing_ok=True)  # an interrupted attempt's chunk, possibly itself a link: never write into it
         try:
@@ -331,8 +349,9 @@ def read_chunk(arr: RawArray, block: int) -> np.ndarray:
     where = arr.chunk_path(block)
     flat = _mapped(Path(where), dtype) if arr.local else _fetch_chunk(str(where), arr.options, dtype)
     if flat.size != math.prod(arr.chunks):
-        raise ValueError(f"chunk file {where} holds {flat.size} values, a chunk has {math.prod(arr.chunks)} "
-                         f"(truncated or edited)")
+        raise ValueError(
+            f"chunk file {where} holds {flat.size} values, a chunk has {math.prod(arr.chunks)} (truncated or edited)"
+        )
     rows = min(arr.chunks[0], arr.shape[0] - block * arr.chunks[0])
     return flat.reshape(arr.chunks)[:rows]
 

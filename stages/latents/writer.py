@@ -7,6 +7,7 @@ and the blocks before the first new image of a bucket) shares that block's chunk
 incremental build costs what changed, not the cache's size. Decoding runs ahead in the worker pool while the
 VAE encodes, so the VAE rarely waits for pixels.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -120,8 +121,7 @@ class BucketWriter:
     def _ensure_arrays(self) -> dict:
         if self.arrays is None:
             j, s = self.job, self.s
-            self.arrays = store.create_arrays(s.work, j.key, j.shape, len(j.records), s.dtype, s.block_rows,
-                                              s.names)
+            self.arrays = store.create_arrays(s.work, j.key, j.shape, len(j.records), s.dtype, s.block_rows, s.names)
         return self.arrays
 
     def resume(self) -> int:
@@ -140,10 +140,12 @@ class BucketWriter:
     def _checks_out(self, rec: dict, consumed: int, n: int) -> bool:
         """The record covers the next records with the same row keys, and the data still has its digest."""
         j = self.job
-        span = dict(zip((r.ref for r in j.records[consumed:consumed + n]), j.row_keys[consumed:consumed + n]))
-        if (rec["start"] != self.rows
-                or set(span) != set(rec["paths"]) | {r["path"] for r in rec["rejected"]}
-                or [span.get(p) for p in rec["paths"]] != rec["keys"]):
+        span = dict(zip((r.ref for r in j.records[consumed : consumed + n]), j.row_keys[consumed : consumed + n]))
+        if (
+            rec["start"] != self.rows
+            or set(span) != set(rec["paths"]) | {r["path"] for r in rec["rejected"]}
+            or [span.get(p) for p in rec["paths"]] != rec["keys"]
+        ):
             return False
         start = self.rows
         data = store.read_arrays(self._ensure_arrays(), start, start + len(rec["paths"]))
@@ -151,19 +153,24 @@ class BucketWriter:
 
     def _adopt(self, paths: list[str], keys: list[str], rejected: list[Rejected]) -> None:
         start = self.rows
-        self.out.index += [{"path": p, "bucket": self.job.key, "row": start + i, "key": k}
-                           for i, (p, k) in enumerate(zip(paths, keys))]
+        self.out.index += [
+            {"path": p, "bucket": self.job.key, "row": start + i, "key": k} for i, (p, k) in enumerate(zip(paths, keys))
+        ]
         self.out.rejected += rejected
         self.blocks += 1
 
-    def commit(self, data: dict[str, np.ndarray], paths: list[str], keys: list[str],
-               rejected: list[Rejected]) -> None:
+    def commit(self, data: dict[str, np.ndarray], paths: list[str], keys: list[str], rejected: list[Rejected]) -> None:
         """Write a full block, then its record: until the record exists the block does not count."""
         start = self.rows
         assert start == self.blocks * self.s.block_rows, "only a bucket's last block may be short"
         store.write_block(self._ensure_arrays(), self.blocks, data)
-        record = {"start": start, "paths": paths, "keys": keys, "digest": store.block_digest(data),
-                  "rejected": [r.model_dump(mode="json") for r in rejected]}
+        record = {
+            "start": start,
+            "paths": paths,
+            "keys": keys,
+            "digest": store.block_digest(data),
+            "rejected": [r.model_dump(mode="json") for r in rejected],
+        }
         store.write_record(self.s.work, self.job.key, self.blocks, record)
         self._adopt(paths, keys, rejected)
 
@@ -259,8 +266,14 @@ class _Decodes:
         return job.result()
 
 
-def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: ThreadPoolExecutor,
-         advance: Callable[[int], None]) -> BucketResult:
+def fill(
+    w: BucketWriter,
+    start: int,
+    encoder: Callable,
+    reuse: Reuse,
+    pool: ThreadPoolExecutor,
+    advance: Callable[[int], None],
+) -> BucketResult:
     """Write every block of the bucket from record `start` on (the ones before were resumed). A block that is a
     whole block of the previous version, row for row, takes its chunk files; other rows are copied one by one or
     encoded."""
@@ -269,8 +282,15 @@ def fill(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: Thr
     return w.finish(asm.rejected)
 
 
-def fill_blocks(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, pool: ThreadPoolExecutor,
-                advance: Callable[[int], None], stop: int | None = None) -> _Assembly:
+def fill_blocks(
+    w: BucketWriter,
+    start: int,
+    encoder: Callable,
+    reuse: Reuse,
+    pool: ThreadPoolExecutor,
+    advance: Callable[[int], None],
+    stop: int | None = None,
+) -> _Assembly:
     """Write blocks from record `start` on until the writer reaches block `stop` (a shard's part) or the bucket
     ends; returns the assembly, holding the images rejected after the last block. Blocks are filled exactly as a
     single process fills them, so a shard's blocks are byte for byte a single process's."""
@@ -281,10 +301,10 @@ def fill_blocks(w: BucketWriter, start: int, encoder: Callable, reuse: Reuse, po
     while i < len(job.records) and (stop is None or w.blocks < stop):
         decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
         if not (asm.paths or asm.rejected):  # a block boundary (pending rejects go in the next written record)
-            keys = job.row_keys[i:i + size]
+            keys = job.row_keys[i : i + size]
             link = reuse.link(keys, size)
             if link is not None:
-                w.link(link, [r.ref for r in job.records[i:i + size]], keys)
+                w.link(link, [r.ref for r in job.records[i : i + size]], keys)
                 advance(len(keys))
                 i += len(keys)
                 continue

@@ -1,4 +1,5 @@
 """The loss-curve PNG, drawn with matplotlib's Agg backend (no display needed)."""
+
 from __future__ import annotations
 
 import io
@@ -29,8 +30,9 @@ def _finite(v: float) -> bool:
     return v == v and abs(v) != float("inf")
 
 
-def loss_curve(losses: Sequence[float], title: str = "training loss",
-               eval_losses: Sequence[dict] | None = None) -> Image.Image:
+def loss_curve(
+    losses: Sequence[float], title: str = "training loss", eval_losses: Sequence[dict] | None = None
+) -> Image.Image:
     """Raw loss per step in light grey, its moving average in blue, and eval loss points ({step, loss}) in orange."""
     fig, ax = plt.subplots(figsize=(SIZE[0] / DPI, SIZE[1] / DPI), dpi=DPI)
     try:
@@ -38,8 +40,7 @@ def loss_curve(losses: Sequence[float], title: str = "training loss",
         raw = [v for v in losses if _finite(v)]
         if raw:
             ax.plot(steps, raw, color="0.8", linewidth=0.8, label="loss per step")
-            ax.plot(steps, smooth(raw, max(1, len(raw) // 20)), color="tab:blue", linewidth=1.8,
-                    label="moving average")
+            ax.plot(steps, smooth(raw, max(1, len(raw) // 20)), color="tab:blue", linewidth=1.8, label="moving average")
         points = [(e["step"], e["loss"]) for e in eval_losses or () if _finite(e["loss"])]
         if points:
             ax.plot(*zip(*points), "o-", color="tab:orange", label="eval loss")

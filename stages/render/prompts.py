@@ -3,6 +3,7 @@
 Separate from the text stage on purpose: prompts are the validate stage's config, and putting them into the text
 artifact would make a prompt edit re-run text, training and everything after it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,14 @@ Encoded = dict[str, dict[str, torch.Tensor]]
 log = logging.getLogger("tuneline")
 
 
-def encode_prompts(fam: Family, enc: TextEncoders | Callable[[], TextEncoders], prompts: list[str], *,
-                   cache: Path | None = None, key: str = "") -> Encoded:
+def encode_prompts(
+    fam: Family,
+    enc: TextEncoders | Callable[[], TextEncoders],
+    prompts: list[str],
+    *,
+    cache: Path | None = None,
+    key: str = "",
+) -> Encoded:
     """prompt -> every tensor the family returns for it (batch 1), each distinct prompt encoded once; pass
     negative prompts in the same list (they share rows when equal, e.g. ""). Feed pairs to fam.prompt_kwargs.
 
@@ -38,7 +45,7 @@ def encode_prompts(fam: Family, enc: TextEncoders | Callable[[], TextEncoders], 
     if todo:
         encoders = enc() if callable(enc) else enc
         out = encode_strings(fam, encoders, todo)
-        have.update({p: {k: v[i:i + 1] for k, v in out.items()} for i, p in enumerate(todo)})
+        have.update({p: {k: v[i : i + 1] for k, v in out.items()} for i, p in enumerate(todo)})
         if cache is not None:
             save_prompts(cache, key, have)
     return {p: have[p] for p in wanted}
@@ -82,8 +89,7 @@ def load_prompts(path: Path, key: str) -> Encoded:
     except (OSError, SafetensorError, KeyError, ValueError):
         return {}
     if meta.get("sha256") != checksum(tensors) or not all(torch.isfinite(t).all() for t in tensors.values()):
-        log.warning("validation-prompt cache %s fails its checksum (changed since it was written): rebuilding it",
-                    path)
+        log.warning("validation-prompt cache %s fails its checksum (changed since it was written): rebuilding it", path)
         return {}
     out: Encoded = {p: {} for p in order}
     try:

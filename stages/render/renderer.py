@@ -4,6 +4,7 @@ Prompts are encoded through the family adapter and handed to the pipeline as emb
 which keyword arguments carry them and the negative prompt); seeds become per-sample generators on the device of
 the tensors they feed. Several prompts render in one pipeline call.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -36,15 +37,32 @@ class Sample:
 class Renderer:
     """A loaded pipeline + live text encoders. Build it with `Renderer.load`."""
 
-    def __init__(self, fam, pipe, encoders, device: torch.device, autocast: torch.dtype | None = None,
-                 prompt_cache: tuple[Path, str] | None = None):
+    def __init__(
+        self,
+        fam,
+        pipe,
+        encoders,
+        device: torch.device,
+        autocast: torch.dtype | None = None,
+        prompt_cache: tuple[Path, str] | None = None,
+    ):
         self.fam, self.pipe, self.enc, self.device, self.autocast = fam, pipe, encoders, device, autocast
         self.prompt_cache = prompt_cache
 
     @classmethod
-    def load(cls, fam, model_dir: Path, device: torch.device, dtype: torch.dtype, *, lora: Path | None = None,
-             denoiser: torch.nn.Module | None = None, autocast: torch.dtype | None = None,
-             max_length: int | None = None, prompt_cache: tuple[Path, str] | None = None) -> Renderer:
+    def load(
+        cls,
+        fam,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        lora: Path | None = None,
+        denoiser: torch.nn.Module | None = None,
+        autocast: torch.dtype | None = None,
+        max_length: int | None = None,
+        prompt_cache: tuple[Path, str] | None = None,
+    ) -> Renderer:
         """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""
@@ -59,8 +77,9 @@ class Renderer:
         encoders = fam.text_encoders_of(pipe, max_length)
         return cls(fam, pipe, encoders, device, autocast, prompt_cache)
 
-    def render(self, samples: Sequence[Sample], width: int, height: int, steps: int, guidance: float,
-               output_type: str = "pil") -> list:
+    def render(
+        self, samples: Sequence[Sample], width: int, height: int, steps: int, guidance: float, output_type: str = "pil"
+    ) -> list:
         """One output per sample, in order (PIL images, or latent tensors for output_type='latent')."""
         out: list = [None] * len(samples)
         # A sample without a negative prompt lets the pipeline use its own unconditional input, so those and the
@@ -68,9 +87,10 @@ class Renderer:
         groups = [[i for i, s in enumerate(samples) if bool(s.negative_prompt) == neg] for neg in (False, True)]
         for group in groups:
             for start in range(0, len(group), MAX_BATCH):
-                idx = group[start:start + MAX_BATCH]
-                for i, result in zip(idx, self._call([samples[i] for i in idx], width, height, steps, guidance,
-                                                     output_type)):
+                idx = group[start : start + MAX_BATCH]
+                for i, result in zip(
+                    idx, self._call([samples[i] for i in idx], width, height, steps, guidance, output_type)
+                ):
                     out[i] = result
         return out
 
@@ -84,8 +104,9 @@ class Renderer:
             pixels = vae.decode(latents.to(param.device, param.dtype) / scale + shift, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(pixels.float(), output_type="pil")
 
-    def _call(self, batch: list[Sample], width: int, height: int, steps: int, guidance: float,
-              output_type: str) -> list:
+    def _call(
+        self, batch: list[Sample], width: int, height: int, steps: int, guidance: float, output_type: str
+    ) -> list:
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with torch.no_grad(), amp:
             prompts = [s.prompt for s in batch]
@@ -98,9 +119,15 @@ class Renderer:
             neg = batch_of(encoded, negatives, self.device) if negatives else None
             gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
             # Pictures come back as floats first: NaN would silently turn black in the 8-bit conversion.
-            images = self.pipe(**self.fam.prompt_kwargs(text, neg), width=width, height=height,
-                               num_inference_steps=steps, guidance_scale=guidance, generator=gens,
-                               output_type="np" if output_type == "pil" else output_type).images
+            images = self.pipe(
+                **self.fam.prompt_kwargs(text, neg),
+                width=width,
+                height=height,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                generator=gens,
+                output_type="np" if output_type == "pil" else output_type,
+            ).images
         if output_type != "pil":
             return list(images)
         for s, img in zip(batch, images):
@@ -113,13 +140,20 @@ def check_render(pixels, sample: Sample) -> None:
     import numpy as np
 
     arr = np.asarray(pixels, dtype=np.float32)
-    what = ("holds NaN or infinite values" if not np.isfinite(arr).all()
-            else "is one flat color" if arr.size and float(arr.max()) == float(arr.min()) else None)
+    what = (
+        "holds NaN or infinite values"
+        if not np.isfinite(arr).all()
+        else "is one flat color"
+        if arr.size and float(arr.max()) == float(arr.min())
+        else None
+    )
     if what:
-        raise BadRender(f"the render of validation prompt {sample.prompt!r} (seed {sample.seed}) {what}: the weights "
-                        f"or the encoded prompts hold non-finite values (a diverged training: lower "
-                        f"train.learning_rate; or a damaged <workdir>/.cache, which can be deleted); nothing "
-                        f"was published")
+        raise BadRender(
+            f"the render of validation prompt {sample.prompt!r} (seed {sample.seed}) {what}: the weights "
+            f"or the encoded prompts hold non-finite values (a diverged training: lower "
+            f"train.learning_rate; or a damaged <workdir>/.cache, which can be deleted); nothing "
+            f"was published"
+        )
 
 
 def grid(images: list[Image.Image], cols: int = 4) -> Image.Image:
@@ -137,5 +171,9 @@ def render_size_for(cfg, aspect: float | None = None) -> tuple[int, int]:
     """Pixel or area units, converted and aligned by the same function the scan uses."""
     v, b = cfg.validate_, cfg.buckets
     align = b.alignment or family_facts(cfg.model.family).alignment
-    return render_size(v.resolution or b.resolution, v.resolution_type or b.resolution_type, align,
-                       v.aspect if aspect is None else aspect)
+    return render_size(
+        v.resolution or b.resolution,
+        v.resolution_type or b.resolution_type,
+        align,
+        v.aspect if aspect is None else aspect,
+    )

@@ -3,6 +3,7 @@
 The plan is a pure function of bucket counts and the global batch, so the trainer can call the same
 `bucket_plan` with its own batch; the scan applies it only to report it, and (with `drop`) to drop buckets.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,11 @@ def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Buck
         raise ValueError(f"buckets.small_bucket: unknown policy {policy!r}; use repeat or drop")
     if not any(plan.values()):
         (bw, bh), n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-        raise NoBatchError(f"no bucket can form a batch of {batch} (train.batch_size x train.processes x "
-                           f"train.nodes): the largest, {bw}x{bh}, has {n} images and buckets.small_bucket is "
-                           f"drop; set buckets.small_bucket: repeat, lower train.batch_size, or add images")
+        raise NoBatchError(
+            f"no bucket can form a batch of {batch} (train.batch_size x train.processes x "
+            f"train.nodes): the largest, {bw}x{bh}, has {n} images and buckets.small_bucket is "
+            f"drop; set buckets.small_bucket: repeat, lower train.batch_size, or add images"
+        )
     return plan
 
 
@@ -43,19 +46,33 @@ def by_bucket(records: list[ImageRecord]) -> dict[Bucket, list[ImageRecord]]:
     return dict(sorted(groups.items()))
 
 
-def apply_plan(records: list[ImageRecord], plan: dict[Bucket, int],
-               batch: int) -> tuple[list[ImageRecord], list[Rejected], list[BucketRow]]:
+def apply_plan(
+    records: list[ImageRecord], plan: dict[Bucket, int], batch: int
+) -> tuple[list[ImageRecord], list[Rejected], list[BucketRow]]:
     """Split records into kept / rejected (dropped buckets) and build the bucket table."""
     kept, dropped, rows = [], [], []
     for (bw, bh), recs in by_bucket(records).items():
-        rows.append(BucketRow(width=bw, height=bh, count=len(recs), samples=[r.ref for r in recs[:SAMPLES]],
-                              dropped=plan[(bw, bh)] == 0))
+        rows.append(
+            BucketRow(
+                width=bw,
+                height=bh,
+                count=len(recs),
+                samples=[r.ref for r in recs[:SAMPLES]],
+                dropped=plan[(bw, bh)] == 0,
+            )
+        )
         if plan[(bw, bh)]:
             kept += recs
             continue
-        dropped += [Rejected(path=r.ref, kind="small-bucket",
-                             reason=f"bucket {bw}x{bh} has {len(recs)} images, fewer than one batch of {batch}, and "
-                                    f"buckets.small_bucket is drop; set it to repeat to keep them") for r in recs]
+        dropped += [
+            Rejected(
+                path=r.ref,
+                kind="small-bucket",
+                reason=f"bucket {bw}x{bh} has {len(recs)} images, fewer than one batch of {batch}, and "
+                f"buckets.small_bucket is drop; set it to repeat to keep them",
+            )
+            for r in recs
+        ]
     return sorted(kept, key=lambda r: r.ref), dropped, rows
 
 
@@ -69,15 +86,25 @@ def duplicate_groups(records: list[ImageRecord]) -> list[list[str]]:
 def reject_duplicates(records: list[ImageRecord], groups: list[list[str]]) -> tuple[list[ImageRecord], list[Rejected]]:
     """Keep the first path of each identical-content group."""
     later = {p: g[0] for g in groups for p in g[1:]}
-    rejected = [Rejected(path=p, kind="duplicate", reason=f"same content as {first}; dataset.duplicates is reject")
-                for p, first in sorted(later.items())]
+    rejected = [
+        Rejected(path=p, kind="duplicate", reason=f"same content as {first}; dataset.duplicates is reject")
+        for p, first in sorted(later.items())
+    ]
     return [r for r in records if r.ref not in later], rejected
 
 
 def table(rows: list[BucketRow], plan: dict[Bucket, int]) -> list[dict]:
     """The bucket table as the Prefect table artifact shows it."""
-    return [{"bucket": f"{r.width}x{r.height}", "count": r.count, "repeats": plan[(r.width, r.height)],
-             "status": "dropped" if r.dropped else "kept", "samples": ", ".join(r.samples)} for r in rows]
+    return [
+        {
+            "bucket": f"{r.width}x{r.height}",
+            "count": r.count,
+            "repeats": plan[(r.width, r.height)],
+            "status": "dropped" if r.dropped else "kept",
+            "samples": ", ".join(r.samples),
+        }
+        for r in rows
+    ]
 
 
 def conversions(records: list[ImageRecord]) -> dict[str, int]:

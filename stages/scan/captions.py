@@ -4,6 +4,7 @@ Precedence: a sidecar beats a metadata entry (it is the more specific of the two
 follow `dataset.empty_caption`. A caption that cannot be decoded rejects its image: training on mojibake is
 worse than not training on the image, and the reason tells the user which file to re-save.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def _decode(raw: bytes, rel: str) -> str:
     try:
         return raw.decode("utf-8-sig")  # -sig: editors on Windows prepend a BOM
     except UnicodeDecodeError as err:
-        raise CaptionError(f"caption file {rel} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset "
-                           f"{err.start}): re-save it as UTF-8") from None
+        raise CaptionError(
+            f"caption file {rel} is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset "
+            f"{err.start}): re-save it as UTF-8"
+        ) from None
 
 
 class Captions:
@@ -77,8 +80,11 @@ class Captions:
         fields = [self.cfg.metadata_caption_field] if self.cfg.metadata_caption_field else AUTO_FIELDS
         field = next((f for f in fields if isinstance(row, dict) and f in row), None)
         if not isinstance(name, str) or field is None or not isinstance(row[field], str):
-            self._problem(rel, f"line {lineno}: needs a string `file_name` and a string caption field "
-                               f"({' or '.join(fields)}); set dataset.metadata_caption_field to yours")
+            self._problem(
+                rel,
+                f"line {lineno}: needs a string `file_name` and a string caption field "
+                f"({' or '.join(fields)}); set dataset.metadata_caption_field to yours",
+            )
             return
         target = posixpath.normpath(posixpath.join(base, name))
         if target.startswith("../") or posixpath.isabs(name):
@@ -130,7 +136,9 @@ class Captions:
             return filename_caption(rel), "filename"
         if self.cfg.empty_caption == "reject":
             stem = posixpath.splitext(rel)[0]
-            raise CaptionError(f"no caption: {stem}{self.cfg.caption_extension} and {self.cfg.metadata_file} give "
-                               f"none (or an empty one); add a caption, or set dataset.empty_caption to keep or "
-                               f"filename")
+            raise CaptionError(
+                f"no caption: {stem}{self.cfg.caption_extension} and {self.cfg.metadata_file} give "
+                f"none (or an empty one); add a caption, or set dataset.empty_caption to keep or "
+                f"filename"
+            )
         return "", "none"

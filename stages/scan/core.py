@@ -1,4 +1,5 @@
 """The scan stage's core: list, probe (reusing the previous scan for unchanged files), caption, bucket."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -130,7 +131,7 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
     # alone is then a few small files, not one thread hashing big TIFFs while the others idle.
     todo.sort(key=lambda e: -e.size)
     size = max(1, min(CHUNK, len(todo) // (WORKERS * 8)))
-    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]  # one future per file costs more than a probe
+    chunks = [todo[i : i + size] for i in range(0, len(todo), size)]  # one future per file costs more than a probe
     read, reported = 0, time.monotonic()
     with ThreadPoolExecutor(WORKERS) as pool:
         for n, probes in enumerate(pool.map(_probe_chunk, chunks), 1):
@@ -139,8 +140,9 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
             # A Prefect progress update is an API call: a few per second, not one per chunk of a huge folder.
             if n == len(chunks) or time.monotonic() - reported >= PROGRESS_EVERY_S:
                 reported = time.monotonic()
-                ctx.reporter.progress("scan-progress", n / len(chunks),
-                                      f"{read}/{len(todo)} new or changed images read")
+                ctx.reporter.progress(
+                    "scan-progress", n / len(chunks), f"{read}/{len(todo)} new or changed images read"
+                )
     return [done[e.rel] for e in entries], len(todo)
 
 
@@ -148,8 +150,9 @@ def _probe_chunk(entries: list[Entry]) -> list[images.Probe]:
     return [images.probe_file(e.path, e.rel, e.size, e.mtime_ns) for e in entries]
 
 
-def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg: PipelineConfig
-                ) -> ImageRecord | Rejected:
+def make_record(
+    probe: images.Probe, captions: Captions, policy: SizePolicy, cfg: PipelineConfig
+) -> ImageRecord | Rejected:
     def reject(kind: str, reason: str) -> Rejected:
         return Rejected(path=probe.path, kind=kind, reason=reason)
 
@@ -157,8 +160,11 @@ def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg
         return reject(probe.kind, probe.error)
     w, h, limit = probe.width, probe.height, cfg.dataset.max_image_pixels
     if w * h > limit:
-        return reject("bomb", f"decompression-bomb guard: {w}x{h} = {w * h} pixels exceeds "
-                              f"dataset.max_image_pixels ({limit}); raise the limit if the image is genuine")
+        return reject(
+            "bomb",
+            f"decompression-bomb guard: {w}x{h} = {w * h} pixels exceeds "
+            f"dataset.max_image_pixels ({limit}); raise the limit if the image is genuine",
+        )
     problem = size_problem(w, h, policy)
     if problem:
         return reject("too-small", problem)
@@ -167,12 +173,25 @@ def make_record(probe: images.Probe, captions: Captions, policy: SizePolicy, cfg
     except CaptionError as err:
         return reject("caption", str(err))
     bw, bh = bucket_size(w, h, policy)
-    return ImageRecord(path=probe.path, width=w, height=h, bucket_width=bw, bucket_height=bh,
-                       crop=crop_box(w, h, bw, bh, cfg.buckets.crop, cfg.buckets.seed, key=probe.path),
-                       caption=caption, caption_source=source, sha256=probe.sha256, size_bytes=probe.size_bytes,
-                       mtime_ns=probe.mtime_ns, format=probe.format, mode=probe.mode, orientation=probe.orientation,
-                       conversion=probe.conversion, trailer=probe.trailer,
-                       background=cfg.dataset.background if probe.transparent else None)
+    return ImageRecord(
+        path=probe.path,
+        width=w,
+        height=h,
+        bucket_width=bw,
+        bucket_height=bh,
+        crop=crop_box(w, h, bw, bh, cfg.buckets.crop, cfg.buckets.seed, key=probe.path),
+        caption=caption,
+        caption_source=source,
+        sha256=probe.sha256,
+        size_bytes=probe.size_bytes,
+        mtime_ns=probe.mtime_ns,
+        format=probe.format,
+        mode=probe.mode,
+        orientation=probe.orientation,
+        conversion=probe.conversion,
+        trailer=probe.trailer,
+        background=cfg.dataset.background if probe.transparent else None,
+    )
 
 
 def policies(cfg: PipelineConfig) -> list[tuple[float | None, SizePolicy]]:
@@ -220,16 +239,20 @@ def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Re
         rows.append({"root": str(src.root), "role": src.role, "images": len({r.path for r in got})})
     empty = [r["root"] for r in rows if not r["images"]]
     if len(sources) > 1 and empty:
-        raise StageFailed(f"dataset source(s) {empty} hold no usable image (see rejected.jsonl): add images, or "
-                          f"remove the folder from dataset.sources / train.eval.path")
+        raise StageFailed(
+            f"dataset source(s) {empty} hold no usable image (see rejected.jsonl): add images, or "
+            f"remove the folder from dataset.sources / train.eval.path"
+        )
     return records, rejected, reopened, rows
 
 
 def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> StageFailed:
     kinds = ", ".join(f"{k} {n}" for k, n in Counter(r.kind for r in rejected).most_common())
     examples = "; ".join(f"{r.path}: {r.reason}" for r in rejected[:3])
-    return StageFailed(f"scan of dataset.path {root}: {err}. Rejected: {kinds or 'none'}. {examples} "
-                       f"(every reason: {work / 'rejected.jsonl'})")
+    return StageFailed(
+        f"scan of dataset.path {root}: {err}. Rejected: {kinds or 'none'}. {examples} "
+        f"(every reason: {work / 'rejected.jsonl'})"
+    )
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
@@ -239,8 +262,10 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     for src in sources:
         if not src.root.is_dir():
             demo = " or set dataset.demo true" if src.field == "dataset.path" else ""
-            raise StageFailed(f"{src.field} {src.root} is not a folder: point it at your images (relative paths "
-                              f"resolve against the workdir){demo}")
+            raise StageFailed(
+                f"{src.field} {src.root} is not a folder: point it at your images (relative paths "
+                f"resolve against the workdir){demo}"
+            )
     records, rejected, reopened, source_rows = _all_records(ctx, sources)
     groups = bk.duplicate_groups(records)
     if cfg.dataset.duplicates == "reject":
@@ -249,8 +274,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     batch = cfg.train.global_batch()
     write_jsonl(work / "rejected.jsonl", sorted(rejected, key=lambda r: r.path))
     try:
-        plan = bk.bucket_plan({b: len(rs) for b, rs in bk.by_bucket(records).items()}, batch,
-                              cfg.buckets.small_bucket)
+        plan = bk.bucket_plan({b: len(rs) for b, rs in bk.by_bucket(records).items()}, batch, cfg.buckets.small_bucket)
     except bk.NoBatchError as err:
         raise _no_batch(root, work, rejected, err) from None
     records, dropped, rows = bk.apply_plan(records, plan, batch)
@@ -259,28 +283,45 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     write_jsonl(work / "rejected.jsonl", rejected)
     _report(ctx, root, rows, plan, rejected, reopened, len(records), groups)
     consumed = [r.model_dump(mode="json", exclude={"mtime_ns"}) for r in records]
-    return {"alignment": alignment(cfg), "dataset_root": str(root), "accepted": len(records),
-            "rejected": len(rejected), "buckets": rows, "duplicates": groups,
-            "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
-            "conversions": bk.conversions(records), "reopened": reopened,
-            "sources": source_rows if sources[0].index is not None else [],
-            # What later stages consume, and nothing else: records (paths relative to the root, sizes, content
-            # hashes, buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection
-            # leaves the version as it was; the republished manifest then names the new root.
-            "content_digest": digest({"records": consumed})}
+    return {
+        "alignment": alignment(cfg),
+        "dataset_root": str(root),
+        "accepted": len(records),
+        "rejected": len(rejected),
+        "buckets": rows,
+        "duplicates": groups,
+        "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
+        "conversions": bk.conversions(records),
+        "reopened": reopened,
+        "sources": source_rows if sources[0].index is not None else [],
+        # What later stages consume, and nothing else: records (paths relative to the root, sizes, content
+        # hashes, buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection
+        # leaves the version as it was; the republished manifest then names the new root.
+        "content_digest": digest({"records": consumed}),
+    }
 
 
-def _report(ctx, root: Path, rows, plan, rejected: list[Rejected], reopened: int, accepted: int,
-            duplicates: list[list[str]]) -> None:
-    ctx.reporter.table("scan-buckets", bk.table(rows, plan),
-                       f"{accepted} images in {len(rows)} buckets from {root} ({reopened} files read)")
-    ctx.log.info("scan: %d accepted, %d rejected, %d buckets, %d files read", accepted, len(rejected), len(rows),
-                 reopened)
+def _report(
+    ctx, root: Path, rows, plan, rejected: list[Rejected], reopened: int, accepted: int, duplicates: list[list[str]]
+) -> None:
+    ctx.reporter.table(
+        "scan-buckets",
+        bk.table(rows, plan),
+        f"{accepted} images in {len(rows)} buckets from {root} ({reopened} files read)",
+    )
+    ctx.log.info(
+        "scan: %d accepted, %d rejected, %d buckets, %d files read", accepted, len(rejected), len(rows), reopened
+    )
     if rejected:
         rows = [f"| {r.path} | {r.kind} | {r.reason} |".replace("\n", " ") for r in rejected[:REPORT_ROWS]]
-        more = [f"\n... and {len(rejected) - REPORT_ROWS} more in rejected.jsonl"] if len(rejected) > REPORT_ROWS else []
-        ctx.reporter.markdown("scan-rejected", "\n".join(["| file | kind | reason |", "|---|---|---|", *rows, *more]),
-                              f"{len(rejected)} files rejected from {root}")
+        more = (
+            [f"\n... and {len(rejected) - REPORT_ROWS} more in rejected.jsonl"] if len(rejected) > REPORT_ROWS else []
+        )
+        ctx.reporter.markdown(
+            "scan-rejected",
+            "\n".join(["| file | kind | reason |", "|---|---|---|", *rows, *more]),
+            f"{len(rejected)} files rejected from {root}",
+        )
     for r in rejected[:20]:
         ctx.log.warning("scan: rejected %s: %s", r.path, r.reason)
     if len(rejected) > 20:

@@ -3,6 +3,7 @@
 Colors are the learning check's classes, so the shape is large (its color dominates the image and so the
 mean latent of its class); the background and shade vary a little so the model sees more than one image.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,13 @@ def _draw(color: str, shape: str, size: tuple[int, int], rng: random.Random) -> 
 
 
 def _stems() -> list[tuple[str, str, tuple[int, int], str]]:
-    return [(color, shape, (w, h), f"{color}_{shape}_{w}x{h}_{i}") for color in DEMO_COLORS for shape in DEMO_SHAPES
-            for w, h in SIZES for i in range(VARIANTS)]
+    return [
+        (color, shape, (w, h), f"{color}_{shape}_{w}x{h}_{i}")
+        for color in DEMO_COLORS
+        for shape in DEMO_SHAPES
+        for w, h in SIZES
+        for i in range(VARIANTS)
+    ]
 
 
 def _write_all(target: Path) -> None:
@@ -73,9 +79,11 @@ def _remove_stale_demo(root: Path) -> None:
     ours = demo_files(root)
     others = sorted(e.name for e in os.scandir(root) if e.name not in ours or not e.is_file(follow_symlinks=False))
     if others:
-        raise ConfigError(f"dataset.path {root} holds an outdated tuneline demo plus files the demo did not write "
-                          f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); they are never deleted: "
-                          f"move them out, or point dataset.path elsewhere")
+        raise ConfigError(
+            f"dataset.path {root} holds an outdated tuneline demo plus files the demo did not write "
+            f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); they are never deleted: "
+            f"move them out, or point dataset.path elsewhere"
+        )
     for name in ours:
         (root / name).unlink(missing_ok=True)
     root.rmdir()  # empty now; fails rather than delete anything that appeared meanwhile
@@ -127,9 +135,11 @@ def write_demo_dataset(root: Path) -> None:
         return
     if root.exists():
         if not (root / MARKER).is_file() and any(root.iterdir()):
-            raise ConfigError(f"dataset.path {root} exists and is not a tuneline demo dataset; with "
-                                  f"dataset.demo true it must be empty or missing: point dataset.path elsewhere "
-                                  f"or set dataset.demo false to scan it as it is")
+            raise ConfigError(
+                f"dataset.path {root} exists and is not a tuneline demo dataset; with "
+                f"dataset.demo true it must be empty or missing: point dataset.path elsewhere "
+                f"or set dataset.demo false to scan it as it is"
+            )
         _remove_stale_demo(root)  # an empty folder, or an older demo version: only its own files go
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"

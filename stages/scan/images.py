@@ -4,6 +4,7 @@ The probe reads a file's bytes once, hashes them and parses only the header from
 EXIF orientation. `load_rgb` decodes and applies exactly the orientation and mode conversion the scan recorded,
 so the latents stage sees the image the scan measured.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,9 +20,15 @@ from tuneline.schemas.scan import ImageRecord
 FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "TIFF", "GIF")  # JPEG also opens MPO (camera JPEGs)
 SIXTEEN_BIT_GRAY = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 # EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose does).
-TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-             5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-             8: Image.Transpose.ROTATE_90}
+TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 # End markers whose absence means the file was cut short (an interrupted copy); looked for near the end first.
 # Some files carry data after them (a phone's Motion Photo appends an MP4 to its JPEG, editors append blocks after
 # a PNG's IEND): when the tail lacks the marker, it is looked for where the format puts it and the image is
@@ -33,8 +40,15 @@ TAIL = 4096
 WHOLE = 64 << 20
 STREAM_BUFFER = 1 << 20
 # File signatures, to tell a corrupt image (PIL says only "cannot identify") from a file that is no image.
-MAGIC = ((b"\x89PNG", "PNG"), (b"\xff\xd8", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"),
-         (b"MM\x00*", "TIFF"), (b"RIFF", "WebP"))
+MAGIC = (
+    (b"\x89PNG", "PNG"),
+    (b"\xff\xd8", "JPEG"),
+    (b"GIF8", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"RIFF", "WebP"),
+)
 
 
 class UnsupportedMode(ValueError):
@@ -85,8 +99,10 @@ def conversion_of(im: Image.Image) -> tuple[str, bool]:
     """(how this mode becomes RGB, whether transparent pixels are composited). Raises UnsupportedMode."""
     mode = im.mode
     if mode == "F" or mode.startswith("I;32") or mode in ("I;16S", "I;16BS"):
-        raise UnsupportedMode(f"pixel mode {mode} (float or signed samples) is not supported: convert the "
-                              f"image to 8- or 16-bit RGB or grayscale")
+        raise UnsupportedMode(
+            f"pixel mode {mode} (float or signed samples) is not supported: convert the "
+            f"image to 8- or 16-bit RGB or grayscale"
+        )
     if im.has_transparency_data:
         return f"{mode}->RGB over background", True
     if mode in SIXTEEN_BIT_GRAY:
@@ -122,15 +138,28 @@ def _header(base: Probe, f, tail: bytes) -> Probe:
     if marker and marker not in tail:
         trailer = _trailer(im, f, base.size_bytes)
         if trailer < 0:
-            return _fail(base, "truncated", f"truncated {im.format} (its end marker is missing or its pixel data "
-                                            f"does not decode, e.g. an interrupted copy): re-copy or re-export it")
+            return _fail(
+                base,
+                "truncated",
+                f"truncated {im.format} (its end marker is missing or its pixel data "
+                f"does not decode, e.g. an interrupted copy): re-copy or re-export it",
+            )
     orientation = header_orientation(im)
     w, h = im.size
     if orientation >= 5:  # 5-8 swap the axes
         w, h = h, w
     note, transparent = conversion_of(im)
-    return replace(base, format=im.format, mode=im.mode, width=w, height=h, orientation=orientation,
-                   conversion=note, transparent=transparent, trailer=trailer)
+    return replace(
+        base,
+        format=im.format,
+        mode=im.mode,
+        width=w,
+        height=h,
+        orientation=orientation,
+        conversion=note,
+        transparent=transparent,
+        trailer=trailer,
+    )
 
 
 def _trailer(im: Image.Image, f, size: int) -> int:
@@ -157,8 +186,8 @@ def image_end(data: bytes, fmt: str) -> int:
     if fmt == "PNG":
         pos = 8
         while pos + 8 <= len(data):
-            length = int.from_bytes(data[pos:pos + 4], "big")
-            kind, pos = data[pos + 4:pos + 8], pos + 12 + length
+            length = int.from_bytes(data[pos : pos + 4], "big")
+            kind, pos = data[pos + 4 : pos + 8], pos + 12 + length
             if kind == b"IEND":
                 return pos if pos <= len(data) else 0
         return 0
@@ -170,7 +199,7 @@ def image_end(data: bytes, fmt: str) -> int:
         if marker == 0xDA:  # start of scan: the EOI is the first FFD9 after it
             eoi = data.find(b"\xff\xd9", pos)
             return eoi + 2 if eoi >= 0 else 0
-        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
     return 0
 
 
@@ -181,10 +210,17 @@ def _fail(base: Probe, kind: str, reason: str) -> Probe:
 def _unidentified(base: Probe, head: bytes) -> Probe:
     fmt = next((name for magic, name in MAGIC if head.startswith(magic)), None)
     if fmt:
-        return _fail(base, "unreadable", f"corrupt {fmt} header (the file starts like a {fmt} but cannot be "
-                                         f"parsed): re-export or remove it")
-    return _fail(base, "not-image", "not an image: its content matches none of JPEG, PNG, WebP, BMP, TIFF, GIF; "
-                                    "remove it or re-export it in one of them")
+        return _fail(
+            base,
+            "unreadable",
+            f"corrupt {fmt} header (the file starts like a {fmt} but cannot be parsed): re-export or remove it",
+        )
+    return _fail(
+        base,
+        "not-image",
+        "not an image: its content matches none of JPEG, PNG, WebP, BMP, TIFF, GIF; "
+        "remove it or re-export it in one of them",
+    )
 
 
 def _read(f, size_hint: int) -> tuple[str, int, io.BytesIO | None, bytes]:
@@ -215,14 +251,20 @@ def probe_file(path: str | Path, rel: str, size_bytes: int, mtime_ns: int) -> Pr
     try:
         f = open(path, "rb", buffering=0)  # unbuffered: a whole-file read goes straight into its bytes object
     except OSError as err:
-        return _fail(Probe(rel, size_bytes, mtime_ns),
-                     "unreadable", f"cannot read the file ({err.strerror or err}): check its permissions")
+        return _fail(
+            Probe(rel, size_bytes, mtime_ns),
+            "unreadable",
+            f"cannot read the file ({err.strerror or err}): check its permissions",
+        )
     with f:
         try:
             sha, size, memory, tail = _read(f, size_bytes)
         except OSError as err:
-            return _fail(Probe(rel, size_bytes, mtime_ns),
-                         "unreadable", f"cannot read the file ({err.strerror or err}): a disk or network error")
+            return _fail(
+                Probe(rel, size_bytes, mtime_ns),
+                "unreadable",
+                f"cannot read the file ({err.strerror or err}): a disk or network error",
+            )
         base = Probe(rel, size, mtime_ns, sha256=sha)
         if size == 0:
             return _fail(base, "empty-file", "zero-byte file (an interrupted copy?): re-copy or remove it")
@@ -241,8 +283,9 @@ def probe_file(path: str | Path, rel: str, size_bytes: int, mtime_ns: int) -> Pr
             return _fail(base, "unreadable", f"unreadable image header ({type(err).__name__}: {err}): re-export it")
 
 
-def load_rgb(path: Path, record: ImageRecord | None = None, *,
-             background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+def load_rgb(
+    path: Path, record: ImageRecord | None = None, *, background: tuple[int, int, int] = (255, 255, 255)
+) -> Image.Image:
     """Decode an image as RGB exactly as the scan measured it: EXIF orientation, mode conversion, first frame.
 
     With a record, its orientation and background are used and its size is checked, so a file replaced since
@@ -257,6 +300,8 @@ def load_rgb(path: Path, record: ImageRecord | None = None, *,
     if orientation in TRANSPOSE:
         rgb = rgb.transpose(TRANSPOSE[orientation])
     if record and rgb.size != (record.width, record.height):
-        raise ValueError(f"image {record.path} is {rgb.size[0]}x{rgb.size[1]} but the scan recorded "
-                         f"{record.width}x{record.height}: the file changed since the scan; run `tuneline stage scan`")
+        raise ValueError(
+            f"image {record.path} is {rgb.size[0]}x{rgb.size[1]} but the scan recorded "
+            f"{record.width}x{record.height}: the file changed since the scan; run `tuneline stage scan`"
+        )
     return rgb

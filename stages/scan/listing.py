@@ -4,6 +4,7 @@ Hidden names (starting with '.') are skipped: tool state such as the demo marker
 Symlinks are followed only while they stay inside the dataset root, so a dataset cannot make the scan read
 (and a later stage encode) files from elsewhere on the machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,8 +74,11 @@ class _Walker:
             with os.scandir(directory) as it:
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as err:  # one unreadable folder must not stop the scan of the rest
-            self.reject(prefix.rstrip("/") or ".", "unreadable", f"cannot list the folder ({err.strerror}): "
-                                                                 f"check its permissions")
+            self.reject(
+                prefix.rstrip("/") or ".",
+                "unreadable",
+                f"cannot list the folder ({err.strerror}): check its permissions",
+            )
             return
         for e in entries:
             if not e.name.startswith("."):
@@ -90,12 +94,20 @@ class _Walker:
             except FileNotFoundError:
                 target = Path(e.path).resolve()  # a broken link: named below
             except (RuntimeError, OSError) as err:  # a loop (a -> b -> a): Python raises RuntimeError or ELOOP
-                self.reject(rel, "symlink", f"symlink loop ({getattr(err, 'strerror', None) or err}): the link "
-                                            f"never reaches a file; fix or remove it")
+                self.reject(
+                    rel,
+                    "symlink",
+                    f"symlink loop ({getattr(err, 'strerror', None) or err}): the link "
+                    f"never reaches a file; fix or remove it",
+                )
                 return
             if not target.is_relative_to(self.real_root):
-                self.reject(rel, "symlink", f"symlink to {target}, outside dataset.path {self.root}: refusing to "
-                                            f"read it; copy the file into the dataset or remove the link")
+                self.reject(
+                    rel,
+                    "symlink",
+                    f"symlink to {target}, outside dataset.path {self.root}: refusing to "
+                    f"read it; copy the file into the dataset or remove the link",
+                )
                 return
             if not target.exists():
                 self.reject(rel, "symlink", f"broken symlink (target {target} does not exist): fix or remove it")
@@ -124,8 +136,12 @@ class _Walker:
         elif e.name == self.cfg.metadata_file:
             self.listing.metadata.append(entry)
         else:
-            self.reject(rel, "unsupported", f"not a supported image type ({ext or 'no extension'}); supported: "
-                                            f"{', '.join(sorted(self.image_exts))}: convert it or move it out")
+            self.reject(
+                rel,
+                "unsupported",
+                f"not a supported image type ({ext or 'no extension'}); supported: "
+                f"{', '.join(sorted(self.image_exts))}: convert it or move it out",
+            )
 
 
 def walk(root: Path, cfg: DatasetConfig) -> Listing:

@@ -3,6 +3,7 @@
 `alpha` takes the image's own alpha channel (images without one weigh fully); a folder is matched by file stem.
 The mask file's hash goes into the record, so a changed mask is new scan content and the latents re-cache it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,10 @@ def mask_root(cfg: PipelineConfig) -> Path | None:
 
 def _index(root: Path) -> dict[str, Path]:
     if not root.is_dir():
-        raise StageFailed(f"dataset.masks {root} is not a folder: point it at your mask images "
-                                f"(relative paths resolve against the workdir), use alpha, or set it to null")
+        raise StageFailed(
+            f"dataset.masks {root} is not a folder: point it at your mask images "
+            f"(relative paths resolve against the workdir), use alpha, or set it to null"
+        )
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
     return {p.stem: p for p in files}
 
@@ -56,10 +59,24 @@ def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageR
         with Image.open(mask) as im:
             size = im.size
         if size != (r.width, r.height):
-            rejected.append(Rejected(path=r.ref, kind="mask", reason=(
-                f"mask {mask} is {size[0]}x{size[1]} but image {r.path} is {r.width}x{r.height}: resize the mask "
-                f"to its image or remove it")))
+            rejected.append(
+                Rejected(
+                    path=r.ref,
+                    kind="mask",
+                    reason=(
+                        f"mask {mask} is {size[0]}x{size[1]} but image {r.path} is {r.width}x{r.height}: resize the mask "
+                        f"to its image or remove it"
+                    ),
+                )
+            )
             continue
-        kept.append(r.model_copy(update={"mask_kind": "file", "mask_path": mask.relative_to(root).as_posix(),
-                                         "mask_sha256": file_sha256(mask)}))
+        kept.append(
+            r.model_copy(
+                update={
+                    "mask_kind": "file",
+                    "mask_path": mask.relative_to(root).as_posix(),
+                    "mask_sha256": file_sha256(mask),
+                }
+            )
+        )
     return kept, rejected

@@ -1,5 +1,6 @@
 """Text stage: every distinct caption string (each variant, and the empty caption for caption dropout) encoded
 once, in Zarr; with text.enabled false an artifact that records how to encode live instead."""
+
 from __future__ import annotations
 
 from tuneline.schemas.families import facts
@@ -22,8 +23,13 @@ def _config(cfg) -> dict:
     default changes nothing; settings without effect (batch size, storage dtype with the cache off, variant
     settings with one variant) are left out so they never make text and everything downstream stale."""
     t = cfg.text
-    text = {"enabled": t.enabled, "max_length": effective_max_length(cfg), "padding": PADDING,
-            "caption_variants": t.caption_variants, "augment": TagAugment.from_config(t).as_dict()}
+    text = {
+        "enabled": t.enabled,
+        "max_length": effective_max_length(cfg),
+        "padding": PADDING,
+        "caption_variants": t.caption_variants,
+        "augment": TagAugment.from_config(t).as_dict(),
+    }
     if t.enabled:
         text["dtype"] = t.dtype
     return {"text": text, "model": cfg.model.model_dump(mode="json", include={"family", "dtype"})}
@@ -39,5 +45,13 @@ def _build(ctx, work, upstream):
     return build(ctx, work, upstream)
 
 
-STAGE = StageDef(name="text", upstream=("scan",), code_version=CODE_VERSION, manifest_cls=TextManifest,
-                 config=_config, inputs=_inputs, build=_build, optional_upstream=("caption",))
+STAGE = StageDef(
+    name="text",
+    upstream=("scan",),
+    code_version=CODE_VERSION,
+    manifest_cls=TextManifest,
+    config=_config,
+    inputs=_inputs,
+    build=_build,
+    optional_upstream=("caption",),
+)

@@ -1,5 +1,6 @@
 """Encode each distinct caption string once (every variant, and the empty caption at row 0) and store every
 tensor the family returns."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,12 +31,22 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     scan: ScanManifest = upstream["scan"]
     augment = TagAugment.from_config(cfg.text)
     from_stage = upstream_captions(ctx, upstream)  # with the caption stage on, its captions (scan order)
-    captions = list(dict.fromkeys(from_stage.values())) if from_stage is not None else \
-        unique_captions(models.artifact_dir(ctx, scan))
+    captions = (
+        list(dict.fromkeys(from_stage.values()))
+        if from_stage is not None
+        else unique_captions(models.artifact_dir(ctx, scan))
+    )
     fam = models.family(cfg)
-    facts = {"enabled": cfg.text.enabled, "family": fam.facts.name, "encoder_identity": models.identity(ctx, "text"),
-             "max_length": effective_max_length(cfg), "padding": PADDING, "variants": augment.variants,
-             "augment": augment.as_dict(), "captions": len(captions)}
+    facts = {
+        "enabled": cfg.text.enabled,
+        "family": fam.facts.name,
+        "encoder_identity": models.identity(ctx, "text"),
+        "max_length": effective_max_length(cfg),
+        "padding": PADDING,
+        "variants": augment.variants,
+        "augment": augment.as_dict(),
+        "captions": len(captions),
+    }
     if not cfg.text.enabled:
         return facts  # the manifest alone tells consumers how to encode live
     strings, index = index_strings(captions, augment)
@@ -50,11 +61,22 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         fields, encoded = write_cache(ctx, work, strings, previous)
     write_jsonl(work / STRINGS, ({"row": i, "text": s} for i, s in enumerate(strings)))
     write_jsonl(work / INDEX, ({"caption": c, "rows": rows} for c, rows in index.items()))
-    ctx.log.info("text: %d captions, %d variants each -> %d distinct strings, %d encoded, %d reused from %s",
-                 len(captions), augment.variants, len(strings), encoded, len(strings) - encoded,
-                 previous.path.name if previous else "-")
-    return facts | {"fields": fields, "count": len(strings), "encoded": encoded, "reused": len(strings) - encoded,
-                    **({"shards": shards} if shards else {})}
+    ctx.log.info(
+        "text: %d captions, %d variants each -> %d distinct strings, %d encoded, %d reused from %s",
+        len(captions),
+        augment.variants,
+        len(strings),
+        encoded,
+        len(strings) - encoded,
+        previous.path.name if previous else "-",
+    )
+    return facts | {
+        "fields": fields,
+        "count": len(strings),
+        "encoded": encoded,
+        "reused": len(strings) - encoded,
+        **({"shards": shards} if shards else {}),
+    }
 
 
 def wanted_strings(ctx, scan: ScanManifest) -> list[str]:
@@ -77,14 +99,14 @@ class Encoders:
         fam = models.family(cfg)
         if self.enc is None:
             dev = models.device(cfg)
-            self.enc = fam.load_text_encoders(models.model_dir(self.ctx), models.dtype(cfg, dev), dev,
-                                              max_length=effective_max_length(cfg))
+            self.enc = fam.load_text_encoders(
+                models.model_dir(self.ctx), models.dtype(cfg, dev), dev, max_length=effective_max_length(cfg)
+            )
         out = encode_strings(fam, self.enc, new, len(new))
         return {k: storage_tensor(v, getattr(torch, cfg.text.dtype)) for k, v in out.items()}
 
 
-def write_cache(ctx, work: Path, strings: list[str], previous: PreviousStrings | None,
-                staged=None) -> tuple[dict, int]:
+def write_cache(ctx, work: Path, strings: list[str], previous: PreviousStrings | None, staged=None) -> tuple[dict, int]:
     """Write text.zarr row by row in `strings` order: strings the previous version holds are copied, the rest
     encoded in batches (or taken from what shards encoded: `staged(window number, new strings)` gives a window's
     rows or None). Returns (each field's per-row shape and dtype, strings encoded)."""
@@ -120,7 +142,7 @@ def windows(strings: list[str], previous: PreviousStrings | None, batch_size: in
     for i, s in enumerate(strings):
         new += previous is None or s not in previous
         if new == batch_size or i + 1 - start == 8 * batch_size:
-            yield strings[start:i + 1]
+            yield strings[start : i + 1]
             start, new = i + 1, 0
     if start < len(strings):
         yield strings[start:]

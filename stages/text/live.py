@@ -1,5 +1,6 @@
 """Text conditioning without the cache: the same `.get(captions, variant_ids=None)` as TextCache, encoded on
 the fly, and `open_text`, which gives a consumer whichever of the two its text artifact calls for."""
+
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,17 @@ class LiveText:
     """Runs the family's text encoders per call. Variants are the cache's (same TagAugment), so training does not
     depend on whether the cache is on. Tensors come back on `device` in the encoders' dtype."""
 
-    def __init__(self, fam: Family, model_dir: Path, device: torch.device, dtype: torch.dtype, max_length: int,
-                 *, augment: TagAugment | None = None, batch_size: int = 32):
+    def __init__(
+        self,
+        fam: Family,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_length: int,
+        *,
+        augment: TagAugment | None = None,
+        batch_size: int = 32,
+    ):
         self.fam, self.batch_size = fam, batch_size
         self.augment = augment or TagAugment()
         self.variants = self.augment.variants
@@ -45,24 +55,30 @@ class LiveText:
         return {k: v[pos.to(v.device)] for k, v in out.items()}
 
 
-def open_text(manifest: TextManifest, artifact_dir: Path, fam: Family, model_dir: Path, device: torch.device,
-              dtype: torch.dtype) -> TextCache | LiveText:
+def open_text(
+    manifest: TextManifest, artifact_dir: Path, fam: Family, model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> TextCache | LiveText:
     """The text source a text artifact calls for: its cache, checked against the manifest's facts, or (built with
     text.enabled false) live encoders with the artifact's max length and variants."""
     if manifest.family != fam.facts.name:
-        raise ValueError(f"text artifact {artifact_dir} was built for family {manifest.family}, model.family is "
-                         f"{fam.facts.name}; run `tuneline stage text`")
+        raise ValueError(
+            f"text artifact {artifact_dir} was built for family {manifest.family}, model.family is "
+            f"{fam.facts.name}; run `tuneline stage text`"
+        )
     if not manifest.enabled:
-        return LiveText(fam, model_dir, device, dtype, manifest.max_length,
-                        augment=TagAugment.from_manifest(manifest))
+        return LiveText(fam, model_dir, device, dtype, manifest.max_length, augment=TagAugment.from_manifest(manifest))
     cache = TextCache(artifact_dir, list(manifest.fields))
     for name, spec in manifest.fields.items():
         arr = cache.arrays[name]
         got = (tuple(arr.shape[1:]), str(arr.dtype).removeprefix("torch."))
         if got != (tuple(spec.shape), spec.dtype):
-            raise ValueError(f"text artifact {artifact_dir}: field {name} holds {got[0]} {got[1]}, its manifest "
-                             f"says {tuple(spec.shape)} {spec.dtype}; run `tuneline stage text --force`")
+            raise ValueError(
+                f"text artifact {artifact_dir}: field {name} holds {got[0]} {got[1]}, its manifest "
+                f"says {tuple(spec.shape)} {spec.dtype}; run `tuneline stage text --force`"
+            )
     if cache.variants != manifest.variants:
-        raise ValueError(f"text artifact {artifact_dir} indexes {cache.variants} variants per caption, its manifest "
-                         f"says {manifest.variants}; run `tuneline stage text --force`")
+        raise ValueError(
+            f"text artifact {artifact_dir} indexes {cache.variants} variants per caption, its manifest "
+            f"says {manifest.variants}; run `tuneline stage text --force`"
+        )
     return cache

@@ -5,6 +5,7 @@ max_length, padding, model and stored dtypes. The caption list (the scan) and th
 which strings are needed, so a new scan or new tag-dropout settings reuse every string they share with the last
 version. Only the latest published version is consulted, after the artifact store has verified its files.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,12 @@ STRING_CHOICE = ("caption_variants", "augment")
 def encoding_setup(parts: dict) -> dict:
     """From a text key's parts (or a manifest's fields): what every row's tensors depend on."""
     text = {k: v for k, v in parts["config"]["text"].items() if k not in STRING_CHOICE}
-    return {"code_version": parts["code_version"], "text": text, "model": parts["config"]["model"],
-            "inputs": parts["inputs"]}
+    return {
+        "code_version": parts["code_version"],
+        "text": text,
+        "model": parts["config"]["model"],
+        "inputs": parts["inputs"],
+    }
 
 
 class PreviousStrings:

@@ -9,6 +9,7 @@ one batch, exactly the batch a single process encodes, and stores the rows besid
 shard's finished windows are kept and its rerun skips them. The stage then writes the cache in row order from the
 shards' windows and the previous version's rows, so it is byte for byte the 1-shard cache.
 """
+
 from __future__ import annotations
 
 import os
@@ -78,8 +79,14 @@ def build_sharded(ctx, work: Path, upstream_versions: dict):
     """Run the shards; returns staged(window number, new strings) for write_cache, and the manifest's shard list."""
     if ctx.force:
         shutil.rmtree(staging(work), ignore_errors=True)
-    job = ShardJob(stage="text", work=str(work.resolve()), count=ctx.cfg.text.shards, force=ctx.force,
-                   upstream=upstream_versions, config=ctx.cfg.dump())
+    job = ShardJob(
+        stage="text",
+        work=str(work.resolve()),
+        count=ctx.cfg.text.shards,
+        force=ctx.force,
+        upstream=upstream_versions,
+        config=ctx.cfg.dump(),
+    )
     reports = run_shards(ctx, job)
     entries = [{k: r[k] for k in ("index", "blocks", "encoded", "seconds", "peak_rss")} for r in reports]
     return (lambda number, new: load_window(work, number, new)), entries

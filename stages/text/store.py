@@ -7,6 +7,7 @@
 
 A text artifact built with text.enabled false holds only its manifest: consumers encode live (stages/text/live.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -42,8 +43,9 @@ class ArrayWriter:
             self._create(batch)
         got = {k: {"shape": tuple(t.shape[1:]), "dtype": _dtype(t)} for k, t in batch.items()}
         if got != self.fields:
-            raise RuntimeError(f"text encoder output changed mid-run at row {self.written + self._buffered()}: "
-                               f"{got} vs {self.fields}")
+            raise RuntimeError(
+                f"text encoder output changed mid-run at row {self.written + self._buffered()}: {got} vs {self.fields}"
+            )
         for name, t in batch.items():
             self.buffer[name].append(t)
         while self._buffered() >= self.chunk:
@@ -59,8 +61,9 @@ class ArrayWriter:
         row_bytes = max(t[0].numel() * t.element_size() for t in batch.values())
         self.chunk = max(1, min(self.rows, CHUNK_BYTES // max(1, row_bytes)))
         for name, t in batch.items():
-            self.group.create_array(name, shape=(self.rows, *t.shape[1:]), chunks=(self.chunk, *t.shape[1:]),
-                                    dtype=_dtype(t))
+            self.group.create_array(
+                name, shape=(self.rows, *t.shape[1:]), chunks=(self.chunk, *t.shape[1:]), dtype=_dtype(t)
+            )
             self.fields[name] = {"shape": tuple(t.shape[1:]), "dtype": _dtype(t)}
             self.buffer[name] = []
 
@@ -72,7 +75,7 @@ class ArrayWriter:
             return
         for name, parts in self.buffer.items():
             data = torch.cat(parts)
-            self.group[name][self.written:self.written + n] = data[:n].numpy()
+            self.group[name][self.written : self.written + n] = data[:n].numpy()
             self.buffer[name] = [data[n:]] if len(data) > n else []
         self.written += n
 
@@ -83,9 +86,11 @@ class TextCache:
     def __init__(self, artifact_dir: Path, fields: Iterable[str], memory_limit: int = MEMORY_LIMIT):
         self.dir = Path(artifact_dir)
         if not (self.dir / STORE).is_dir():
-            raise ValueError(f"text artifact {self.dir} holds no cache (built with text.enabled false): encode "
-                             f"live with tuneline.stages.text.live.open_text, or set text.enabled true and run "
-                             f"`tuneline stage text`")
+            raise ValueError(
+                f"text artifact {self.dir} holds no cache (built with text.enabled false): encode "
+                f"live with tuneline.stages.text.live.open_text, or set text.enabled true and run "
+                f"`tuneline stage text`"
+            )
         group = zarr.open_group(str(self.dir / STORE), mode="r")
         self.index: dict[str, list[int]] = {r["caption"]: r["rows"] for r in read_jsonl(self.dir / INDEX)}
         self.variants = len(self.index[""])
@@ -99,8 +104,10 @@ class TextCache:
         rows = 1 + max(r for rs in self.index.values() for r in rs)
         short = [f for f, a in arrays.items() if a.shape[0] < rows]
         if short:
-            raise ValueError(f"text artifact {self.dir}: field(s) {short} hold fewer rows than its index names "
-                             f"({rows}); the cache is damaged, run `tuneline stage text --force`")
+            raise ValueError(
+                f"text artifact {self.dir}: field(s) {short} hold fewer rows than its index names "
+                f"({rows}); the cache is damaged, run `tuneline stage text --force`"
+            )
 
     def rows(self, captions: list[str], variant_ids: list[int] | None = None) -> list[int]:
         ids = [0] * len(captions) if variant_ids is None else list(variant_ids)
@@ -108,12 +115,15 @@ class TextCache:
             raise ValueError(f"{len(ids)} variant ids for {len(captions)} captions")
         bad = [v for v in ids if not 0 <= v < self.variants]
         if bad:
-            raise IndexError(f"caption variant {bad[0]} out of range: the text cache holds {self.variants} per "
-                             f"caption (text.caption_variants)")
+            raise IndexError(
+                f"caption variant {bad[0]} out of range: the text cache holds {self.variants} per "
+                f"caption (text.caption_variants)"
+            )
         missing = [c for c in captions if c not in self.index]
         if missing:
-            raise KeyError(f"caption not in the text cache {self.dir}: {missing[0]!r}; rebuild it with "
-                           f"`tuneline stage text`")
+            raise KeyError(
+                f"caption not in the text cache {self.dir}: {missing[0]!r}; rebuild it with `tuneline stage text`"
+            )
         return [self.index[c][v] for c, v in zip(captions, ids)]
 
     def get(self, captions: list[str], variant_ids: list[int] | None = None) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 Augmentation is precomputed rather than drawn per step so the text cache can hold every string the trainer will
 ever see; live encoding (cache off) draws from the same K variants, so switching the cache never changes training.
 """
+
 from __future__ import annotations
 
 import random
@@ -44,7 +45,7 @@ class TagAugment:
         if k == 0:
             return caption
         tags = [t.strip() for t in caption.split(SEPARATOR) if t.strip()]
-        fixed, rest = tags[:self.keep_tags], tags[self.keep_tags:]
+        fixed, rest = tags[: self.keep_tags], tags[self.keep_tags :]
         if not rest:
             return caption
         # A string seed is hashed with SHA-512 by `random`, so variants are the same in every process and run.

@@ -1,4 +1,5 @@
 """Train stage: DDP training (torchrun; gloo on CPU, NCCL on CUDA) reading only the caches."""
+
 from __future__ import annotations
 
 from tuneline.schemas.sources import training_settings
@@ -14,8 +15,18 @@ CODE_VERSION = code_version("train")  # stages/code_versions.json
 
 # What changes where, how fast, or how observably a run computes, but not the weights it reaches: left out of the
 # fingerprint, so changing them (or resuming with `latest`) keeps a run's partial directory and its checkpoints.
-NOT_FINGERPRINTED = {"threads_per_process", "node_rank", "rdzv_endpoint", "rdzv_id", "resume", "checkpoint_every",
-                     "checkpoint_minutes", "keep_checkpoints", "validate_every", "blocks_to_swap"}
+NOT_FINGERPRINTED = {
+    "threads_per_process",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "resume",
+    "checkpoint_every",
+    "checkpoint_minutes",
+    "keep_checkpoints",
+    "validate_every",
+    "blocks_to_swap",
+}
 
 
 def _config(cfg) -> dict:
@@ -27,8 +38,10 @@ def _config(cfg) -> dict:
     if len(settings) > 1 or cfg.dataset.sources is not None:  # repeats, roles and loss weights shape training
         train["sources"] = settings
     # The model by content (the denoiser's identity in the inputs), not by where it lies.
-    return {"train": train, "model": cfg.model.model_dump(mode="json",
-                                                          include={"family", "dtype", "prediction_type", "quantize"})}
+    return {
+        "train": train,
+        "model": cfg.model.model_dump(mode="json", include={"family", "dtype", "prediction_type", "quantize"}),
+    }
 
 
 def _inputs(ctx, upstream: dict[str, str]) -> dict:
@@ -66,14 +79,18 @@ def _check(ctx, upstream) -> None:
         scan = ctx.cache.get("expected", {}).get("scan")
         culprits = [m.stage for m in (lat, txt) if m.upstream.get("scan") != scan] or ["latents", "text"]
         fix = " and ".join(f"`tuneline stage {c} --force`" for c in culprits)
-        raise ArtifactError(f"latents {lat.fingerprint} was built from scan {lat.upstream.get('scan')} but text "
-                            f"{txt.fingerprint} from scan {txt.upstream.get('scan')} (the current scan is {scan}); "
-                            f"run {fix} to rebuild from the current scan")
+        raise ArtifactError(
+            f"latents {lat.fingerprint} was built from scan {lat.upstream.get('scan')} but text "
+            f"{txt.fingerprint} from scan {txt.upstream.get('scan')} (the current scan is {scan}); "
+            f"run {fix} to rebuild from the current scan"
+        )
     fam = models.family(ctx.cfg)
     if lat.family != fam.facts.name or lat.latent_channels != fam.facts.latent_channels:
-        raise ArtifactError(f"latents {lat.fingerprint} holds {lat.latent_channels}-channel {lat.family} latents, "
-                            f"model.family {fam.facts.name} needs {fam.facts.latent_channels}; run "
-                            f"`tuneline stage latents --force`")
+        raise ArtifactError(
+            f"latents {lat.fingerprint} holds {lat.latent_channels}-channel {lat.family} latents, "
+            f"model.family {fam.facts.name} needs {fam.facts.latent_channels}; run "
+            f"`tuneline stage latents --force`"
+        )
     # Open the cache the way every rank will (index, shapes, dtypes, chunking) so a damaged one is refused here,
     # with the reader's message, before any training process starts.
     from tuneline.stages.latents.reader import LatentReader, ReaderError
@@ -90,6 +107,14 @@ def _build(ctx, work, upstream):
     return build(ctx, work, upstream)
 
 
-STAGE = StageDef(name="train", upstream=("latents", "text"), code_version=CODE_VERSION,
-                 manifest_cls=TrainManifest, config=_config, inputs=_inputs, build=_build, check=_check,
-                 optional_upstream=("caption",))
+STAGE = StageDef(
+    name="train",
+    upstream=("latents", "text"),
+    code_version=CODE_VERSION,
+    manifest_cls=TrainManifest,
+    config=_config,
+    inputs=_inputs,
+    build=_build,
+    check=_check,
+    optional_upstream=("caption",),
+)

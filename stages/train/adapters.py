@@ -21,6 +21,7 @@ ComfyUI reads an output-axis dora_scale as m / ||W0|| (the base's row norms), wh
 the merged weight's norms ||W0 + dW||, so the file holds m * ||W0|| / ||W0 + dW||: ComfyUI then applies exactly
 the trained weights (at strength 1).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,11 +31,17 @@ from tuneline.stages.train import kohya
 # diffusers' load_lora_weights reads peft LoRA and DoRA weights; it has no loader for LoKr or LoHa.
 DIFFUSERS_LOADS = ("lora", "dora")
 # kohya's ss_network_module / LyCORIS's algo name per adapter (the metadata A1111 and Forge show).
-NETWORK = {"lora": ("networks.lora", None), "dora": ("networks.lora", "dora"), "lokr": ("lycoris.kohya", "lokr"),
-           "loha": ("lycoris.kohya", "loha")}
-SUFFIXES = {"lokr": ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2"),
-            "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
-            "dora": ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector")}
+NETWORK = {
+    "lora": ("networks.lora", None),
+    "dora": ("networks.lora", "dora"),
+    "lokr": ("lycoris.kohya", "lokr"),
+    "loha": ("lycoris.kohya", "loha"),
+}
+SUFFIXES = {
+    "lokr": ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2"),
+    "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2"),
+    "dora": ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector"),
+}
 
 
 def adapter_of(t) -> str:
@@ -51,25 +58,36 @@ def peft_config(t, target_modules: tuple[str, ...]):
     if adapter == "lokr":
         from peft import LoKrConfig
 
-        return LoKrConfig(r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True,
-                          decompose_factor=t.lokr_factor)
+        return LoKrConfig(
+            r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True, decompose_factor=t.lokr_factor
+        )
     if adapter == "loha":
         from peft import LoHaConfig
 
         return LoHaConfig(r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True)
     from peft import LoraConfig
 
-    return LoraConfig(r=t.lora_rank, lora_alpha=alpha_of(t), init_lora_weights=True, target_modules=targets,
-                      use_dora=adapter == "dora")
+    return LoraConfig(
+        r=t.lora_rank,
+        lora_alpha=alpha_of(t),
+        init_lora_weights=True,
+        target_modules=targets,
+        use_dora=adapter == "dora",
+    )
 
 
 def not_exported(t) -> list[dict]:
     """The manifest's record of a requested file this adapter cannot have (never a refusal)."""
     adapter = adapter_of(t)
     if t.mode == "lora" and adapter not in DIFFUSERS_LOADS and t.lora_format in ("diffusers", "both"):
-        return [{"format": "diffusers", "reason": f"train.adapter {adapter}: diffusers' load_lora_weights reads "
-                 f"no {adapter} weights; the LyCORIS-layout file lora_kohya.safetensors (ComfyUI, A1111, Forge) is "
-                 f"written instead"}]
+        return [
+            {
+                "format": "diffusers",
+                "reason": f"train.adapter {adapter}: diffusers' load_lora_weights reads "
+                f"no {adapter} weights; the LyCORIS-layout file lora_kohya.safetensors (ComfyUI, A1111, Forge) is "
+                f"written instead",
+            }
+        ]
     return []
 
 
@@ -80,7 +98,7 @@ def _modules(state: dict[str, torch.Tensor], suffixes: tuple[str, ...]) -> dict[
         suffix = next((s for s in suffixes if key.endswith("." + s)), None)
         if suffix is None:
             raise ValueError(f"adapter weight {key} is not one this exporter knows ({', '.join(suffixes)})")
-        out.setdefault(key[:-len(suffix) - 1], {})[suffix] = value
+        out.setdefault(key[: -len(suffix) - 1], {})[suffix] = value
     return out
 
 
@@ -109,8 +127,12 @@ def _dora(f: dict[str, torch.Tensor], base: torch.Tensor, scale: float, alpha: f
     merged_norm = (base.float() + delta).reshape(rows, -1).norm(dim=1)
     base_norm = base.float().reshape(rows, -1).norm(dim=1) + torch.finfo(base.dtype).eps
     dora_scale = m.reshape(rows) * base_norm / merged_norm
-    return {"lora_down.weight": down, "lora_up.weight": up, "alpha": torch.tensor(alpha),
-            "dora_scale": dora_scale.reshape(rows, *[1] * (base.dim() - 1))}
+    return {
+        "lora_down.weight": down,
+        "lora_up.weight": up,
+        "alpha": torch.tensor(alpha),
+        "dora_scale": dora_scale.reshape(rows, *[1] * (base.dim() - 1)),
+    }
 
 
 def to_lycoris(family: str, den: torch.nn.Module, state: dict[str, torch.Tensor], t) -> dict[str, torch.Tensor]:
@@ -165,8 +187,9 @@ def apply_file(family: str, den: torch.nn.Module, state: dict[str, torch.Tensor]
     for key, value in state.items():
         name, suffix = key.split(".", 1)
         groups.setdefault(name, {})[suffix] = value.float()
-    layers = {stem(family, p, den): m for p, m in den.named_modules() if isinstance(m, (torch.nn.Linear,
-                                                                                           torch.nn.Conv2d))}
+    layers = {
+        stem(family, p, den): m for p, m in den.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+    }
     unknown = sorted(set(groups) - set(layers))
     if unknown:
         raise ValueError(f"adapter file keys match no module of {type(den).__name__}: {unknown[:5]}")

@@ -10,6 +10,7 @@
 Nothing is ever unpickled: tensors come from safetensors, everything else from JSON. A checkpoint is built in
 a hidden sibling and renamed into place, so a directory named step-N is complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,10 @@ def load(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """(state, tensors by file stem) of a checkpoint, after checking every file against state.json."""
     state_file = path / STATE
     if not state_file.is_file():
-        raise CheckpointError(f"{path} is not a checkpoint (no {STATE}); point train.resume at a checkpoints/step-N "
-                              f"directory or use latest")
+        raise CheckpointError(
+            f"{path} is not a checkpoint (no {STATE}); point train.resume at a checkpoints/step-N "
+            f"directory or use latest"
+        )
     try:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -92,8 +95,10 @@ def load(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     for name, entry in state.get("files", {}).items():
         f = path / name
         if not f.is_file() or f.stat().st_size != entry["bytes"] or file_sha256(f) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: {name} is missing or does not match its recorded size and "
-                                  f"checksum; delete {path} to resume from an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint {path}: {name} is missing or does not match its recorded size and "
+                f"checksum; delete {path} to resume from an earlier checkpoint"
+            )
         tensors[name.removesuffix(".safetensors")] = load_file(str(f))
     return state, tensors
 
@@ -108,14 +113,18 @@ def resolve(resume: str | None, root: Path, workdir: Path) -> Path | None:
     if resume == "latest":
         found = listed(root)
         if not found:
-            raise CheckpointError(f"train.resume is latest, but this run has no checkpoint in {root}; set "
-                                  f"train.resume to null to start from the base model, or to a checkpoint directory")
+            raise CheckpointError(
+                f"train.resume is latest, but this run has no checkpoint in {root}; set "
+                f"train.resume to null to start from the base model, or to a checkpoint directory"
+            )
         return found[-1][1]
     path = Path(resume).expanduser()
     path = path if path.is_absolute() else workdir / path
     if not (path / STATE).is_file():
-        raise CheckpointError(f"train.resume: {path} is not a checkpoint directory (no {STATE}); use latest, a "
-                              f"checkpoints/step-N directory, or null")
+        raise CheckpointError(
+            f"train.resume: {path} is not a checkpoint directory (no {STATE}); use latest, a "
+            f"checkpoints/step-N directory, or null"
+        )
     return path
 
 
@@ -129,13 +138,16 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dic
                 tensors[f"{names[idx]}/{key}"] = value
             else:
                 scalars[f"{names[idx]}/{key}"] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in sd["param_groups"]
+    ]
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def restore_optimizer(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor],
-                      meta: dict) -> None:
+def restore_optimizer(
+    opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], meta: dict
+) -> None:
     index = {n: i for i, n in enumerate(names)}
     state: dict[int, dict] = {}
     for flat, value in [*tensors.items(), *meta["scalars"].items()]:
@@ -145,4 +157,3 @@ def restore_optimizer(opt: torch.optim.Optimizer, names: list[str], tensors: dic
         state.setdefault(index[name], {})[key] = value
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
     opt.load_state_dict({"state": state, "param_groups": groups})
-

@@ -6,6 +6,7 @@ device. Per step the workers issue one all-reduce of their own besides DDP's gra
 every micro-batch and the stop/checkpoint flags travel together, one row per rank, so a slow rank costs one
 round trip, not two.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,8 +28,10 @@ TIMEOUT = timedelta(minutes=30)
 def cuda_backend() -> str:
     name = os.environ.get(CUDA_BACKEND_ENV) or "nccl"
     if name not in CUDA_BACKENDS:
-        raise ValueError(f"environment variable {CUDA_BACKEND_ENV}={name!r}: use one of {', '.join(CUDA_BACKENDS)} "
-                         f"(or unset it for nccl)")
+        raise ValueError(
+            f"environment variable {CUDA_BACKEND_ENV}={name!r}: use one of {', '.join(CUDA_BACKENDS)} "
+            f"(or unset it for nccl)"
+        )
     return name
 
 
@@ -65,10 +68,12 @@ def wrap(module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device:
     would need DDP's private `_set_params_and_buffers_to_ignore_for_model`; reducing the gradients by hand would
     re-implement DDP's bucketing and its overlap with the backward pass."""
     broadcast(list(params.values()))
-    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                      else {"broadcast_buffers": False})  # the older name (torch before 2.13)
-    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, init_sync=False,
-               **no_buffer_sync)
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP).parameters
+        else {"broadcast_buffers": False}
+    )  # the older name (torch before 2.13)
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, init_sync=False, **no_buffer_sync)
 
 
 BROADCAST_BUCKET_BYTES = 256 * 2**20  # a full fine-tune's weights go in pieces: one flat copy at a time
@@ -101,8 +106,12 @@ def exchange(losses: torch.Tensor, flags: list[float], rank: int, world: int) ->
     Each rank writes its own row of zeros, so the sum is every row side by side; flags are 0.0 or 1.0 and the
     caller checks them with any()."""
     m = len(losses)
-    row = torch.cat([losses.detach().float().reshape(-1),
-                     torch.tensor(flags, dtype=torch.float32).to(losses.device, non_blocking=True)])
+    row = torch.cat(
+        [
+            losses.detach().float().reshape(-1),
+            torch.tensor(flags, dtype=torch.float32).to(losses.device, non_blocking=True),
+        ]
+    )
     if not active(world):
         every = row.unsqueeze(0)
     else:

@@ -1,4 +1,5 @@
 """The exponential moving average of the trained weights (train.ema): what final/ holds when it is on."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

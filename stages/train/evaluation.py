@@ -3,6 +3,7 @@
 The noise is seeded by the image and the timestep, so two evaluations of the same weights give the same number
 and curves compare across runs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,7 @@ class Evaluator:
         with eval_weights(tr.opt, tr.params):
             n = self._sum(tr, data, model, was_training, sums)
         per_t = {str(t): round(s / n, 6) for t, s in sums.items()}
-        return {"step": tr.step, "loss": round(sum(s / n for s in sums.values()) / len(sums), 6),
-                "per_timestep": per_t}
+        return {"step": tr.step, "loss": round(sum(s / n for s in sums.values()) / len(sums), 6), "per_timestep": per_t}
 
     def _sum(self, tr, data, model, was_training, sums) -> int:
         n = 0
@@ -61,13 +61,21 @@ class Evaluator:
                     batch = data.reader.batch(bucket, np.array([row]))
                     x0 = scale_latents(data.reader.gather(batch)[0].float(), data.scaling, data.shift)
                     path = batch.paths[0]
-                    cond = {k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
-                            for k, v in data.text.get([data.records[path].caption], [0]).items()}
+                    cond = {
+                        k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
+                        for k, v in data.text.get([data.records[path].caption], [0]).items()
+                    }
                     for t in self.timesteps:
-                        noisy, ts, target = _noised(x0, _noise(path, t, tuple(x0.shape)), t,
-                                                    tr.fam.facts.prediction, tr.noise_scheduler)
-                        pred = tr.fam.denoise(model, noisy.to(tr.device), ts.to(tr.device), cond,
-                                              micro=[micro_cond(data.record(path, bucket))])
+                        noisy, ts, target = _noised(
+                            x0, _noise(path, t, tuple(x0.shape)), t, tr.fam.facts.prediction, tr.noise_scheduler
+                        )
+                        pred = tr.fam.denoise(
+                            model,
+                            noisy.to(tr.device),
+                            ts.to(tr.device),
+                            cond,
+                            micro=[micro_cond(data.record(path, bucket))],
+                        )
                         sums[t] += float(((pred.float() - target.to(tr.device).float()) ** 2).mean())
                     n += 1
         finally:

@@ -9,6 +9,7 @@ Files (under the train artifact's `final/`):
 - a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
   `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile_export.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,6 @@ from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"
-
 
 
 def _header_facts(family: str) -> tuple[str, str, str]:
@@ -63,24 +63,40 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
     started = datetime.fromtimestamp(info.started_at, UTC)
     module, algo = adapters.NETWORK[adapters.adapter_of(t)]
     meta = {
-        "ss_network_module": module, "ss_network_dim": str(t.lora_rank), "ss_network_alpha": str(alpha),
-        "ss_base_model_version": _header_facts(family)[0], "ss_v2": "False",
-        "ss_resolution": f"({info.resolution}, {info.resolution})", "ss_steps": str(info.steps),
-        "ss_max_train_steps": str(t.steps), "ss_num_train_images": str(info.num_train_images),
-        "ss_training_started_at": repr(float(info.started_at)), "ss_learning_rate": str(t.learning_rate),
-        "ss_lr_scheduler": t.lr_schedule, "ss_seed": str(t.seed), "ss_mixed_precision": t.mixed_precision,
-        "ss_batch_size_per_device": str(t.batch_size), "ss_gradient_accumulation_steps": str(t.grad_accumulation),
+        "ss_network_module": module,
+        "ss_network_dim": str(t.lora_rank),
+        "ss_network_alpha": str(alpha),
+        "ss_base_model_version": _header_facts(family)[0],
+        "ss_v2": "False",
+        "ss_resolution": f"({info.resolution}, {info.resolution})",
+        "ss_steps": str(info.steps),
+        "ss_max_train_steps": str(t.steps),
+        "ss_num_train_images": str(info.num_train_images),
+        "ss_training_started_at": repr(float(info.started_at)),
+        "ss_learning_rate": str(t.learning_rate),
+        "ss_lr_scheduler": t.lr_schedule,
+        "ss_seed": str(t.seed),
+        "ss_mixed_precision": t.mixed_precision,
+        "ss_batch_size_per_device": str(t.batch_size),
+        "ss_gradient_accumulation_steps": str(t.grad_accumulation),
         "ss_output_name": info.title,
-        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": f"{_header_facts(family)[1]}/lora",
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": f"{_header_facts(family)[1]}/lora",
         "modelspec.implementation": "diffusers" if fmt == "diffusers" else _header_facts(family)[2],
-        "modelspec.title": info.title, "modelspec.resolution": f"{info.resolution}x{info.resolution}",
-        "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
-        "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity,
+        "modelspec.title": info.title,
+        "modelspec.resolution": f"{info.resolution}x{info.resolution}",
+        "modelspec.date": started.isoformat(timespec="seconds"),
+        "modelspec.author": "tuneline",
+        "tuneline.train_version": info.train_version,
+        "tuneline.base_identity": info.base_identity,
         "tuneline.lora_format": fmt,
     }
     if algo:  # kohya's network_args as it writes them (LyCORIS algo, its factor; DoRA's weight decomposition)
-        args = {"algo": algo, **({"factor": str(t.lokr_factor)} if algo == "lokr" else {})} if algo != "dora" \
+        args = (
+            {"algo": algo, **({"factor": str(t.lokr_factor)} if algo == "lokr" else {})}
+            if algo != "dora"
             else {"dora_wd": "True"}
+        )
         meta["ss_network_args"] = json.dumps(args, sort_keys=True)
     if t.metadata_captions and info.tag_frequency:
         meta["ss_tag_frequency"] = json.dumps({"train": info.tag_frequency}, sort_keys=True)
@@ -90,14 +106,21 @@ def metadata(info: ExportInfo, t, family: str, fmt: str) -> dict[str, str]:
 def checkpoint_metadata(info: ExportInfo, family: str) -> dict[str, str]:
     """The header of a full model's single file: the SAI model spec and ours (no LoRA keys)."""
     started = datetime.fromtimestamp(info.started_at, UTC)
-    return {"modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": _header_facts(family)[1],
-            "modelspec.implementation": _header_facts(family)[2], "modelspec.title": info.title,
-            "modelspec.resolution": f"{info.resolution}x{info.resolution}",
-            "modelspec.date": started.isoformat(timespec="seconds"), "modelspec.author": "tuneline",
-            "ss_base_model_version": _header_facts(family)[0], "ss_steps": str(info.steps),
-            "ss_num_train_images": str(info.num_train_images),
-            "ss_training_started_at": repr(float(info.started_at)),
-            "tuneline.train_version": info.train_version, "tuneline.base_identity": info.base_identity}
+    return {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": _header_facts(family)[1],
+        "modelspec.implementation": _header_facts(family)[2],
+        "modelspec.title": info.title,
+        "modelspec.resolution": f"{info.resolution}x{info.resolution}",
+        "modelspec.date": started.isoformat(timespec="seconds"),
+        "modelspec.author": "tuneline",
+        "ss_base_model_version": _header_facts(family)[0],
+        "ss_steps": str(info.steps),
+        "ss_num_train_images": str(info.num_train_images),
+        "ss_training_started_at": repr(float(info.started_at)),
+        "tuneline.train_version": info.train_version,
+        "tuneline.base_identity": info.base_identity,
+    }
 
 
 def add_metadata(path: Path, meta: dict[str, str]) -> None:
@@ -111,8 +134,17 @@ def add_metadata(path: Path, meta: dict[str, str]) -> None:
     save_file(tensors, str(path), metadata={**old, **meta})
 
 
-def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict[str, torch.Tensor],
-              adapter_meta: dict, t, out: Path, info: ExportInfo | None) -> None:
+def save_lora(
+    fam,
+    pipe_name: str,
+    comp: str,
+    den: torch.nn.Module,
+    layers: dict[str, torch.Tensor],
+    adapter_meta: dict,
+    t,
+    out: Path,
+    info: ExportInfo | None,
+) -> None:
     """Write the LoRA file(s) `train.lora_format` asks for into `out` (final/)."""
     import diffusers
 
@@ -123,9 +155,11 @@ def save_lora(fam, pipe_name: str, comp: str, den: torch.nn.Module, layers: dict
     if adapter not in adapters.DIFFUSERS_LOADS:
         fmt = "kohya"  # no diffusers loader: the LyCORIS file only (the manifest's not_exported says so)
     if fmt in ("diffusers", "both"):
-        getattr(diffusers, pipe_name).save_lora_weights(out, weight_name=DIFFUSERS_FILE,
-                                                        **{f"{comp}_lora_layers": layers,
-                                                           f"{comp}_lora_adapter_metadata": adapter_meta})
+        getattr(diffusers, pipe_name).save_lora_weights(
+            out,
+            weight_name=DIFFUSERS_FILE,
+            **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": adapter_meta},
+        )
         if info is not None:
             add_metadata(out / DIFFUSERS_FILE, metadata(info, t, family, "diffusers"))
     if fmt in ("kohya", "both"):
@@ -173,9 +207,23 @@ def exports(root: Path, final: Path, mode: str) -> list[dict]:
         out = [{"file": rel, "format": "diffusers", "bytes": size, "sha256": None}]
         single = final / SINGLE_FILE
         if single.is_file():
-            out.append({"file": f"{rel}/{SINGLE_FILE}", "format": "single-file", "bytes": single.stat().st_size,
-                        "sha256": file_sha256(single)})
+            out.append(
+                {
+                    "file": f"{rel}/{SINGLE_FILE}",
+                    "format": "single-file",
+                    "bytes": single.stat().st_size,
+                    "sha256": file_sha256(single),
+                }
+            )
         return out
     found = [(DIFFUSERS_FILE, "diffusers"), (KOHYA_FILE, "kohya")]
-    return [{"file": f"{rel}/{name}", "format": fmt, "bytes": (final / name).stat().st_size,
-             "sha256": file_sha256(final / name)} for name, fmt in found if (final / name).is_file()]
+    return [
+        {
+            "file": f"{rel}/{name}",
+            "format": fmt,
+            "bytes": (final / name).stat().st_size,
+            "sha256": file_sha256(final / name),
+        }
+        for name, fmt in found
+        if (final / name).is_file()
+    ]

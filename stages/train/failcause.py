@@ -5,24 +5,37 @@
 worker's lines with `[rankN]:` once the process group exists) and any signal torchrun reports. `explain()` names
 the exception and, for the causes a user fixes with a setting or a disk, what to change.
 """
+
 from __future__ import annotations
 
 import re
 
 # The last line of a Python traceback: `SomeError: message` (dotted names allowed), optionally rank-prefixed.
-EXC_LINE = re.compile(r"^(?:\[(?:default)?rank(\d+)\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*"
-                      r"(?:Error|Exception|Exit|Interrupt)\b)(?::\s*(.*))?$")
+EXC_LINE = re.compile(
+    r"^(?:\[(?:default)?rank(\d+)\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*"
+    r"(?:Error|Exception|Exit|Interrupt)\b)(?::\s*(.*))?$"
+)
 TRACEBACK = re.compile(r"^(?:\[(?:default)?rank\d+\]:\s*)?Traceback \(most recent call last\):")
 SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)|exitcode\s*:\s*-(\d+)")
-OOM = ("OutOfMemoryError", "MemoryError", "out of memory", "Cannot allocate memory", "can't allocate memory",
-       "CUBLAS_STATUS_ALLOC_FAILED")
+OOM = (
+    "OutOfMemoryError",
+    "MemoryError",
+    "out of memory",
+    "Cannot allocate memory",
+    "can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+)
 DISK_FULL = ("No space left on device", "[Errno 28]", "ENOSPC", "Disk quota exceeded", "[Errno 122]")
 # torchrun's own errors re-raised at its end name the worker failure, not its cause.
 NOT_A_CAUSE = ("ChildFailedError", "torch.distributed.elastic", "SystemExit")
-OOM_FIX = ("out of memory: lower train.batch_size (raise train.grad_accumulation to keep the global batch), set "
-           "train.gradient_checkpointing: true, lower buckets.resolution, or run fewer train.processes per node")
-DISK_FIX = ("the disk is full: free space where the workdir lives (`tuneline gc` removes old versions), lower "
-            "train.keep_checkpoints, or point the workdir at a larger disk")
+OOM_FIX = (
+    "out of memory: lower train.batch_size (raise train.grad_accumulation to keep the global batch), set "
+    "train.gradient_checkpointing: true, lower buckets.resolution, or run fewer train.processes per node"
+)
+DISK_FIX = (
+    "the disk is full: free space where the workdir lives (`tuneline gc` removes old versions), lower "
+    "train.keep_checkpoints, or point the workdir at a larger disk"
+)
 
 
 class Causes:
@@ -55,8 +68,7 @@ class Causes:
         elif self.signal:
             msg = f"a training worker was killed by {self.signal}"
             if self.signal in ("SIGKILL", "signal 9"):
-                self.hints.add(OOM_FIX.replace("out of memory:", "this is usually the kernel's out-of-memory "
-                                                                 "killer:"))
+                self.hints.add(OOM_FIX.replace("out of memory:", "this is usually the kernel's out-of-memory killer:"))
         else:
             return None
         return msg + "".join(f". {h[0].upper()}{h[1:]}" for h in sorted(self.hints))

@@ -2,6 +2,7 @@
 
 Only rank 0 writes files.
 """
+
 from __future__ import annotations
 
 import gc
@@ -65,8 +66,15 @@ class Hooks:
         # the training denoiser; the VAE decoder and text encoders are loaded for this render only and freed after
         # it, so training itself never holds them (for SD3/Flux they are tens of GB).
         dtype = dtypes()[cfg.model.dtype] if tr.autocast else torch.float32
-        renderer = Renderer.load(tr.fam, self.run.model_dir, tr.device, dtype, denoiser=tr.denoiser,
-                                 autocast=tr.autocast, max_length=effective_max_length(cfg))
+        renderer = Renderer.load(
+            tr.fam,
+            self.run.model_dir,
+            tr.device,
+            dtype,
+            denoiser=tr.denoiser,
+            autocast=tr.autocast,
+            max_length=effective_max_length(cfg),
+        )
         v = cfg.validate_
         samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()

@@ -10,6 +10,7 @@ diffusers has separate ones. A fused module's LoRA is stacked: lora_down = the p
 lora_up = block-diagonal (each part's up in its rows and its own columns, zeros elsewhere), so up @ down is exactly
 each part's update in its own rows; the rank grows to k * r, so alpha grows by k to keep alpha / rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,10 @@ def layout(family: str) -> str:
         from tuneline.stages.families.registry import family_names
 
         known = [n for n in family_names() if _lora_part(n) is not None]
-        raise ValueError(f"train.lora_format kohya: no kohya layout is known for model.family {family!r} "
-                         f"(known: {', '.join(sorted(known))}); set train.lora_format diffusers")
+        raise ValueError(
+            f"train.lora_format kohya: no kohya layout is known for model.family {family!r} "
+            f"(known: {', '.join(sorted(known))}); set train.lora_format diffusers"
+        )
     return part.KOHYA_LAYOUT
 
 
@@ -50,15 +53,17 @@ def adapter_modules(peft_state: dict[str, torch.Tensor]) -> dict[str, tuple[torc
     """diffusers module path -> (lora_A = down, lora_B = up) from a peft state dict (`<path>.lora_A.weight`)."""
     downs = {k.removesuffix(".lora_A.weight"): v for k, v in peft_state.items() if k.endswith(".lora_A.weight")}
     ups = {k.removesuffix(".lora_B.weight"): v for k, v in peft_state.items() if k.endswith(".lora_B.weight")}
-    odd = sorted(set(downs) ^ set(ups)) + sorted(k for k in peft_state if not k.endswith(("lora_A.weight",
-                                                                                            "lora_B.weight")))
+    odd = sorted(set(downs) ^ set(ups)) + sorted(
+        k for k in peft_state if not k.endswith(("lora_A.weight", "lora_B.weight"))
+    )
     if odd:
         raise ValueError(f"train.lora_format kohya: adapter weights other than plain LoRA A/B pairs: {odd[:5]}")
     return {k: (downs[k], ups[k]) for k in downs}
 
 
-def to_kohya(family: str, den: torch.nn.Module, peft_state: dict[str, torch.Tensor],
-             alpha: float) -> dict[str, torch.Tensor]:
+def to_kohya(
+    family: str, den: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
+) -> dict[str, torch.Tensor]:
     """The kohya state dict for these adapter weights (scale alpha / rank, as peft applies it). Raises naming every
     trained module that has no place in the layout, so a file never silently drops part of the training."""
     mods = adapter_modules(peft_state)
@@ -66,8 +71,10 @@ def to_kohya(family: str, den: torch.nn.Module, peft_state: dict[str, torch.Tens
     targets = {p: target(family, p, den) for p in mods}
     missing = sorted(p for p, tg in targets.items() if tg is None)
     if missing:
-        raise ValueError(f"train.lora_format kohya: no kohya name for trained module(s) {missing} of model.family "
-                         f"{family}; set train.lora_format diffusers")
+        raise ValueError(
+            f"train.lora_format kohya: no kohya name for trained module(s) {missing} of model.family "
+            f"{family}; set train.lora_format diffusers"
+        )
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, Target] = {}
     for path, tg in targets.items():
@@ -86,7 +93,7 @@ def to_kohya(family: str, den: torch.nn.Module, peft_state: dict[str, torch.Tens
         up = torch.zeros(sum(rows), rank * len(trained), dtype=down.dtype)
         for col, (slot, p) in enumerate(trained):
             top = sum(rows[:slot])
-            up[top:top + rows[slot], col * rank:(col + 1) * rank] = mods[p][1]
+            up[top : top + rows[slot], col * rank : (col + 1) * rank] = mods[p][1]
         stem = kohya_name(name)
         out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"] = down.contiguous(), up
         out[f"{stem}.alpha"] = torch.tensor(float(alpha) * len(trained))

@@ -1,4 +1,5 @@
 """Start DDP training as a torchrun subprocess, stream its output to the stage log, collect the result."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,11 @@ def resume_target(ctx, work: Path) -> Path | None:
     if target is None:
         n = ckpt.clear(root)
         if n:
-            ctx.log.warning("train: starting from the base model (train.resume is null); removed %d checkpoint(s) "
-                            "of an interrupted earlier attempt; set train.resume: latest to continue one instead", n)
+            ctx.log.warning(
+                "train: starting from the base model (train.resume is null); removed %d checkpoint(s) "
+                "of an interrupted earlier attempt; set train.resume: latest to continue one instead",
+                n,
+            )
     return target
 
 
@@ -74,8 +78,10 @@ def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: 
         "launch": token,
         "seen": str(beside(work, "seen", token)),
         # For the LoRA files' metadata: this run's version (the directory it is published under) and the base.
-        "export": {"train_version": work.name.removeprefix(".").removesuffix(".partial"),
-                   "base_identity": models.identity(ctx, "denoiser")},
+        "export": {
+            "train_version": work.name.removeprefix(".").removesuffix(".partial"),
+            "base_identity": models.identity(ctx, "denoiser"),
+        },
     }
     path = beside(work, "spec", token)
     path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
@@ -92,8 +98,13 @@ def torchrun_command(cfg, spec: Path) -> list[str]:
     t = cfg.train
     cmd = [sys.executable, "-m", "tuneline.stages.train.procwatch", f"--nproc_per_node={t.processes}"]
     if t.nodes > 1:
-        cmd += [f"--nnodes={t.nodes}", f"--node_rank={t.node_rank}", "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={t.rdzv_endpoint}", f"--rdzv_id={t.rdzv_id}"]
+        cmd += [
+            f"--nnodes={t.nodes}",
+            f"--node_rank={t.node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={t.rdzv_endpoint}",
+            f"--rdzv_id={t.rdzv_id}",
+        ]
     else:
         cmd += ["--standalone"]
     return cmd + ["-m", "tuneline.stages.train.worker", str(spec)]
@@ -111,8 +122,16 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
     # Its own session: a SIGTERM to our process group (a cancelled run, `kill -TERM -PGID`) reaches torchrun once,
     # forwarded below, not twice (a second SIGTERM cuts torchrun's wait for its workers' checkpoint short).
     # SIGKILL needs no forwarding: torchrun and its workers die with this process (procwatch).
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     restore = raise_on_sigterm()
     tail: list[str] = []
     causes = Causes()
@@ -178,9 +197,11 @@ def failure_message(work: Path, rc: int, tail: list[str], cause: str | None = No
         return f"training exited with code {rc}; last output:\n" + "\n".join(tail[-12:])
     found = ckpt.listed(work / CHECKPOINTS)
     if found:
-        msg += (f". Training stopped; the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): fix the "
-                f"cause, then set train.resume to that path to continue from it (latest finds it only while every "
-                f"fingerprinted train setting stays the same)")
+        msg += (
+            f". Training stopped; the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): fix the "
+            f"cause, then set train.resume to that path to continue from it (latest finds it only while every "
+            f"fingerprinted train setting stays the same)"
+        )
     else:
         msg += ". Training stopped before its first checkpoint"
     return msg
@@ -191,9 +212,11 @@ def gpu_problem(processes: int, device: str, gpus: int) -> str | None:
     Under the gloo test switch (tuneline.stages.train.collectives) ranks may share a GPU."""
     if device != "cuda" or processes <= gpus or (gpus and collectives.shares_gpus()):
         return None
-    return (f"train.processes is {processes} but this node has {gpus} visible GPU(s), and each DDP process needs a "
-            f"GPU of its own: set train.processes: {gpus} (one per GPU; raise train.grad_accumulation to keep the "
-            f"global batch), or model.device: cpu to train with {processes} CPU processes")
+    return (
+        f"train.processes is {processes} but this node has {gpus} visible GPU(s), and each DDP process needs a "
+        f"GPU of its own: set train.processes: {gpus} (one per GPU; raise train.grad_accumulation to keep the "
+        f"global batch), or model.device: cpu to train with {processes} CPU processes"
+    )
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
@@ -243,16 +266,21 @@ def follow(ctx, work: Path, shared: bool) -> None:
     version = work.name.removeprefix(".").removesuffix(".partial")
     final = ctx.store.version_dir("train", version)
     if not shared and not (final / "manifest.json").is_file():
-        raise PublishedElsewhere(final, f"global rank 0 trained on another node, which publishes version "
-                                        f"{version} in its own workdir; this node's part finished")
+        raise PublishedElsewhere(
+            final,
+            f"global rank 0 trained on another node, which publishes version "
+            f"{version} in its own workdir; this node's part finished",
+        )
     started, deadline = time.time(), time.monotonic() + FOLLOW_TIMEOUT_S
     while not (final / "manifest.json").is_file():
         last = ctx.store.last_failure("train") or {}
         failure = last.get("error") if last.get("version") == version and last.get("at", 0) >= started else None
         if failure or time.monotonic() > deadline:
-            raise TrainingFailed(f"this node's training finished, but the node running global rank 0 did not "
-                                 f"publish train version {version} within {FOLLOW_TIMEOUT_S} s"
-                                 + (f": {failure}" if failure else "; see that node's log"))
+            raise TrainingFailed(
+                f"this node's training finished, but the node running global rank 0 did not "
+                f"publish train version {version} within {FOLLOW_TIMEOUT_S} s"
+                + (f": {failure}" if failure else "; see that node's log")
+            )
         time.sleep(0.5)
     raise PublishedElsewhere(final, f"global rank 0 trained on another node, which published {final}")
 
@@ -260,9 +288,16 @@ def follow(ctx, work: Path, shared: bool) -> None:
 def report(ctx, work: Path, result: dict) -> None:
     """A Prefect markdown artifact linking what training wrote, at the path it is about to be published under."""
     published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
-    rows = [("final", f"{result['mode']} weights"), (result["loss_curve"], "loss curve"),
-            *[(c, "checkpoint") for c in result["checkpoints"]], *[(s, "validation grid") for s in result["samples"]]]
+    rows = [
+        ("final", f"{result['mode']} weights"),
+        (result["loss_curve"], "loss curve"),
+        *[(c, "checkpoint") for c in result["checkpoints"]],
+        *[(s, "validation grid") for s in result["samples"]],
+    ]
     table = "\n".join(f"| [{name}]({(published / name).as_uri()}) | {what} |" for name, what in rows)
-    ctx.reporter.markdown("train-outputs", f"Trained {result['family']} ({result['mode']}) for {result['step']} steps"
-                          f" on {result['world_size']} process(es).\n\n| file | what |\n|---|---|\n{table}",
-                          "training outputs")
+    ctx.reporter.markdown(
+        "train-outputs",
+        f"Trained {result['family']} ({result['mode']}) for {result['step']} steps"
+        f" on {result['world_size']} process(es).\n\n| file | what |\n|---|---|\n{table}",
+        "training outputs",
+    )

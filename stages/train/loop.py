@@ -3,6 +3,7 @@
 The Trainer holds no file paths and writes nothing; the worker around it decides what to save and when, and the
 benchmark drives the same class in-process.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -112,23 +113,37 @@ def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
     scale = rec.bucket_width / max(1, right - left)
     if flipped:
         left = rec.width - right
-    return MicroCond(original_size=(rec.height, rec.width), crop_top_left=(round(top * scale), round(left * scale)),
-                     target_size=(rec.bucket_height, rec.bucket_width))
+    return MicroCond(
+        original_size=(rec.height, rec.width),
+        crop_top_left=(round(top * scale), round(left * scale)),
+        target_size=(rec.bucket_height, rec.bucket_width),
+    )
 
 
 class Trainer:
-    def __init__(self, cfg, fam, model_dir: Path, data: Data, rank: int, world: int, device: torch.device,
-                 resume: Path | None = None):
+    def __init__(
+        self,
+        cfg,
+        fam,
+        model_dir: Path,
+        data: Data,
+        rank: int,
+        world: int,
+        device: torch.device,
+        resume: Path | None = None,
+    ):
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
-        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device,
-                                                      cfg.model.quantize)
+        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
         self.names = list(self.params)
         # train.blocks_to_swap (tuneline.stages.train.swap); before the optimizer, EMA and DDP see the weights
-        self.swapper = BlockSwapper(self.denoiser, self.t.blocks_to_swap, device, self.t.mode == "full") \
-            if self.t.blocks_to_swap else None
+        self.swapper = (
+            BlockSwapper(self.denoiser, self.t.blocks_to_swap, device, self.t.mode == "full")
+            if self.t.blocks_to_swap
+            else None
+        )
         self.opt = build_optimizer(list(self.params.values()), self.t)
         self.scaler = grad_scaler(self.autocast)
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
@@ -141,8 +156,9 @@ class Trainer:
         self.flags = torch.zeros(1, 0)  # every rank's stop/checkpoint flags of the last step (train_step)
         # Wrapped after the restore: wrapping broadcasts rank 0's trainable weights, so every rank (on every node)
         # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
-        self.model = collectives.wrap(self.denoiser, self.params, device) if collectives.active(world) \
-            else self.denoiser
+        self.model = (
+            collectives.wrap(self.denoiser, self.params, device) if collectives.active(world) else self.denoiser
+        )
 
     # ---- one step ----------------------------------------------------------------------------
     def feed(self, stream: Iterator[MicroBatch]) -> Iterator[Fed]:
@@ -150,9 +166,13 @@ class Trainer:
         cache reads overlap the steps. Indices count from this trainer's current step (a resumed run continues
         them), so every draw is the one the uninterrupted run made."""
         first = self.step * self.t.grad_accumulation
-        return ahead(((first + i, mb) for i, mb in enumerate(stream)), lambda item: self.prepare(*item),
-                     workers=feed_workers(self.data.reader, self.device), depth=2 * self.t.grad_accumulation,
-                     name="train-feed")
+        return ahead(
+            ((first + i, mb) for i, mb in enumerate(stream)),
+            lambda item: self.prepare(*item),
+            workers=feed_workers(self.data.reader, self.device),
+            depth=2 * self.t.grad_accumulation,
+            name="train-feed",
+        )
 
     def prepare(self, index: int, mb: MicroBatch) -> Fed:
         """Everything micro-batch `index` reads, drawn and read as the step would (thread-safe: it only reads)."""
@@ -195,11 +215,14 @@ class Trainer:
         dev = fed.dev
         torch.manual_seed(step_seed(t.seed, self.rank, fed.index))  # dropout layers, if the denoiser has any
         x0 = scale_latents(fed.sampled, data.scaling, data.shift)
-        cond = {k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype, non_blocking=True)
-                for k, v in fed.cond.items()}
+        cond = {
+            k: v.to(self.device, torch.float32 if v.is_floating_point() else v.dtype, non_blocking=True)
+            for k, v in fed.cond.items()
+        }
         noise = offset_noise(torch.randn(x0.shape, generator=dev, device=self.device), t.noise_offset, dev)
-        nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas,
-                              patch=self.fam.facts.patch_size)
+        nz = noisy_and_target(
+            x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas, patch=self.fam.facts.patch_size
+        )
         weights = loss_weights(nz.snr, self.prediction, t.loss_weighting, t.min_snr_gamma)
         per_source = data.rows.loss_weights(mb.bucket, mb.rows) if data.rows is not None else None
         if per_source is not None:  # dataset.sources loss_weight (prior preservation)
@@ -209,9 +232,13 @@ class Trainer:
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with no_sync:
             with amp:
-                pred = self.fam.denoise(self.model, nz.noisy.to(self.device), nz.timesteps.to(self.device), cond,
-                                        micro=[micro_cond(data.record(p, mb.bucket), f)
-                                               for p, f in zip(batch.paths, flip)])
+                pred = self.fam.denoise(
+                    self.model,
+                    nz.noisy.to(self.device),
+                    nz.timesteps.to(self.device),
+                    cond,
+                    micro=[micro_cond(data.record(p, mb.bucket), f) for p, f in zip(batch.paths, flip)],
+                )
             mask = read_mask(data.reader, batch) if t.masked_loss else None
             loss = weighted_mse(pred, nz.target.to(self.device), weights, mask)
             self.scaler.scale(loss / t.grad_accumulation).backward()
@@ -252,8 +279,10 @@ class Trainer:
         mb = micro[m]
         rows = shard(mb.global_rows, rank, self.t.batch_size)
         paths = self.data.reader.batch(mb.bucket, rows).paths
-        return (f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket "
-                f"{mb.bucket}); the batch's images: {', '.join(paths)}")
+        return (
+            f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket "
+            f"{mb.bucket}); the batch's images: {', '.join(paths)}"
+        )
 
     # ---- checkpoints -------------------------------------------------------------------------
     def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -263,11 +292,21 @@ class Trainer:
         tensors = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
         if self.ema is not None:
             tensors["ema"] = self.ema.shadow
-        state = {"position": self.position.as_json(), "losses": self.losses, "world_size": self.world,
-                 "batch_size": t.batch_size, "grad_accumulation": t.grad_accumulation, "mode": t.mode,
-                 "family": self.fam.facts.name, "seed": t.seed, "optimizer": opt_meta,
-                 "lr": float(self.opt.param_groups[0]["lr"]), "scaler": self.scaler.state_dict(), "ema": self.ema is not None,
-                 "rng": "derived per micro-batch from (seed, rank, micro-batch index): see tuneline.stages.train.plan"}
+        state = {
+            "position": self.position.as_json(),
+            "losses": self.losses,
+            "world_size": self.world,
+            "batch_size": t.batch_size,
+            "grad_accumulation": t.grad_accumulation,
+            "mode": t.mode,
+            "family": self.fam.facts.name,
+            "seed": t.seed,
+            "optimizer": opt_meta,
+            "lr": float(self.opt.param_groups[0]["lr"]),
+            "scaler": self.scaler.state_dict(),
+            "ema": self.ema is not None,
+            "rng": "derived per micro-batch from (seed, rank, micro-batch index): see tuneline.stages.train.plan",
+        }
         return tensors, state
 
     def restore(self, path: Path) -> None:
@@ -286,13 +325,21 @@ class Trainer:
 
     def check_compatible(self, path: Path, state: dict, names: set[str]) -> None:
         t = self.t
-        mine = {"mode": t.mode, "family": self.fam.facts.name, "world_size": self.world, "batch_size": t.batch_size,
-                "grad_accumulation": t.grad_accumulation}
+        mine = {
+            "mode": t.mode,
+            "family": self.fam.facts.name,
+            "world_size": self.world,
+            "batch_size": t.batch_size,
+            "grad_accumulation": t.grad_accumulation,
+        }
         differ = [f"{k} {state.get(k)!r} (now {v!r})" for k, v in mine.items() if state.get(k) != v]
         if names != set(self.names):
             differ.append(f"{len(names)} trained tensors that do not match this model's {len(self.names)}")
         if state.get("step", 0) > t.steps:
             differ.append(f"step {state.get('step')} beyond train.steps {t.steps}")
         if differ:
-            raise ckpt.CheckpointError(f"checkpoint {path} cannot continue this run: it has " + "; ".join(differ)
-                                       + "; resume with the settings it was made with, or set train.resume to null")
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} cannot continue this run: it has "
+                + "; ".join(differ)
+                + "; resume with the settings it was made with, or set train.resume to null"
+            )

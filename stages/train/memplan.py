@@ -13,6 +13,7 @@ plan costs seconds on any machine. Terms:
   16-bit autocast float32 activations count at two bytes;
 - on CUDA a fixed reserve for the context and the caching allocator.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
 
-GIB = 1024 ** 3
+GIB = 1024**3
 CUDA_RESERVE = int(0.75 * GIB)  # CUDA context, cuBLAS workspace, allocator rounding
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -99,7 +100,7 @@ class Setting:
 
 
 def size(b: int) -> str:
-    return f"{b / GIB:8.2f} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / 2 ** 20:8.1f} MiB"
+    return f"{b / GIB:8.2f} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / 2**20:8.1f} MiB"
 
 
 @dataclass
@@ -119,9 +120,16 @@ class MemoryPlan:
         return self.free is None or self.total <= self.free
 
     def as_json(self) -> dict:
-        return {"terms": {n: b for n, b in self.terms}, "total": self.total, "free": self.free, "fits": self.fits,
-                "device": self.where, "blocks": self.blocks, "max_blocks_to_swap": max_blocks_to_swap(self.blocks),
-                "fixes": self.fixes}
+        return {
+            "terms": {n: b for n, b in self.terms},
+            "total": self.total,
+            "free": self.free,
+            "fits": self.fits,
+            "device": self.where,
+            "blocks": self.blocks,
+            "max_blocks_to_swap": max_blocks_to_swap(self.blocks),
+            "fixes": self.fixes,
+        }
 
     def text(self) -> str:
         width = max(len(n) for n, _ in self.terms)
@@ -131,12 +139,18 @@ class MemoryPlan:
         if self.free is None:
             lines.append("  training on the CPU: no device memory to check")
         else:
-            lines.append(f"  {'device free':<{width}}  {self.free / GIB:8.2f} GiB -> "
-                         f"{'fits' if self.fits else 'does NOT fit'}")
-        lines.append(f"  transformer blocks: {self.blocks} (train.blocks_to_swap can be 0..{max_blocks_to_swap(self.blocks)})")
+            lines.append(
+                f"  {'device free':<{width}}  {self.free / GIB:8.2f} GiB -> {'fits' if self.fits else 'does NOT fit'}"
+            )
+        lines.append(
+            f"  transformer blocks: {self.blocks} (train.blocks_to_swap can be 0..{max_blocks_to_swap(self.blocks)})"
+        )
         if not self.fits:
-            lines.append("  settings that would make it fit:" if self.fixes else
-                         "  no combination of the planned settings fits: use a GPU with more memory")
+            lines.append(
+                "  settings that would make it fit:"
+                if self.fixes
+                else "  no combination of the planned settings fits: use a GPU with more memory"
+            )
             lines += [f"    {f}" for f in self.fixes]
         return "\n".join(lines)
 
@@ -157,13 +171,20 @@ class Planner:
         if edge not in self.traces:
             self.traces[edge] = trace_activations(self.fam, self.den, 1, edge, self.dtype)
         one = self.traces[edge]
-        return Trace(one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs],
-                     one.float32_share)
+        return Trace(
+            one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
+        )
 
     def current(self) -> Setting:
         t = self.t
-        return Setting(t.blocks_to_swap, t.gradient_checkpointing, self.cfg.model.quantize, t.optimizer,
-                       t.batch_size, largest_edge(self.cfg.buckets, self.alignment))
+        return Setting(
+            t.blocks_to_swap,
+            t.gradient_checkpointing,
+            self.cfg.model.quantize,
+            t.optimizer,
+            t.batch_size,
+            largest_edge(self.cfg.buckets, self.alignment),
+        )
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
         t, full = self.t, self.t.mode == "full"
@@ -171,24 +192,29 @@ class Planner:
         trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
         key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
         r = len(per) - s.blocks_to_swap
-        window = max(sum(x[key] for x in per[i:i + r]) for i in range(len(per) - r + 1)) if per else 0
+        window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
         swapped_trainable = sum(x["trainable"] for x in per[r:]) if full and s.blocks_to_swap else 0
         tr = self.trace(s.batch, s.edge)
         scale = (1 - tr.float32_share / 2) if self.autocast else 1.0
-        kept = tr.outside + (sum(tr.blocks) if not s.checkpointing else
-                             0 if s.checkpointing == "offload" else sum(tr.inputs))
-        out = [(f"weights ({'float32 masters' if full else self.label(s.quantize)})",
-                4 * trainable if full else outside + sum(x["frozen"] for x in per)),
-               (f"swapped blocks ({s.blocks_to_swap} of {len(per)} in CPU memory)",
-                -(sum(x[key] for x in per) - window)),
-               ("trainable parameters (float32)", 0 if full else 4 * trainable),
-               ("gradients", 4 * trainable),
-               (f"optimizer state ({s.optimizer})", STATE_BYTES[s.optimizer]
-                * (trainable - swapped_trainable)),
-               ("EMA", 4 * trainable if t.ema else 0),
-               (f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge})",
-                int(kept * scale)),
-               ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale))]
+        kept = tr.outside + (
+            sum(tr.blocks) if not s.checkpointing else 0 if s.checkpointing == "offload" else sum(tr.inputs)
+        )
+        out = [
+            (
+                f"weights ({'float32 masters' if full else self.label(s.quantize)})",
+                4 * trainable if full else outside + sum(x["frozen"] for x in per),
+            ),
+            (f"swapped blocks ({s.blocks_to_swap} of {len(per)} in CPU memory)", -(sum(x[key] for x in per) - window)),
+            ("trainable parameters (float32)", 0 if full else 4 * trainable),
+            ("gradients", 4 * trainable),
+            (f"optimizer state ({s.optimizer})", STATE_BYTES[s.optimizer] * (trainable - swapped_trainable)),
+            ("EMA", 4 * trainable if t.ema else 0),
+            (
+                f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge})",
+                int(kept * scale),
+            ),
+            ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
+        ]
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -224,35 +250,44 @@ class Planner:
         out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den)))
         full = self.t.mode == "full"
         quant = None if full or s.quantize else ("fp8" if self.cuda else "int8")
-        singles = [("train.gradient_checkpointing: true", replace(s, checkpointing=True)) if not s.checkpointing
-                   else None,
-                   ("train.gradient_checkpointing: offload", replace(s, checkpointing="offload"))
-                   if s.checkpointing != "offload" else None,
-                   (f"model.quantize: {quant}", replace(s, quantize=quant)) if quant else None,
-                   ("train.optimizer: adamw8bit", replace(s, optimizer="adamw8bit")) if s.optimizer == "adamw"
-                   else None]
+        singles = [
+            ("train.gradient_checkpointing: true", replace(s, checkpointing=True)) if not s.checkpointing else None,
+            ("train.gradient_checkpointing: offload", replace(s, checkpointing="offload"))
+            if s.checkpointing != "offload"
+            else None,
+            (f"model.quantize: {quant}", replace(s, quantize=quant)) if quant else None,
+            ("train.optimizer: adamw8bit", replace(s, optimizer="adamw8bit")) if s.optimizer == "adamw" else None,
+        ]
         out += [show(c, x) for c, x in filter(None, singles) if fits(x)]
         swap = next((n for n in range(s.blocks_to_swap + 1, nmax + 1) if fits(replace(s, blocks_to_swap=n))), None)
         if swap is not None:
             out.append(show(f"train.blocks_to_swap: {swap}", replace(s, blocks_to_swap=swap)))
         batch = next((b for b in range(s.batch - 1, 0, -1) if fits(replace(s, batch=b))), None)
         if batch is not None:
-            out.append(show(f"train.batch_size: {batch} (raise train.grad_accumulation to keep the global batch)",
-                            replace(s, batch=batch)))
-        edges = sorted({max(self.alignment, int(s.edge * f) // self.alignment * self.alignment)
-                        for f in (0.875, 0.75, 0.625, 0.5)} - {s.edge}, reverse=True)
+            out.append(
+                show(
+                    f"train.batch_size: {batch} (raise train.grad_accumulation to keep the global batch)",
+                    replace(s, batch=batch),
+                )
+            )
+        edges = sorted(
+            {max(self.alignment, int(s.edge * f) // self.alignment * self.alignment) for f in (0.875, 0.75, 0.625, 0.5)}
+            - {s.edge},
+            reverse=True,
+        )
         edge = next((e for e in edges if fits(replace(s, edge=e))), None)
         if edge is not None:
-            res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024 ** 2, 3)
+            res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)
             out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))
         if not out:
             all_in = replace(s, checkpointing="offload", quantize=s.quantize or quant, optimizer="adamw8bit")
-            swap = next((n for n in range(s.blocks_to_swap, nmax + 1) if fits(replace(all_in, blocks_to_swap=n))),
-                        None)
+            swap = next((n for n in range(s.blocks_to_swap, nmax + 1) if fits(replace(all_in, blocks_to_swap=n))), None)
             if swap is not None:
-                parts = ["train.gradient_checkpointing: offload", "train.optimizer: adamw8bit"] \
-                    + ([f"train.blocks_to_swap: {swap}"] if swap != s.blocks_to_swap else []) \
+                parts = (
+                    ["train.gradient_checkpointing: offload", "train.optimizer: adamw8bit"]
+                    + ([f"train.blocks_to_swap: {swap}"] if swap != s.blocks_to_swap else [])
                     + ([f"model.quantize: {quant}"] if quant else [])
+                )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
         return out
 
@@ -265,8 +300,9 @@ def free_memory(device: torch.device) -> int | None:
     return free
 
 
-def plan(cfg, model_dir: Path, device: torch.device, gpu_memory_gib: float | None = None,
-         family: str | None = None) -> MemoryPlan:
+def plan(
+    cfg, model_dir: Path, device: torch.device, gpu_memory_gib: float | None = None, family: str | None = None
+) -> MemoryPlan:
     """The plan for training `cfg` on `device`, or, with `gpu_memory_gib`, on a CUDA card of that size with
     model.dtype and autocast as they would run there (bf16 where `auto`)."""
     from tuneline.stages.families.registry import get_family
@@ -292,8 +328,11 @@ def gpu_figures(cfg, model_dir: Path, step) -> dict:
     planned = plan(cfg, model_dir, device).total
     torch.cuda.reset_peak_memory_stats(device)
     step()
-    return {"planned": planned, "measured": torch.cuda.max_memory_allocated(device),
-            "ratio": torch.cuda.max_memory_allocated(device) / planned}
+    return {
+        "planned": planned,
+        "measured": torch.cuda.max_memory_allocated(device),
+        "ratio": torch.cuda.max_memory_allocated(device) / planned,
+    }
 
 
 def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> MemoryPlan:
@@ -307,8 +346,9 @@ def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) ->
         raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
     if model_config is not None:
         if model_config not in SHIPPED_CONFIGS:
-            raise ValueError(f"--model-config {model_config}: not a shipped config; use one of "
-                             f"{', '.join(sorted(SHIPPED_CONFIGS))}")
+            raise ValueError(
+                f"--model-config {model_config}: not a shipped config; use one of {', '.join(sorted(SHIPPED_CONFIGS))}"
+            )
         model_dir, family = shipped_dir(model_config), model_config
     else:
         model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), None
@@ -327,7 +367,9 @@ def check_before_training(ctx, model_dir: Path, device: torch.device) -> dict | 
     ctx.log.info("%s", p.text())
     if not p.fits:
         fixes = "; ".join(p.fixes) or "none of the planned settings fits: use a GPU with more memory"
-        raise ValueError(f"train: the planned peak of {p.total / GIB:.2f} GiB per process does not fit the "
-                         f"{p.free / GIB:.2f} GiB free on {p.where}; settings that would fit: {fixes} "
-                         f"(`tuneline plan CONFIG` shows the plan)")
+        raise ValueError(
+            f"train: the planned peak of {p.total / GIB:.2f} GiB per process does not fit the "
+            f"{p.free / GIB:.2f} GiB free on {p.where}; settings that would fit: {fixes} "
+            f"(`tuneline plan CONFIG` shows the plan)"
+        )
     return p.as_json()

@@ -1,5 +1,6 @@
 """The activation term of the memory plan: a training forward traced on the meta device, counting the tensors
 autograd saves for backward (saved_tensors_hooks), per transformer block and outside them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class _FusedAttentionMode(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.nn.functional.scaled_dot_product_attention:
             kw = kwargs or {}
-            q, k, v = (*args[:3], *(kw[n] for n in ("query", "key", "value")[len(args[:3]):]))
+            q, k, v = (*args[:3], *(kw[n] for n in ("query", "key", "value")[len(args[:3]) :]))
             return _FusedAttention.apply(q, k, v)
         return func(*args, **(kwargs or {}))
 
@@ -84,11 +85,13 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype) -> Tr
 
     def enter(i, args, kwargs):
         where[0] = i
-        tr.inputs[i] = sum(a.numel() * a.element_size() for a in [*args, *kwargs.values()]
-                           if isinstance(a, torch.Tensor))
+        tr.inputs[i] = sum(
+            a.numel() * a.element_size() for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)
+        )
 
-    hooks = [b.register_forward_pre_hook(lambda m, a, k, i=i: enter(i, a, k), with_kwargs=True)
-             for i, b in enumerate(blocks)]
+    hooks = [
+        b.register_forward_pre_hook(lambda m, a, k, i=i: enter(i, a, k), with_kwargs=True) for i, b in enumerate(blocks)
+    ]
     hooks += [b.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)) for b in blocks]
     f = fam.facts
     lat = edge // f.vae_factor
@@ -96,8 +99,7 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype) -> Tr
     ts = torch.zeros(batch, device="meta", dtype=torch.float32 if f.prediction == "flow_matching" else torch.long)
     micro = [MicroCond((edge, edge), (0, 0), (edge, edge))] * batch
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-                _FusedAttentionMode():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), _FusedAttentionMode():
             fam.denoise(den, x, ts, {k: v.to(dtype) for k, v in text_inputs(fam, den, batch).items()}, micro=micro)
     finally:
         for h in hooks:

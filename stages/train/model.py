@@ -3,6 +3,7 @@
 Everything here goes through the family adapter or diffusers' own folder format (model_index.json), never a
 family name, so every family trains the same way.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
     there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32."""
     if device.type != "cuda":
         if mixed in ("bf16", "fp16"):
-            raise ValueError(f"train.mixed_precision {mixed} needs a CUDA device; this run is on {device.type}, "
-                             f"where training is float32: set train.mixed_precision to auto or no")
+            raise ValueError(
+                f"train.mixed_precision {mixed} needs a CUDA device; this run is on {device.type}, "
+                f"where training is float32: set train.mixed_precision to auto or no"
+            )
         return None
     if mixed == "no":
         return None
@@ -43,8 +46,9 @@ def lora_config(t: TrainConfig, target_modules: tuple[str, ...]):
     return peft_config(t, target_modules)
 
 
-def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype,
-                     device: torch.device, quantize: str | None = None) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
+def prepare_denoiser(
+    fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype, device: torch.device, quantize: str | None = None
+) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
     """(denoiser ready to train, its trainable parameters by name).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
@@ -73,8 +77,10 @@ def prepare_denoiser(fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dty
     den.train()
     trainable = {n: p for n, p in den.named_parameters() if p.requires_grad}
     if not trainable:
-        raise ValueError(f"train.mode {t.mode}: no trainable parameters (LoRA target modules "
-                         f"{fam.lora_target_modules} not found in {type(den).__name__}?)")
+        raise ValueError(
+            f"train.mode {t.mode}: no trainable parameters (LoRA target modules "
+            f"{fam.lora_target_modules} not found in {type(den).__name__}?)"
+        )
     return den, trainable
 
 
@@ -88,8 +94,9 @@ def denoiser_component(model_dir: Path, denoiser: torch.nn.Module) -> tuple[str,
     raise ValueError(f"{model_dir}/model_index.json lists no {cls} component")
 
 
-def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, out: Path,
-               info: ExportInfo | None = None) -> list[dict]:
+def save_final(
+    fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, out: Path, info: ExportInfo | None = None
+) -> list[dict]:
     """`final/`: a pipeline folder for DiffusionPipeline.from_pretrained (full), or LoRA weights in the layouts
     `train.lora_format` names (stages/train/export.py), with `info` in their headers. Returns the manifest's
     `exports` entries (paths relative to `out`'s parent, the artifact directory)."""
@@ -101,8 +108,10 @@ def save_final(fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, 
     from peft.utils import get_peft_model_state_dict
 
     pipe_name, comp = denoiser_component(model_dir, denoiser)
-    layers = {k: v.detach().to("cpu", torch.float32).contiguous()
-              for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()}
+    layers = {
+        k: v.detach().to("cpu", torch.float32).contiguous()
+        for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()
+    }
     meta = lora_config(t, fam.lora_target_modules).to_dict()
     meta["target_modules"] = sorted(meta["target_modules"])
     save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info)

@@ -1,4 +1,5 @@
 """Training objectives as small pure functions: noising, the target each prediction type learns, loss weights."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,16 @@ def prediction_type(family_default: str, scheduler, override: str = "auto") -> s
     return getattr(scheduler.config, "prediction_type", None) or family_default
 
 
-def noisy_and_target(x0: torch.Tensor, noise: torch.Tensor, prediction: str, scheduler,
-                     generator: torch.Generator, *, sigmas: SigmaSampler | None = None, patch: int = 1) -> Noised:
+def noisy_and_target(
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    prediction: str,
+    scheduler,
+    generator: torch.Generator,
+    *,
+    sigmas: SigmaSampler | None = None,
+    patch: int = 1,
+) -> Noised:
     """Noise one batch and name what the model must predict.
 
     epsilon / v_prediction: DDPM timesteps in [0, T) and the scheduler's own noising.
@@ -91,8 +100,9 @@ def loss_weights(snr: torch.Tensor, prediction: str, weighting: str, gamma: floa
     raise ValueError(f"min_snr weighting is defined for epsilon and v_prediction, not {prediction!r}")
 
 
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+def weighted_mse(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean over each sample's elements, then the weighted mean over the batch (float32 whatever autocast did).
 
     `mask` (B, 1, h, w) in [0, 1] scales each latent position's error (masked loss); a zero mask adds nothing.

@@ -5,6 +5,7 @@ Passed to diffusers as the model's checkpointing function: the block's tensor ar
 checkpointed function (run in forward and again in backward) brings them back first. Gradients flow through both
 copies, so the numbers are those of plain checkpointing. On a CPU device the copies are no-ops.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,5 +28,6 @@ def offloaded_checkpoint(function, *args, **kwargs):
     def run(*a, **k):
         return function(*[back(x) for x in a], **{n: back(v) for n, v in k.items()})
 
-    return checkpoint(run, *[_to_cpu(a) for a in args], use_reentrant=False,
-                      **{n: _to_cpu(v) for n, v in kwargs.items()})
+    return checkpoint(
+        run, *[_to_cpu(a) for a in args], use_reentrant=False, **{n: _to_cpu(v) for n, v in kwargs.items()}
+    )

@@ -13,6 +13,7 @@ adamw8bit is torchao's AdamW with block-wise 8-bit moments (a quarter of AdamW's
 Its moments are tensor subclasses safetensors cannot store, so a checkpoint holds their parts (codes, scale,
 quantization map) and a resumed run rebuilds the very same state, so it continues exactly.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -32,9 +33,13 @@ TENSOR_KEYS = "tensor_keys"  # in a param group: the settings the optimizer keep
 # Prodigy keeps AdamW's two moments, its s and the initial weights p0.
 STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "prodigy": 16, "adafactor": 1, "adamw_schedulefree": 8, "lion": 4}
 # The package each optimizer needs (module, pip extra), for the refusal at load.
-PACKAGES = {"adamw8bit": ("torchao", "quantize"), "prodigy": ("prodigyopt", "optimizers"),
-            "adamw_schedulefree": ("schedulefree", "optimizers"), "lion": ("lion_pytorch", "optimizers"),
-            "adafactor": ("transformers", "optimizers")}
+PACKAGES = {
+    "adamw8bit": ("torchao", "quantize"),
+    "prodigy": ("prodigyopt", "optimizers"),
+    "adamw_schedulefree": ("schedulefree", "optimizers"),
+    "lion": ("lion_pytorch", "optimizers"),
+    "adafactor": ("transformers", "optimizers"),
+}
 
 
 def _needs(module: str, name: str):
@@ -42,8 +47,9 @@ def _needs(module: str, name: str):
         return importlib.import_module(module)
     except ImportError:
         extra = PACKAGES[name][1]
-        raise ValueError(f"train.optimizer {name} needs the {module} package: pip install 'tuneline[{extra}]'") \
-            from None
+        raise ValueError(
+            f"train.optimizer {name} needs the {module} package: pip install 'tuneline[{extra}]'"
+        ) from None
 
 
 def _betas(t, default: tuple[float, float]) -> tuple[float, float]:
@@ -54,28 +60,42 @@ def _betas(t, default: tuple[float, float]) -> tuple[float, float]:
 def build_optimizer(params: list[torch.nn.Parameter], t) -> torch.optim.Optimizer:
     name = getattr(t, "optimizer", "adamw")
     if name == "adamw8bit":
-        return _needs("torchao.optim", name).AdamW8bit(params, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                                       betas=_betas(t, (0.9, 0.999)))
+        return _needs("torchao.optim", name).AdamW8bit(
+            params, lr=t.learning_rate, weight_decay=t.weight_decay, betas=_betas(t, (0.9, 0.999))
+        )
     if name == "prodigy":
-        return _needs("prodigyopt", name).Prodigy(params, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                                  betas=_betas(t, (0.9, 0.999)), d_coef=t.prodigy_d_coef)
+        return _needs("prodigyopt", name).Prodigy(
+            params,
+            lr=t.learning_rate,
+            weight_decay=t.weight_decay,
+            betas=_betas(t, (0.9, 0.999)),
+            d_coef=t.prodigy_d_coef,
+        )
     if name == "adamw_schedulefree":
-        opt = _needs("schedulefree", name).AdamWScheduleFree(params, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                                             betas=_betas(t, (0.9, 0.999)))
+        opt = _needs("schedulefree", name).AdamWScheduleFree(
+            params, lr=t.learning_rate, weight_decay=t.weight_decay, betas=_betas(t, (0.9, 0.999))
+        )
         opt.train()  # it starts in eval mode and refuses to step there
         return opt
     if name == "adafactor":
         # A fixed learning rate (the stage's schedule drives it), as kohya's and SimpleTuner's presets with lr set.
         return _needs("transformers.optimization", name).Adafactor(
-            params, lr=t.learning_rate, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False,
-            warmup_init=False)
+            params,
+            lr=t.learning_rate,
+            weight_decay=t.weight_decay,
+            scale_parameter=False,
+            relative_step=False,
+            warmup_init=False,
+        )
     if name == "lion":
-        return _needs("lion_pytorch", name).Lion(params, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                                 betas=_betas(t, (0.9, 0.99)))
+        return _needs("lion_pytorch", name).Lion(
+            params, lr=t.learning_rate, weight_decay=t.weight_decay, betas=_betas(t, (0.9, 0.99))
+        )
     # foreach: one kernel per op over all tensors; torch picks it only on CUDA by default, and per-tensor
     # updates of a model's hundreds of small tensors cost a CPU as much as a fifth of a step.
-    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, foreach=True,
-                             betas=_betas(t, (0.9, 0.999)))
+    return torch.optim.AdamW(
+        params, lr=t.learning_rate, weight_decay=t.weight_decay, foreach=True, betas=_betas(t, (0.9, 0.999))
+    )
 
 
 @contextmanager
@@ -106,8 +126,12 @@ def state_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[st
         inner, attrs = value.__tensor_flatten__()
         for part in inner:
             tensors[f"{flat}.{part}"] = getattr(value, part)
-        parts[flat] = [type(value).__module__, type(value).__qualname__, inner,
-                       [str(a) if isinstance(a, torch.dtype) else a for a in attrs]]
+        parts[flat] = [
+            type(value).__module__,
+            type(value).__qualname__,
+            inner,
+            [str(a) if isinstance(a, torch.dtype) else a for a in attrs],
+        ]
     if parts:
         meta[PARTS] = parts
     # torchao keeps the learning rate as a tensor (so a compiled step needs no recompile when it changes)
@@ -134,12 +158,15 @@ def restore_state(opt: torch.optim.Optimizer, names: list[str], tensors: dict[st
         if not module.startswith("torchao."):  # the JSON names the class; only torchao's state is rebuilt
             raise ckpt.CheckpointError(f"optimizer state {flat} names {module}.{qualname}, not a torchao state")
         cls = getattr(importlib.import_module(module), qualname)
-        attrs = [getattr(torch, a.removeprefix("torch.")) if isinstance(a, str) and a.startswith("torch.") else a
-                 for a in attrs]
+        attrs = [
+            getattr(torch, a.removeprefix("torch.")) if isinstance(a, str) and a.startswith("torch.") else a
+            for a in attrs
+        ]
         tensors[flat] = cls.__tensor_unflatten__({p: tensors.pop(f"{flat}.{p}") for p in inner}, attrs, None, None)
     groups = []
     for g in meta["param_groups"]:
         keys = g.get(TENSOR_KEYS, [])
         groups.append({k: (torch.tensor(v) if k in keys else v) for k, v in g.items() if k != TENSOR_KEYS})
-    ckpt.restore_optimizer(opt, names, tensors, {**{k: v for k, v in meta.items() if k != PARTS},
-                                                 "param_groups": groups})
+    ckpt.restore_optimizer(
+        opt, names, tensors, {**{k: v for k, v in meta.items() if k != PARTS}, "param_groups": groups}
+    )

@@ -3,6 +3,7 @@
 The reader's plan is a pure function of (bucket counts, batch size, world size, seed, epoch), so every rank
 computes it without talking, and a checkpoint only has to record where in it training stopped.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -32,14 +33,13 @@ class MicroBatch:
 
 def shard(rows: np.ndarray, rank: int, batch_size: int) -> np.ndarray:
     """Rank r's slice of a global micro-batch (disjoint across ranks by construction)."""
-    return rows[rank * batch_size:(rank + 1) * batch_size]
+    return rows[rank * batch_size : (rank + 1) * batch_size]
 
 
 EpochPlan = Callable[[int], list[tuple[str, np.ndarray]]]  # epoch -> global micro-batches (bucket, rows)
 
 
-def micro_batches(plan_of: EpochPlan, batch_size: int, rank: int,
-                  start: Position = Position()) -> Iterator[MicroBatch]:
+def micro_batches(plan_of: EpochPlan, batch_size: int, rank: int, start: Position = Position()) -> Iterator[MicroBatch]:
     """This rank's micro-batches from `start` on, epoch after epoch, forever."""
     epoch, index = start.epoch, start.index
     while True:

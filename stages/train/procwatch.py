@@ -4,6 +4,7 @@ torchrun starts workers in their own sessions, so a SIGKILL to the `tuneline` pr
 them. Each process we start under torchrun watches the pid that started it and exits once it is gone:
 the agent sends itself SIGTERM (torchrun then stops its workers), a worker exits at once.
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ quantized linears directly, and its int8 weight-only path runs forward and backw
 is quantized: embeddings, norms and convolutions have no int8/fp8 kernels (an fp8 embedding fails in
 index_select), so they stay in the compute dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,10 @@ def check_supported(quantize: str, device: torch.device) -> None:
         return
     ok = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
     if not ok:
-        raise ValueError(f"model.quantize fp8 needs a CUDA GPU with float8 support (compute capability 8.9+, e.g. "
-                         f"L4/H100); this run is on {device.type}: set model.quantize to int8 or null")
+        raise ValueError(
+            f"model.quantize fp8 needs a CUDA GPU with float8 support (compute capability 8.9+, e.g. "
+            f"L4/H100); this run is on {device.type}: set model.quantize to int8 or null"
+        )
 
 
 def quantize_base(module: torch.nn.Module, quantize: str, device: torch.device) -> None:

@@ -5,6 +5,7 @@ has several folders). Per epoch every training row appears exactly `repeats` tim
 share of each source is exact; held-out rows (train.eval.fraction, or the train.eval.path folder) never appear.
 Everything is a pure function of the index and the config, so every rank computes it without talking.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ def source_of(ref: str) -> int | None:
 def held_out(path: str, fraction: float) -> bool:
     """Stable per image: the first 8 bytes of sha256(path) as a number in [0, 1)."""
     h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big")
-    return h / 2 ** 64 < fraction
+    return h / 2**64 < fraction
 
 
 class RowPlan:
@@ -43,12 +44,19 @@ class RowPlan:
             for ref in refs:
                 src = by_index.get(source_of(ref))
                 if src is None:
-                    raise ValueError(f"latent cache row {ref} names a dataset source that the config does not "
-                                     f"have (dataset.sources has {len(sources)} entries); run `tuneline run` to "
-                                     f"rescan and recache")
+                    raise ValueError(
+                        f"latent cache row {ref} names a dataset source that the config does not "
+                        f"have (dataset.sources has {len(sources)} entries); run `tuneline run` to "
+                        f"rescan and recache"
+                    )
                 srcs.append(src)
-            held = np.array([s.role == "eval" or (fraction is not None and s.role == "train"
-                                                  and held_out(ref, fraction)) for ref, s in zip(refs, srcs)], bool)
+            held = np.array(
+                [
+                    s.role == "eval" or (fraction is not None and s.role == "train" and held_out(ref, fraction))
+                    for ref, s in zip(refs, srcs)
+                ],
+                bool,
+            )
             repeats = np.array([s.repeats for s in srcs], np.int64)
             keep = np.flatnonzero(~held)
             self.train[bucket] = np.repeat(keep, repeats[keep])
@@ -58,14 +66,22 @@ class RowPlan:
         n_eval, n_train = sum(map(len, self.held.values())), sum(map(len, self.train.values()))
         if t.eval is not None and (not n_eval or not n_train):
             what = f"train.eval.fraction {fraction}" if fraction is not None else "train.eval.path"
-            raise ValueError(f"{what} holds out {n_eval} of {n_eval + n_train} cached images; it must leave images "
-                             f"on both sides (choose another fraction, or put images in the eval folder)")
+            raise ValueError(
+                f"{what} holds out {n_eval} of {n_eval + n_train} cached images; it must leave images "
+                f"on both sides (choose another fraction, or put images in the eval folder)"
+            )
 
     def plan(self, epoch: int, world: int) -> list[tuple[str, np.ndarray]]:
         """The reader's epoch plan over the training rows (repeated), held-out rows excluded."""
         t = self.t
-        plan = epoch_plan({b: len(r) for b, r in self.train.items()}, t.batch_size, world, t.seed, epoch,
-                          block_rows=self.reader.block_rows)
+        plan = epoch_plan(
+            {b: len(r) for b, r in self.train.items()},
+            t.batch_size,
+            world,
+            t.seed,
+            epoch,
+            block_rows=self.reader.block_rows,
+        )
         return [(b, self.train[b][idx]) for b, idx in plan]
 
     def epoch_plans(self, world: int) -> EpochPlan:
@@ -91,6 +107,13 @@ class RowPlan:
         for _ in range(micro_batches_done):
             mb = next(stream)
             counts.update(self.source[mb.bucket][mb.global_rows].tolist())
-        return [{"source": s.index, "root": str(s.root), "role": s.role, "samples": counts[-1 if s.index is None
-                                                                                           else s.index]}
-                for s in sources if s.role != "eval"]
+        return [
+            {
+                "source": s.index,
+                "root": str(s.root),
+                "role": s.role,
+                "samples": counts[-1 if s.index is None else s.index],
+            }
+            for s in sources
+            if s.role != "eval"
+        ]

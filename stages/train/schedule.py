@@ -3,6 +3,7 @@
 The learning rate is a pure function of the step, so a resumed run needs only the step to continue the schedule
 exactly (the checkpoint records it with the rate it used).
 """
+
 from __future__ import annotations
 
 import math

@@ -7,6 +7,7 @@ The names are the original Stable Diffusion modules': UNet levels flattened into
 `output_blocks` (each a (resnet, attention) or a down/upsampler), resnets' `in_layers`/`emb_layers`/`out_layers`,
 the VAE's `down`/`up` levels (the decoder's numbered from the bottom) and its attention as 1x1 convolutions.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,14 @@ import torch
 # Families it writes: schemas/checks.py (SINGLE_FILE_FAMILIES) refuses train.export_single_file for the others.
 SINGLE_FILE = "model.safetensors"
 
-_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
-           "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+_RESNET = {
+    "norm1": "in_layers.0",
+    "conv1": "in_layers.2",
+    "time_emb_proj": "emb_layers.1",
+    "norm2": "out_layers.0",
+    "conv2": "out_layers.3",
+    "conv_shortcut": "skip_connection",
+}
 
 
 def _resnet(rest: str) -> str:
@@ -28,9 +35,15 @@ def _resnet(rest: str) -> str:
 
 def unet_name(key: str, per: int) -> str | None:
     """diffusers UNet2DConditionModel key -> original UNet key (without `model.diffusion_model.`)."""
-    fixed = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
-             "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
-             "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
+    fixed = {
+        "time_embedding.linear_1": "time_embed.0",
+        "time_embedding.linear_2": "time_embed.2",
+        "conv_in": "input_blocks.0.0",
+        "conv_norm_out": "out.0",
+        "conv_out": "out.2",
+        "add_embedding.linear_1": "label_emb.0.0",
+        "add_embedding.linear_2": "label_emb.0.2",
+    }
     mod, _, param = key.rpartition(".")
     if mod in fixed:
         return f"{fixed[mod]}.{param}"
@@ -91,15 +104,26 @@ def vae_name(key: str, levels: int) -> str | None:
 
 def _clip(te: torch.nn.Module, prefix: str) -> dict:
     """HF CLIP text encoder -> the original's `<prefix>text_model.*` (HF's own names under the wrapper)."""
-    return {f"{prefix}text_model.{k.removeprefix('text_model.')}": v for k, v in te.state_dict().items()
-            if not k.endswith("position_ids")}
+    return {
+        f"{prefix}text_model.{k.removeprefix('text_model.')}": v
+        for k, v in te.state_dict().items()
+        if not k.endswith("position_ids")
+    }
 
 
-_OPEN_CLIP = {"embeddings.token_embedding.weight": "token_embedding.weight",
-              "embeddings.position_embedding.weight": "positional_embedding",
-              "final_layer_norm.weight": "ln_final.weight", "final_layer_norm.bias": "ln_final.bias"}
-_OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
-                    "self_attn.out_proj": "attn.out_proj"}
+_OPEN_CLIP = {
+    "embeddings.token_embedding.weight": "token_embedding.weight",
+    "embeddings.position_embedding.weight": "positional_embedding",
+    "final_layer_norm.weight": "ln_final.weight",
+    "final_layer_norm.bias": "ln_final.bias",
+}
+_OPEN_CLIP_LAYER = {
+    "layer_norm1": "ln_1",
+    "layer_norm2": "ln_2",
+    "mlp.fc1": "mlp.c_fc",
+    "mlp.fc2": "mlp.c_proj",
+    "self_attn.out_proj": "attn.out_proj",
+}
 
 
 def _open_clip(te: torch.nn.Module, prefix: str) -> tuple[dict, list[str]]:
@@ -138,8 +162,10 @@ def ldm_state_dict(pipe) -> dict:
     unet, vae = pipe.unet, pipe.vae
     per = unet.config.layers_per_block
     if not isinstance(per, int):
-        raise ValueError("train.export_single_file: the UNet's layers_per_block varies per level; the original "
-                         "layout needs one value (set train.export_single_file false)")
+        raise ValueError(
+            "train.export_single_file: the UNet's layers_per_block varies per level; the original "
+            "layout needs one value (set train.export_single_file false)"
+        )
     has_attention = {i for i, t in enumerate(unet.config.up_block_types) if "CrossAttn" in t}
     out, lost = {}, []
     for k, v in unet.state_dict().items():
@@ -162,8 +188,10 @@ def ldm_state_dict(pipe) -> dict:
         out.update(second)
         lost += missed
     if lost:
-        raise ValueError(f"train.export_single_file: no original-layout name for {lost[:8]}"
-                         f"{' …' if len(lost) > 8 else ''}; set train.export_single_file false")
+        raise ValueError(
+            f"train.export_single_file: no original-layout name for {lost[:8]}"
+            f"{' …' if len(lost) > 8 else ''}; set train.export_single_file false"
+        )
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 

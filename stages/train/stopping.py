@@ -5,6 +5,7 @@ torchrun forwards SIGTERM to every worker, but not at the same instant, and cloc
 it saw in its row of the step's loss all-reduce (tuneline.stages.train.collectives.exchange: no collective of its
 own), and every rank acts on any rank's flag at the same step, so all of them reach the checkpoint's collective
 work together and none waits for a rank that already left."""
+
 from __future__ import annotations
 
 import signal

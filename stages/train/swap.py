@@ -13,6 +13,7 @@ LoRA: only the frozen base weights swap; the adapter weights stay on the device.
 a swapped block swaps; between steps its authoritative copy is the CPU one (`home`), which the optimizer updates,
 so its gradient and optimizer state live on the CPU too (one process only: DDP's buckets cannot follow).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,11 @@ def transformer_blocks(denoiser: torch.nn.Module) -> list[torch.nn.Module]:
     `transformer_blocks` then `single_transformer_blocks` (SD3, Flux), or a UNet's `BasicTransformerBlock`s
     down, mid, up (module registration puts up before mid, so it is walked explicitly)."""
     den = unwrap(denoiser)
-    lists = [getattr(den, n) for n in ("transformer_blocks", "single_transformer_blocks")
-             if isinstance(getattr(den, n, None), torch.nn.ModuleList)]
+    lists = [
+        getattr(den, n)
+        for n in ("transformer_blocks", "single_transformer_blocks")
+        if isinstance(getattr(den, n, None), torch.nn.ModuleList)
+    ]
     if lists:
         return [b for blocks in lists for b in blocks]
     from diffusers.models.attention import BasicTransformerBlock
@@ -79,9 +83,11 @@ class BlockSwapper:
         self.blocks = transformer_blocks(denoiser)
         b, n = len(self.blocks), blocks_to_swap
         if not 0 < n <= max_blocks_to_swap(b):
-            raise ValueError(f"train.blocks_to_swap {n}: {type(unwrap(denoiser)).__name__} has {b} transformer "
-                             f"blocks, so at most {max_blocks_to_swap(b)} can swap (one stays on the device); "
-                             f"set train.blocks_to_swap between 0 and {max_blocks_to_swap(b)}")
+            raise ValueError(
+                f"train.blocks_to_swap {n}: {type(unwrap(denoiser)).__name__} has {b} transformer "
+                f"blocks, so at most {max_blocks_to_swap(b)} can swap (one stays on the device); "
+                f"set train.blocks_to_swap between 0 and {max_blocks_to_swap(b)}"
+            )
         self.device, self.full, self.resident_limit = device, full, b - n
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -170,8 +176,10 @@ class BlockSwapper:
             torch.cuda.current_stream(self.device).wait_event(self.pending.pop(i))
             self.loaded.add(i)
         if i not in self.loaded:
-            raise RuntimeError(f"block swap: block {i} is needed ({why}) while it is swapped out; the swap "
-                               f"schedule assumes each block runs once per forward, in order")
+            raise RuntimeError(
+                f"block swap: block {i} is needed ({why}) while it is swapped out; the swap "
+                f"schedule assumes each block runs once per forward, in order"
+            )
 
     # ---- the schedule ------------------------------------------------------------------------
     def start_step(self) -> None:

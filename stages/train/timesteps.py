@@ -11,6 +11,7 @@ images grow. `auto` takes the model's own scheduler config: a fixed `shift` (SD3
 `use_dynamic_shifting` (Flux) shift = exp(mu), mu linear in the image's token count between base_shift at
 base_image_seq_len and max_shift at max_image_seq_len (diffusers' FluxPipeline `calculate_shift`).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,7 @@ class SigmaSampler:
         shift = None if t.timestep_shift == "auto" else float(t.timestep_shift)
         if t.timestep_sampling == "sigmoid":
             return cls(kind="logit_normal", mean=0.0, std=t.sigmoid_scale, mode_scale=t.mode_scale, shift=shift)
-        return cls(kind=t.timestep_sampling, mean=t.logit_mean, std=t.logit_std, mode_scale=t.mode_scale,
-                   shift=shift)
+        return cls(kind=t.timestep_sampling, mean=t.logit_mean, std=t.logit_std, mode_scale=t.mode_scale, shift=shift)
 
     def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n unshifted sigmas in (0, 1)."""

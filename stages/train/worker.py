@@ -3,6 +3,7 @@
 Run as `python -m tuneline.stages.train.worker SPEC.json` under torchrun; the stage's launcher does that.
 Training only reads the caches; it never encodes images or text.
 """
+
 from __future__ import annotations
 
 import gc
@@ -74,8 +75,11 @@ def setup(spec: dict) -> Run:
     cuda = torch.cuda.is_available() and cfg.model.device != "cpu"
     # Ranks share a GPU only under the gloo test switch (tuneline.stages.train.collectives); the launcher refuses
     # more processes than GPUs otherwise.
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()) if cuda \
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if cuda
         else torch.device("cpu")
+    )
     collectives.init(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
@@ -98,13 +102,29 @@ def setup(spec: dict) -> Run:
     sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
     reader = LatentReader(up["latents"], lat)
     scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
-    data = Data(reader=reader, text=text, records=records, scaling=scaling, shift=shift,
-                sized=sized, rows=RowPlan(reader, cfg.train, dataset_sources(cfg)))
-    return Run(cfg=cfg, rank=rank, world=world, device=device, family=fam, model_dir=model_dir,
-               out=Path(spec["out_dir"]), data=data,
-               resume=Path(spec["resume"]) if spec.get("resume") else None, launch=spec.get("launch", ""),
-               seen=spec.get("seen", ""),
-               export=spec.get("export", {}))
+    data = Data(
+        reader=reader,
+        text=text,
+        records=records,
+        scaling=scaling,
+        shift=shift,
+        sized=sized,
+        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
+    )
+    return Run(
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        device=device,
+        family=fam,
+        model_dir=model_dir,
+        out=Path(spec["out_dir"]),
+        data=data,
+        resume=Path(spec["resume"]) if spec.get("resume") else None,
+        launch=spec.get("launch", ""),
+        seen=spec.get("seen", ""),
+        export=spec.get("export", {}),
+    )
 
 
 def agree_on_resume(run: Run) -> None:
@@ -112,9 +132,11 @@ def agree_on_resume(run: Run) -> None:
     every = collectives.everyones(run.resume.name if run.resume else None, run.world)
     if len(set(every)) > 1:
         found = ", ".join(f"rank {r}: {v or 'none'}" for r, v in enumerate(every))
-        raise ValueError(f"the nodes would resume from different checkpoints ({found}): nodes must share the "
-                         f"workdir (the train stage's checkpoints), or set train.resume to the same checkpoint "
-                         f"on every node")
+        raise ValueError(
+            f"the nodes would resume from different checkpoints ({found}): nodes must share the "
+            f"workdir (the train stage's checkpoints), or set train.resume to the same checkpoint "
+            f"on every node"
+        )
 
 
 def fit(run: Run) -> Trainer:
@@ -143,9 +165,11 @@ def fit(run: Run) -> Trainer:
             if hooks.last_checkpoint == trainer.step:
                 signals.checkpointed()
             if stop:
-                raise Interrupted(f"training was stopped (SIGTERM) at step {trainer.step} of {t.steps} after "
-                                  f"writing checkpoint step-{trainer.step:07d}; run the stage again to continue "
-                                  f"from it (train.resume: auto)")
+                raise Interrupted(
+                    f"training was stopped (SIGTERM) at step {trainer.step} of {t.steps} after "
+                    f"writing checkpoint step-{trainer.step:07d}; run the stage again to continue "
+                    f"from it (train.resume: auto)"
+                )
     return trainer
 
 
@@ -157,24 +181,35 @@ def finish(run: Run, trainer: Trainer) -> None:
         if trainer.ema is not None:
             trainer.ema.copy_to(trainer.params)
         with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: its averaged weights
-            exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final",
-                                 export_info(run))
+            exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run))
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
-        result = {"launch": run.launch, "family": run.family.facts.name, "mode": t.mode, "step": trainer.step, "world_size": run.world,
-                  "global_batch": t.global_batch(run.world, per_step=True), "ema": t.ema,
-                  "checkpoint": f"{CHECKPOINTS}/{kept[-1]}", "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
-                  "samples": [f"{SAMPLES}/{s}" for s in samples], "loss_curve": LOSS_PNG,
-                  "resumed_from": str(run.resume) if run.resume else None,
-                  "losses": downsample(trainer.losses, MANIFEST_POINTS), "eval_losses": run.eval_losses,
-                  "seen_per_source": run.data.rows.seen_per_source(trainer.step * t.grad_accumulation, run.world,
-                                                                   dataset_sources(run.cfg)),
-                  "exports": exports, "adapter": t.adapter if t.mode == "lora" else None,
-                  "not_exported": not_exported(t),
-                  # measured beside the memory plan (tuneline.stages.train.memplan)
-                  "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None}
+        result = {
+            "launch": run.launch,
+            "family": run.family.facts.name,
+            "mode": t.mode,
+            "step": trainer.step,
+            "world_size": run.world,
+            "global_batch": t.global_batch(run.world, per_step=True),
+            "ema": t.ema,
+            "checkpoint": f"{CHECKPOINTS}/{kept[-1]}",
+            "checkpoints": [f"{CHECKPOINTS}/{k}" for k in kept],
+            "samples": [f"{SAMPLES}/{s}" for s in samples],
+            "loss_curve": LOSS_PNG,
+            "resumed_from": str(run.resume) if run.resume else None,
+            "losses": downsample(trainer.losses, MANIFEST_POINTS),
+            "eval_losses": run.eval_losses,
+            "seen_per_source": run.data.rows.seen_per_source(
+                trainer.step * t.grad_accumulation, run.world, dataset_sources(run.cfg)
+            ),
+            "exports": exports,
+            "adapter": t.adapter if t.mode == "lora" else None,
+            "not_exported": not_exported(t),
+            # measured beside the memory plan (tuneline.stages.train.memplan)
+            "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None,
+        }
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     collectives.barrier(run.world)
     # Whether the nodes share a workdir shows in whether rank 0's result is in this node's work folder; each node
@@ -193,12 +228,16 @@ def export_info(run: Run) -> ExportInfo:
     if t.metadata_captions:
         for rec in run.data.records.values():
             tags.update(tag.strip() for tag in rec.caption.split(",") if tag.strip())
-    return ExportInfo(train_version=run.export.get("train_version", run.out.name),
-                      base_identity=run.export.get("base_identity", ""), steps=t.steps, num_train_images=images,
-                      resolution=resolution_edge(cfg.buckets.resolution, cfg.buckets.resolution_type),
-                      started_at=run.started_at,
-                      title=f"tuneline {run.family.facts.name} {'LoRA' if t.mode == 'lora' else 'fine-tune'}",
-                      tag_frequency=dict(tags))
+    return ExportInfo(
+        train_version=run.export.get("train_version", run.out.name),
+        base_identity=run.export.get("base_identity", ""),
+        steps=t.steps,
+        num_train_images=images,
+        resolution=resolution_edge(cfg.buckets.resolution, cfg.buckets.resolution_type),
+        started_at=run.started_at,
+        title=f"tuneline {run.family.facts.name} {'LoRA' if t.mode == 'lora' else 'fine-tune'}",
+        tag_frequency=dict(tags),
+    )
 
 
 def downsample(values: list[float], points: int) -> list[float]:
@@ -206,7 +245,7 @@ def downsample(values: list[float], points: int) -> list[float]:
     if len(values) <= points:
         return [round(v, 6) for v in values]
     per = -(-len(values) // points)
-    return [round(sum(values[i:i + per]) / len(values[i:i + per]), 6) for i in range(0, len(values), per)]
+    return [round(sum(values[i : i + per]) / len(values[i : i + per]), 6) for i in range(0, len(values), per)]
 
 
 def main(argv: list[str]) -> None:

@@ -5,6 +5,7 @@ the shape a lot: the most saturated pixels are the shape's. Each of them votes f
 distance); the majority is the image's color. An image without saturated pixels (a grey or noisy render) has no
 color and counts as a miss, so chance is at most 1 / number of colors.
 """
+
 from __future__ import annotations
 
 from collections import Counter

@@ -1,4 +1,5 @@
 """Render the validation prompts from the trained result with the one renderer every family uses."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,10 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer
     dev = models.device(cfg)
     dtype = models.dtype(cfg, dev)
     length = effective_max_length(cfg)
-    cache = (ctx.workdir / ".cache" / "validation-prompts.safetensors",
-             f"{models.identity(ctx, 'text')}:{length}:{dtype}")
+    cache = (
+        ctx.workdir / ".cache" / "validation-prompts.safetensors",
+        f"{models.identity(ctx, 'text')}:{length}:{dtype}",
+    )
     return Renderer.load(models.family(cfg), model_dir, dev, dtype, lora=lora, max_length=length, prompt_cache=cache)
 
 
@@ -42,8 +45,16 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
     for i, (s, img) in enumerate(zip(samples, images)):
         name = f"{i:03d}-seed{s.seed}.png"
         img.save(work / name)
-        rendered.append(RenderedImage(file=name, prompt=s.prompt, negative_prompt=s.negative_prompt, seed=s.seed,
-                                      width=img.width, height=img.height))
+        rendered.append(
+            RenderedImage(
+                file=name,
+                prompt=s.prompt,
+                negative_prompt=s.negative_prompt,
+                seed=s.seed,
+                width=img.width,
+                height=img.height,
+            )
+        )
     grid(images).save(work / "grid.png")
     return rendered
 
@@ -66,16 +77,24 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
         colors, latents = render_check(renderer, cfg, (width, height))
         acc = separation(latents, colors, means)
         if acc is None:
-            ctx.log.warning("learning check skipped: the %s pipeline's latents are not (C, H, W) like the cache",
-                            cfg.model.family)
+            ctx.log.warning(
+                "learning check skipped: the %s pipeline's latents are not (C, H, W) like the cache", cfg.model.family
+            )
             return {}
         facts[f"{prefix}class_separation_accuracy"] = acc
         facts[f"{prefix}color_accuracy"] = color_accuracy(renderer.decode(latents), colors)
-        ctx.reporter.progress("validate-progress", 0.75 if not prefix else 0.95,
-                              f"learning check: {'trained' if not prefix else 'untrained'} model done")
-    ctx.log.info("learning check: class separation trained %.2f, untrained %.2f; color accuracy trained %.2f, "
-                 "untrained %.2f", facts["class_separation_accuracy"], facts["untrained_class_separation_accuracy"],
-                 facts["color_accuracy"], facts["untrained_color_accuracy"])
+        ctx.reporter.progress(
+            "validate-progress",
+            0.75 if not prefix else 0.95,
+            f"learning check: {'trained' if not prefix else 'untrained'} model done",
+        )
+    ctx.log.info(
+        "learning check: class separation trained %.2f, untrained %.2f; color accuracy trained %.2f, untrained %.2f",
+        facts["class_separation_accuracy"],
+        facts["untrained_class_separation_accuracy"],
+        facts["color_accuracy"],
+        facts["untrained_color_accuracy"],
+    )
     return facts
 
 
@@ -101,14 +120,19 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
     def link(name: str, root: Path = published) -> str:
         return f"[{name}]({(root / name).as_uri()})"
 
-    rows = "\n".join(f"| {link(r.file)} | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |"
-                     for r in rendered)
-    text = (f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
-            f"Grid: {link(facts['grid'])} · training loss curve: "
-            f"{link(train.loss_curve, models.artifact_dir(ctx, train))}")
+    rows = "\n".join(
+        f"| {link(r.file)} | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |" for r in rendered
+    )
+    text = (
+        f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
+        f"Grid: {link(facts['grid'])} · training loss curve: "
+        f"{link(train.loss_curve, models.artifact_dir(ctx, train))}"
+    )
     if "class_separation_accuracy" in facts:
-        text += (f"\n\nLearning check: class separation accuracy {facts['class_separation_accuracy']:.2f} trained, "
-                 f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f}); "
-                 f"prompted color rendered {facts['color_accuracy']:.2f} trained, "
-                 f"{facts['untrained_color_accuracy']:.2f} untrained")
+        text += (
+            f"\n\nLearning check: class separation accuracy {facts['class_separation_accuracy']:.2f} trained, "
+            f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f}); "
+            f"prompted color rendered {facts['color_accuracy']:.2f} trained, "
+            f"{facts['untrained_color_accuracy']:.2f} untrained"
+        )
     ctx.reporter.markdown("validate-images", text, "validation images")

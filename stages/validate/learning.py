@@ -5,6 +5,7 @@ cached latents of the same shape as the samples (the square bucket). Whole laten
 need not separate colors in its channel means, but does in the spatial pattern. The same samples, decoded, feed
 the pixel-space check (colors.py).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -23,16 +24,23 @@ from tuneline.stages.render.renderer import Renderer, Sample
 CHECK_SEED = 1000  # check samples use seeds CHECK_SEED + i, apart from the validation prompts' own seeds
 
 
-def class_means(latents_dir: Path, manifest: LatentsManifest, scan_dir: Path,
-                shape: tuple[int, int, int], captions: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+def class_means(
+    latents_dir: Path,
+    manifest: LatentsManifest,
+    scan_dir: Path,
+    shape: tuple[int, int, int],
+    captions: dict[str, str] | None = None,
+) -> dict[str, np.ndarray]:
     """Per demo class, the mean scaled latent of the cached images whose latent has `shape` (C, H, W); classes
     from `captions` (by image ref: the caption stage's, when on) or the scan's records."""
     if captions is None:
         captions = {r["path"]: r["caption"] for r in read_jsonl(scan_dir / "images.jsonl")}
     buckets = {b.array: b for b in manifest.buckets if tuple(b.shape) == tuple(shape)}
     if not buckets:
-        raise ValueError(f"no cached bucket has latents of shape {shape} to compare samples with; render the "
-                         f"learning check at one of {[b.array for b in manifest.buckets]}")
+        raise ValueError(
+            f"no cached bucket has latents of shape {shape} to compare samples with; render the "
+            f"learning check at one of {[b.array for b in manifest.buckets]}"
+        )
     blocks = {}
     for key, b in buckets.items():
         mean, _ = store.read_block(store.open_bucket(latents_dir, b.width, b.height), 0, b.count)
@@ -49,8 +57,10 @@ def class_means(latents_dir: Path, manifest: LatentsManifest, scan_dir: Path,
 def check_samples(cfg) -> tuple[list[str], list[Sample]]:
     """The check's (prompted color, sample) pairs: every demo color x check_seeds seeds, shapes alternating."""
     colors = [c for c in DEMO_COLORS for _ in range(cfg.validate_.check_seeds)]
-    samples = [Sample(f"a {c} {DEMO_SHAPES[i % len(DEMO_SHAPES)]}", "", CHECK_SEED + i)
-               for c, i in zip(colors, list(range(cfg.validate_.check_seeds)) * len(DEMO_COLORS))]
+    samples = [
+        Sample(f"a {c} {DEMO_SHAPES[i % len(DEMO_SHAPES)]}", "", CHECK_SEED + i)
+        for c, i in zip(colors, list(range(cfg.validate_.check_seeds)) * len(DEMO_COLORS))
+    ]
     return colors, samples
 
 
@@ -74,4 +84,3 @@ def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.nda
     dist = ((centers.reshape(len(names), -1)[None] - latents.flatten(1).numpy()[:, None]) ** 2).sum(axis=2)
     hits = sum(names[int(n)] == c for n, c in zip(dist.argmin(axis=1), colors))
     return hits / max(1, len(colors))
-

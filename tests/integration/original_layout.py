@@ -1,6 +1,7 @@
 """Test-side writers of the original (SAI / BFL) single-file layouts of SD3 and Flux transformers from diffusers
 models: the inverse of diffusers' convert_sd3_/convert_flux_transformer_checkpoint_to_diffusers, written here from
 the layouts, not by calling those (the tests use them only to check that a file converts back to the model)."""
+
 from __future__ import annotations
 
 import torch
@@ -37,13 +38,19 @@ def sd3_original(sd: dict[str, torch.Tensor], prefix: str = PREFIX) -> dict[str,
     for i in range(layers):
         b, j, last = f"transformer_blocks.{i}.", f"joint_blocks.{i}.", i == layers - 1
         _qkv(out, sd, j + "x_block.attn.qkv", (b + "attn.to_q", b + "attn.to_k", b + "attn.to_v"))
-        _qkv(out, sd, j + "context_block.attn.qkv", (b + "attn.add_q_proj", b + "attn.add_k_proj",
-                                                     b + "attn.add_v_proj"))
+        _qkv(
+            out, sd, j + "context_block.attn.qkv", (b + "attn.add_q_proj", b + "attn.add_k_proj", b + "attn.add_v_proj")
+        )
         _wb(out, sd, j + "x_block.attn.proj", b + "attn.to_out.0")
         _wb(out, sd, j + "x_block.adaLN_modulation.1", b + "norm1.linear")
         # the last context block's modulation is a final-layer-style (shift, scale) pair
-        _wb(out, sd, j + "context_block.adaLN_modulation.1", b + "norm1_context.linear",
-            _swap if last else (lambda t: t))
+        _wb(
+            out,
+            sd,
+            j + "context_block.adaLN_modulation.1",
+            b + "norm1_context.linear",
+            _swap if last else (lambda t: t),
+        )
         _wb(out, sd, j + "x_block.mlp.fc1", b + "ff.net.0.proj")
         _wb(out, sd, j + "x_block.mlp.fc2", b + "ff.net.2")
         if not last:  # the last context block only feeds the image stream (context_pre_only)
@@ -59,8 +66,11 @@ def flux_original(sd: dict[str, torch.Tensor], prefix: str = "") -> dict[str, to
     """FluxTransformer2DModel state dict -> BFL's names (double_blocks / single_blocks; no prefix, as in
     flux1-dev.safetensors)."""
     out: dict[str, torch.Tensor] = {}
-    for old, new in (("timestep_embedder", "time_in"), ("text_embedder", "vector_in"),
-                     ("guidance_embedder", "guidance_in")):
+    for old, new in (
+        ("timestep_embedder", "time_in"),
+        ("text_embedder", "vector_in"),
+        ("guidance_embedder", "guidance_in"),
+    ):
         _wb(out, sd, f"{new}.in_layer", f"time_text_embed.{old}.linear_1")
         _wb(out, sd, f"{new}.out_layer", f"time_text_embed.{old}.linear_2")
     _wb(out, sd, "txt_in", "context_embedder")

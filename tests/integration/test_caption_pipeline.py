@@ -1,6 +1,7 @@
 """A folder of uncaptioned images trains end to end with caption.model set: `tuneline run` as a user runs it, the
 stage in `status`, text/train/validate built from its captions, `captions show|export`, the Prefect markdown
 artifact with inline thumbnails, and which stages a change rebuilds with the stage on (rebuild-table rows)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,12 @@ COLORS = [(220, 30, 30), (30, 200, 60), (40, 60, 220), (230, 220, 40), (200, 40,
 
 
 def write_config(path: Path, workdir: Path, **caption) -> Path:
-    data = small_config(workdir, {"steps": 2, "processes": 1, "checkpoint_every": 2, "validate_every": 0},
-                        validate={"steps": 2}, caption={"model": "tiny", "max_new_tokens": 6, **caption}).dump()
+    data = small_config(
+        workdir,
+        {"steps": 2, "processes": 1, "checkpoint_every": 2, "validate_every": 0},
+        validate={"steps": 2},
+        caption={"model": "tiny", "max_new_tokens": 6, **caption},
+    ).dump()
     data["dataset"] |= {"demo": False, "path": "photos"}
     path.write_text(yaml.safe_dump(data))
     return path
@@ -109,7 +114,12 @@ def _batch_size(w: Path) -> dict:
 
 AFTER_CAPTION = {"caption", "text", "train", "validate"}
 # A new sidecar changes the scan's records, so latents is rebuilt too, copying every row (as without the stage).
-TABLE = [(_edit_sidecar, AFTER_CAPTION | {"latents"}), (_prompt, AFTER_CAPTION), (_trigger, AFTER_CAPTION), (_batch_size, set())]
+TABLE = [
+    (_edit_sidecar, AFTER_CAPTION | {"latents"}),
+    (_prompt, AFTER_CAPTION),
+    (_trigger, AFTER_CAPTION),
+    (_batch_size, set()),
+]
 
 
 @pytest.mark.parametrize("change,rebuilt", TABLE, ids=[c.__name__.strip("_") for c, _ in TABLE])
@@ -123,8 +133,11 @@ def test_what_a_change_rebuilds_with_captions(run, tmp_path, change, rebuilt):
     stale = {name for name, r in rows.items() if r.state != "fresh"}
     assert stale == rebuilt, {n: rows[n].reason for n in stale ^ rebuilt}
     if change is _edit_sidecar:  # exactly that image's caption changes, and nothing is generated again
-        before = {r["ref"]: r["caption"] for r in read_jsonl(Path(rows["caption"].path or "") / "captions.jsonl")} \
-            if rows["caption"].path else None
+        before = (
+            {r["ref"]: r["caption"] for r in read_jsonl(Path(rows["caption"].path or "") / "captions.jsonl")}
+            if rows["caption"].path
+            else None
+        )
         path, _ = run_stage(StageContext(cfg), stage("caption"), PIPELINE)
         after = {r["ref"]: r for r in read_jsonl(path / "captions.jsonl")}
         assert after["img0.png"]["caption"] == "sks, a red photo" and after["img0.png"]["source"] == "user"

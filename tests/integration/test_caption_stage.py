@@ -1,5 +1,6 @@
 """The caption stage with the tiny vision-language models: its artifact, each policy, incremental reruns, the
 LLaVA-style path, and a killed build that publishes nothing and resumes."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,11 @@ def make_dataset(root: Path) -> None:
 
 
 def cfg_for(workdir: Path, **caption):
-    data = small_config(workdir, {"steps": 2, "processes": 1}, caption={"model": "tiny", "max_new_tokens": 6,
-                                                                         "batch_size": 4, **caption}).dump()
+    data = small_config(
+        workdir,
+        {"steps": 2, "processes": 1},
+        caption={"model": "tiny", "max_new_tokens": 6, "batch_size": 4, **caption},
+    ).dump()
     data["dataset"] |= {"demo": False, "path": "data"}
     from tuneline.schemas.config import parse_config
 
@@ -74,7 +78,8 @@ def test_artifact_rows_manifest_and_trigger(workdir, all_policy):
     assert len({r["model_caption"] for r in rows.values()}) >= 2
     assert not any((workdir / "data").glob("*.json*"))  # the dataset folder is never written
     assert sorted(p.name for p in (workdir / "data").iterdir()) == sorted(
-        [f"{c}.png" for c in COLORS] + [f"{c}.txt" for c in USER])
+        [f"{c}.png" for c in COLORS] + [f"{c}.txt" for c in USER]
+    )
 
 
 @pytest.mark.parametrize("policy", ["missing", "prefix", "suffix"])
@@ -135,8 +140,9 @@ def test_llava_style(workdir):
     m, rows = build(cfg)
     assert m.architecture == "LlavaForConditionalGeneration" and m.captioned == 4
     m2, rows2 = build(cfg, force=True)
-    assert m2.captioned == 4 and {p: r["caption"] for p, r in rows2.items()} == \
-        {p: r["caption"] for p, r in rows.items()}
+    assert m2.captioned == 4 and {p: r["caption"] for p, r in rows2.items()} == {
+        p: r["caption"] for p, r in rows.items()
+    }
 
 
 KILLED = """

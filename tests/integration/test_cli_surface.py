@@ -1,4 +1,5 @@
 """What `--help` and `status` show a newcomer: flags without a value placeholder, the path column status promises."""
+
 from __future__ import annotations
 
 import re

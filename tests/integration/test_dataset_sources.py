@@ -1,5 +1,6 @@
 """dataset.sources: several folders with repeats, a regularization set with its loss weight, and train.eval.path,
 carried through scan records, the caches and training (exact per-epoch counts, reported in the train manifest)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,11 +39,23 @@ def _folder(root, names, caption, ext=".txt"):
 
 
 def _cfg(w, **train):
-    sources = [{"path": "subject", "repeats": 2},
-               {"path": "reg", "role": "regularization", "loss_weight": 0.5, "caption_extension": ".caption"}]
-    return small_config(w, {"processes": 1, "batch_size": 1, "steps": 11, "checkpoint_every": 11,
-                            "eval": {"path": "held", "every_steps": 11, "timesteps": [500]}, **train},
-                        dataset={"path": None, "demo": False, "sources": sources}, model={"device": "cpu"})
+    sources = [
+        {"path": "subject", "repeats": 2},
+        {"path": "reg", "role": "regularization", "loss_weight": 0.5, "caption_extension": ".caption"},
+    ]
+    return small_config(
+        w,
+        {
+            "processes": 1,
+            "batch_size": 1,
+            "steps": 11,
+            "checkpoint_every": 11,
+            "eval": {"path": "held", "every_steps": 11, "timesteps": [500]},
+            **train,
+        },
+        dataset={"path": None, "demo": False, "sources": sources},
+        model={"device": "cpu"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +108,18 @@ def test_regularization_loss_is_weighted_by_its_source(built):
     reg = np.array([i for i, r in enumerate(refs) if r.startswith("1//")][:1])
     losses = []
     for weight in (1.0, 0.5):
-        srcs = [s if s.role != "regularization" else dataclasses.replace(s, loss_weight=weight)
-                for s in dataset_sources(cfg)]
-        data = Data(reader, open_text(txt, paths["text"], fam, model_dir, torch.device("cpu"), torch.float32),
-                    records, lat.scaling_factor, lat.shift_factor, rows=RowPlan(reader, cfg.train, srcs))
+        srcs = [
+            s if s.role != "regularization" else dataclasses.replace(s, loss_weight=weight)
+            for s in dataset_sources(cfg)
+        ]
+        data = Data(
+            reader,
+            open_text(txt, paths["text"], fam, model_dir, torch.device("cpu"), torch.float32),
+            records,
+            lat.scaling_factor,
+            lat.shift_factor,
+            rows=RowPlan(reader, cfg.train, srcs),
+        )
         trainer = Trainer(cfg, fam, model_dir, data, 0, 1, torch.device("cpu"))
         losses.append(float(trainer.micro_step(trainer.prepare(0, MicroBatch(bucket, reg, reg, Position())), True)))
     assert losses[1] == pytest.approx(0.5 * losses[0], rel=1e-5) and losses[0] > 0

@@ -5,6 +5,7 @@ No GPU is needed: `cpu:gloo,cuda:nccl` with nccl swapped for gloo (TUNELINE_CUDA
 run builds with gloo standing in for NCCL. A group with no CPU backend (NCCL's, or `cuda:gloo`) refuses every CPU
 collective ("No backend type associated with device type cpu"), as a CUDA run's workers did.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ RECORD_ENV = "TUNELINE_TEST_COLLECTIVES"
 # Loaded by every Python process the training starts (PYTHONPATH): in each torchrun worker (RANK set) it wraps the
 # public collectives of torch.distributed and appends one line per call: the op, its tensors' device types, the
 # group's backends. DDP's gradient reduction runs in C++ and is not seen (it is not ours to count).
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os
 if os.environ.get("%(env)s") and os.environ.get("RANK") is not None:
     import json
@@ -58,10 +59,18 @@ if os.environ.get("%(env)s") and os.environ.get("RANK") is not None:
                   "scatter_object_list", "send", "recv", "_broadcast_coalesced", "_verify_params_across_processes"):
         if hasattr(dist, _name):
             setattr(dist, _name, _wrap(_name, getattr(dist, _name)))
-''' % {"env": RECORD_ENV}  # noqa: UP031 (the code's own braces stay literal)
+""" % {"env": RECORD_ENV}  # noqa: UP031 (the code's own braces stay literal)
 
-TRAIN = {"steps": 4, "checkpoint_every": 2, "batch_size": 2, "grad_accumulation": 1, "processes": 2,
-         "keep_checkpoints": 2, "mode": "lora", "ema": False}
+TRAIN = {
+    "steps": 4,
+    "checkpoint_every": 2,
+    "batch_size": 2,
+    "grad_accumulation": 1,
+    "processes": 2,
+    "keep_checkpoints": 2,
+    "mode": "lora",
+    "ema": False,
+}
 
 
 def _free_port() -> int:
@@ -72,14 +81,20 @@ def _free_port() -> int:
 
 def _rank(rank: int, port: int, out: str) -> None:
     """One rank: the helpers a training worker calls, under the group collectives.backend picks for CUDA."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
-                       collectives.CUDA_BACKEND_ENV: "gloo"})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            collectives.CUDA_BACKEND_ENV: "gloo",
+        }
+    )
     collectives.init(torch.device("cuda"))
     got: dict = {"backend": dist.get_backend_config()}
     try:
         # Stop/checkpoint agreement and loss gather: one all-reduce; only rank 1 saw SIGTERM, both stop.
-        losses, flags = collectives.exchange(torch.tensor([0.5 + rank, 2.0 * rank]), [float(rank == 1), 0.0],
-                                             rank, 2)
+        losses, flags = collectives.exchange(torch.tensor([0.5 + rank, 2.0 * rank]), [float(rank == 1), 0.0], rank, 2)
         got["losses"], got["decision"] = losses.tolist(), StopSignals.decide(flags)
         got["resume"] = collectives.everyones(f"step-{rank}", 2)  # the resume agreement
         collectives.barrier(2)
@@ -96,8 +111,11 @@ def _rank(rank: int, port: int, out: str) -> None:
             ddp = collectives.wrap(model, params, torch.device("cpu"))
             weights = params["1.weight"].detach().flatten().tolist()
             ddp(torch.full((1, 8), float(rank + 1))).sum().backward()
-            got[kind] = {"weights": weights, "grad": params["1.weight"].grad.flatten().tolist(),
-                         "base": type(frozen.weight).__name__}
+            got[kind] = {
+                "weights": weights,
+                "grad": params["1.weight"].grad.flatten().tolist(),
+                "base": type(frozen.weight).__name__,
+            }
         collectives.barrier(2)  # neither rank tears its group down while the other still uses it
     finally:
         collectives.close()
@@ -149,8 +167,10 @@ def test_int8_base_trains_on_two_processes_with_one_collective_per_step_and_resu
     steps, device = TRAIN["steps"], "cpu"  # the training device
     for rank in (0, 1):
         calls = _recorded(record, rank)
-        assert [c["op"] for c in calls] == ["all_gather_object", "broadcast"] + ["all_reduce"] * steps \
-            + ["barrier", "barrier"], f"rank {rank}: {calls}"
+        assert [c["op"] for c in calls] == ["all_gather_object", "broadcast"] + ["all_reduce"] * steps + [
+            "barrier",
+            "barrier",
+        ], f"rank {rank}: {calls}"
         for c in calls:
             legal = all(d == device or (d == "cpu" and "cpu:" in c["backends"]) for d in c["devices"])
             assert legal and (c["devices"] or "cpu:" in c["backends"]), f"rank {rank}: {c} has no backend serving it"

@@ -1,5 +1,6 @@
 """DDP training with 2 gloo processes under torchrun: disjoint deterministic sharding, and a run whose process
 tree is SIGKILLed mid-run resuming to the same weights as an uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.latents.reader import LatentReader
 
 # 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
-TRAIN = {"steps": 12, "checkpoint_every": 4, "batch_size": 4, "grad_accumulation": 2, "processes": 2,
-         "keep_checkpoints": 2, "lr_schedule": "cosine", "warmup_steps": 2, "noise_offset": 0.05}
+TRAIN = {
+    "steps": 12,
+    "checkpoint_every": 4,
+    "batch_size": 4,
+    "grad_accumulation": 2,
+    "processes": 2,
+    "keep_checkpoints": 2,
+    "lr_schedule": "cosine",
+    "warmup_steps": 2,
+    "noise_offset": 0.05,
+}
 
 DRIVER = """
 import json, sys
@@ -84,8 +94,14 @@ def _workers_of(spec_dir: Path) -> list[int]:
 def _kill_after_checkpoint(wd: Path, cfg_json: str, step: int) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(wd / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-c", DRIVER, cfg_json], cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, cfg_json],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 240
         pattern = f"artifacts/train/.*.partial/checkpoints/step-{step:07d}"
         while not list(wd.glob(pattern)):
@@ -132,8 +148,14 @@ def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, t
     cfg_file.write_text(yaml.safe_dump(cfg.dump()))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(tmp_path / "cli.log", "w") as log:
-        cli = subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)], cwd=ROOT,
-                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob("artifacts/train/.*.partial/checkpoints/step-0000004")):
             assert cli.poll() is None, (tmp_path / "cli.log").read_text()[-3000:]
@@ -142,8 +164,9 @@ def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, t
         os.killpg(cli.pid, signal.SIGTERM)
         assert cli.wait(timeout=240) != 0
     text = (tmp_path / "cli.log").read_text()
-    assert not [p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith(".")], \
+    assert not [p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith(".")], (
         f"a stopped training published a version:\n{text[-3000:]}"
+    )
     partial = next(tmp_path.glob("artifacts/train/.*.partial"))
     assert not _workers_of(partial), "training workers outlived the stopped stage"
     stopped_at = max(int(p.name.removeprefix("step-")) for p in (partial / "checkpoints").glob("step-*"))

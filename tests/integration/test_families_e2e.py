@@ -1,6 +1,7 @@
 """Every family's tiny flavor through the whole pipeline (scan -> latents -> text -> train -> validate), stage by
 stage through the runner the flows use, without Prefect; with the text cache (caption dropout + variants) and
 without it."""
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,17 @@ def write_dataset(folder: Path) -> None:
 def pipeline_config(root: Path, family: str, text: dict) -> StageContext:
     """64 px, 2 steps, 1 process, 2 sampler steps: the smallest run that still crosses every stage boundary."""
     write_dataset(root / "data")
-    cfg = parse_config({
-        "dataset": {"path": str(root / "data")},
-        "model": {"family": family, "path": None, "device": "cpu"},
-        "buckets": {"resolution": 64},
-        "text": text,
-        "train": {"steps": 2, "batch_size": 2, "processes": 1, "caption_dropout": 0.5},
-        "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1}]},
-    }, workdir=str(root / "work"))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(root / "data")},
+            "model": {"family": family, "path": None, "device": "cpu"},
+            "buckets": {"resolution": 64},
+            "text": text,
+            "train": {"steps": 2, "batch_size": 2, "processes": 1, "caption_dropout": 0.5},
+            "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1}]},
+        },
+        workdir=str(root / "work"),
+    )
     return StageContext(cfg)
 
 
@@ -60,7 +64,9 @@ def check_results(ctx: StageContext, paths: dict[str, Path]) -> None:
     with Image.open(paths["validate"] / val.images[0].file) as img:
         assert img.size == (64, 64)
     assert (paths["validate"] / val.grid).is_file()
-    assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in stages_for(ctx.cfg)), "a second run must skip every stage"
+    assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in stages_for(ctx.cfg)), (
+        "a second run must skip every stage"
+    )
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl", "sd3", "flux"])

@@ -1,5 +1,6 @@
 """Every family's tiny flavor end to end through real diffusers/transformers classes: build, load the way users
 load, encode, denoise, save, render. Each tiny model is built once per session."""
+
 from __future__ import annotations
 
 import json
@@ -103,8 +104,9 @@ def _pipeline_encode(pipe, prompts: list[str], length: int) -> dict[str, torch.T
     if cls == "StableDiffusionXLPipeline":
         pe, _, pooled, _ = pipe.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False)
     elif cls == "StableDiffusion3Pipeline":
-        pe, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=CPU, do_classifier_free_guidance=False,
-                                              max_sequence_length=length)
+        pe, _, pooled, _ = pipe.encode_prompt(
+            prompts, None, None, device=CPU, do_classifier_free_guidance=False, max_sequence_length=length
+        )
     else:
         pe, pooled, _ = pipe.encode_prompt(prompts, None, device=CPU, max_sequence_length=length)
     return {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
@@ -124,7 +126,7 @@ def test_encode_text_matches_pipeline(name, built, encoders):
     for key, value in ref.items():
         got = mine[key]
         if "prompt_embeds_mask" in ref:  # variable length: ours is zero-padded (mask 0) past the longest prompt
-            got, rest = got[:, :value.shape[1]], got[:, value.shape[1]:]
+            got, rest = got[:, : value.shape[1]], got[:, value.shape[1] :]
             assert not rest.any(), key
         assert got.shape == value.shape, key
         torch.testing.assert_close(got.to(value.dtype), value, msg=key)
@@ -175,11 +177,18 @@ def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, t
     text, negative = fam.encode_text(enc, ["a red square"]), fam.encode_text(enc, ["blurry"])
     gen = torch.Generator().manual_seed(0)
     # 2 steps: a scheduler with shift_terminal (Qwen-Image) stretches its sigmas by the last one, 0/0 at 1 step.
-    images = pipe(num_inference_steps=2, height=64, width=64, generator=gen, output_type="np",
-                  **fam.prompt_kwargs(text, negative)).images
+    images = pipe(
+        num_inference_steps=2, height=64, width=64, generator=gen, output_type="np", **fam.prompt_kwargs(text, negative)
+    ).images
     assert images.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(images)).all()
-    plain = pipe(num_inference_steps=2, height=64, width=64, generator=torch.Generator().manual_seed(0),
-                 output_type="np", **fam.prompt_kwargs(text, None)).images
+    plain = pipe(
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        **fam.prompt_kwargs(text, None),
+    ).images
     assert plain.shape == images.shape
     assert fam.identity(out, "denoiser") != fam.identity(base, "denoiser")
 

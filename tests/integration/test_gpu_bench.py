@@ -1,5 +1,6 @@
 """bench/gpu.py: `--tiny` runs the GPU figures' code on the tiny flavors on the CPU, one RESULT line per CPU-able
 figure and a `skipped:` line for each other; without CUDA and without --tiny it skips with exit 0."""
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,9 @@ RESULT = re.compile(r"^RESULT (\S+) (\S+) goal (<=|>=) (\S+) (PASS|FAIL)$")
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
 
 
 def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
@@ -41,8 +43,10 @@ def test_without_cuda_it_skips_and_exits_zero():
 
 def test_the_benchmark_does_not_import_prefect(tmp_path):
     """The GPU machine has no Prefect: importing the benchmark and its figures' code must not need it."""
-    code = ("import sys; sys.argv = ['gpu.py']; sys.path.insert(0, 'bench'); import gpu; "
-            "import tuneline.stages.train.loop, tuneline.stages.pipeline, tuneline.stages.common.stage; "
-            "print('prefect' in sys.modules)")
+    code = (
+        "import sys; sys.argv = ['gpu.py']; sys.path.insert(0, 'bench'); import gpu; "
+        "import tuneline.stages.train.loop, tuneline.stages.pipeline, tuneline.stages.common.stage; "
+        "print('prefect' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr

@@ -1,6 +1,7 @@
 """kill -9 during caching, then rerun: finished blocks are kept, nothing partial is ever published, and the
 result equals an uninterrupted build bit for bit. (Resuming a resumed build and blocks lost between a chunk
 write and its record are covered with a stand-in encoder in tests/unit/test_latents_store.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -49,9 +50,14 @@ def finished_rows(partial: Path) -> int:
 def kill_after(ctx, partial: Path, rows: int, timeout: float = 240) -> int:
     """Run the stage in its own process group and SIGKILL it once `rows` more rows sit in finished blocks."""
     before = finished_rows(partial)
-    proc = subprocess.Popen([sys.executable, "-c", RUN_LATENTS, json.dumps(ctx.cfg.dump()), str(ctx.workdir)],
-                            cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})  # same threads: same floats
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_LATENTS, json.dumps(ctx.cfg.dump()), str(ctx.workdir)],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )  # same threads: same floats
     deadline = time.monotonic() + timeout
     while finished_rows(partial) < before + rows:
         assert proc.poll() is None, f"the stage ended before it could be killed: {proc.stderr.read()[-2000:]}"

@@ -1,4 +1,5 @@
 """The latents stage on the tiny model: layout and facts, decode rejects, staleness, incremental, errors."""
+
 from __future__ import annotations
 
 import io
@@ -61,7 +62,7 @@ def corrupt_png() -> bytes:
     Image.fromarray(np.random.default_rng(9).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
     data = bytearray(buf.getvalue())
     at = data.find(b"IDAT") + 20
-    data[at:at + 64] = bytes(b ^ 0x5A for b in data[at:at + 64])
+    data[at : at + 64] = bytes(b ^ 0x5A for b in data[at : at + 64])
     return bytes(data)
 
 
@@ -77,8 +78,14 @@ def context(work: Path, data: Path, models_dir: Path, force: bool = False, **lat
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "models").exists():
         os.symlink(models_dir, work / "models")
-    cfg = parse_config({"dataset": {"path": str(data)}, "model": {"family": "tiny", "path": None},
-                        "latents": {"block_rows": 4, "batch_size": 3, **latents}}, workdir=str(work))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(data)},
+            "model": {"family": "tiny", "path": None},
+            "latents": {"block_rows": 4, "batch_size": 3, **latents},
+        },
+        workdir=str(work),
+    )
     return StageContext(cfg, reporter=Recorder(), force=force)
 
 
@@ -112,8 +119,9 @@ def test_manifest_records_identity_layout_and_counts(flipped):
     assert m.flip and m.block_rows == 4 and m.upstream["scan"] == ctx.store.latest("scan").name
     assert m.size_policy["resolution"] == 64 and m.size_policy["alignment"] == 8 and m.size_policy["crop"] == "center"
     scan = {r["path"]: r for r in map(json.loads, (ctx.store.latest("scan") / "images.jsonl").open())}
-    want = Counter(store.bucket_key(r["bucket_width"], r["bucket_height"])
-                   for p, r in scan.items() if p != "broken.png")
+    want = Counter(
+        store.bucket_key(r["bucket_width"], r["bucket_height"]) for p, r in scan.items() if p != "broken.png"
+    )
     assert len(want) == 4 and {b.array: b.count for b in m.buckets} == want
     assert all(b.shape == latent_shape(b.width, b.height, 4, 8) for b in m.buckets)
     rejected = [json.loads(line) for line in (path / "rejected.jsonl").open()]
@@ -217,11 +225,14 @@ class BrokenVAE(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("how, message", [
-    ("shape", r"latent shape mismatch for image img\d+\.\w+: expected \(4, \d+, \d+\), got \(4, \d+, \d+\)"),
-    ("nan", r"NaN/Inf latent mean for image img\d+\.\w+")])
-def test_bad_vae_output_fails_naming_the_image_and_publishes_nothing(tiny_models, tmp_path, monkeypatch, how,
-                                                                     message):
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("shape", r"latent shape mismatch for image img\d+\.\w+: expected \(4, \d+, \d+\), got \(4, \d+, \d+\)"),
+        ("nan", r"NaN/Inf latent mean for image img\d+\.\w+"),
+    ],
+)
+def test_bad_vae_output_fails_naming_the_image_and_publishes_nothing(tiny_models, tmp_path, monkeypatch, how, message):
     write_images(tmp_path / "data", range(5))
     ctx = context(tmp_path / "work", tmp_path / "data", tiny_models)
     fam = models.family(ctx.cfg)

@@ -1,6 +1,7 @@
 """Slow (a whole demo run each, ~2-3 minutes on 2 CPU cores): the demo's learning check still passes with one
 setting changed: train.optimizer prodigy (learning rate 1.0, Prodigy's own value), and train.adapter lokr (a
 LoKr needs train.mode lora; the demo's learning rate is for a full fine-tune, so the LoKr run states its own)."""
+
 from __future__ import annotations
 
 import copy

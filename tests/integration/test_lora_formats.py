@@ -4,6 +4,7 @@ equal base + (alpha / rank) * up @ down of the trained adapter. alpha != rank, s
 
 The adapter is a real peft LoRA on each family's tiny denoiser with random nonzero up weights (what training would
 reach), written by the same `save_final` the train stage calls."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,14 @@ from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
 RANK, ALPHA = 4, 2.0
-INFO = ExportInfo(train_version="abc123", base_identity="sha256:base", steps=7, num_train_images=5, resolution=64,
-                  started_at=1_700_000_000.0)
+INFO = ExportInfo(
+    train_version="abc123",
+    base_identity="sha256:base",
+    steps=7,
+    num_train_images=5,
+    resolution=64,
+    started_at=1_700_000_000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,9 @@ def built(tmp_path_factory):
     return get
 
 
-def _trained(family: str, model_dir: Path, out: Path, info: ExportInfo = INFO, **train) -> tuple[object, torch.nn.Module, TrainConfig, list]:
+def _trained(
+    family: str, model_dir: Path, out: Path, info: ExportInfo = INFO, **train
+) -> tuple[object, torch.nn.Module, TrainConfig, list]:
     fam = get_family(family)
     t = TrainConfig(mode="lora", lora_rank=RANK, lora_alpha=ALPHA, **train)
     den, trainable = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
@@ -63,14 +72,18 @@ def _expected(den: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _merged(fam, model_dir: Path, final: Path, weight_name: str,
-            state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def _merged(
+    fam, model_dir: Path, final: Path, weight_name: str, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     pipe = fam.load_pipeline(model_dir, torch.float32, CPU)
     pipe.load_lora_weights(state if state is not None else final, weight_name=weight_name)
     pipe.fuse_lora()
     den = getattr(pipe, fam.denoiser_component)
-    return {n.removesuffix(".base_layer"): m.weight.detach().clone() for n, m in den.named_modules()
-            if isinstance(m, torch.nn.Linear)}
+    return {
+        n.removesuffix(".base_layer"): m.weight.detach().clone()
+        for n, m in den.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
 
 
 def _compare(expected: dict, got: dict, skip: set[str] = frozenset()) -> None:
@@ -126,8 +139,8 @@ def test_flux_fused_rows_follow_diffusers_order(built, tmp_path):
         for slot, name in enumerate(("to_q", "to_k", "to_v")):
             mod = getattr(block.attn, name)
             want = (ALPHA / RANK) * mod.lora_B["default"].weight @ mod.lora_A["default"].weight
-            torch.testing.assert_close(delta[slot * h:(slot + 1) * h], want.detach(), msg=f"{i} {name}")
-        assert not delta[3 * h:].any()
+            torch.testing.assert_close(delta[slot * h : (slot + 1) * h], want.detach(), msg=f"{i} {name}")
+        assert not delta[3 * h :].any()
 
 
 class _Probe(dict):
@@ -165,13 +178,14 @@ def test_original_names_match_diffusers_single_file_converter(family, built, tmp
     model = unwrap(den)
     if family == "sd3":
         n = len(model.transformer_blocks)
-        probe = _Probe([f"joint_blocks.{i}.x_block.attn.qkv.weight" for i in range(n)]
-                       + ["context_embedder.weight"])
+        probe = _Probe([f"joint_blocks.{i}.x_block.attn.qkv.weight" for i in range(n)] + ["context_embedder.weight"])
         converted = sfu.convert_sd3_transformer_checkpoint_to_diffusers(probe)
     else:
-        probe = _Probe([f"double_blocks.{i}.img_attn.qkv.weight" for i in range(len(model.transformer_blocks))]
-                       + [f"single_blocks.{i}.linear1.weight" for i in range(len(model.single_transformer_blocks))]
-                       + ["guidance_in.in_layer.weight"])
+        probe = _Probe(
+            [f"double_blocks.{i}.img_attn.qkv.weight" for i in range(len(model.transformer_blocks))]
+            + [f"single_blocks.{i}.linear1.weight" for i in range(len(model.single_transformer_blocks))]
+            + ["guidance_in.in_layer.weight"]
+        )
         converted = sfu.convert_flux_transformer_checkpoint_to_diffusers(probe)
     names = {k.split(".")[0] for k in load_file(tmp_path / "final" / KOHYA_FILE)}
     trained = list(_expected(den))
@@ -242,6 +256,9 @@ def test_validation_reads_a_kohya_only_final(built, tmp_path):
     renderer = Renderer.load(fam, model_dir, CPU, torch.float32, lora=tmp_path / "final")
     renderer.pipe.fuse_lora()
     unet = renderer.pipe.unet
-    got = {n.removesuffix(".base_layer"): m.weight.detach() for n, m in unet.named_modules()
-           if isinstance(m, torch.nn.Linear)}
+    got = {
+        n.removesuffix(".base_layer"): m.weight.detach()
+        for n, m in unet.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     _compare(_expected(den), got)

@@ -1,4 +1,5 @@
 """Masked loss (dataset.masks + train.masked_loss): scanned, cached at the latent grid, weighting the loss."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """buckets.resolutions: every image bucketed and cached at each resolution, and trained from all of them."""
+
 from __future__ import annotations
 
 import json

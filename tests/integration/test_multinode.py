@@ -2,6 +2,7 @@
 rendezvous on 127.0.0.1) sharing one workdir, as the Kubernetes template's shared volume does. Neither waits on
 the other for the store lock, the node holding global rank 0 publishes once, the other finishes with success;
 killed mid-run and started again, both continue the same checkpoint to the uninterrupted run's weights."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ from tuneline.stages.pipeline import PIPELINE
 
 pytestmark = pytest.mark.slow
 # 2 nodes x 2 processes x batch 2: world 4, a global batch of 8 of a bucket's 24 images.
-TRAIN = {"steps": 6, "checkpoint_every": 2, "batch_size": 2, "processes": 2, "nodes": 2,
-         "rdzv_endpoint": "127.0.0.1:29999", "keep_checkpoints": 3}
+TRAIN = {
+    "steps": 6,
+    "checkpoint_every": 2,
+    "batch_size": 2,
+    "processes": 2,
+    "nodes": 2,
+    "rdzv_endpoint": "127.0.0.1:29999",
+    "keep_checkpoints": 3,
+}
 
 
 def _free_port() -> int:
@@ -44,8 +52,16 @@ def _start_nodes(wd: Path, port: int) -> list[subprocess.Popen]:
         # Each node is its own machine: its own Prefect (ephemeral) home, one shared workdir.
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(wd / f"prefect-{rank}")}
         log = open(wd / f"node{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(path)], cwd=ROOT,
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(path)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     return procs
 
 

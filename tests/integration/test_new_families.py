@@ -1,5 +1,6 @@
 """The newer families' tiny flavors (z_image, flux2 [dev], flux2_klein) through every stage on CPU, their LoRA files read by stock
 diffusers and laid out as ComfyUI maps them. One LoRA pipeline run per family is shared by the tests."""
+
 from __future__ import annotations
 
 import json
@@ -35,15 +36,23 @@ def _context(root: Path, family: str, mode: str) -> StageContext:
         data.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (64, 64), (60 * i, 140, 220 - 50 * i)).save(data / f"{i}.png")
         (data / f"{i}.txt").write_text(caption, encoding="utf-8")
-    cfg = parse_config({
-        "dataset": {"path": str(data)},
-        "model": {"family": family, "path": None, "device": "cpu"},
-        "buckets": {"resolution": 64},
-        "text": {"max_length": LENGTH[family]},
-        "train": {"steps": 2, "batch_size": 2, "processes": 1, "caption_dropout": 0.5, "mode": mode},
-        "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1},
-                                             {"prompt": "blue, circle", "seed": 2}]},
-    }, workdir=str(root / "work"))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(data)},
+            "model": {"family": family, "path": None, "device": "cpu"},
+            "buckets": {"resolution": 64},
+            "text": {"max_length": LENGTH[family]},
+            "train": {"steps": 2, "batch_size": 2, "processes": 1, "caption_dropout": 0.5, "mode": mode},
+            "validate": {
+                "steps": 2,
+                "prompts": [
+                    {"prompt": "red, square", "negative_prompt": "blue", "seed": 1},
+                    {"prompt": "blue, circle", "seed": 2},
+                ],
+            },
+        },
+        workdir=str(root / "work"),
+    )
     return StageContext(cfg)
 
 
@@ -77,7 +86,9 @@ def test_lora_chain_scan_to_validate(lora_run):
     _check_chain(ctx, paths, "lora")
     final = paths["train"] / "final"
     assert {p.name for p in final.iterdir()} >= {DIFFUSERS_FILE, KOHYA_FILE}
-    assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in stages_for(ctx.cfg)), "a second run must skip every stage"
+    assert all(run_stage(ctx, sd, PIPELINE)[1] is False for sd in stages_for(ctx.cfg)), (
+        "a second run must skip every stage"
+    )
 
 
 def test_full_fine_tune_chain(lora_run):
@@ -119,8 +130,15 @@ def _render(fam, pipe, enc) -> torch.Tensor:
 
     text = encode_strings(fam, enc, ["red, square"])
     neg = encode_strings(fam, enc, ["blue"])
-    return pipe(**fam.prompt_kwargs(text, neg), width=64, height=64, num_inference_steps=2, guidance_scale=3.0,
-                generator=torch.Generator().manual_seed(0), output_type="latent").images
+    return pipe(
+        **fam.prompt_kwargs(text, neg),
+        width=64,
+        height=64,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    ).images
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -142,19 +160,41 @@ def _z_image_comfy_keys(cfg) -> set[str]:
     """comfy/utils.py z_image_to_diffusers' LoRA-mappable modules, under comfy/lora.py's `diffusion_model.`."""
     blocks = [f"layers.{i}" for i in range(cfg.n_layers)]
     blocks += [f"{r}.{i}" for r in ("context_refiner", "noise_refiner") for i in range(cfg.n_refiner_layers)]
-    subs = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
-            "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0")
+    subs = (
+        "attention.to_q",
+        "attention.to_k",
+        "attention.to_v",
+        "attention.to_out.0",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+        "adaLN_modulation.0",
+    )
     return {f"diffusion_model.{b}.{s}" for b in blocks for s in subs}
 
 
 def _flux2_comfy_keys(cfg) -> set[str]:
     """comfy/utils.py flux_to_diffusers' modules (ComfyUI's Flux2 is a Flux), under comfy/lora.py's `transformer.`."""
-    double = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-              "attn.to_out.0", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
-              "ff_context.linear_out")
+    double = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_out.0",
+        "attn.to_add_out",
+        "ff.linear_in",
+        "ff.linear_out",
+        "ff_context.linear_in",
+        "ff_context.linear_out",
+    )
     keys = {f"transformer.transformer_blocks.{i}.{s}" for i in range(cfg.num_layers) for s in double}
-    return keys | {f"transformer.single_transformer_blocks.{i}.attn.{s}" for i in range(cfg.num_single_layers)
-                   for s in ("to_qkv_mlp_proj", "to_out")}
+    return keys | {
+        f"transformer.single_transformer_blocks.{i}.attn.{s}"
+        for i in range(cfg.num_single_layers)
+        for s in ("to_qkv_mlp_proj", "to_out")
+    }
 
 
 COMFY_KEYS = {"z_image": _z_image_comfy_keys, "flux2_klein": _flux2_comfy_keys, "flux2": _flux2_comfy_keys}

@@ -1,4 +1,5 @@
 """`tuneline lineage` and `tuneline gc` on a real store (three scan versions), and gc under a held store lock."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("ops")
     configs, versions = {}, {}
     for res in RESOLUTIONS:
-        cfg = parse_config({**DEMO_CONFIG, "buckets": {**DEMO_CONFIG["buckets"], "resolution": res}},
-                           workdir=str(root / "work"))
+        cfg = parse_config(
+            {**DEMO_CONFIG, "buckets": {**DEMO_CONFIG["buckets"], "resolution": res}}, workdir=str(root / "work")
+        )
         write_demo_dataset(cfg.resolve(cfg.dataset.path))
         versions[res] = run_stage(StageContext(cfg), stage("scan"), PIPELINE)[0].name
         path = root / f"res{res}.yaml"
@@ -75,7 +77,7 @@ def test_gc_refuses_while_another_process_holds_the_store(store):
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from tuneline.stages.common.lock import store_lock
-        with store_lock({str(store['workdir'])!r}, timeout=0, purpose="stage train, flow run busy-otter"):
+        with store_lock({str(store["workdir"])!r}, timeout=0, purpose="stage train, flow run busy-otter"):
             print("locked", flush=True)
             time.sleep(60)
     """)

@@ -1,5 +1,6 @@
 """Deployment-as-code files stay consistent with the code: prefect.yaml, compose, the k8s job template, the
 compose config, the ops schema, and the UI artifacts' text."""
+
 from __future__ import annotations
 
 import importlib
@@ -53,9 +54,14 @@ def test_k8s_gpu_template_is_a_work_pool_base_job_template():
         assert "{{ " + var + " }}" in used, f"variable {var} is declared but never used"
 
 
-@pytest.mark.parametrize(("ops", "field"), [({"schedule": {"cron": "every night"}}, "ops.schedule.cron"),
-                                            ({"lock_timeout": -1}, "ops.lock_timeout"),
-                                            ({"keep": 3}, "ops.keep")])
+@pytest.mark.parametrize(
+    ("ops", "field"),
+    [
+        ({"schedule": {"cron": "every night"}}, "ops.schedule.cron"),
+        ({"lock_timeout": -1}, "ops.lock_timeout"),
+        ({"keep": 3}, "ops.keep"),
+    ],
+)
 def test_ops_config_errors_name_the_field(ops, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         parse_config(demo_config().dump() | {"ops": ops})
@@ -65,8 +71,10 @@ def test_ops_section_never_changes_a_stage_version():
     from tuneline.stages.pipeline import PIPELINE
 
     base = demo_config()
-    other = parse_config(base.dump() | {"ops": {"schedule": {"cron": "@daily"}, "remote": "s3://b/p",
-                                                "train_concurrency": 3, "lock_timeout": 5}})
+    other = parse_config(
+        base.dump()
+        | {"ops": {"schedule": {"cron": "@daily"}, "remote": "s3://b/p", "train_concurrency": 3, "lock_timeout": 5}}
+    )
     for sd in PIPELINE:  # what each stage fingerprints from the config
         assert sd.config(base) == sd.config(other), sd.name
 
@@ -86,12 +94,15 @@ def test_deployments_carry_schedule_pools_and_an_absolute_workdir(tmp_path, monk
     from tuneline.flows.deploy import deployments
 
     monkeypatch.chdir(tmp_path)
-    cfg = parse_config(demo_config().dump() | {"ops": {"schedule": {"cron": "0 3 * * *", "active": False},
-                                                       "gpu_pool": "gpu", "train_concurrency": 2}})
+    cfg = parse_config(
+        demo_config().dump()
+        | {"ops": {"schedule": {"cron": "0 3 * * *", "active": False}, "gpu_pool": "gpu", "train_concurrency": 2}}
+    )
     by_stage = {d.name.removeprefix("tuneline-"): d for d in deployments(cfg)}
     assert sorted(by_stage) == sorted([*STAGES, "pipeline", "shard"])
-    assert {s: d.work_pool_name for s, d in by_stage.items()} == {s: "tuneline" if s == "scan" else "gpu"
-                                                                  for s in by_stage}
+    assert {s: d.work_pool_name for s, d in by_stage.items()} == {
+        s: "tuneline" if s == "scan" else "gpu" for s in by_stage
+    }
     pipeline = by_stage["pipeline"]
     assert [(s.schedule.cron, s.active) for s in pipeline.schedules] == [("0 3 * * *", False)]
     assert all(d.schedules == [] for s, d in by_stage.items() if s != "pipeline")  # [] clears an old schedule

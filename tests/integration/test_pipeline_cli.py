@@ -1,4 +1,5 @@
 """The whole demo through the real CLI and Prefect: exact artifacts, a skipping rerun, staleness, refusals."""
+
 from __future__ import annotations
 
 import json
@@ -103,7 +104,8 @@ def test_stage_refuses_missing_upstream(tmp_path):
     assert all(f"{s} is missing" in out.stderr for s in ("scan", "latents", "text")), out.stderr
     assert "`tuneline run --until train --workdir" in out.stderr
     assert not (tmp_path / "empty" / "artifacts" / "train").exists() or not [
-        p for p in (tmp_path / "empty" / "artifacts" / "train").iterdir() if not p.name.startswith(".")]
+        p for p in (tmp_path / "empty" / "artifacts" / "train").iterdir() if not p.name.startswith(".")
+    ]
 
 
 def test_config_example_runs_as_demo_and_schema_is_json():

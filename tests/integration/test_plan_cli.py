@@ -1,11 +1,14 @@
 """`tuneline plan`: a released model planned from its shipped config, no weights, no Prefect; exit 0 / 2."""
+
 from tests.helpers import tuneline
 
 
 def test_plan_exit_codes_and_the_fix(tmp_path):
     cfg = tmp_path / "sdxl.yaml"
-    cfg.write_text("model: {family: sdxl, dtype: bfloat16}\ntrain: {mode: lora, batch_size: 1, processes: 1}\n"
-                   "buckets: {resolution: 1024}\n")
+    cfg.write_text(
+        "model: {family: sdxl, dtype: bfloat16}\ntrain: {mode: lora, batch_size: 1, processes: 1}\n"
+        "buckets: {resolution: 1024}\n"
+    )
     small = tuneline("plan", str(cfg), "--gpu-memory", "10", "--model-config", "sdxl", cwd=tmp_path)
     assert small.returncode == 2, small.stdout + small.stderr
     assert "does NOT fit" in small.stdout and "settings that would make it fit:" in small.stdout

@@ -1,6 +1,7 @@
 """Qwen-Image's tiny flavor: scan -> validate on CPU (LoRA, and a full fine-tune), and its LoRA files read by stock
 readers: the diffusers file through QwenImagePipeline.load_lora_weights gives the trained denoiser's output; the
 kohya file's keys name only modules ComfyUI's Qwen-Image model has (its module names are diffusers')."""
+
 from __future__ import annotations
 
 import json
@@ -32,14 +33,17 @@ def _run(root: Path, mode: str) -> tuple[StageContext, dict[str, Path]]:
     for i, caption in enumerate(CAPTIONS):
         Image.new("RGB", (64, 64), (60 * i, 140, 220 - 50 * i)).save(root / "data" / f"{i}.png")
         (root / "data" / f"{i}.txt").write_text(caption, encoding="utf-8")
-    cfg = parse_config({
-        "dataset": {"path": str(root / "data")},
-        "model": {"family": FAMILY, "path": None, "device": "cpu"},
-        "buckets": {"resolution": 64},
-        "text": {"max_length": 16},
-        "train": {"steps": 2, "batch_size": 2, "processes": 1, "mode": mode},
-        "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1}]},
-    }, workdir=str(root / "work"))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(root / "data")},
+            "model": {"family": FAMILY, "path": None, "device": "cpu"},
+            "buckets": {"resolution": 64},
+            "text": {"max_length": 16},
+            "train": {"steps": 2, "batch_size": 2, "processes": 1, "mode": mode},
+            "validate": {"steps": 2, "prompts": [{"prompt": "red, square", "negative_prompt": "blue", "seed": 1}]},
+        },
+        workdir=str(root / "work"),
+    )
     ctx = StageContext(cfg)
     return ctx, {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
 
@@ -74,8 +78,9 @@ def trained(tmp_path_factory):
         for name, p in trainable.items():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    info = ExportInfo(train_version="v", base_identity="b", steps=1, num_train_images=1, resolution=64,
-                      started_at=1_700_000_000.0)
+    info = ExportInfo(
+        train_version="v", base_identity="b", steps=1, num_train_images=1, resolution=64, started_at=1_700_000_000.0
+    )
     save_final(fam, model_dir, den, t, root / "final", info)
     return fam, model_dir, den, root / "final"
 
@@ -99,7 +104,9 @@ def test_diffusers_lora_in_stock_pipeline_gives_the_trained_output(trained):
 def test_kohya_file_names_only_modules_comfyui_maps(trained):
     _, _, den, final = trained
     linears = {p for p, m in unwrap(den).named_modules() if hasattr(m, "lora_A")}
-    stems = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in load_file(final / KOHYA_FILE)}
+    stems = {
+        k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in load_file(final / KOHYA_FILE)
+    }
     # ComfyUI maps lora_unet_<diffusion_model weight path with "_"> for every weight of the model.
     assert stems == {"lora_unet_" + p.replace(".", "_") for p in linears}
 
@@ -113,12 +120,27 @@ def test_released_sizes_on_the_meta_device():
 
     with torch.device("meta"):
         transformer, vae = QwenImageTransformer2DModel(), AutoencoderKLQwenImage()
-        text = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                             num_attention_heads=28, num_key_value_heads=4,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-            vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                               fullatt_block_indexes=[7, 15, 23, 31])))
+        text = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config=dict(
+                    vocab_size=152064,
+                    hidden_size=3584,
+                    intermediate_size=18944,
+                    num_hidden_layers=28,
+                    num_attention_heads=28,
+                    num_key_value_heads=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                ),
+                vision_config=dict(
+                    depth=32,
+                    hidden_size=1280,
+                    intermediate_size=3420,
+                    num_heads=16,
+                    out_hidden_size=3584,
+                    fullatt_block_indexes=[7, 15, 23, 31],
+                ),
+            )
+        )
 
     def count(m):
         return sum(p.numel() for p in m.parameters())

@@ -2,6 +2,7 @@
 table). A workdir is built once; each row changes a copy, reruns the scan as a scheduled run would, and reads
 which stages are no longer fresh. Moved folders, stray files, touched files, settings that change no record and
 the same weights in another folder rebuild nothing."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,12 @@ DOWNSTREAM = {"latents", "text", "train", "validate"}
 
 
 def _cfg(workdir: Path, **edits):
-    data = small_config(workdir, {"steps": 2, "processes": 1, "checkpoint_every": 2, "validate_every": 0},
-                        model={"path": "model", "device": "cpu"}, validate={"steps": 2}).dump()
+    data = small_config(
+        workdir,
+        {"steps": 2, "processes": 1, "checkpoint_every": 2, "validate_every": 0},
+        model={"path": "model", "device": "cpu"},
+        validate={"steps": 2},
+    ).dump()
     data["dataset"]["demo"] = False
     for dotted, value in edits.items():
         section, key = dotted.split(".")
@@ -102,10 +107,19 @@ def validate_device(w):
     return {"model.device": "auto"}
 
 
-TABLE = [(move_dataset, set()), (stray_file, set()), (touch_image, set()), (replace_image, DOWNSTREAM),
-         (edit_caption, DOWNSTREAM), (seed_under_center_crop, set()), (resolution, DOWNSTREAM),
-         (model_copied_elsewhere, set()), (vae_weights, {"latents", "train", "validate"}),
-         (prediction_type, {"train", "validate"}), (validate_device, {"validate"})]
+TABLE = [
+    (move_dataset, set()),
+    (stray_file, set()),
+    (touch_image, set()),
+    (replace_image, DOWNSTREAM),
+    (edit_caption, DOWNSTREAM),
+    (seed_under_center_crop, set()),
+    (resolution, DOWNSTREAM),
+    (model_copied_elsewhere, set()),
+    (vae_weights, {"latents", "train", "validate"}),
+    (prediction_type, {"train", "validate"}),
+    (validate_device, {"validate"}),
+]
 
 
 @pytest.mark.parametrize("change,rebuilt", TABLE, ids=[c.__name__ for c, _ in TABLE])
@@ -131,8 +145,9 @@ def test_a_library_minor_version_rebuilds_the_stages_it_computes(built, tmp_path
     shutil.copytree(built, w, symlinks=True)
     run_stage(StageContext(_cfg(w)), stage("scan"), PIPELINE)  # the copy's dataset lies elsewhere: rescan
     rows = {r.stage: r for r in status(StageContext(_cfg(w)), PIPELINE)}
-    assert {n for n, r in rows.items() if r.state != "fresh"} == {"latents", "train", "validate"}, \
-        {n: r.reason for n, r in rows.items()}
+    assert {n for n, r in rows.items() if r.state != "fresh"} == {"latents", "train", "validate"}, {
+        n: r.reason for n, r in rows.items()
+    }
     assert "diffusers" in rows["latents"].reason
 
 

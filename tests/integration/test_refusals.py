@@ -1,6 +1,7 @@
 """Refusals decided before any Prefect server starts: one message, once, no traceback, nothing written, every
 upstream at fault named with one fix that works as printed; the same check inside a flow run started from a
 deployment."""
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,9 @@ def test_stage_names_every_upstream_at_fault_at_once_before_prefect(user_config,
     home = tmp_path / "prefect-home"
     home.mkdir()
     work = tmp_path / "w"
-    msg = _refused(tuneline("stage", "validate", str(user_config), "--workdir", str(work),
-                            env={"PREFECT_HOME": str(home)}), home)
+    msg = _refused(
+        tuneline("stage", "validate", str(user_config), "--workdir", str(work), env={"PREFECT_HOME": str(home)}), home
+    )
     for upstream in ("scan", "latents", "text", "train"):
         assert f"{upstream} is missing" in msg, msg
     assert f"`tuneline run {user_config} --until validate --workdir {work}`" in msg, msg
@@ -75,8 +77,13 @@ def test_until_builds_up_to_the_stage_and_the_printed_fix_works(user_config, tmp
     out = tuneline(*fix[1:])
     assert out.returncode == 0, out.stderr[-3000:]
     states = {r: s for r, s in _states(user_config, work).items()}
-    assert states == {"scan": "fresh", "latents": "fresh", "text": "fresh", "train": "missing",
-                      "validate": "missing"}, states
+    assert states == {
+        "scan": "fresh",
+        "latents": "fresh",
+        "text": "fresh",
+        "train": "missing",
+        "validate": "missing",
+    }, states
     assert "validation images" not in out.stdout
     msg = _refused(tuneline("stage", "validate", str(user_config), "--workdir", str(work)))
     assert "train is missing" in msg and "scan is" not in msg and "`tuneline stage train " in msg, msg
@@ -92,12 +99,16 @@ def _states(config: Path, work: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("command", [["run"], ["stage", "scan"]])
 def test_missing_input_paths_refused_before_anything(tmp_path, command):
-    cfg = _config(tmp_path / "c.yaml", dataset={"path": str(tmp_path / "nope"), "demo": False},
-                  model={"path": str(tmp_path / "base.safetensors")})
+    cfg = _config(
+        tmp_path / "c.yaml",
+        dataset={"path": str(tmp_path / "nope"), "demo": False},
+        model={"path": str(tmp_path / "base.safetensors")},
+    )
     home = tmp_path / "prefect-home"
     home.mkdir()
-    msg = _refused(tuneline(*command, str(cfg), "--workdir", str(tmp_path / "w"), env={"PREFECT_HOME": str(home)}),
-                   home)
+    msg = _refused(
+        tuneline(*command, str(cfg), "--workdir", str(tmp_path / "w"), env={"PREFECT_HOME": str(home)}), home
+    )
     assert f"dataset.path: {tmp_path / 'nope'}" in msg and f"model.path: {tmp_path / 'base.safetensors'}" in msg
     assert not (tmp_path / "w").exists()
 
@@ -149,10 +160,16 @@ def test_a_refusal_imports_neither_prefect_nor_torch(tmp_path, command):
     import sys
 
     cfg = _config(tmp_path / "c.yaml", dataset={"path": str(tmp_path / "nope"), "demo": False})
-    code = ("import sys\nfrom tuneline.flows.cli import app\n"
-            "try:\n    app(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print('IMPORTED', *[m for m in ('torch', 'prefect', 'diffusers') if m in sys.modules])\n")
-    out = subprocess.run([sys.executable, "-c", code, *command, str(cfg), "--workdir", str(tmp_path / "w")],
-                         capture_output=True, text=True, timeout=300)
+    code = (
+        "import sys\nfrom tuneline.flows.cli import app\n"
+        "try:\n    app(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print('IMPORTED', *[m for m in ('torch', 'prefect', 'diffusers') if m in sys.modules])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *command, str(cfg), "--workdir", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "dataset.path" in out.stderr, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "IMPORTED", out.stdout

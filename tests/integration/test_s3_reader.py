@@ -1,4 +1,5 @@
 """The training reader straight from S3-compatible storage (loopback moto server): same batches as read locally."""
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,14 @@ def _epoch(reader: LatentReader) -> list[torch.Tensor]:
     """One epoch's latents, every other row of a batch flipped, read by two threads as the training feed reads a
     remote cache (several GETs in flight)."""
     batches = [reader.batch(b, rows, flip=np.arange(len(rows)) % 2 == 1) for b, rows in reader.plan(3, 2, 11, 0)]
-    return list(ahead(enumerate(batches), lambda ib: reader.sample(ib[1], torch.Generator().manual_seed(ib[0])),
-                      workers=2, depth=3))
+    return list(
+        ahead(
+            enumerate(batches),
+            lambda ib: reader.sample(ib[1], torch.Generator().manual_seed(ib[0])),
+            workers=2,
+            depth=3,
+        )
+    )
 
 
 def test_reader_on_the_s3_url_samples_what_the_local_reader_samples(tmp_path, s3):  # noqa: F811
@@ -46,16 +53,19 @@ def test_reader_on_the_s3_url_samples_what_the_local_reader_samples(tmp_path, s3
     manifest = read_remote_manifest(url, LatentsManifest, remote.options)
     assert manifest == local_manifest
     reader = LatentReader(url, manifest, storage_options=remote.options)
-    assert all(not a.local and str(a.where).startswith(url) for arrays in reader.arrays.values()
-               for a in arrays.values())
+    assert all(
+        not a.local and str(a.where).startswith(url) for arrays in reader.arrays.values() for a in arrays.values()
+    )
     local_reader = LatentReader(local, local_manifest)
     assert reader.counts() == local_reader.counts() and reader.paths == local_reader.paths
     remote_epoch, local_epoch = _epoch(reader), _epoch(local_reader)
     assert len(remote_epoch) == len(local_reader.plan(3, 2, 11, 0)) > 3
     assert all(torch.equal(r, loc) for r, loc in zip(remote_epoch, local_epoch, strict=True))
     batch = reader.batch("96x64", np.array([8, 0, 4]))
-    assert torch.equal(reader.sample(batch, torch.Generator().manual_seed(3)),
-                       local_reader.sample(batch, torch.Generator().manual_seed(3)))
+    assert torch.equal(
+        reader.sample(batch, torch.Generator().manual_seed(3)),
+        local_reader.sample(batch, torch.Generator().manual_seed(3)),
+    )
 
 
 def test_a_remote_version_edited_after_its_push_is_refused_naming_the_url(tmp_path, s3):  # noqa: F811

@@ -1,4 +1,5 @@
 """Artifact versions on S3-compatible storage (a loopback moto server): push, pull with checksums, zarr over fsspec."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,13 @@ def s3():
     endpoint = f"http://127.0.0.1:{port}"
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=CREDS["key"],
-                 aws_secret_access_key=CREDS["secret"]).create_bucket(Bucket=BUCKET)
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=CREDS["key"],
+        aws_secret_access_key=CREDS["secret"],
+    ).create_bucket(Bucket=BUCKET)
     try:
         yield endpoint
     finally:

@@ -1,5 +1,6 @@
 """The scan stage end to end through the generic runner (no Prefect): a messy folder, incremental rescans,
 content addressing, small buckets, symlinks, the demo dataset."""
+
 from __future__ import annotations
 
 import json
@@ -93,9 +94,21 @@ def messy_folder(root: Path, outside: Path) -> dict[str, str]:
     os.mkfifo(root / "pipe.png")  # opening it would block forever
     with open(os.fsencode(root) + b"/bad\xffname.png", "wb") as f:  # a name that is not UTF-8
         f.write((root / "dup_a.png").read_bytes())
-    return {"pipe.png": "special", "bad\ufffdname.png": "name","empty.jpg": "empty-file", "notes.jpg": "not-image", "cut.png": "truncated", "photo.heic": "unsupported",
-            "escape.png": "symlink", "broken.png": "symlink", "tiny.png": "too-small", "pic.bmp": "caption",
-            "pic.tif": "caption", "pic.gif": "caption", "metadata.jsonl": "metadata"}
+    return {
+        "pipe.png": "special",
+        "bad\ufffdname.png": "name",
+        "empty.jpg": "empty-file",
+        "notes.jpg": "not-image",
+        "cut.png": "truncated",
+        "photo.heic": "unsupported",
+        "escape.png": "symlink",
+        "broken.png": "symlink",
+        "tiny.png": "too-small",
+        "pic.bmp": "caption",
+        "pic.tif": "caption",
+        "pic.gif": "caption",
+        "metadata.jsonl": "metadata",
+    }
 
 
 def test_messy_folder_scans_cleanly_naming_every_broken_file(tmp_path):
@@ -108,8 +121,16 @@ def test_messy_folder_scans_cleanly_naming_every_broken_file(tmp_path):
     assert all(r["reason"] for r in rejected.values())
     assert "escape.png" in rec.markdowns["scan-rejected"]
     assert "outside dataset.path" in rejected["escape.png"]["reason"]
-    assert set(records) == {"rotated.jpg", "alpha.png", "gray.PNG", "sub/cmyk.jpeg", "sub/pic.webp", "dup_a.png",
-                            "sub/dup_b.png", "inside_link.webp"}
+    assert set(records) == {
+        "rotated.jpg",
+        "alpha.png",
+        "gray.PNG",
+        "sub/cmyk.jpeg",
+        "sub/pic.webp",
+        "dup_a.png",
+        "sub/dup_b.png",
+        "inside_link.webp",
+    }
     rot = records["rotated.jpg"]
     assert (rot["width"], rot["height"], rot["orientation"]) == (40, 60, 6)  # size after EXIF rotation
     assert (rot["bucket_width"], rot["bucket_height"]) == (32, 48) and rot["caption"] == "a rotated photo"
@@ -121,8 +142,9 @@ def test_messy_folder_scans_cleanly_naming_every_broken_file(tmp_path):
     assert manifest["rejected_by_kind"]["caption"] == 3
     assert manifest["alignment"] == 8 and manifest["dataset_root"] == str(data)
     assert sum(b["count"] for b in manifest["buckets"]) == 8
-    assert {r["bucket"] for r in rec.tables["scan-buckets"]} == {f"{b['width']}x{b['height']}"
-                                                                  for b in manifest["buckets"]}
+    assert {r["bucket"] for r in rec.tables["scan-buckets"]} == {
+        f"{b['width']}x{b['height']}" for b in manifest["buckets"]
+    }
     assert rec.progress_calls >= 1
     assert status(StageContext(config(tmp_path, data, buckets={"min_edge": 16})), [STAGE])[0].state == "fresh"
 
@@ -205,8 +227,9 @@ def test_random_crop_recorded_and_reproduced(tmp_path):
     _, _, recs, _, _ = scan(cfg)
     crops = {tuple(r["crop"]) for r in recs.values()}
     assert all(c[3] - c[1] == 40 and c[2] - c[0] == 40 for c in crops) and len(crops) > 1
-    _, _, recs_again, _, _ = scan(config(tmp_path, data, buckets={"crop": "random", "seed": 7, "max_aspect": 1.0,
-                                                                   "min_edge": 1}))
+    _, _, recs_again, _, _ = scan(
+        config(tmp_path, data, buckets={"crop": "random", "seed": 7, "max_aspect": 1.0, "min_edge": 1})
+    )
     assert {p: r["crop"] for p, r in recs_again.items()} == {p: r["crop"] for p, r in recs.items()}
 
 
@@ -271,8 +294,7 @@ def test_demo_dataset_is_idempotent_atomic_and_scans(tmp_path, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == before
     _, _, recs, rejected, m = scan(config(tmp_path, root, buckets={"resolution": 64}))
     assert len(recs) == 72 and not rejected
-    assert {(b["width"], b["height"]): b["count"] for b in m["buckets"]} == {(64, 64): 24, (64, 96): 24,
-                                                                             (96, 64): 24}
+    assert {(b["width"], b["height"]): b["count"] for b in m["buckets"]} == {(64, 64): 24, (64, 96): 24, (96, 64): 24}
     colors = {r["caption"].split()[1] for r in recs.values()}
     assert colors == {"red", "green", "blue", "yellow"}
     (tmp_path / "foreign").mkdir()

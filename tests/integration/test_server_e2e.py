@@ -3,6 +3,7 @@
 One server (basic auth on) and one worker serve every test here, in file order: the pipeline run, a scheduled
 rerun that must rebuild nothing, retries of failed stage runs, and the 401 for unauthenticated calls.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,17 +62,31 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_API_AUTH_STRING=AUTH, PREFECT_SERVER_UI_ENABLED="false",
-               # Auto-scheduled runs appear seconds after deploy instead of after the 60 s default loop.
-               PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2")
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_API_AUTH_STRING=AUTH,
+        PREFECT_SERVER_UI_ENABLED="false",
+        # Auto-scheduled runs appear seconds after deploy instead of after the 60 s default loop.
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+    )
     log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_healthy(url, proc, home / "server.log")
-        client_env = {"PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": AUTH, "PREFECT_WORKER_QUERY_SECONDS": "1",
-                      "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-client"))}
+        client_env = {
+            "PREFECT_API_URL": url,
+            "PREFECT_API_AUTH_STRING": AUTH,
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-client")),
+        }
         yield {"url": url, "env": client_env, "home": home}
     finally:
         _stop(proc)
@@ -99,19 +114,28 @@ def deployed(server, tmp_path_factory):
     starts in another directory (and runs each flow in a temporary one), so only resolved paths can work."""
     root = tmp_path_factory.mktemp("deployed")
     cfg_path = root / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(_small_config(Path("work"), schedule={"cron": "0 3 * * *"},
-                                                     lock_timeout=0)))
+    cfg_path.write_text(yaml.safe_dump(_small_config(Path("work"), schedule={"cron": "0 3 * * *"}, lock_timeout=0)))
     out = tuneline("deploy", cfg_path.name, env=server["env"], timeout=300, cwd=root)
     assert out.returncode == 0, out.stdout + out.stderr
     log = open(root / "worker.log", "w")
     elsewhere = tmp_path_factory.mktemp("worker-cwd")
     # --limit 1: the pipeline must not deadlock waiting for its stage runs (they are in-process subflows).
-    worker = subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", "worker", "--limit", "1"], cwd=elsewhere,
-                              env=dict(os.environ, **server["env"], PYTHONPATH=str(Path(__file__).parents[2])),
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tuneline.flows.cli", "worker", "--limit", "1"],
+        cwd=elsewhere,
+        env=dict(os.environ, **server["env"], PYTHONPATH=str(Path(__file__).parents[2])),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        yield {"config": cfg_path, "workdir": root / "work", "root": root, "deploy_out": out.stdout,
-               "worker_log": root / "worker.log"}
+        yield {
+            "config": cfg_path,
+            "workdir": root / "work",
+            "root": root,
+            "deploy_out": out.stdout,
+            "worker_log": root / "worker.log",
+        }
     finally:
         _stop(worker)
         log.close()
@@ -145,15 +169,20 @@ def _children(client, parent_id) -> dict[str, object]:
     """The stage flow runs a pipeline run started, by stage name."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])), **LIST)
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])), **LIST
+    )
     return {client.read_flow(r.flow_id).name.removeprefix("tuneline-"): r for r in runs}
 
 
 def _artifacts(client, run_ids) -> dict[str, list[dict]]:
     """Artifacts of these flow runs by key (raw API: this client version sends nulls the server refuses)."""
-    body = {"artifacts": {"flow_run_id": {"any_": [str(i) for i in run_ids]}}, "sort": "CREATED_DESC",
-            "limit": 200, "offset": 0}
+    body = {
+        "artifacts": {"flow_run_id": {"any_": [str(i) for i in run_ids]}},
+        "sort": "CREATED_DESC",
+        "limit": 200,
+        "offset": 0,
+    }
     out: dict[str, list[dict]] = {}
     for a in client.request("POST", "/artifacts/filter", json=body).json():
         out.setdefault(a["key"], []).append(a)
@@ -197,12 +226,20 @@ def test_pipeline_deployment_runs_every_stage(deployed, client):
     children = _children(client, run.id)
     assert sorted(children) == sorted(STAGES)
     assert all(r.state.is_completed() for r in children.values())
-    rows = {r["stage"]: r for r in json.loads(tuneline("status", str(deployed["config"]), "--json",
-                                                        cwd=deployed["root"]).stdout)}
+    rows = {
+        r["stage"]: r
+        for r in json.loads(tuneline("status", str(deployed["config"]), "--json", cwd=deployed["root"]).stdout)
+    }
     assert all(rows[s]["state"] == "fresh" and Path(rows[s]["path"]).is_dir() for s in STAGES)
     keys = _artifacts(client, [run.id, *(r.id for r in children.values())])
-    for key in ["lineage", "latents-cache", "train-loss", "validate-grid", "scan-buckets",
-                *(f"{s}-summary" for s in STAGES)]:
+    for key in [
+        "lineage",
+        "latents-cache",
+        "train-loss",
+        "validate-grid",
+        "scan-buckets",
+        *(f"{s}-summary" for s in STAGES),
+    ]:
         assert key in keys, f"artifact {key} missing; got {sorted(keys)}"
 
 
@@ -213,13 +250,16 @@ def test_scheduled_run_without_changes_rebuilds_nothing(server, deployed, client
     pipeline = _deployment(client, "pipeline")
     deadline, planned = time.monotonic() + 60, []
     while not planned and time.monotonic() < deadline:  # the server's scheduler creates the nightly runs
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            deployment_id=FlowRunFilterDeploymentId(any_=[pipeline.id])), **LIST)
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[pipeline.id])), **LIST
+        )
         planned = [r for r in runs if r.auto_scheduled and r.state.is_scheduled()]
         time.sleep(1)
     # Prefect 3.8.8's scheduler cannot insert runs with SQLAlchemy 2.1 ("Can't evaluate bulk DML statement").
-    assert planned, ("the cron schedule produced no scheduled run; server log:\n"
-                     + (server["home"] / "server.log").read_text()[-2000:])
+    assert planned, (
+        "the cron schedule produced no scheduled run; server log:\n"
+        + (server["home"] / "server.log").read_text()[-2000:]
+    )
     before = _manifests(deployed["workdir"])
     started = time.monotonic()
     # Run the next nightly run now instead of at 03:00: the run the scheduler created, unchanged otherwise.
@@ -245,8 +285,9 @@ def test_failed_stage_run_retried_after_the_cause_is_fixed(server, deployed, cli
     with contextlib.ExitStack() as held:
         held.enter_context(store_lock(deployed["workdir"], timeout=0, purpose="the test holding the store"))
         run = client.create_flow_run_from_deployment(validate.id, parameters={"force": True})
-        _check_failed_then_retry(client, run.id, deployed["worker_log"], f"pid {os.getpid()}", fix=held.close,
-                                 env=server["env"])
+        _check_failed_then_retry(
+            client, run.id, deployed["worker_log"], f"pid {os.getpid()}", fix=held.close, env=server["env"]
+        )
     # validate was built again (force) and replaced the version it already had; nothing upstream was touched.
     after = _manifests(deployed["workdir"])
     assert after.keys() == before.keys()
@@ -261,19 +302,30 @@ def test_failed_scan_run_retried_after_the_dataset_appears(server, deployed, cli
     scan = _deployment(client, "scan")
     run = client.create_flow_run_from_deployment(scan.id, parameters={"config": cfg})
     src = deployed["workdir"] / "demo-data"
-    _check_failed_then_retry(client, run.id, deployed["worker_log"], "is not a folder",
-                             fix=lambda: shutil.copytree(src, tmp_path / "photos"), env=server["env"])
+    _check_failed_then_retry(
+        client,
+        run.id,
+        deployed["worker_log"],
+        "is not a folder",
+        fix=lambda: shutil.copytree(src, tmp_path / "photos"),
+        env=server["env"],
+    )
     assert list((tmp_path / "work" / "artifacts" / "scan").glob("*/manifest.json"))
 
 
 def test_prefects_own_cli_lists_what_we_registered(server, deployed):
     """The commands the README points users to, against our server and pinned dependency set."""
-    expect = {("deployment", "ls"): "tuneline-pipeline", ("flow-run", "ls"): "COMPLETED",
-              ("flow", "ls"): "tuneline-train", ("work-pool", "ls"): "tuneline"}
+    expect = {
+        ("deployment", "ls"): "tuneline-pipeline",
+        ("flow-run", "ls"): "COMPLETED",
+        ("flow", "ls"): "tuneline-train",
+        ("work-pool", "ls"): "tuneline",
+    }
     for args, needle in expect.items():
         out = prefect_cli(*args, env=server["env"])
-        assert out.returncode == 0 and "Unprocessable" not in out.stdout + out.stderr, \
+        assert out.returncode == 0 and "Unprocessable" not in out.stdout + out.stderr, (
             f"`prefect {' '.join(args)}` failed:\n{out.stdout[-1500:]}{out.stderr[-1500:]}"
+        )
         assert needle in out.stdout, f"`prefect {' '.join(args)}` does not show {needle}:\n{out.stdout[-1500:]}"
 
 

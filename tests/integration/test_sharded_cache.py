@@ -1,5 +1,6 @@
 """Sharded latent and text caches (latents.shards / text.shards): each shard its own process, one version that is
 byte for byte the 1-shard cache, shards listed in the manifest; a killed shard resumes, a failed one names itself."""
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,15 @@ def context(root: Path, models: Path, name: str, shards: int, force: bool = Fals
     work.mkdir(exist_ok=True)
     if not (work / "models").exists():
         os.symlink(models, work / "models")
-    cfg = parse_config({"dataset": {"path": str(root / "data")}, "model": {"family": "tiny", "device": "cpu"},
-                        "latents": {"block_rows": 4, "batch_size": 3, "workers": 1, "shards": shards},
-                        "text": {"batch_size": 4, "shards": shards}}, workdir=str(work))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(root / "data")},
+            "model": {"family": "tiny", "device": "cpu"},
+            "latents": {"block_rows": 4, "batch_size": 3, "workers": 1, "shards": shards},
+            "text": {"batch_size": 4, "shards": shards},
+        },
+        workdir=str(work),
+    )
     return StageContext(cfg, force=force)
 
 
@@ -52,8 +59,11 @@ def build(ctx: StageContext, *names: str) -> dict[str, Path]:
 
 def files(path: Path) -> dict[str, bytes]:
     """Every file of a published version but its manifest, by relative path."""
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +99,7 @@ def test_blocks_split_into_disjoint_parts_covering_the_plan(data, single):
         flat = [b for part in parts for b in part]
         assert sorted(flat) == flat and len(set(flat)) == len(flat)  # contiguous, disjoint, in plan order
         assert len(flat) == sum(-(-len(j.records) // 4) for j in p.jobs)
-        rows = [sum(len(p.jobs[k].records[b * 4:(b + 1) * 4]) for k, b in part) for part in parts]
+        rows = [sum(len(p.jobs[k].records[b * 4 : (b + 1) * 4]) for k, b in part) for part in parts]
         assert max(rows) - min(rows) <= 4  # about as many rows to encode each (nothing reused here)
     assert [len(split(10, 3, i)) for i in range(3)] == [3, 3, 4]
 

@@ -1,6 +1,7 @@
 """A sharded latents stage on a Prefect work pool: a real `prefect server`, `tuneline deploy`, two one-slot process
 workers; `tuneline stage latents` (holding no worker slot) runs each shard as a flow run of `tuneline-shard` and
 publishes one version listing both shards."""
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,27 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("shard-server")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_UI_ENABLED="false")
+    env = dict(
+        os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_UI_ENABLED="false"
+    )
     log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                             str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_healthy(url, proc, home / "server.log")
-        yield {"url": url, "env": {"PREFECT_API_URL": url, "PREFECT_WORKER_QUERY_SECONDS": "1",
-                                   "PREFECT_HOME": str(tmp_path_factory.mktemp("shard-client"))}}
+        yield {
+            "url": url,
+            "env": {
+                "PREFECT_API_URL": url,
+                "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "PREFECT_HOME": str(tmp_path_factory.mktemp("shard-client")),
+            },
+        }
     finally:
         _stop(proc)
         log.close()
@@ -44,9 +57,13 @@ def test_shards_run_as_flow_runs_on_two_workers_and_publish_one_version(server, 
     write_images(tmp_path / "data", range(16))
     (tmp_path / "work").mkdir()
     os.symlink(tiny_model_dir(tmp_path_factory.getbasetemp()), tmp_path / "work" / "models")
-    cfg = {"workdir": str(tmp_path / "work"), "dataset": {"path": str(tmp_path / "data")},
-           "model": {"family": "tiny", "device": "cpu"}, "latents": {"block_rows": 4, "shards": 2, "workers": 1},
-           "ops": {"shard_pool": "shards", "lock_timeout": 0}}
+    cfg = {
+        "workdir": str(tmp_path / "work"),
+        "dataset": {"path": str(tmp_path / "data")},
+        "model": {"family": "tiny", "device": "cpu"},
+        "latents": {"block_rows": 4, "shards": 2, "workers": 1},
+        "ops": {"shard_pool": "shards", "lock_timeout": 0},
+    }
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     out = tuneline("deploy", str(config), env=server["env"], timeout=300)
@@ -55,10 +72,16 @@ def test_shards_run_as_flow_runs_on_two_workers_and_publish_one_version(server, 
     try:
         for i in range(2):
             logs.append(open(tmp_path / f"worker-{i}.log", "w"))
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "tuneline.flows.cli", "worker", "--pool", "shards", "--limit", "1"],
-                cwd=tmp_path_factory.mktemp("worker-cwd"), env=dict(os.environ, **server["env"]),
-                stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tuneline.flows.cli", "worker", "--pool", "shards", "--limit", "1"],
+                    cwd=tmp_path_factory.mktemp("worker-cwd"),
+                    env=dict(os.environ, **server["env"]),
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         for name in ("scan", "latents"):
             out = tuneline("stage", name, str(config), env=server["env"], timeout=600)
             worker_logs = "".join((tmp_path / f"worker-{i}.log").read_text()[-3000:] for i in range(2))

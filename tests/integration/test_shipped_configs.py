@@ -3,6 +3,7 @@ component builds from them (on the meta device: no weights allocated) with the p
 derived CLIP tokenizer gives the real CLIP ids, the original-layout shapes the single-file check compares are the
 ones these configs produce, `model.config: sd15` names the shipped folder, and a file whose shapes do not fit is
 refused naming model.config."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,20 +21,22 @@ from tuneline.stages.train.singlefile_export import _clip, _open_clip, _upsample
 # 123,060,480; OpenCLIP ViT-bigG/14 text with projection 694,659,840.
 COUNTS = {
     "sd15": {"unet": 859_520_964, "vae": 83_653_863, "text_encoder": 123_060_480},
-    "sdxl": {"unet": 2_567_463_684, "vae": 83_653_863, "text_encoder": 123_060_480,
-             "text_encoder_2": 694_659_840},
+    "sdxl": {"unet": 2_567_463_684, "vae": 83_653_863, "text_encoder": 123_060_480, "text_encoder_2": 694_659_840},
 }
 
 
 def _meta_parts(name: str) -> dict[str, torch.nn.Module]:
     root = shipped_dir(name)
     with torch.device("meta"):
-        parts = {"unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(root / "unet")),
-                 "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(root / "vae")),
-                 "text_encoder": CLIPTextModel(CLIPTextConfig.from_pretrained(root / "text_encoder"))}
+        parts = {
+            "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(root / "unet")),
+            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(root / "vae")),
+            "text_encoder": CLIPTextModel(CLIPTextConfig.from_pretrained(root / "text_encoder")),
+        }
         if (root / "text_encoder_2").is_dir():
             parts["text_encoder_2"] = CLIPTextModelWithProjection(
-                CLIPTextConfig.from_pretrained(root / "text_encoder_2"))
+                CLIPTextConfig.from_pretrained(root / "text_encoder_2")
+            )
     return parts
 
 
@@ -42,10 +45,16 @@ def _ldm_shapes(parts: dict[str, torch.nn.Module]) -> dict[str, tuple[int, ...]]
     unet, vae = parts["unet"], parts["vae"]
     per = unet.config.layers_per_block
     attn = {i for i, t in enumerate(unet.config.up_block_types) if "CrossAttn" in t}
-    out = {f"model.diffusion_model.{unet_name(k, per) or _upsampler(k, per, attn)}": v.shape
-           for k, v in unet.state_dict().items()}
-    out.update({f"first_stage_model.{vae_name(k, len(vae.config.block_out_channels))}": v.shape
-                for k, v in vae.state_dict().items()})
+    out = {
+        f"model.diffusion_model.{unet_name(k, per) or _upsampler(k, per, attn)}": v.shape
+        for k, v in unet.state_dict().items()
+    }
+    out.update(
+        {
+            f"first_stage_model.{vae_name(k, len(vae.config.block_out_channels))}": v.shape
+            for k, v in vae.state_dict().items()
+        }
+    )
     if "text_encoder_2" in parts:
         out.update(_clip(parts["text_encoder"], "conditioner.embedders.0.transformer."))
         out.update(_open_clip(parts["text_encoder_2"], "conditioner.embedders.1.model.")[0])
@@ -60,13 +69,15 @@ def test_shipped_configs_build_the_published_models(name):
     counts = {c: sum(p.numel() for p in m.parameters()) for c, m in parts.items()}
     assert counts == COUNTS[name]
     shapes = _ldm_shapes(parts)
-    assert {k: shapes.get(k) for k in SIGNATURES[name]} == SIGNATURES[name], \
+    assert {k: shapes.get(k) for k in SIGNATURES[name]} == SIGNATURES[name], (
         "the single-file check compares shapes these configs do not produce"
+    )
     assert get_family(name).pipeline_class.__name__ in (shipped_dir(name) / "model_index.json").read_text()
 
 
-@pytest.mark.parametrize("name,sub,pad", [("sd15", "tokenizer", 49407), ("sdxl", "tokenizer", 49407),
-                                          ("sdxl", "tokenizer_2", 0)])
+@pytest.mark.parametrize(
+    "name,sub,pad", [("sd15", "tokenizer", 49407), ("sdxl", "tokenizer", 49407), ("sdxl", "tokenizer_2", 0)]
+)
 def test_derived_tokenizer_gives_the_clip_ids(name, sub, pad):
     tok = CLIPTokenizer.from_pretrained(shipped_dir(name) / sub)
     assert len(tok) == 49408 and tok.model_max_length == 77
@@ -92,19 +103,27 @@ def test_package_data_carries_every_shipped_file():
     root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     families = root / "stages" / "families"
-    files = [p.relative_to(families).as_posix() for p in (families / "configs").rglob("*")
-             if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
-    missed = [f for f in files if not any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/")
-                                          for pat in patterns["tuneline.stages.families"])]
+    files = [
+        p.relative_to(families).as_posix()
+        for p in (families / "configs").rglob("*")
+        if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts
+    ]
+    missed = [
+        f
+        for f in files
+        if not any(
+            fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/") for pat in patterns["tuneline.stages.families"]
+        )
+    ]
     assert len(files) > 20 and missed == []
 
 
 def test_model_config_by_name_is_the_shipped_folder(tmp_path):
-    cfg = parse_config({"model": {"family": "sd15", "path": "m.safetensors", "config": "sd15"}},
-                       workdir=str(tmp_path))
+    cfg = parse_config({"model": {"family": "sd15", "path": "m.safetensors", "config": "sd15"}}, workdir=str(tmp_path))
     assert cfg.model.config == "sd15" and cfg.model.path == str(tmp_path / "m.safetensors")
-    dotted = parse_config({"model": {"family": "sd15", "path": "m.safetensors", "config": "./sd15"}},
-                          workdir=str(tmp_path))
+    dotted = parse_config(
+        {"model": {"family": "sd15", "path": "m.safetensors", "config": "./sd15"}}, workdir=str(tmp_path)
+    )
     assert dotted.model.config == str(tmp_path / "sd15"), "./sd15 is a folder, not the shipped name"
     with pytest.raises(Exception, match="model.config: sdxl is the shipped sdxl config but model.family is sd15"):
         parse_config({"model": {"family": "sd15", "path": "m.safetensors", "config": "sdxl"}}, workdir=str(tmp_path))

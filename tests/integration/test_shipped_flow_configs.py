@@ -3,6 +3,7 @@ with the published parameter counts, the original-layout shapes the single-file 
 configs produce (and diffusers' own converters take them back), the T5 tokenizer derived from Google's spiece.model
 gives T5's ids, and a file that fits a shipped folder but holds only the transformer is refused naming the missing
 components and model.config."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,14 +31,24 @@ from tuneline.stages.families.shipped import SIGNATURES, misfits, resolve_config
 # 83,819,683; CLIP ViT-L/14 text 123,060,480 (+ 589,824 projection); OpenCLIP bigG text with projection
 # 694,659,840; T5 v1.1 XXL encoder 4,762,310,656.
 COUNTS = {
-    "sd3": {"transformer": 2_028_328_000, "vae": 83_819_683, "text_encoder": 123_650_304,
-            "text_encoder_2": 694_659_840, "text_encoder_3": 4_762_310_656},
-    "flux": {"transformer": 11_901_408_320, "vae": 83_819_683, "text_encoder": 123_060_480,
-             "text_encoder_2": 4_762_310_656},
+    "sd3": {
+        "transformer": 2_028_328_000,
+        "vae": 83_819_683,
+        "text_encoder": 123_650_304,
+        "text_encoder_2": 694_659_840,
+        "text_encoder_3": 4_762_310_656,
+    },
+    "flux": {
+        "transformer": 11_901_408_320,
+        "vae": 83_819_683,
+        "text_encoder": 123_060_480,
+        "text_encoder_2": 4_762_310_656,
+    },
 }
-TRANSFORMER = {"sd3": (SD3Transformer2DModel, sd3_original, sfu.convert_sd3_transformer_checkpoint_to_diffusers),
-               "flux": (FluxTransformer2DModel, flux_original,
-                        sfu.convert_flux_transformer_checkpoint_to_diffusers)}
+TRANSFORMER = {
+    "sd3": (SD3Transformer2DModel, sd3_original, sfu.convert_sd3_transformer_checkpoint_to_diffusers),
+    "flux": (FluxTransformer2DModel, flux_original, sfu.convert_flux_transformer_checkpoint_to_diffusers),
+}
 TEXT = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
 
 
@@ -48,12 +59,17 @@ def _meta_parts(name: str) -> dict[str, torch.nn.Module]:
     index = json.loads((root / "model_index.json").read_text())
     cls = TRANSFORMER[name][0]
     with torch.device("meta"):
-        parts = {"transformer": cls.from_config(cls.load_config(root / "transformer")),
-                 "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(root / "vae"))}
+        parts = {
+            "transformer": cls.from_config(cls.load_config(root / "transformer")),
+            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(root / "vae")),
+        }
         for comp in (c for c in index if c.startswith("text_encoder")):
             kind = index[comp][1]
-            parts[comp] = (T5EncoderModel(T5Config.from_pretrained(root / comp)) if kind == "T5EncoderModel" else
-                           TEXT[kind](CLIPTextConfig.from_pretrained(root / comp)))
+            parts[comp] = (
+                T5EncoderModel(T5Config.from_pretrained(root / comp))
+                if kind == "T5EncoderModel"
+                else TEXT[kind](CLIPTextConfig.from_pretrained(root / comp))
+            )
     return parts
 
 
@@ -65,8 +81,9 @@ def test_shipped_configs_build_the_published_models(name):
     state = parts["transformer"].state_dict()
     original = to_original(state)
     shapes = {k.removeprefix("model.diffusion_model."): tuple(v.shape) for k, v in original.items()}
-    assert {k: shapes.get(k) for k in SIGNATURES[name]} == SIGNATURES[name], \
+    assert {k: shapes.get(k) for k in SIGNATURES[name]} == SIGNATURES[name], (
         "the single-file check compares shapes these configs do not produce"
+    )
     back = to_diffusers(dict(original))  # diffusers' converter, on meta tensors: names and shapes only
     assert back.keys() == state.keys() and all(back[k].shape == state[k].shape for k in state)
     if name == "flux":  # tuneline's own Flux reader (any width) agrees with diffusers' at FLUX.1's width
@@ -86,8 +103,9 @@ def test_t5_tokenizer_gives_t5_ids(name, sub):
     assert tok("x", padding="max_length", max_length=4).input_ids == [3, 226, 1, 0]
 
 
-@pytest.mark.parametrize("name,sub,pad", [("sd3", "tokenizer", 49407), ("sd3", "tokenizer_2", 0),
-                                          ("flux", "tokenizer", 49407)])
+@pytest.mark.parametrize(
+    "name,sub,pad", [("sd3", "tokenizer", 49407), ("sd3", "tokenizer_2", 0), ("flux", "tokenizer", 49407)]
+)
 def test_clip_tokenizers_are_the_derived_ones(name, sub, pad):
     tok = CLIPTokenizer.from_pretrained(shipped_dir(name) / sub)
     assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
@@ -99,13 +117,15 @@ def test_model_config_names_the_shipped_folder(tmp_path, name):
     cfg = parse_config({"model": {"family": name, "path": "m.safetensors", "config": name}}, workdir=str(tmp_path))
     assert cfg.model.config == name
     other = "flux" if name == "sd3" else "sd3"
-    with pytest.raises(Exception, match=f"model.config: {other} is the shipped {other} config but model.family "
-                                        f"is {name}"):
+    with pytest.raises(
+        Exception, match=f"model.config: {other} is the shipped {other} config but model.family is {name}"
+    ):
         parse_config({"model": {"family": name, "path": "m.safetensors", "config": other}}, workdir=str(tmp_path))
 
 
-@pytest.mark.parametrize("name,prefix", [("sd3", "model.diffusion_model."), ("flux", ""),
-                                         ("flux", "model.diffusion_model.")])
+@pytest.mark.parametrize(
+    "name,prefix", [("sd3", "model.diffusion_model."), ("flux", ""), ("flux", "model.diffusion_model.")]
+)
 def test_transformer_only_file_with_the_shipped_config_is_refused_naming_what_is_missing(tmp_path, name, prefix):
     f = tmp_path / f"{name}.safetensors"
     save_file({prefix + k: torch.zeros(s, dtype=torch.float16) for k, s in SIGNATURES[name].items()}, str(f))
@@ -137,8 +157,9 @@ def test_flux_reader_matches_diffusers_converter_at_flux1_width():
     """At FLUX.1's width (3072, which diffusers' converter has written in) tuneline's reader gives diffusers' tensors
     value for value: one double and one single block, random bytes (the conversion only renames, splits and
     swaps, so uint8 keeps it to ~0.6 GB a copy)."""
-    cfg = dict(FluxTransformer2DModel.load_config(shipped_dir("flux") / "transformer"), num_layers=1,
-               num_single_layers=1)
+    cfg = dict(
+        FluxTransformer2DModel.load_config(shipped_dir("flux") / "transformer"), num_layers=1, num_single_layers=1
+    )
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in flux_original(FluxTransformer2DModel.from_config(cfg).state_dict()).items()}
     gen = torch.Generator().manual_seed(0)

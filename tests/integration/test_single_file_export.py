@@ -1,6 +1,7 @@
 """train.export_single_file: a full fine-tune written as one original-layout (LDM) .safetensors, read back by an
 independent reader, stock diffusers' `from_single_file` (offline, configs from the base folder): every UNet, VAE
 and text encoder weight equals the fine-tuned pipeline's."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,15 @@ from tuneline.stages.train.model import save_final
 from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 CPU = torch.device("cpu")
-INFO = ExportInfo(train_version="v1", base_identity="sha256:base", steps=3, num_train_images=2, resolution=64,
-                  started_at=1_700_000_000.0, title="tuneline sd15 fine-tune")
+INFO = ExportInfo(
+    train_version="v1",
+    base_identity="sha256:base",
+    steps=3,
+    num_train_images=2,
+    resolution=64,
+    started_at=1_700_000_000.0,
+    title="tuneline sd15 fine-tune",
+)
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
@@ -31,12 +39,17 @@ def test_full_fine_tune_single_file_loads_in_stock_diffusers(family, tmp_path):
     t = TrainConfig(mode="full", export_single_file=True)
     exports = save_final(fam, base, den, t, tmp_path / "final", INFO)
     single = tmp_path / "final" / SINGLE_FILE
-    assert exports[-1] == {"file": f"final/{SINGLE_FILE}", "format": "single-file", "bytes": single.stat().st_size,
-                           "sha256": file_sha256(single)}
+    assert exports[-1] == {
+        "file": f"final/{SINGLE_FILE}",
+        "format": "single-file",
+        "bytes": single.stat().st_size,
+        "sha256": file_sha256(single),
+    }
     assert exports[0]["file"] == "final" and exports[0]["sha256"] is None
 
-    pipe = fam.pipeline_class.from_single_file(str(single), config=str(base), local_files_only=True,
-                                               **fam.pipeline_load_kwargs())
+    pipe = fam.pipeline_class.from_single_file(
+        str(single), config=str(base), local_files_only=True, **fam.pipeline_load_kwargs()
+    )
     tuned = fam.load_pipeline(tmp_path / "final", torch.float32, CPU)
     untouched = fam.load_pipeline(base, torch.float32, CPU)
     for comp in ("unet", "vae", "text_encoder"):

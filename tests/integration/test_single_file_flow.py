@@ -3,6 +3,7 @@
 of the same model loads its transformer from the file and the VAE and text encoders from the folder (a VAE the
 file holds comes from the file), and trains; a file of the other family is refused naming both families, and a tiny
 file against the shipped (released-size) config naming model.config."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,15 +45,18 @@ def _transformer_file(family: str, tmp_path, shift: float = 0.0, vae: bool = Fal
 def test_transformer_only_file_with_model_config_loads_offline_and_trains(tmp_path, family, vae):
     path, folder, written = _transformer_file(family, tmp_path, shift=0.01, vae=vae)
     want = written["transformer"]
-    cfg = small_config(tmp_path / "work", {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1,
-                                           "batch_size": 2},
-                       model={"family": family, "path": str(path), "config": str(folder), "device": "cpu"})
+    cfg = small_config(
+        tmp_path / "work",
+        {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1, "batch_size": 2},
+        model={"family": family, "path": str(path), "config": str(folder), "device": "cpu"},
+    )
     ctx = build_upstream(cfg)
     converted = models.model_dir(ctx)
     assert converted != folder and converted.is_dir()
     got = get_family(family).load_denoiser(converted, torch.float32, CPU).state_dict()
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), \
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (
         "the converted transformer is not the file's"
+    )
     from safetensors.torch import load_file  # the VAE: the file's when it has one, else model.config's
 
     want_vae = written["vae"] or load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors"))

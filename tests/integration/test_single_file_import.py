@@ -1,6 +1,7 @@
 """model.path a single original-layout checkpoint, offline: with model.config (a local diffusers folder of the same
 model: configs and tokenizers, its weights unread) it converts and trains; a checkpoint of another family is refused
 naming both families; a model.config that is no pipeline folder is refused naming model.config."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,16 +32,19 @@ def _single_file(family: str, tmp_path, shift: float = 0.0):
 
 def test_single_file_with_model_config_loads_offline_and_trains(tmp_path):
     path, folder, pipe = _single_file("sd15", tmp_path, shift=0.01)
-    cfg = small_config(tmp_path / "work", {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1,
-                                           "batch_size": 2},
-                       model={"family": "sd15", "path": str(path), "config": str(folder), "device": "cpu"})
+    cfg = small_config(
+        tmp_path / "work",
+        {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1, "batch_size": 2},
+        model={"family": "sd15", "path": str(path), "config": str(folder), "device": "cpu"},
+    )
     ctx = build_upstream(cfg)
     converted = models.model_dir(ctx)
     assert converted != folder and converted.is_dir()
     got = get_family("sd15").load_denoiser(converted, torch.float32, CPU).state_dict()
     want = pipe.unet.state_dict()
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), \
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (
         "the converted UNet is not the file's"
+    )
     out = train(cfg)
     assert (out / "final" / "lora_kohya.safetensors").is_file()
 

@@ -1,5 +1,6 @@
 """Each stage holds only what it needs: latents the VAE (encoder), text the text encoders, training the denoiser;
 in-training validation reuses the training denoiser and holds the VAE and text encoders only while it renders."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """The text stage on real tiny encoders: what it stores, that cached and live conditioning are the same tensors,
 caption dropout and variants with the cache, the cache switched off, validation prompts, and staleness."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,15 @@ def root(tmp_path_factory) -> Path:
 
 
 def make_ctx(root: Path, family: str = "tiny", validate: dict | None = None, **text) -> StageContext:
-    cfg = parse_config({"dataset": {"path": str(root / "data")}, "model": {"family": family, "device": "cpu"},
-                        "text": text, "validate": validate or {}}, workdir=str(root / "work"))
+    cfg = parse_config(
+        {
+            "dataset": {"path": str(root / "data")},
+            "model": {"family": family, "device": "cpu"},
+            "text": text,
+            "validate": validate or {},
+        },
+        workdir=str(root / "work"),
+    )
     return StageContext(cfg)
 
 
@@ -61,8 +69,14 @@ def text_artifact(ctx: StageContext) -> tuple[Path, TextManifest]:
 
 
 def live(ctx: StageContext, manifest: TextManifest) -> LiveText:
-    return LiveText(models.family(ctx.cfg), models.model_dir(ctx), CPU, torch.float32, manifest.max_length,
-                    augment=TagAugment.from_manifest(manifest))
+    return LiveText(
+        models.family(ctx.cfg),
+        models.model_dir(ctx),
+        CPU,
+        torch.float32,
+        manifest.max_length,
+        augment=TagAugment.from_manifest(manifest),
+    )
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -77,7 +91,11 @@ def test_each_distinct_caption_is_encoded_once(root):
     path, m = text_artifact(ctx)
     assert [r["text"] for r in read_jsonl(path / "strings.jsonl")] == ["", *DISTINCT]
     assert {r["caption"]: r["rows"] for r in read_jsonl(path / "captions.jsonl")} == {
-        "": [0], "red, square, bright": [1], "blue, circle": [2], "green": [3]}
+        "": [0],
+        "red, square, bright": [1],
+        "blue, circle": [2],
+        "green": [3],
+    }
     assert (m.count, m.captions, m.variants, m.enabled) == (4, 4, 1, True)
     assert (m.max_length, m.padding) == (16, "max_length")
     assert m.config["text"]["max_length"] == 16 and m.config["text"]["padding"] == "max_length"
@@ -148,8 +166,10 @@ def test_flux_stores_every_field_with_its_dtype(root):
     ctx = make_ctx(root, family="flux", max_length=24)
     path, m = text_artifact(ctx)
     assert {k: (tuple(v.shape), v.dtype) for k, v in m.fields.items()} == {
-        "prompt_embeds": ((24, 32), "float32"), "pooled_prompt_embeds": ((32,), "float32"),
-        "prompt_attention_mask": ((24,), "int64")}
+        "prompt_embeds": ((24, 32), "float32"),
+        "pooled_prompt_embeds": ((32,), "float32"),
+        "prompt_attention_mask": ((24,), "int64"),
+    }
     cache = open_text(m, path, models.family(ctx.cfg), models.model_dir(ctx), CPU, torch.float32)
     batch = ["blue, circle", "", "green"]
     got = cache.get(batch)
@@ -174,8 +194,9 @@ def test_open_text_refuses_a_mismatched_artifact(root):
     fam, model_dir = models.family(ctx.cfg), models.model_dir(ctx)
     with pytest.raises(ValueError, match="built for family tiny, model.family is sd15"):
         open_text(m, path, models.family(make_ctx(root, family="sd15").cfg), model_dir, CPU, torch.float32)
-    wrong = TextManifest.model_validate(m.model_dump() | {"fields": {"prompt_embeds": {"shape": (77, 32),
-                                                                                     "dtype": "float32"}}})
+    wrong = TextManifest.model_validate(
+        m.model_dump() | {"fields": {"prompt_embeds": {"shape": (77, 32), "dtype": "float32"}}}
+    )
     with pytest.raises(ValueError, match=r"holds \(16, 32\) float32, its manifest says \(77, 32\)"):
         open_text(wrong, path, fam, model_dir, CPU, torch.float32)
 
@@ -225,13 +246,18 @@ def test_staleness_follows_the_artifact_contract(tmp_path):
         return {s.stage: (s.state, s.reason) for s in status(c, PIPELINE)}
 
     assert [states(ctx)[s][0] for s in ("scan", "latents", "text")] == ["fresh"] * 3
-    for change, reason in (({"max_length": 8}, "config text.max_length: 16 -> 8"),
-                           ({"caption_variants": 2, "shuffle_tags": True}, "config text.caption_variants: 1 -> 2")):
+    for change, reason in (
+        ({"max_length": 8}, "config text.max_length: 16 -> 8"),
+        ({"caption_variants": 2, "shuffle_tags": True}, "config text.caption_variants: 1 -> 2"),
+    ):
         now = states(make_ctx(tmp_path, **change))
         assert [now[s][0] for s in ("scan", "latents")] == ["fresh", "fresh"], change
         assert now["text"][0] == "stale" and reason in now["text"][1], now["text"]
-    for same in (make_ctx(tmp_path, batch_size=1), make_ctx(tmp_path, validate={"prompts": [{"prompt": "other"}]}),
-                 make_ctx(tmp_path, max_length=16)):
+    for same in (
+        make_ctx(tmp_path, batch_size=1),
+        make_ctx(tmp_path, validate={"prompts": [{"prompt": "other"}]}),
+        make_ctx(tmp_path, max_length=16),
+    ):
         assert states(same)["text"][0] == "fresh"
 
 

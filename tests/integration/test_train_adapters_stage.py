@@ -1,6 +1,7 @@
 """A LoKr trained by schedule-free AdamW through the real train stage (2-process gloo DDP): the manifest lists the
 LyCORIS file and records the diffusers file's absence; the file holds schedule-free's eval-mode weights; a run
 resumed from the middle checkpoint (after an in-training validation) ends with the uninterrupted run's weights."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,21 @@ from safetensors.torch import load_file
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.stages.train.export import KOHYA_FILE
 
-LOKR = {"mode": "lora", "adapter": "lokr", "optimizer": "adamw_schedulefree", "lora_rank": 4, "lora_alpha": 4,
-        "steps": 4, "processes": 2, "batch_size": 2, "checkpoint_every": 2, "validate_every": 2,
-        "learning_rate": 1e-2, "lora_format": "both", "keep_checkpoints": 3}
+LOKR = {
+    "mode": "lora",
+    "adapter": "lokr",
+    "optimizer": "adamw_schedulefree",
+    "lora_rank": 4,
+    "lora_alpha": 4,
+    "steps": 4,
+    "processes": 2,
+    "batch_size": 2,
+    "checkpoint_every": 2,
+    "validate_every": 2,
+    "learning_rate": 1e-2,
+    "lora_format": "both",
+    "keep_checkpoints": 3,
+}
 
 
 @pytest.fixture(scope="module")

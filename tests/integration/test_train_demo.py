@@ -1,5 +1,6 @@
 """The demo's training and validation for real, in process: the demo config (full fine-tune, 2 gloo processes, the
 learning check on), one run shared by every test here, then stock diffusers loading the result."""
+
 from __future__ import annotations
 
 import copy
@@ -49,10 +50,13 @@ def test_train_artifact_layout(demo):
     assert (m["step"], m["world_size"], m["mode"]) == (t.steps, 2, "full")
     assert m["global_batch"] == t.batch_size * 2 * t.grad_accumulation
     every = t.effective_checkpoint_every()
-    kept = [f"checkpoints/step-{s:07d}" for s in range(every, t.steps + 1, every)][-t.keep_checkpoints:]
+    kept = [f"checkpoints/step-{s:07d}" for s in range(every, t.steps + 1, every)][-t.keep_checkpoints :]
     assert m["checkpoints"] == kept and m["checkpoint"] == kept[-1]
-    assert sorted(p.name for p in (out / kept[-1]).iterdir()) == ["optimizer.safetensors", "state.json",
-                                                                  "trainable.safetensors"]
+    assert sorted(p.name for p in (out / kept[-1]).iterdir()) == [
+        "optimizer.safetensors",
+        "state.json",
+        "trainable.safetensors",
+    ]
     assert len(list(read_jsonl(out / "losses.jsonl"))) == t.steps
     assert Image.open(out / "loss.png").size == (640, 360)
     assert m["losses"][-1] < m["losses"][0]

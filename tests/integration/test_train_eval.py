@@ -1,4 +1,5 @@
 """Held-out eval loss (train.eval): a stable split that never trains, and a reproducible number."""
+
 from __future__ import annotations
 
 import json

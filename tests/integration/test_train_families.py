@@ -1,6 +1,7 @@
 """The training loop on every other family's tiny flavor, in-process: LoRA on SDXL (micro-conditioning), SD3 and
 Flux (flow matching, transformer LoRA), saved as `final/` LoRA weights that stock diffusers' load_lora_weights
 takes, and a checkpoint that restores the exact state."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,16 @@ from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches
 
 CPU = torch.device("cpu")
-TRAIN = {"mode": "lora", "lora_rank": 4, "batch_size": 2, "processes": 1, "steps": 2, "learning_rate": 1e-2,
-         "loss_weighting": "auto", "latent_sampling": "sample"}
+TRAIN = {
+    "mode": "lora",
+    "lora_rank": 4,
+    "batch_size": 2,
+    "processes": 1,
+    "steps": 2,
+    "learning_rate": 1e-2,
+    "loss_weighting": "auto",
+    "latent_sampling": "sample",
+}
 
 
 def _trainer(cfg, ctx) -> Trainer:
@@ -31,15 +40,21 @@ def _trainer(cfg, ctx) -> Trainer:
     scan = store.version_dir("scan", lat.upstream["scan"])
     records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan / "images.jsonl")}
     fam, model_dir = models.family(cfg), models.model_dir(ctx)
-    data = Data(LatentReader(lat_dir, lat), open_text(txt, txt_dir, fam, model_dir, CPU, torch.float32), records,
-                lat.scaling_factor, lat.shift_factor)
+    data = Data(
+        LatentReader(lat_dir, lat),
+        open_text(txt, txt_dir, fam, model_dir, CPU, torch.float32),
+        records,
+        lat.scaling_factor,
+        lat.shift_factor,
+    )
     return Trainer(cfg, fam, model_dir, data, 0, 1, CPU)
 
 
 def _steps(trainer: Trainer, n: int) -> None:
     t = trainer.t
-    stream = micro_batches(lambda e: trainer.data.reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0,
-                           trainer.position)
+    stream = micro_batches(
+        lambda e: trainer.data.reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0, trainer.position
+    )
     feed = trainer.feed(stream)
     for _ in range(n):
         trainer.train_step([next(feed)])
@@ -75,8 +90,14 @@ def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
 
 
 def _render(pipe) -> torch.Tensor:
-    return pipe("a red square", num_inference_steps=2, height=64, width=64, output_type="latent",
-                generator=torch.Generator().manual_seed(0)).images
+    return pipe(
+        "a red square",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).images
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
@@ -86,10 +107,18 @@ def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
     cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"})
     ctx = build_upstream(cfg)
     losses = {}
-    for sampling, shift in [("uniform", 1.0), ("uniform", "auto"), ("logit_normal", "auto"), ("sigmoid", 3.0),
-                            ("mode", "auto")]:
-        run = small_config(tmp_path, {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift,
-                                      "sigmoid_scale": 2.0}, model={"family": family, "device": "cpu"})
+    for sampling, shift in [
+        ("uniform", 1.0),
+        ("uniform", "auto"),
+        ("logit_normal", "auto"),
+        ("sigmoid", 3.0),
+        ("mode", "auto"),
+    ]:
+        run = small_config(
+            tmp_path,
+            {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift, "sigmoid_scale": 2.0},
+            model={"family": family, "device": "cpu"},
+        )
         trainer = _trainer(run, ctx)
         _steps(trainer, 1)
         losses[(sampling, shift)] = trainer.losses[0]
@@ -108,8 +137,9 @@ def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path):
     quant_cfg = small_config(tmp_path, train, model={"device": "cpu", "quantize": "int8"})
     quant = _trainer(quant_cfg, ctx)
     wrapped = [m for m in quant.denoiser.modules() if hasattr(m, "base_layer")]
-    assert wrapped and all("Int8" in type(m.base_layer.weight).__name__ for m in wrapped), \
-        {type(m.base_layer.weight).__name__ for m in wrapped}
+    assert wrapped and all("Int8" in type(m.base_layer.weight).__name__ for m in wrapped), {
+        type(m.base_layer.weight).__name__ for m in wrapped
+    }
     _steps(quant, 3)
     assert all(n.startswith("lora") or "lora_" in n for n in quant.params), "only the LoRA trains"
     torch.testing.assert_close(torch.tensor(quant.losses), torch.tensor(plain.losses), rtol=0.05, atol=1e-3)

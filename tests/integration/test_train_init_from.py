@@ -1,5 +1,6 @@
 """train.init_from previous: scheduled retraining on new data continues the last model, not the base one; the
 version it continues is part of the run's key and kept by gc."""
+
 from __future__ import annotations
 
 import shutil
@@ -35,8 +36,7 @@ def test_init_from_previous_continues_the_last_model_on_new_data(tmp_path):
     src = sorted(data.glob("*.png"))[0]
     shutil.copy(src, data / "extra.png")
     (data / "extra.txt").write_text("a red square extra")
-    cfg2 = small_config(tmp_path / "w", {"steps": 2, "processes": 1, "init_from": "previous",
-                                         "learning_rate": 1e-12})
+    cfg2 = small_config(tmp_path / "w", {"steps": 2, "processes": 1, "init_from": "previous", "learning_rate": 1e-12})
     second = train_after(cfg2)
     m2 = StageContext(cfg2).store.read(second, TrainManifest)
     assert m2.initialized_from == m1.fingerprint

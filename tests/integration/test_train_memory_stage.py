@@ -1,5 +1,6 @@
 """The train stage with the memory options on: 2-process gloo DDP LoRA with block swap, offloaded checkpointing
 and 8-bit AdamW trains the same losses as without swap, and the manifest records the memory plan."""
+
 from __future__ import annotations
 
 from tests.integration.test_train_support import build_upstream, small_config
@@ -7,8 +8,17 @@ from tuneline.schemas.train import TrainManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
 
-OPTIONS = {"mode": "lora", "lora_rank": 4, "steps": 3, "processes": 2, "batch_size": 2, "checkpoint_every": 3,
-           "gradient_checkpointing": "offload", "optimizer": "adamw8bit", "learning_rate": 1e-2}
+OPTIONS = {
+    "mode": "lora",
+    "lora_rank": 4,
+    "steps": 3,
+    "processes": 2,
+    "batch_size": 2,
+    "checkpoint_every": 3,
+    "gradient_checkpointing": "offload",
+    "optimizer": "adamw8bit",
+    "learning_rate": 1e-2,
+}
 
 
 def test_ddp_lora_with_swap_offload_and_adamw8bit(tmp_path):

@@ -1,5 +1,6 @@
 """Training outputs and failures on one process: LoRA with every option on, loaded by stock diffusers and
 validated; a NaN loss stopping with the step and the images; a missing resume target refused."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,25 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.train.launch import TrainingFailed
 
-LORA = {"mode": "lora", "lora_rank": 4, "lora_alpha": 8, "steps": 4, "processes": 1, "batch_size": 4,
-        "grad_accumulation": 2, "ema": True, "gradient_checkpointing": True, "loss_weighting": "min_snr",
-        "noise_offset": 0.05, "latent_sampling": "sample", "lr_schedule": "linear", "warmup_steps": 1,
-        "checkpoint_every": 2, "validate_every": 4, "learning_rate": 1e-2}
+LORA = {
+    "mode": "lora",
+    "lora_rank": 4,
+    "lora_alpha": 8,
+    "steps": 4,
+    "processes": 1,
+    "batch_size": 4,
+    "grad_accumulation": 2,
+    "ema": True,
+    "gradient_checkpointing": True,
+    "loss_weighting": "min_snr",
+    "noise_offset": 0.05,
+    "latent_sampling": "sample",
+    "lr_schedule": "linear",
+    "warmup_steps": 1,
+    "checkpoint_every": 2,
+    "validate_every": 4,
+    "learning_rate": 1e-2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +54,14 @@ def _pipe(folder):
 
 
 def _render(pipe) -> torch.Tensor:
-    out = pipe("a red square", num_inference_steps=2, height=64, width=64, output_type="latent",
-               generator=torch.Generator().manual_seed(0))
+    out = pipe(
+        "a red square",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    )
     return out.images
 
 
@@ -65,7 +87,9 @@ def test_lora_exports_both_formats_listed_with_metadata(lora):
     ctx, path, _ = lora
     manifest = json.loads((path / "manifest.json").read_text())
     assert [(e["file"], e["format"]) for e in manifest["exports"]] == [
-        ("final/pytorch_lora_weights.safetensors", "diffusers"), ("final/lora_kohya.safetensors", "kohya")]
+        ("final/pytorch_lora_weights.safetensors", "diffusers"),
+        ("final/lora_kohya.safetensors", "kohya"),
+    ]
     for e in manifest["exports"]:
         assert e["bytes"] == (path / e["file"]).stat().st_size and e["sha256"] == file_sha256(path / e["file"])
         with safe_open(str(path / e["file"]), framework="pt") as f:
@@ -84,8 +108,12 @@ def test_lora_checkpoints_hold_adapter_optimizer_and_ema(lora):
     assert manifest["checkpoints"] == ["checkpoints/step-0000002", "checkpoints/step-0000004"]
     assert manifest["samples"] == ["samples/step-0000004.png"] and (path / "samples/step-0000004.png").is_file()
     last = path / "checkpoints" / "step-0000004"
-    assert sorted(p.name for p in last.iterdir()) == ["ema.safetensors", "optimizer.safetensors", "state.json",
-                                                      "trainable.safetensors"]
+    assert sorted(p.name for p in last.iterdir()) == [
+        "ema.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "trainable.safetensors",
+    ]
     trained, ema = load_file(str(last / "trainable.safetensors")), load_file(str(last / "ema.safetensors"))
     assert trained and all("lora_" in k for k in trained) and trained.keys() == ema.keys()
     assert any(not torch.equal(trained[k], ema[k]) for k in trained)
@@ -101,8 +129,7 @@ def test_validate_renders_the_lora_result(lora):
     out = run_stage(StageContext(ctx.cfg, reporter=reporter), stage("validate"), PIPELINE)[0]
     manifest = json.loads((out / "manifest.json").read_text())
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["000-seed0.png", "001-seed1.png", "002-seed2.png", "003-seed3.png", "grid.png",
-                     "manifest.json"]
+    assert files == ["000-seed0.png", "001-seed1.png", "002-seed2.png", "003-seed3.png", "grid.png", "manifest.json"]
     assert [i["prompt"] for i in manifest["images"]] == [p.prompt for p in ctx.cfg.validate_.prompts]
     assert manifest["class_separation_accuracy"] is None
     table = reporter.markdowns["validate-images"]
@@ -111,8 +138,17 @@ def test_validate_renders_the_lora_result(lora):
 
 
 def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_checkpoint(tmp_path):
-    cfg = small_config(tmp_path, {"steps": 6, "processes": 1, "batch_size": 4, "checkpoint_every": 1,
-                                  "learning_rate": 1e12, "max_grad_norm": None})
+    cfg = small_config(
+        tmp_path,
+        {
+            "steps": 6,
+            "processes": 1,
+            "batch_size": 4,
+            "checkpoint_every": 1,
+            "learning_rate": 1e12,
+            "max_grad_norm": None,
+        },
+    )
     build_upstream(cfg)
     with pytest.raises(TrainingFailed) as err:
         train(cfg)

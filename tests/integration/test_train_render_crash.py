@@ -1,5 +1,6 @@
 """An in-training validation that crashes does not lose the step it followed: the step's checkpoint is written
 before rendering, so the rerun resumes from it; the error names the exception the worker died of."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ from tuneline.stages.train.launch import TrainingFailed
 
 
 def test_a_crashing_validation_keeps_the_checkpoint_of_its_step(tmp_path):
-    cfg = small_config(tmp_path, {"steps": 4, "processes": 1, "batch_size": 4, "checkpoint_every": 2,
-                                  "validate_every": 2})
+    cfg = small_config(
+        tmp_path, {"steps": 4, "processes": 1, "batch_size": 4, "checkpoint_every": 2, "validate_every": 2}
+    )
     build_upstream(cfg)
     key = expected_versions(StageContext(cfg), PIPELINE)["train"][0]
     work = tmp_path / "artifacts" / "train" / f".{key}.partial"
@@ -21,8 +23,11 @@ def test_a_crashing_validation_keeps_the_checkpoint_of_its_step(tmp_path):
     with pytest.raises(TrainingFailed) as err:
         train(cfg)
     assert "FileExistsError" in str(err.value), str(err.value)
-    assert (work / "checkpoints" / "step-0000002").is_dir(), sorted(p.name for p in (work / "checkpoints").iterdir()) \
-        if (work / "checkpoints").is_dir() else "no checkpoint at all"
+    assert (work / "checkpoints" / "step-0000002").is_dir(), (
+        sorted(p.name for p in (work / "checkpoints").iterdir())
+        if (work / "checkpoints").is_dir()
+        else "no checkpoint at all"
+    )
     (work / "samples").unlink()
     path = train(cfg)  # the rerun resumes from step 2 and finishes
     assert (path / "samples" / "step-0000004.png").is_file()

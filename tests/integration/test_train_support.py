@@ -1,5 +1,6 @@
 """Helpers shared by the train/validate integration tests (this module holds no tests): small demo-based configs,
 the upstream caches, one stage at a time through the real stage runner."""
+
 from __future__ import annotations
 
 import copy

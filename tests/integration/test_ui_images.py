@@ -1,4 +1,5 @@
 """The demo's Prefect markdown artifacts carry the grid and the loss curve as inline PNG images."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """The paths a new user walks first: the README's quick start verbatim, relative paths everywhere, the installed
 console script."""
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,10 @@ def test_relative_workdir_dataset_model_and_resume(demo_run, tmp_path):
     (here / "c.yaml").write_text(yaml.safe_dump(cfg))
     first = tuneline("run", "c.yaml", "--workdir", "runs/w", cwd=here)
     assert first.returncode == 0, first.stderr[-3000:]
-    rows = {r["stage"]: r for r in json.loads(tuneline("status", "c.yaml", "--workdir", "runs/w", "--json",
-                                                       cwd=here).stdout)}
+    rows = {
+        r["stage"]: r
+        for r in json.loads(tuneline("status", "c.yaml", "--workdir", "runs/w", "--json", cwd=here).stdout)
+    }
     assert all(r["state"] == "fresh" for r in rows.values()), rows
     train = Path(rows["train"]["path"])
     assert train.parent == work / "artifacts" / "train"

@@ -1,6 +1,7 @@
 """The latents stage's VAE encoder (tuneline.stages.families.vae_encoder, built without importing diffusers) against
 diffusers' own AutoencoderKL.encode: the same mean and std for every family's VAE and for layouts no tiny family
 has; folders it does not reproduce are loaded through diffusers; a caching process never imports diffusers."""
+
 from __future__ import annotations
 
 import json
@@ -54,17 +55,24 @@ def test_every_family_vae_encodes_as_diffusers_does(name, tmp_path, pixels):
     assert_same(folder / "vae", pixels)
 
 
-@pytest.mark.parametrize("extra", [
-    dict(layers_per_block=2, block_out_channels=(32, 64), mid_block_add_attention=False),
-    dict(layers_per_block=2, block_out_channels=(32, 32, 64), latent_channels=16, use_quant_conv=False),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(layers_per_block=2, block_out_channels=(32, 64), mid_block_add_attention=False),
+        dict(layers_per_block=2, block_out_channels=(32, 32, 64), latent_channels=16, use_quant_conv=False),
+    ],
+)
 def test_layouts_beyond_the_tiny_families(extra, tmp_path, pixels):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(1)
     n = len(extra["block_out_channels"])
-    vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
-                        norm_num_groups=16, **extra)
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        norm_num_groups=16,
+        **extra,
+    )
     with torch.no_grad():  # random-init norms are the identity: give them weights, so a swapped one shows
         for m in vae.modules():
             if isinstance(m, torch.nn.GroupNorm):
@@ -96,16 +104,19 @@ def test_folders_it_does_not_reproduce_go_through_diffusers(tmp_path, pixels):
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({**config, "act_fn": "gelu"}))
     (odd / "diffusion_pytorch_model.safetensors").write_bytes(
-        (folder / "vae" / "diffusion_pytorch_model.safetensors").read_bytes())
+        (folder / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
+    )
     assert load(odd, torch.float32, CPU) is None
 
 
 def test_a_caching_process_does_not_import_diffusers(tmp_path):
     """The point of the lean encoder: a latents run that encodes pays no diffusers import."""
     folder = get_family("tiny").ensure_model(None, tmp_path)
-    code = ("import sys, torch; from tuneline.stages.families.registry import get_family; "
-            f"enc = get_family('tiny').load_vae_encoder({str(folder)!r}, torch.float32, torch.device('cpu')); "
-            "enc.encode(torch.zeros(1, 3, 64, 64)); "
-            "print(type(enc).__name__, sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'peft')))")
+    code = (
+        "import sys, torch; from tuneline.stages.families.registry import get_family; "
+        f"enc = get_family('tiny').load_vae_encoder({str(folder)!r}, torch.float32, torch.device('cpu')); "
+        "enc.encode(torch.zeros(1, 3, 64, 64)); "
+        "print(type(enc).__name__, sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'peft')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "VAEEncoder []"

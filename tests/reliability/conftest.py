@@ -1,5 +1,6 @@
 """Session fixtures of the reliability suite: one Prefect server for every CLI run, the kill walk, and one
 prepared workdir (every stage published) that destructive tests copy with shutil.copytree."""
+
 from __future__ import annotations
 
 import os
@@ -78,6 +79,8 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", "fault injection (kill walk)")
         terminalreporter.write_line(walk.summary().replace("; ", "\n"))
         for k in walk.kills:
-            terminalreporter.write_line(f"  aimed {k.target:8s} +{k.delay:6.2f}s -> {k.landed:8s} {k.phase:7s} "
-                                        f"workers {k.workers} progress {k.progress} "
-                                        f"{'OK' if not k.problems else 'PROBLEMS: ' + '; '.join(k.problems)}")
+            terminalreporter.write_line(
+                f"  aimed {k.target:8s} +{k.delay:6.2f}s -> {k.landed:8s} {k.phase:7s} "
+                f"workers {k.workers} progress {k.progress} "
+                f"{'OK' if not k.problems else 'PROBLEMS: ' + '; '.join(k.problems)}"
+            )

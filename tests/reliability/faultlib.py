@@ -4,6 +4,7 @@ seeded random point of a stage's work, then check what docs/design.md promises o
 
 Only the CLI and the docs/design.md layout are relied on, plus `ArtifactStore.read` to verify what is published.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -34,12 +35,19 @@ def small_config(data_dir: Path, **overrides) -> dict:
 
     The dataset lives outside every workdir at an absolute path, so copies of a prepared workdir stay fresh
     (the scan fingerprints the dataset path)."""
-    out = subprocess.run([PY, "-m", "tuneline.flows.cli", "config", "example"], capture_output=True, text=True, cwd=ROOT,
-                         check=True)
+    out = subprocess.run(
+        [PY, "-m", "tuneline.flows.cli", "config", "example"], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     cfg = yaml.safe_load(out.stdout)
     cfg["dataset"].update(path=str(data_dir), demo=True)
-    settings = {"train.steps": 12, "train.processes": 2, "train.checkpoint_every": 3,
-                "validate.learning_check": False, "validate.steps": 2, "latents.block_rows": 8} | overrides
+    settings = {
+        "train.steps": 12,
+        "train.processes": 2,
+        "train.checkpoint_every": 3,
+        "validate.learning_check": False,
+        "validate.steps": 2,
+        "latents.block_rows": 8,
+    } | overrides
     for dotted, value in settings.items():
         section, key = dotted.split(".", 1)
         if key in cfg.get(section, {}):  # keys come and go while stages evolve; set only those that exist
@@ -57,8 +65,9 @@ def cli_args(*args: str) -> list[str]:
 
 
 def tuneline(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run(cli_args(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env=env or os.environ.copy())
+    return subprocess.run(
+        cli_args(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env or os.environ.copy()
+    )
 
 
 class PrefectServer:
@@ -70,17 +79,24 @@ class PrefectServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.env = os.environ | {"PREFECT_HOME": str(self.home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                                 "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(self.home / "results"),
-                                 "PREFECT_API_URL": f"http://127.0.0.1:{self.port}/api"}
+        self.env = os.environ | {
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(self.home / "results"),
+            "PREFECT_API_URL": f"http://127.0.0.1:{self.port}/api",
+        }
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> PrefectServer:
         env = dict(self.env)
         env.pop("PREFECT_API_URL")
-        self.proc = subprocess.Popen([PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                                      str(self.port)], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -250,7 +266,7 @@ def published(workdir: Path, stage: str) -> set[str]:
 
 def drop_stage(workdir: Path, stage: str) -> None:
     """Forget a stage and everything downstream, so the next run builds them from scratch."""
-    for s in STAGES[STAGES.index(stage):]:
+    for s in STAGES[STAGES.index(stage) :]:
         shutil.rmtree(workdir / "artifacts" / s, ignore_errors=True)
 
 

@@ -6,6 +6,7 @@ walk can move on, so the walk checks "rerun completes and reuses the killed run'
 stage killed twice in a row checks resuming a resumed build. Kills are aimed by the store lock: a run is in
 stage X while `<workdir>/.tuneline.lock` names our pid and "stage X" (stages/common/lock.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,11 @@ def stage_progress(stage: str, partial: Path) -> dict:
                 pass
         return {"rows": rows}
     if stage == "train":
-        return {"checkpoints": sorted(p.name for p in (partial / "checkpoints").glob("step-*")
-                                      if (p / "state.json").is_file())}
+        return {
+            "checkpoints": sorted(
+                p.name for p in (partial / "checkpoints").glob("step-*") if (p / "state.json").is_file()
+            )
+        }
     return {}
 
 
@@ -114,15 +118,29 @@ def _has_progress(workdir: Path, stage: str) -> bool:
     return bool(parts) and any(stage_progress(stage, workdir / "artifacts" / stage / parts[-1]).values())
 
 
-def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, log: Path,
-             observed: dict[str, float], after_progress: bool = False) -> Kill | None:
+def kill_run(
+    workdir: Path,
+    config: Path,
+    target: str,
+    delay: float,
+    env: dict,
+    log: Path,
+    observed: dict[str, float],
+    after_progress: bool = False,
+) -> Kill | None:
     """One `tuneline run`, SIGKILLed `delay` s after it enters `target` (after_progress: after the stage first
     records finished work, a latent block or a checkpoint); None when it never got there.
     Stage durations seen on the way (stages it completed) are added to `observed`."""
     kill = Kill(target, delay)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(fl.cli_args("run", str(config), "--workdir", str(workdir)), cwd=fl.ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            fl.cli_args("run", str(config), "--workdir", str(workdir)),
+            cwd=fl.ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     seen: dict[int, float] = {}
     timer = _Timer(workdir, proc.pid, observed)
 
@@ -139,8 +157,15 @@ def kill_run(workdir: Path, config: Path, target: str, delay: float, env: dict, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        return None if proc.returncode == 0 else Kill(target, delay, problems=[
-            f"run ended (exit {proc.returncode}) without reaching {target} within 900 s; see {log}"])
+        return (
+            None
+            if proc.returncode == 0
+            else Kill(
+                target,
+                delay,
+                problems=[f"run ended (exit {proc.returncode}) without reaching {target} within 900 s; see {log}"],
+            )
+        )
     if after_progress:
         # Until the stage records finished work, or publishes (it finished first). Not "the lock holder changed":
         # between two lock polls the holder can read as nobody while the stage is still running.
@@ -179,8 +204,15 @@ def config_for(workdir: Path, config: Path) -> Path:
     return fl.write_config(config.with_name(config.stem + "-resume.yaml"), cfg)
 
 
-def walk(workdir: Path, config: Path, env: dict, kills_per_stage: int, seed: int, log: Path,
-         durations: dict[str, float] = DURATION_S) -> Walk:
+def walk(
+    workdir: Path,
+    config: Path,
+    env: dict,
+    kills_per_stage: int,
+    seed: int,
+    log: Path,
+    durations: dict[str, float] = DURATION_S,
+) -> Walk:
     rng, result, started = random.Random(seed), Walk(), time.monotonic()
     pending: dict[str, Kill] = {}  # stage -> its last kill, checked once the stage publishes
     observed: dict[str, float] = {}  # stage durations measured in this walk replace the priors
@@ -190,7 +222,7 @@ def walk(workdir: Path, config: Path, env: dict, kills_per_stage: int, seed: int
             attempts += 1
             if fl.published(workdir, stage):  # the last kill came after its publish: build it again
                 fl.drop_stage(workdir, stage)
-                for s in fl.STAGES[fl.STAGES.index(stage):]:
+                for s in fl.STAGES[fl.STAGES.index(stage) :]:
                     pending.pop(s, None)  # their partial work is gone with them
             # Every second kill of a stage that records progress waits for its first block/checkpoint, so each
             # walk checks that a rerun keeps finished work; the others are spread over the whole stage.
@@ -238,21 +270,30 @@ def _reused(workdir: Path, stage: str, k: Kill) -> list[str]:
     problems: list[str] = []
     key = k.partial.removeprefix(".").removesuffix(".partial")
     stage_dir = workdir / "artifacts" / stage
-    index = json.loads((stage_dir / ".index.json").read_text(encoding="utf-8")) \
-        if (stage_dir / ".index.json").is_file() else {}
+    index = (
+        json.loads((stage_dir / ".index.json").read_text(encoding="utf-8"))
+        if (stage_dir / ".index.json").is_file()
+        else {}
+    )
     version = index.get(key, key)
     if not (stage_dir / version / "manifest.json").is_file():
-        return [f"published {sorted(fl.published(workdir, stage))}, not {version}, the version of the killed "
-                f"run's {k.partial}"]
+        return [
+            f"published {sorted(fl.published(workdir, stage))}, not {version}, the version of the killed "
+            f"run's {k.partial}"
+        ]
     if (stage_dir / k.partial).exists():
         problems.append(f"{k.partial} is still there after {version} was published")
     manifest = json.loads((stage_dir / version / "manifest.json").read_text(encoding="utf-8"))
     rows, ckpts = k.progress.get("rows", 0), k.progress.get("checkpoints")
     if stage == "latents" and manifest.get("resumed", 0) < rows:
-        problems.append(f"the rerun resumed {manifest.get('resumed')} rows, but {rows} were in "
-                        f"finished blocks at the kill (work lost > one block)")
+        problems.append(
+            f"the rerun resumed {manifest.get('resumed')} rows, but {rows} were in "
+            f"finished blocks at the kill (work lost > one block)"
+        )
     resumed = re.search(r"step-(\d+)", str(manifest.get("resumed_from") or ""))
     if stage == "train" and ckpts and (resumed is None or int(resumed.group(1)) < int(ckpts[-1].split("-")[1])):
-        problems.append(f"the rerun resumed from {manifest.get('resumed_from')!r}, not {ckpts[-1]}, the "
-                        f"last checkpoint at the kill (work lost > one checkpoint interval)")
+        problems.append(
+            f"the rerun resumed from {manifest.get('resumed_from')!r}, not {ckpts[-1]}, the "
+            f"last checkpoint at the kill (work lost > one checkpoint interval)"
+        )
     return problems

@@ -1,5 +1,6 @@
 """Bad configs: each invalid or conflicting config is refused at load by the CLI (exit 1), the message names the
 offending field, and nothing is written (neither --workdir nor the config's own workdir exists afterwards)."""
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,11 @@ CASES = [
     ("processes-zero", {"train.processes": 0}, "train.processes"),
     ("checkpoint-every-zero", {"train.checkpoint_every": 0}, "train.checkpoint_every"),
     ("nodes-without-endpoint", {"train.nodes": 2}, "train.rdzv_endpoint"),
-    ("node-rank-past-nodes", {"train.nodes": 2, "train.rdzv_endpoint": "n0:29500", "train.node_rank": 2},
-     "train.node_rank"),
+    (
+        "node-rank-past-nodes",
+        {"train.nodes": 2, "train.rdzv_endpoint": "n0:29500", "train.node_rank": 2},
+        "train.node_rank",
+    ),
     ("endpoint-not-host-port", {"train.nodes": 2, "train.rdzv_endpoint": "node0"}, "train.rdzv_endpoint"),
     ("resume-blank", {"train.resume": "  "}, "train.resume"),
     ("family-unknown", {"model.family": "sd99"}, "model.family"),
@@ -54,9 +58,11 @@ CASES = [
     ("no-prompts", {"validate.prompts": []}, "validate.prompts"),
     ("validate-steps-zero", {"validate.steps": 0}, "validate.steps"),
     ("validate-type-without-resolution", {"validate.resolution_type": "area"}, "validate.resolution"),
-    ("negative-without-guidance", {"validate.guidance_scale": 1.0,
-                                   "validate.prompts": [{"prompt": "a cat", "negative_prompt": "blurry"}]},
-     "validate.guidance_scale"),
+    (
+        "negative-without-guidance",
+        {"validate.guidance_scale": 1.0, "validate.prompts": [{"prompt": "a cat", "negative_prompt": "blurry"}]},
+        "validate.guidance_scale",
+    ),
     ("lock-timeout-negative", {"ops.lock_timeout": -1}, "ops.lock_timeout"),
     ("cron-garbage", {"ops.schedule.cron": "every day"}, "ops.schedule.cron"),
 ]
@@ -87,8 +93,13 @@ def _refused(tmp_path, text: str | bytes, command: str, expect: str) -> None:
     cfg_path = tmp_path / "bad.yaml"
     cfg_path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     workdir = tmp_path / "w"
-    out = subprocess.run(cli_args(command, str(cfg_path), "--workdir", str(workdir)), capture_output=True,
-                         text=True, cwd=tmp_path, timeout=180)
+    out = subprocess.run(
+        cli_args(command, str(cfg_path), "--workdir", str(workdir)),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert out.returncode == 1, f"{command} accepted the config (exit {out.returncode}):\n{out.stderr[-1500:]}"
     assert expect in out.stderr, f"stderr does not name {expect!r}:\n{out.stderr[-1500:]}"
     assert "Traceback" not in out.stderr, out.stderr[-1500:]
@@ -108,10 +119,14 @@ def test_bad_config_is_refused_by_status(tmp_path, example, edits, expect):
     _refused(tmp_path, yaml.safe_dump(_apply(example, edits)), "status", expect)
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("- a\n- list\n", "top level"),
-    ("train: {steps: 5\n", "YAML"),
-    (b"train:\n  steps: \xff\xfe\n", "bad.yaml"),
-], ids=["top-level-list", "yaml-syntax", "invalid-utf8"])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("- a\n- list\n", "top level"),
+        ("train: {steps: 5\n", "YAML"),
+        (b"train:\n  steps: \xff\xfe\n", "bad.yaml"),
+    ],
+    ids=["top-level-list", "yaml-syntax", "invalid-utf8"],
+)
 def test_malformed_file_is_refused(tmp_path, text, expect):
     _refused(tmp_path, text, "run", expect)

@@ -1,6 +1,7 @@
 """Bad-input corpus: scan -> latents on a dataset of broken and unusual files. Every bad file is handled with a
 named reason (rejected with one, or accepted with the conversion/orientation/crop recorded, or reported as a
 duplicate), every good file is accepted and cached, and both stages publish."""
+
 from __future__ import annotations
 
 import io
@@ -34,10 +35,15 @@ def _jpeg(im: Image.Image, **kw) -> bytes:
 
 def _png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height (a decompression bomb's calling card), with no pixel data."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) \
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
         + chunk(b"IEND", b"")
+    )
 
 
 def build_corpus(root: Path, outside: Path) -> None:
@@ -53,7 +59,7 @@ def build_corpus(root: Path, outside: Path) -> None:
     _noise(64, 64).save(png, "PNG")
     body = bytearray(png.getvalue())
     idat = body.index(b"IDAT")
-    body[idat + 40:idat + 240] = bytes(200)  # header and end marker intact, pixel data garbage
+    body[idat + 40 : idat + 240] = bytes(200)  # header and end marker intact, pixel data garbage
     (root / "corrupt_body.png").write_bytes(bytes(body))
     (root / "empty.png").write_bytes(b"")
     (root / "notes.png").write_text("these are my notes, not a picture\n" * 20, encoding="utf-8")
@@ -86,8 +92,9 @@ def corpus_run(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("corpus")
     build_corpus(tmp / "data", tmp / "outside")
-    cfg = yaml.safe_load(subprocess.run(cli_args("config", "example"), capture_output=True, text=True, cwd=ROOT,
-                                        check=True).stdout)
+    cfg = yaml.safe_load(
+        subprocess.run(cli_args("config", "example"), capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    )
     cfg["workdir"] = str(tmp / "work")
     cfg["dataset"].update(path=str(tmp / "data"), demo=False)
     cfg["buckets"]["min_edge"] = MIN_EDGE
@@ -95,12 +102,14 @@ def corpus_run(tmp_path_factory):
     ctx = StageContext(parse_config(cfg, "<corpus>"))
     scan_dir, _ = run_stage(ctx, stage("scan"), PIPELINE)
     latents_dir, _ = run_stage(ctx, stage("latents"), PIPELINE)
-    return {"images": {r["path"]: r for r in read(scan_dir / "images.jsonl")},
-            "rejected": {r["path"]: r for r in read(scan_dir / "rejected.jsonl")},
-            "latent_rejected": {r["path"]: r for r in read(latents_dir / "rejected.jsonl")},
-            "cached": {r["path"] for r in read(latents_dir / "index.jsonl")},
-            "manifest": json.loads((scan_dir / "manifest.json").read_text(encoding="utf-8")),
-            "aspects": (cfg["buckets"]["min_aspect"], cfg["buckets"]["max_aspect"])}
+    return {
+        "images": {r["path"]: r for r in read(scan_dir / "images.jsonl")},
+        "rejected": {r["path"]: r for r in read(scan_dir / "rejected.jsonl")},
+        "latent_rejected": {r["path"]: r for r in read(latents_dir / "rejected.jsonl")},
+        "cached": {r["path"] for r in read(latents_dir / "index.jsonl")},
+        "manifest": json.loads((scan_dir / "manifest.json").read_text(encoding="utf-8")),
+        "aspects": (cfg["buckets"]["min_aspect"], cfg["buckets"]["max_aspect"]),
+    }
 
 
 def read(path: Path) -> list[dict]:
@@ -120,16 +129,19 @@ def test_every_good_image_is_accepted_and_cached(corpus_run):
     assert all(corpus_run["images"][g]["caption"].startswith("a picture of") for g in good)
 
 
-@pytest.mark.parametrize("name,words", [
-    ("truncated.jpg", ("truncat", "cut short", "decode", "incomplete")),
-    ("corrupt_body.png", ("decode", "corrupt", "crc", "broken")),
-    ("empty.png", ("empty", "0 bytes", "zero")),
-    ("notes.png", ("not an image", "not a", "cannot identify", "unidentified")),
-    ("bomb.png", ("bomb",)),
-    ("small.png", (str(MIN_EDGE), "min_edge", "small")),
-    ("badcap.png", ("UTF-8", "utf-8")),
-    ("escape.png", ("outside",)),
-])
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("truncated.jpg", ("truncat", "cut short", "decode", "incomplete")),
+        ("corrupt_body.png", ("decode", "corrupt", "crc", "broken")),
+        ("empty.png", ("empty", "0 bytes", "zero")),
+        ("notes.png", ("not an image", "not a", "cannot identify", "unidentified")),
+        ("bomb.png", ("bomb",)),
+        ("small.png", (str(MIN_EDGE), "min_edge", "small")),
+        ("badcap.png", ("UTF-8", "utf-8")),
+        ("escape.png", ("outside",)),
+    ],
+)
 def test_broken_file_is_rejected_with_a_named_reason(corpus_run, name, words):
     reason = _reason(corpus_run, name)
     assert reason, f"{name} was not rejected (accepted: {name in corpus_run['images']})"
@@ -176,6 +188,21 @@ def test_duplicates_are_reported(corpus_run):
 
 def test_every_file_is_accounted_for(corpus_run):
     """No file silently dropped: each image file is accepted or rejected with a reason."""
-    for name in ("cmyk.jpg", "deep16.png", "palette.png", "rotated.jpg", "tall.png", "dup_a.png", "dup_b.png",
-                 "truncated.jpg", "corrupt_body.png", "empty.png", "notes.png", "bomb.png", "small.png", "badcap.png", "escape.png"):
+    for name in (
+        "cmyk.jpg",
+        "deep16.png",
+        "palette.png",
+        "rotated.jpg",
+        "tall.png",
+        "dup_a.png",
+        "dup_b.png",
+        "truncated.jpg",
+        "corrupt_body.png",
+        "empty.png",
+        "notes.png",
+        "bomb.png",
+        "small.png",
+        "badcap.png",
+        "escape.png",
+    ):
         assert name in corpus_run["images"] or _reason(corpus_run, name), f"{name} vanished without a reason"

@@ -1,5 +1,6 @@
 """Each message once, the cause named: a user error raised inside a flow, a server that wants credentials, two runs
 racing for a fresh demo workdir, and what a non-terminal log of the demo shows."""
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,23 @@ def test_a_user_error_inside_a_flow_is_printed_once_without_traceback(tmp_path):
     cfg = yaml.safe_load(tuneline("config", "example").stdout)
     cfg["dataset"].update(path=str(tmp_path / "empty"), demo=False)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "tuneline.flows.cli", "stage", "scan", str(tmp_path / "c.yaml"),
-                          "--workdir", str(tmp_path / "w")], capture_output=True, text=True, cwd=ROOT, timeout=900,
-                         env=_plain_env(tmp_path / "home") | {"PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tuneline.flows.cli",
+            "stage",
+            "scan",
+            str(tmp_path / "c.yaml"),
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+        env=_plain_env(tmp_path / "home") | {"PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.count("no image was accepted") == 1, out.stderr[-3000:]
@@ -48,9 +63,13 @@ class _AuthServer:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         env = _plain_env(home, PREFECT_SERVER_API_AUTH_STRING="admin:secret")
-        self.proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                      "--port", str(self.port)], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 300
         while self.status("/api/health") != 200:
             assert time.monotonic() < deadline, "the Prefect server did not start"
@@ -78,8 +97,13 @@ def auth_server():
 
 
 def test_a_401_is_one_line_naming_the_setting(auth_server, tmp_path):
-    out = tuneline("stage", "scan", "--workdir", str(tmp_path / "w"),
-                   env=_plain_env(tmp_path / "home", PREFECT_API_URL=auth_server.url + "/api"))
+    out = tuneline(
+        "stage",
+        "scan",
+        "--workdir",
+        str(tmp_path / "w"),
+        env=_plain_env(tmp_path / "home", PREFECT_API_URL=auth_server.url + "/api"),
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "401" in lines[0] and "PREFECT_API_AUTH_STRING" in lines[0], out.stderr[-3000:]
@@ -87,17 +111,31 @@ def test_a_401_is_one_line_naming_the_setting(auth_server, tmp_path):
 
 def test_readme_names_every_api_route_open_without_credentials(auth_server):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Prefect authentication"):]
-    section = section[:section.index("\n## ")]
-    candidates = ["/api/health", "/api/ready", "/api/version", "/api/csrf-token", "/api/admin/settings",
-                  "/api/admin/version", "/api/openapi.json", "/api/docs", "/api/flows/filter",
-                  "/api/flow_runs/filter", "/api/work_pools/filter", "/api/deployments/filter", "/api/events/filter"]
+    section = readme[readme.index("### Prefect authentication") :]
+    section = section[: section.index("\n## ")]
+    candidates = [
+        "/api/health",
+        "/api/ready",
+        "/api/version",
+        "/api/csrf-token",
+        "/api/admin/settings",
+        "/api/admin/version",
+        "/api/openapi.json",
+        "/api/docs",
+        "/api/flows/filter",
+        "/api/flow_runs/filter",
+        "/api/work_pools/filter",
+        "/api/deployments/filter",
+        "/api/events/filter",
+    ]
     for route in candidates:
         for method in ("GET", "POST"):
             code = auth_server.status(route, method)
             if code not in (401, 404, 405):
-                assert f"`{method} {route}`" in section, f"{method} {route} answers {code} without credentials " \
-                                                          f"but the README's auth section does not name it"
+                assert f"`{method} {route}`" in section, (
+                    f"{method} {route} answers {code} without credentials "
+                    f"but the README's auth section does not name it"
+                )
 
 
 def test_two_runs_on_a_fresh_demo_workdir_both_finish(tmp_path):
@@ -105,8 +143,10 @@ def test_two_runs_on_a_fresh_demo_workdir_both_finish(tmp_path):
     empty`); stopping after the scan keeps the test short."""
     env = {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "tuneline.flows.cli", "run", "--until", "scan", "--workdir", str(tmp_path / "w")]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=1200) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]

@@ -1,6 +1,7 @@
 """The temporary Prefect server a `tuneline` command starts: it comes up on a busy machine with default settings,
 says in one line what to do when it cannot, outlives a Ctrl-C long enough for the flow runs to record their end,
 and never outlives a killed `tuneline`. These tests use no shared server: they walk the user's path."""
+
 from __future__ import annotations
 
 import os
@@ -19,14 +20,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 def _env(home: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **extra,
+    )
     return env
 
 
 def _start(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tuneline.flows.cli", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tuneline.flows.cli", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _children(pid: int) -> list[int]:
@@ -99,8 +111,10 @@ def test_a_stage_completes_with_both_cores_saturated(tmp_path):
 
 
 def test_a_server_that_cannot_start_is_one_line_naming_the_setting(tmp_path):
-    proc = _start(["stage", "scan", "--workdir", str(tmp_path / "w")],
-                  _env(tmp_path / "home", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1"))
+    proc = _start(
+        ["stage", "scan", "--workdir", str(tmp_path / "w")],
+        _env(tmp_path / "home", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1"),
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
     lines = err.strip().splitlines()
@@ -140,9 +154,11 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
 
 def _flow_run_states(env: dict) -> list[str]:
     """Every flow run's state in the PREFECT_HOME's database, read through Prefect's client."""
-    code = ("import asyncio\nfrom prefect import get_client\n"
-            "async def main():\n    async with get_client() as c:\n"
-            "        print(' '.join(r.state.type.value for r in await c.read_flow_runs()))\nasyncio.run(main())\n")
+    code = (
+        "import asyncio\nfrom prefect import get_client\n"
+        "async def main():\n    async with get_client() as c:\n"
+        "        print(' '.join(r.state.type.value for r in await c.read_flow_runs()))\nasyncio.run(main())\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()

@@ -1,6 +1,7 @@
 """Fault injection in CI: the kill walk (tests/reliability/killwalk.py) SIGKILLs `tuneline run` as a whole process
 group at seeded random points, at least twice in every stage, then runs it to completion. `bench/faults.py`
 does the same with >= 10 kills per stage. Counts are printed at the end of the session."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,8 +56,10 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     (tmp_path / ".tuneline.lock").write_text("{}")
     (tmp_path / "artifacts" / "scan" / "0123456789abcdef").mkdir(parents=True)
     (tmp_path / "artifacts" / "scan" / ".0123.partial").mkdir()
-    code = (f"import fcntl, time; f = open({str(tmp_path / '.tuneline.lock')!r}); fcntl.flock(f, fcntl.LOCK_EX); "
-            f"print('ok', flush=True); time.sleep(60)")
+    code = (
+        f"import fcntl, time; f = open({str(tmp_path / '.tuneline.lock')!r}); fcntl.flock(f, fcntl.LOCK_EX); "
+        f"print('ok', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ok"

@@ -1,6 +1,7 @@
 """Every refusal names a fix; running that exact command, as printed, from the same directory, leaves the stage
 fresh. And the consumer-side checks a manifest's own digest would otherwise shadow: each case edits a fact and
 re-computes the digest, so only the consumer's check can catch it."""
+
 from __future__ import annotations
 
 import json
@@ -46,6 +47,7 @@ def index_does_not_fit(w: Path) -> tuple[str, str, str]:
     def edit(m: dict) -> None:
         m["buckets"][0]["count"] += 3
         m["count"] += 3
+
     _redigest(_version(w, "latents"), edit)
     return "latents", "train", "index lacks"
 
@@ -55,19 +57,21 @@ def block_dtype_mismatch(w: Path) -> tuple[str, str, str]:
     return "latents", "train", "float"
 
 
-CONSUMER_CASES = [text_from_another_scan, channels_mismatch, family_mismatch, index_does_not_fit,
-                  block_dtype_mismatch]
+CONSUMER_CASES = [text_from_another_scan, channels_mismatch, family_mismatch, index_does_not_fit, block_dtype_mismatch]
 
 
 def _refusal(workdir: Path, config: Path, env: dict, victim: str, consumer: str) -> str:
     """The consumer's refusal, which must name the victim artifact; nothing of the consumer is published."""
-    names = [str(workdir / "artifacts" / victim), f"{victim} artifact",
-             *(f"{victim} {v}" for v in fl.published(workdir, victim))]
+    names = [
+        str(workdir / "artifacts" / victim),
+        f"{victim} artifact",
+        *(f"{victim} {v}" for v in fl.published(workdir, victim)),
+    ]
     fl.drop_stage(workdir, consumer)  # the consumer must read the victim, not skip as fresh
     out = fl.tuneline("stage", consumer, str(config), "--workdir", str(workdir), env=env)
     assert out.returncode != 0, f"`tuneline stage {consumer}` accepted the tampered {victim} artifact"
     assert "\nerror: " in "\n" + out.stderr, f"no error message for the user:\n{out.stderr[-1500:]}"
-    msg = out.stderr[("\n" + out.stderr).rindex("\nerror: "):]
+    msg = out.stderr[("\n" + out.stderr).rindex("\nerror: ") :]
     assert any(n in msg for n in names), f"message does not name the {victim} artifact: {msg}"
     assert not fl.published(workdir, consumer), f"{consumer} published on top of a tampered {victim}"
     return msg
@@ -91,8 +95,9 @@ def test_the_printed_fix_works_as_printed(workcopy, small_config, prefect_env, t
     fixes = FIX.findall(msg)
     assert fixes, f"no command in the refusal: {msg}"
     command = shlex.split(fixes[0])
-    assert command[:1] == ["tuneline"] and str(small_config) in command and str(workcopy) in command, \
+    assert command[:1] == ["tuneline"] and str(small_config) in command and str(workcopy) in command, (
         f"the fix does not carry the CONFIG and --workdir the user gave: {fixes[0]}"
+    )
     out = fl.tuneline(*command[1:], env=prefect_env)
     assert out.returncode == 0, f"`{fixes[0]}` failed:\n{out.stderr[-2000:]}"
     states = _states(workcopy, small_config)

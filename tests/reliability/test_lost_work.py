@@ -1,5 +1,6 @@
 """Lost work: `tuneline gc` while a `tuneline run` is in progress in the same workdir collects nothing the run
 published or uses (the run's lease on the workdir, stages/common/lock.py)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -38,8 +39,13 @@ def test_gc_never_collects_what_a_run_in_progress_uses(workcopy, small_config, p
     y = None
     try:
         with store_lock(workcopy, timeout=5, purpose="test"):
-            y = subprocess.Popen(fl.cli_args("run", str(small_config), "--workdir", str(workcopy)), cwd=fl.ROOT,
-                                 env=prefect_env, stdout=log, stderr=subprocess.STDOUT)
+            y = subprocess.Popen(
+                fl.cli_args("run", str(small_config), "--workdir", str(workcopy)),
+                cwd=fl.ROOT,
+                env=prefect_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             deadline = time.monotonic() + 300
             while not _has_open(y.pid, workcopy / ".tuneline.lock") and y.poll() is None:
                 assert time.monotonic() < deadline, "the run never reached the store lock"

@@ -1,5 +1,6 @@
 """Security: nothing unpickles or evaluates untrusted data; paths from manifests, scan records, captions and
 metadata cannot leave the workdir or the dataset root; a config is data, never code; server auth is documented."""
+
 from __future__ import annotations
 
 import ast
@@ -17,8 +18,9 @@ UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "shelve", "marshal", "
 
 
 def _sources() -> list[str]:
-    return sorted(str(p.relative_to(ROOT)) for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
-                  if "__pycache__" not in p.parts)
+    return sorted(
+        str(p.relative_to(ROOT)) for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts
+    )
 
 
 def _kw(call: ast.Call, name: str):
@@ -65,11 +67,15 @@ def unsafe_calls(source: str) -> list[str]:
 
 
 def test_scanner_finds_what_it_looks_for():
-    bad = "import pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\nyaml.load(s)\neval(x)\nexec(y)\n" \
-          "yaml.load(s, Loader=yaml.Loader)\nsubprocess.run(c, shell=True)\nos.system(c)\n"
+    bad = (
+        "import pickle\ntorch.load(f)\ntorch.load(f, weights_only=False)\nyaml.load(s)\neval(x)\nexec(y)\n"
+        "yaml.load(s, Loader=yaml.Loader)\nsubprocess.run(c, shell=True)\nos.system(c)\n"
+    )
     assert len(unsafe_calls(bad)) == 9, unsafe_calls(bad)
-    good = "torch.load(f, weights_only=True)\nyaml.safe_load(s)\nyaml.load(s, Loader=yaml.SafeLoader)\n" \
-           "model.eval()\nsubprocess.run([a, b])\n"
+    good = (
+        "torch.load(f, weights_only=True)\nyaml.safe_load(s)\nyaml.load(s, Loader=yaml.SafeLoader)\n"
+        "model.eval()\nsubprocess.run([a, b])\n"
+    )
     assert unsafe_calls(good) == []
 
 
@@ -79,17 +85,25 @@ def test_source_has_no_unsafe_deserialisation_or_eval(path):
 
 
 # Config content is data ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("payload", [
-    "!!python/object/apply:os.system ['touch {marker}']",
-    "!!python/object/new:subprocess.Popen [['touch', '{marker}']]",
-    "!!python/name:os.system",
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "!!python/object/apply:os.system ['touch {marker}']",
+        "!!python/object/new:subprocess.Popen [['touch', '{marker}']]",
+        "!!python/name:os.system",
+    ],
+)
 def test_yaml_python_tags_are_refused_and_never_run(tmp_path, payload):
     marker = tmp_path / "pwned"
     (tmp_path / "evil.yaml").write_text(f"train:\n  steps: {payload.format(marker=marker)}\n", encoding="utf-8")
     for command in ("run", "status"):
-        out = subprocess.run(cli_args(command, str(tmp_path / "evil.yaml"), "--workdir", str(tmp_path / "w")),
-                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        out = subprocess.run(
+            cli_args(command, str(tmp_path / "evil.yaml"), "--workdir", str(tmp_path / "w")),
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
         assert out.returncode == 1 and "evil.yaml" in out.stderr, out.stderr[-1000:]
         assert not marker.exists(), "config content was executed"
         assert not (tmp_path / "w").exists()
@@ -135,8 +149,9 @@ def _fake_artifact(tmp_path: Path) -> Path:
     store = ArtifactStore(tmp_path / "w")
     work = store.start("text", "feedbeeffeedbeef")
     (work / "data.txt").write_text("hello")
-    path = store.publish(work, Manifest(stage="text", fingerprint="feedbeeffeedbeef", tool_version="t",
-                                        code_version="c"))
+    path = store.publish(
+        work, Manifest(stage="text", fingerprint="feedbeeffeedbeef", tool_version="t", code_version="c")
+    )
     store.read(path, Manifest)
     return path
 
@@ -152,8 +167,18 @@ def test_scan_record_path_cannot_leave_the_dataset_root(tmp_path):
     root.mkdir()
     Image.new("RGB", (64, 64), (1, 2, 3)).save(secret)
     for rel in ("../secret.png", str(secret), "sub/../../secret.png"):
-        rec = ImageRecord(path=rel, width=64, height=64, bucket_width=64, bucket_height=64, crop=(0, 0, 64, 64),
-                          caption="", sha256=file_sha256(secret), size_bytes=secret.stat().st_size, mtime_ns=0)
+        rec = ImageRecord(
+            path=rel,
+            width=64,
+            height=64,
+            bucket_width=64,
+            bucket_height=64,
+            crop=(0, 0, 64, 64),
+            caption="",
+            sha256=file_sha256(secret),
+            size_bytes=secret.stat().st_size,
+            mtime_ns=0,
+        )
         try:
             result = prepare(root, rec)
         except ArtifactError as err:
@@ -175,8 +200,12 @@ def test_captions_and_metadata_cannot_reach_outside_the_dataset_root(tmp_path):
     for i in range(3):
         Image.new("RGB", (64, 64), (i * 40, 90, 90)).save(root / f"img{i}.png")
     (root / "img0.txt").symlink_to(outside / "secret.txt")
-    (root / "metadata.jsonl").write_text(json.dumps({"file_name": "../outside/far.png", "text": "far"}) + "\n"
-                                         + json.dumps({"file_name": "img1.png", "text": "one"}) + "\n")
+    (root / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "../outside/far.png", "text": "far"})
+        + "\n"
+        + json.dumps({"file_name": "img1.png", "text": "one"})
+        + "\n"
+    )
     cfg = parse_config({"workdir": str(tmp_path / "w"), "dataset": {"path": str(root), "demo": False}})
     path, _ = run_stage(StageContext(cfg), stage("scan"), PIPELINE)
     text = (path / "images.jsonl").read_text(encoding="utf-8")

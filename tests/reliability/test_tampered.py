@@ -1,6 +1,7 @@
 """Tampered artifacts: `tuneline status` no longer calls them fresh. The cases are shared with
 test_fix_commands.py, where the consuming stage refuses each, naming the artifact and a fix that works as printed.
 Never a silent fallback to something else."""
+
 from __future__ import annotations
 
 import json
@@ -53,6 +54,7 @@ def edited_count(w: Path) -> tuple[str, str]:
     def edit(m: dict) -> None:
         m["count"] += 5
         m["buckets"][0]["count"] += 5
+
     _edit_manifest(_version(w, "latents"), edit)
     return "latents", "train"
 
@@ -83,8 +85,17 @@ def missing_upstream(w: Path) -> tuple[str, str]:
     return "latents", "train"
 
 
-CASES = [edited_fingerprint, edited_fact, edited_count, truncated_chunk, checksum_mismatch, future_schema,
-         missing_upstream]
+CASES = [
+    edited_fingerprint,
+    edited_fact,
+    edited_count,
+    truncated_chunk,
+    checksum_mismatch,
+    future_schema,
+    missing_upstream,
+]
+
+
 @pytest.mark.parametrize("tamper", CASES, ids=lambda c: c.__name__)
 def test_status_no_longer_calls_a_tampered_artifact_fresh(workcopy, small_config, tamper):
     """What `tuneline status` computes, in-process (saves a CLI start per case)."""

@@ -5,6 +5,7 @@ micro-batch, which models are alive between steps, and which model components a 
 every process the run starts (torchrun workers included) installs the same wrappers when it imports the modules they
 wrap. The wrappers call through to the real methods and only record what they see.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ def live_models() -> dict[str, int]:
 
     found: dict[str, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith(("diffusers.models",
-                                                                                  "transformers.models")):
+        if isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith(
+            ("diffusers.models", "transformers.models")
+        ):
             if hasattr(obj, "config"):
                 found[type(obj).__name__] = found.get(type(obj).__name__, 0) + 1
     return found
@@ -67,9 +69,15 @@ def install_family_wrappers(module) -> None:
     cls.load_vae_encoder = _recording(cls.load_vae_encoder, lambda s, a, k, r: ["vae"])
     cls.load_denoiser = _recording(cls.load_denoiser, lambda s, a, k, r: [s.denoiser_component])
     cls.load_text_encoders = _recording(cls.load_text_encoders, lambda s, a, k, r: list(s.text_components))
-    cls.load_pipeline = _recording(cls.load_pipeline, lambda s, a, k, r: [
-        c for c, m in r.components.items() if isinstance(m, torch.nn.Module)
-        and not (c == s.denoiser_component and (k.get("denoiser") is not None or len(a) > 3))])
+    cls.load_pipeline = _recording(
+        cls.load_pipeline,
+        lambda s, a, k, r: [
+            c
+            for c, m in r.components.items()
+            if isinstance(m, torch.nn.Module)
+            and not (c == s.denoiser_component and (k.get("denoiser") is not None or len(a) > 3))
+        ],
+    )
 
 
 def install_trainer_wrapper(module) -> None:
@@ -88,16 +96,28 @@ def install_trainer_wrapper(module) -> None:
             with open(Path(folder) / f"trace-rank{self.rank}.jsonl", "a", encoding="utf-8") as f:
                 for m, fed in enumerate(micro):
                     paths = self.data.reader.batch(fed.mb.bucket, fed.mb.rows).paths
-                    f.write(json.dumps({"step": self.step + 1, "micro": m, "bucket": fed.mb.bucket,
-                                        "paths": list(paths), "models": live_models(), "loaded": list(LOADED)})
-                            + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": self.step + 1,
+                                "micro": m,
+                                "bucket": fed.mb.bucket,
+                                "paths": list(paths),
+                                "models": live_models(),
+                                "loaded": list(LOADED),
+                            }
+                        )
+                        + "\n"
+                    )
         return step(self, micro, *args, **kwargs)
 
     cls.train_step = train_step
 
 
-WRAP = {"tuneline.stages.families.common": install_family_wrappers,
-        "tuneline.stages.train.loop": install_trainer_wrapper}
+WRAP = {
+    "tuneline.stages.families.common": install_family_wrappers,
+    "tuneline.stages.train.loop": install_trainer_wrapper,
+}
 
 
 class _AfterImport:

@@ -1,5 +1,6 @@
 """A stage's output-relevant source cannot change without a decision: a new version (its artifacts become stale)
 or a recorded "output unchanged" (stages/code_versions.json)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,8 @@ def test_source_change_is_versioned_or_recorded(stage):
     assert codeident.source_hash(stage) == codeident.recorded()[stage]["source"], (
         f"the source of stage {stage} changed since its version was recorded. If its output can change, run "
         f"`python -m tuneline.stages.common.codeident --bump {stage}` (published {stage} versions become stale); if not "
-        f"(a refactor, a comment), run `python -m tuneline.stages.common.codeident --record {stage}`")
+        f"(a refactor, a comment), run `python -m tuneline.stages.common.codeident --record {stage}`"
+    )
 
 
 def test_every_stage_takes_its_version_from_the_record():

@@ -1,4 +1,5 @@
 """Every known config conflict is refused at load, naming each field involved; unknown keys name their path."""
+
 from __future__ import annotations
 
 import re
@@ -22,6 +23,7 @@ def refused(data: dict, *fields: str) -> str:
 
 # ---- section schemas -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "fp8"])
 def test_fp8_weights_are_refused_with_the_reason(dtype):
     msg = refused({"model": {"dtype": dtype}}, "model.dtype", dtype)
@@ -32,8 +34,12 @@ def test_the_fp8_reason_still_holds_in_this_torch():
     """The refusal rests on these kernels missing; when torch grows them, revisit schemas/model.py."""
     x = torch.randn(1, 4, 8, 8).to(torch.float8_e4m3fn)
     w = torch.randn(4, 4, 3, 3).to(torch.float8_e4m3fn)
-    for op in (lambda: torch.nn.functional.conv2d(x, w), lambda: torch.nn.functional.layer_norm(x, (8,)),
-               lambda: torch.nn.functional.group_norm(x, 2), lambda: x.softmax(-1)):
+    for op in (
+        lambda: torch.nn.functional.conv2d(x, w),
+        lambda: torch.nn.functional.layer_norm(x, (8,)),
+        lambda: torch.nn.functional.group_norm(x, 2),
+        lambda: x.softmax(-1),
+    ):
         with pytest.raises((NotImplementedError, RuntimeError), match="Float8"):
             op()
 
@@ -69,8 +75,9 @@ def test_valid_rendezvous_endpoints_and_single_node_pass():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_on_cpu_is_refused_at_load(precision):
-    refused({"model": {"device": "cpu"}, "train": {"mixed_precision": precision}}, "train.mixed_precision",
-            "model.device")
+    refused(
+        {"model": {"device": "cpu"}, "train": {"mixed_precision": precision}}, "train.mixed_precision", "model.device"
+    )
     parse_config({"model": {"device": "auto"}, "train": {"mixed_precision": precision}})
     parse_config({"model": {"device": "cpu"}, "train": {"mixed_precision": "auto"}})
 
@@ -90,9 +97,9 @@ def test_aspect_bounds_must_be_ordered():
 
 # ---- family-aware cross-checks (schemas/checks.py) --------------------------------------------
 
+
 def test_alignment_must_be_a_multiple_of_the_family():
-    refused({"model": {"family": "sd3"}, "buckets": {"alignment": 8}}, "buckets.alignment", "model.family sd3",
-            "16")
+    refused({"model": {"family": "sd3"}, "buckets": {"alignment": 8}}, "buckets.alignment", "model.family sd3", "16")
     parse_config({"model": {"family": "sd3"}, "buckets": {"alignment": 32}})
     parse_config({"model": {"family": "sd15"}, "buckets": {"alignment": 8}})
 
@@ -105,8 +112,9 @@ def test_pixel_resolution_below_one_alignment_unit_suggests_area():
 
 
 def test_area_resolution_in_pixels_is_refused():
-    msg = refused({"buckets": {"resolution": 1024, "resolution_type": "area"}}, "buckets.resolution",
-                  "buckets.resolution_type")
+    msg = refused(
+        {"buckets": {"resolution": 1024, "resolution_type": "area"}}, "buckets.resolution", "buckets.resolution_type"
+    )
     assert "megapixels" in msg and "did you mean buckets.resolution_type pixel" in msg
 
 
@@ -115,17 +123,29 @@ def test_resolution_below_the_configured_alignment():
 
 
 def test_validate_resolution_below_alignment():
-    msg = refused({"model": {"family": "flux"}, "validate": {"resolution": 12}}, "validate.resolution",
-                  "model.family flux", "16 px")
+    msg = refused(
+        {"model": {"family": "flux"}, "validate": {"resolution": 12}},
+        "validate.resolution",
+        "model.family flux",
+        "16 px",
+    )
     # The unit to change is validation's own: switching the buckets' unit would change the training data too.
     assert "Did you mean validate.resolution_type area" in msg
-    refused({"validate": {"resolution": 0.00001, "resolution_type": "area"}}, "validate.resolution",
-            "validate.resolution_type")
+    refused(
+        {"validate": {"resolution": 0.00001, "resolution_type": "area"}},
+        "validate.resolution",
+        "validate.resolution_type",
+    )
 
 
 def test_validate_unit_without_validate_resolution_is_refused():
-    refused({"validate": {"resolution_type": "area"}}, "validate.resolution_type", "validate.resolution",
-            "buckets.resolution", "buckets.resolution_type")
+    refused(
+        {"validate": {"resolution_type": "area"}},
+        "validate.resolution_type",
+        "validate.resolution",
+        "buckets.resolution",
+        "buckets.resolution_type",
+    )
     parse_config({"validate": {"resolution_type": "pixel"}})  # same unit as buckets: fine
     parse_config({"validate": {"resolution": 0.25, "resolution_type": "area"}})
 
@@ -154,8 +174,12 @@ def test_keep_tags_without_augmentation_is_refused():
 @pytest.mark.parametrize("family,limit", [("tiny", 16), ("sd15", 77), ("sdxl", 77), ("sd3", 512), ("flux", 512)])
 def test_max_length_above_the_encoder_limit(family, limit):
     parse_config({"model": {"family": family}, "text": {"max_length": limit}})
-    refused({"model": {"family": family}, "text": {"max_length": limit + 1}}, "text.max_length",
-            f"model.family {family}", str(limit))
+    refused(
+        {"model": {"family": family}, "text": {"max_length": limit + 1}},
+        "text.max_length",
+        f"model.family {family}",
+        str(limit),
+    )
 
 
 def test_caption_dropout_with_the_cache_off_is_fine():
@@ -175,34 +199,53 @@ def test_negative_prompt_without_guidance_is_refused_where_cfg_applies_it():
 
 
 def test_every_problem_is_reported_at_once():
-    msg = refused({"model": {"family": "sd3"}, "buckets": {"alignment": 8}, "text": {"shuffle_tags": True,
-                   "max_length": 600}}, "buckets.alignment", "text.shuffle_tags", "text.max_length")
+    msg = refused(
+        {"model": {"family": "sd3"}, "buckets": {"alignment": 8}, "text": {"shuffle_tags": True, "max_length": 600}},
+        "buckets.alignment",
+        "text.shuffle_tags",
+        "text.max_length",
+    )
     assert msg.count("\n  - ") == 3
 
 
 @pytest.mark.parametrize("family", ["tiny", "sd15", "sdxl", "sd3", "flux"])
-@pytest.mark.parametrize("buckets", [{"resolution": 64}, {"resolution": 1.0, "resolution_type": "area"},
-                                     {"resolution": 512, "resolution_type": "pixel_area"}])
+@pytest.mark.parametrize(
+    "buckets",
+    [
+        {"resolution": 64},
+        {"resolution": 1.0, "resolution_type": "area"},
+        {"resolution": 512, "resolution_type": "pixel_area"},
+    ],
+)
 def test_the_example_stays_valid_under_the_contract_edits(family, buckets):
-    data = {**DEMO_CONFIG, "model": {"family": family, "path": None}, "buckets": buckets,
-            "dataset": {"path": "/data", "demo": False}, "train": {**DEMO_CONFIG["train"], "steps": 3}}
+    data = {
+        **DEMO_CONFIG,
+        "model": {"family": family, "path": None},
+        "buckets": buckets,
+        "dataset": {"path": "/data", "demo": False},
+        "train": {**DEMO_CONFIG["train"], "steps": 3},
+    }
     parse_config(data)
     parse_config(demo_config().dump() | {"model": {"family": family, "path": None}})
 
 
 # ---- unknown keys ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("data,path", [
-    ({"bogus": 1}, "bogus"),
-    ({"dataset": {"bogus": 1}}, "dataset.bogus"),
-    ({"model": {"bogus": 1}}, "model.bogus"),
-    ({"buckets": {"bogus": 1}}, "buckets.bogus"),
-    ({"latents": {"bogus": 1}}, "latents.bogus"),
-    ({"text": {"bogus": 1}}, "text.bogus"),
-    ({"train": {"bogus": 1}}, "train.bogus"),
-    ({"validate": {"bogus": 1}}, "validate.bogus"),
-    ({"validate": {"prompts": [{"prompt": "a"}, {"prompt": "b", "bogus": 1}]}}, "validate.prompts.1.bogus"),
-])
+
+@pytest.mark.parametrize(
+    "data,path",
+    [
+        ({"bogus": 1}, "bogus"),
+        ({"dataset": {"bogus": 1}}, "dataset.bogus"),
+        ({"model": {"bogus": 1}}, "model.bogus"),
+        ({"buckets": {"bogus": 1}}, "buckets.bogus"),
+        ({"latents": {"bogus": 1}}, "latents.bogus"),
+        ({"text": {"bogus": 1}}, "text.bogus"),
+        ({"train": {"bogus": 1}}, "train.bogus"),
+        ({"validate": {"bogus": 1}}, "validate.bogus"),
+        ({"validate": {"prompts": [{"prompt": "a"}, {"prompt": "b", "bogus": 1}]}}, "validate.prompts.1.bogus"),
+    ],
+)
 def test_unknown_keys_name_their_dotted_path(data, path):
     msg = refused(data)
     assert re.search(rf"^  - {re.escape(path)}: unknown key", msg, re.M), msg

@@ -1,4 +1,5 @@
 """The data options (masks, held-out eval, multi-resolution) are refused at load naming their fields."""
+
 from __future__ import annotations
 
 from tests.unit.test_config_checks import refused
@@ -27,11 +28,21 @@ def test_an_empty_masks_setting_is_refused():
 
 def test_sources_and_path_are_exclusive_and_named():
     refused({"dataset": {"sources": [{"path": "a"}]}}, "dataset.path", "dataset.sources", "exclusive")
-    refused({"dataset": {"path": None, "sources": [{"path": "a", "role": "regularization"}]}},
-            "dataset.sources", "role train")
+    refused(
+        {"dataset": {"path": None, "sources": [{"path": "a", "role": "regularization"}]}},
+        "dataset.sources",
+        "role train",
+    )
     refused({"dataset": {"path": None}}, "dataset.path", "dataset.sources")
-    cfg = parse_config({"workdir": "/w", "dataset": {"path": None, "sources": [
-        {"path": "a", "repeats": 3}, {"path": "b", "role": "regularization", "loss_weight": 0.5}]}})
+    cfg = parse_config(
+        {
+            "workdir": "/w",
+            "dataset": {
+                "path": None,
+                "sources": [{"path": "a", "repeats": 3}, {"path": "b", "role": "regularization", "loss_weight": 0.5}],
+            },
+        }
+    )
     assert [s.path for s in cfg.dataset.sources] == ["/w/a", "/w/b"]  # resolved against the workdir
 
 

@@ -1,5 +1,6 @@
 """A dataset folder that is the workdir, contains it, or lies in its outputs is refused at load naming both
 fields; nothing is written."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,15 @@ from tuneline.schemas.config import ConfigError, load_config
 
 def _write(tmp_path, dataset: str, workdir: str):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"workdir: {workdir}\ndataset:\n  path: {dataset}\n  demo: false\nmodel:\n  family: tiny\n",
-                   encoding="utf-8")
+    cfg.write_text(
+        f"workdir: {workdir}\ndataset:\n  path: {dataset}\n  demo: false\nmodel:\n  family: tiny\n", encoding="utf-8"
+    )
     return cfg
 
 
-@pytest.mark.parametrize("dataset,workdir", [("{t}/w", "{t}/w"), (".", "{t}/w"), ("{t}", "{t}/w"),
-                                             ("{t}/w/artifacts/validate", "{t}/w")])
+@pytest.mark.parametrize(
+    "dataset,workdir", [("{t}/w", "{t}/w"), (".", "{t}/w"), ("{t}", "{t}/w"), ("{t}/w/artifacts/validate", "{t}/w")]
+)
 def test_dataset_and_workdir_overlap_is_refused(tmp_path, dataset, workdir):
     cfg = _write(tmp_path, dataset.format(t=tmp_path), workdir.format(t=tmp_path))
     with pytest.raises(ConfigError) as err:

@@ -1,5 +1,6 @@
 """Config values that used to pass load and fail minutes later are refused at load, naming the field, before
 anything is written; and every way a config is built refuses the same configs with the same message."""
+
 from __future__ import annotations
 
 import copy
@@ -33,10 +34,23 @@ def refused_file(tmp_path, text: str, *fields: str) -> str:
     return msg
 
 
-@pytest.mark.parametrize("field, value", [(f, ".inf") for f in (
-    "train.learning_rate", "train.noise_offset", "train.weight_decay", "buckets.resolution", "validate.aspect",
-    "train.checkpoint_minutes", "ops.lock_timeout", "train.logit_mean")] + [("train.logit_mean", ".nan"),
-                                                                           ("train.logit_mean", "-.inf")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        (f, ".inf")
+        for f in (
+            "train.learning_rate",
+            "train.noise_offset",
+            "train.weight_decay",
+            "buckets.resolution",
+            "validate.aspect",
+            "train.checkpoint_minutes",
+            "ops.lock_timeout",
+            "train.logit_mean",
+        )
+    ]
+    + [("train.logit_mean", ".nan"), ("train.logit_mean", "-.inf")],
+)
 def test_infinities_and_nan_are_refused_naming_the_field(tmp_path, field, value):
     section, key = field.split(".")
     refused_file(tmp_path, f"{section}:\n  {key}: {value}\n", field)
@@ -46,11 +60,21 @@ def test_infinity_inside_a_free_form_mapping_is_refused(tmp_path):
     refused_file(tmp_path, "ops:\n  remote_options:\n    timeouts: [1, .inf]\n", "ops.remote_options.timeouts.1")
 
 
-@pytest.mark.parametrize("field, value", [("buckets.resolution", 1e9), ("train.batch_size", 10**9),
-                                          ("train.lora_rank", 10**9), ("train.processes", 10000),
-                                          ("latents.batch_size", 10**9), ("text.batch_size", 10**9),
-                                          ("train.seed", 2**63), ("train.seed", -1), ("buckets.seed", 2**64),
-                                          ("validate.aspect", 1e9)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("buckets.resolution", 1e9),
+        ("train.batch_size", 10**9),
+        ("train.lora_rank", 10**9),
+        ("train.processes", 10000),
+        ("latents.batch_size", 10**9),
+        ("text.batch_size", 10**9),
+        ("train.seed", 2**63),
+        ("train.seed", -1),
+        ("buckets.seed", 2**64),
+        ("validate.aspect", 1e9),
+    ],
+)
 def test_values_past_what_any_machine_holds_are_refused(field, value):
     section, key = field.split(".")
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -62,9 +86,16 @@ def test_a_validation_prompt_seed_past_64_bits_is_refused():
         parse_config(demo(validate={"prompts": [{"prompt": "a", "seed": 2**64}]}))
 
 
-@pytest.mark.parametrize("field, value", [("train.steps", True), ("train.batch_size", "8"),
-                                          ("train.processes", 2.0), ("train.learning_rate", True),
-                                          ("train.ema", "yes")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("train.steps", True),
+        ("train.batch_size", "8"),
+        ("train.processes", 2.0),
+        ("train.learning_rate", True),
+        ("train.ema", "yes"),
+    ],
+)
 def test_values_of_the_wrong_type_are_not_coerced(field, value):
     section, key = field.split(".")
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -82,14 +113,18 @@ def test_a_key_written_twice_is_refused(tmp_path):
 
 
 def test_a_section_written_twice_is_refused(tmp_path):
-    refused_file(tmp_path, "train:\n  steps: 10\nmodel:\n  family: tiny\ntrain:\n  lora_rank: 4\n",
-                 "'train'", "lines 1 and 5")
+    refused_file(
+        tmp_path, "train:\n  steps: 10\nmodel:\n  family: tiny\ntrain:\n  lora_rank: 4\n", "'train'", "lines 1 and 5"
+    )
 
 
 def test_an_alias_bomb_is_refused_without_expanding_it(tmp_path):
     lines = ["ops:", "  remote_options:", "    l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
-    lines += [f"    l{i}: &l{i} [*l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, "
-              f"*l{i - 1}, *l{i - 1}, *l{i - 1}]" for i in range(1, 9)]  # 10**9 strings once expanded
+    lines += [
+        f"    l{i}: &l{i} [*l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, *l{i - 1}, "
+        f"*l{i - 1}, *l{i - 1}, *l{i - 1}]"
+        for i in range(1, 9)
+    ]  # 10**9 strings once expanded
     msg = refused_file(tmp_path, "\n".join(lines) + "\n", "ops.remote_options.l8", "alias")
     assert len(msg) < 1000
 
@@ -110,8 +145,13 @@ def test_a_config_over_prefects_parameter_limit_is_refused():
 
 def test_the_cli_refuses_before_writing_anything(tmp_path):
     (tmp_path / "c.yaml").write_text("workdir: work\ntrain:\n  processes: 10000\n", encoding="utf-8")
-    run = subprocess.run([sys.executable, "-m", "tuneline.flows.cli", "status", "c.yaml"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "tuneline.flows.cli", "status", "c.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0 and "train.processes" in run.stderr + run.stdout
     assert "Traceback" not in run.stderr and not (tmp_path / "work").exists()
 

@@ -1,5 +1,6 @@
 """The demo's pretrained VAE: shipped in the package, its scaling factor agreeing with the tiny facts, and good
 enough that decoded demo images keep their shape's color; the pixel check's dominant-color rule."""
+
 from __future__ import annotations
 
 import random
@@ -83,8 +84,12 @@ def test_pretraining_script_is_byte_reproducible(tmp_path):
 
     outs = [tmp_path / f"vae{i}.safetensors" for i in range(2)]
     for out in outs:
-        done = subprocess.run([sys.executable, str(ROOT / "infra" / "demo_vae" / "train_demo_vae.py"), "--steps", "3",
-                               "--out", str(out)], capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "infra" / "demo_vae" / "train_demo_vae.py"), "--steps", "3", "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     assert outs[0].read_bytes() == outs[1].read_bytes()
     _, info = demo_vae_weights()

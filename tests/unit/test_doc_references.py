@@ -1,5 +1,6 @@
 """Every document a project file names is in the repository: comments, docstrings, docs, CI and packaging cite
 files a maintainer can open, not notes kept elsewhere."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,12 @@ DOC = re.compile(r"(?<![\w/.-])([\w./-]*[A-Za-z0-9_-]\.md)\b")
 
 
 def _project_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, check=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
 
 

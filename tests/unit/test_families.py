@@ -1,4 +1,5 @@
 """Family pieces that need no model weights: registry, facts, tokenizers, latent packing, folder checks."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ from tuneline.stages.families.vocab import (
 
 
 def test_registry_covers_every_family_with_facts():
-    assert set(family_names()) == set(FAMILY_FACTS) == {"tiny", "sd15", "sdxl", "sd3", "flux", "qwen_image", "z_image",
-                                                          "flux2", "flux2_klein"}
+    assert (
+        set(family_names())
+        == set(FAMILY_FACTS)
+        == {"tiny", "sd15", "sdxl", "sd3", "flux", "qwen_image", "z_image", "flux2", "flux2_klein"}
+    )
     for name in family_names():
         fam = get_family(name)
         assert fam.facts is FAMILY_FACTS[name]
@@ -40,11 +44,25 @@ def test_unknown_family_names_the_known_ones():
 
 
 def test_facts_alignment_and_targets():
-    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {"tiny": 8, "sd15": 8, "sdxl": 8, "sd3": 16,
-                                                                 "flux": 16, "qwen_image": 16, "z_image": 16,
-                                                                 "flux2": 16, "flux2_klein": 16}
+    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {
+        "tiny": 8,
+        "sd15": 8,
+        "sdxl": 8,
+        "sd3": 16,
+        "flux": 16,
+        "qwen_image": 16,
+        "z_image": 16,
+        "flux2": 16,
+        "flux2_klein": 16,
+    }
     assert {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"} == {
-        "sd3", "flux", "qwen_image", "z_image", "flux2", "flux2_klein"}
+        "sd3",
+        "flux",
+        "qwen_image",
+        "z_image",
+        "flux2",
+        "flux2_klein",
+    }
     assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {"sd3", "flux", "qwen_image", "z_image"}
 
 
@@ -57,8 +75,7 @@ def test_bpe_merges_rebuild_every_word_whole():
 def test_clip_tokenizer_whole_words_and_any_ascii(tmp_path):
     tok = build_clip_tokenizer(tmp_path / "tok", 16)
     ids = tok("a red square").input_ids
-    assert tok.convert_ids_to_tokens(ids) == ["<|startoftext|>", "a</w>", "red</w>", "square</w>",
-                                              "<|endoftext|>"]
+    assert tok.convert_ids_to_tokens(ids) == ["<|startoftext|>", "a</w>", "red</w>", "square</w>", "<|endoftext|>"]
     for word in ("green", "blue", "yellow", "circle"):
         assert len(tok(word).input_ids) == 3, word  # bos, the word, eos
     odd = "Zebra #42 ~{x}| qu'il"
@@ -94,8 +111,10 @@ def test_flux_packing_matches_the_pipeline():
     torch.testing.assert_close(packed, FluxPipeline._pack_latents(lat, 2, 16, 6, 4))
     torch.testing.assert_close(unpack_latents(packed, 6, 4), lat)
     torch.testing.assert_close(unpack_latents(packed, 6, 4), FluxPipeline._unpack_latents(packed, 48, 32, 8))
-    torch.testing.assert_close(image_ids(6, 4, torch.device("cpu"), torch.float32),
-                               FluxPipeline._prepare_latent_image_ids(2, 3, 2, "cpu", torch.float32))
+    torch.testing.assert_close(
+        image_ids(6, 4, torch.device("cpu"), torch.float32),
+        FluxPipeline._prepare_latent_image_ids(2, 3, 2, "cpu", torch.float32),
+    )
     with pytest.raises(ValueError, match="even"):
         pack_latents(torch.randn(1, 16, 5, 4))
 
@@ -112,12 +131,19 @@ def test_micro_time_ids_order_and_default():
 
 
 def test_prompt_kwargs_negative_optional():
-    t = {"prompt_embeds": torch.ones(1, 3, 2), "pooled_prompt_embeds": torch.ones(1, 2),
-         "prompt_attention_mask": torch.ones(1, 3)}
+    t = {
+        "prompt_embeds": torch.ones(1, 3, 2),
+        "pooled_prompt_embeds": torch.ones(1, 2),
+        "prompt_attention_mask": torch.ones(1, 3),
+    }
     n = {k: v * 0 for k, v in t.items()}
     assert set(get_family("tiny").prompt_kwargs(t, None)) == {"prompt_embeds"}
-    assert set(get_family("sdxl").prompt_kwargs(t, n)) == {"prompt_embeds", "pooled_prompt_embeds",
-                                                           "negative_prompt_embeds", "negative_pooled_prompt_embeds"}
+    assert set(get_family("sdxl").prompt_kwargs(t, n)) == {
+        "prompt_embeds",
+        "pooled_prompt_embeds",
+        "negative_prompt_embeds",
+        "negative_pooled_prompt_embeds",
+    }
     flux = get_family("flux")
     assert "true_cfg_scale" not in flux.prompt_kwargs(t, {})
     with_neg = flux.prompt_kwargs(t, n)

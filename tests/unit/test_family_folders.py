@@ -1,5 +1,6 @@
 """A family is one folder: no code outside stages/families/<name>/ names a family, except its registry line and its
 row in schemas/families.py (docs, config examples, the shipped configs' data and tests aside)."""
+
 from __future__ import annotations
 
 import re
@@ -85,4 +86,5 @@ def test_family_sources_are_recorded():
     for name in FAMILY_FACTS:
         assert codeident.family_hash(name) == codeident.family_recorded()[name]["source"], (
             f"stages/families/{name}/ changed since it was recorded: run `python -m tuneline.stages.common.codeident "
-            f"--bump {name}` if its outputs change (only {name}'s versions become stale), else `--record {name}`")
+            f"--bump {name}` if its outputs change (only {name}'s versions become stale), else `--record {name}`"
+        )

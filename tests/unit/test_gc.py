@@ -1,4 +1,5 @@
 """Housekeeping on a hand-made store: keep the newest K, never a fresh version or what a fresh one uses."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ def _publish(store: ArtifactStore, stage: str, version: str, order: int, upstrea
     d.mkdir(parents=True)
     (d / "data.bin").write_bytes(b"x" * 1000)
     m = d / "manifest.json"
-    m.write_text(json.dumps({"stage": stage, "fingerprint": version, "upstream": upstream or {},
-                             "created_at": f"2026-01-0{order}T00:00:00Z"}))
+    m.write_text(
+        json.dumps(
+            {
+                "stage": stage,
+                "fingerprint": version,
+                "upstream": upstream or {},
+                "created_at": f"2026-01-0{order}T00:00:00Z",
+            }
+        )
+    )
     os.utime(m, ns=(order * 10**9, order * 10**9))  # versions() orders by manifest mtime
     return d
 

@@ -1,5 +1,6 @@
 """Files killed runs leave behind (a training launch's `.spec-*.json`, a demo generation's `.demo-data.tmp-PID`)
 are removed by `gc --partial`; the spec files also by the next training."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,8 +13,9 @@ from tuneline.stages.common.lock import in_use
 
 
 def _dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)
+    return int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
 
 
 def test_gc_partial_removes_launch_and_demo_leftovers(tmp_path):

@@ -12,6 +12,7 @@ A module imports its own package and the layers below it. A stage (or stages.ren
 read that stage's artifact, through the modules in ARTIFACT_READERS. Absolute and relative imports both count;
 imports under `if TYPE_CHECKING:` (annotations only) do not. Private zarr modules are never imported.
 """
+
 from __future__ import annotations
 
 import ast
@@ -88,8 +89,7 @@ def imports(path: Path) -> list[tuple[str, int]]:
                 target = node.module or ""
             out.append((target, node.lineno))
             # `from tuneline.stages.latents import store` imports the module tuneline.stages.latents.store
-            out += [(f"{target}.{a.name}", node.lineno) for a in node.names
-                    if _is_module(f"{target}.{a.name}")]
+            out += [(f"{target}.{a.name}", node.lineno) for a in node.names if _is_module(f"{target}.{a.name}")]
     return out
 
 
@@ -119,15 +119,25 @@ def sources() -> list[Path]:
 
 
 def test_no_upward_or_sibling_imports():
-    found = [f"{p.relative_to(ROOT)}:{line}: {why}" for p in sources() for target, line in imports(p)
-             if (why := problem(module_name(p), target))]
+    found = [
+        f"{p.relative_to(ROOT)}:{line}: {why}"
+        for p in sources()
+        for target, line in imports(p)
+        if (why := problem(module_name(p), target))
+    ]
     assert not found, "imports against the layering (tests/unit/test_import_graph.py says why):\n" + "\n".join(found)
 
 
 def test_no_private_zarr_modules():
-    bad = [f"{p.relative_to(ROOT)}:{line}: {target}" for p in sources() for target, line in imports(p)
-           if target.startswith("zarr.") and (target.split(".")[1] in ("core", "codecs", "abc")
-                                              or any(part.startswith("_") for part in target.split(".")))]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}: {target}"
+        for p in sources()
+        for target, line in imports(p)
+        if target.startswith("zarr.")
+        and (
+            target.split(".")[1] in ("core", "codecs", "abc") or any(part.startswith("_") for part in target.split("."))
+        )
+    ]
     assert not bad, "\n".join(bad)
 
 

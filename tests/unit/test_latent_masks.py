@@ -1,4 +1,5 @@
 """Loss masks at the latent grid: the image's crop, area-averaged; alpha read with the image's orientation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,18 @@ from tuneline.stages.latents.masks import _plane
 
 
 def _record(path: str, **kw) -> ImageRecord:
-    base = dict(path=path, width=64, height=32, bucket_width=32, bucket_height=32, crop=(32, 0, 64, 32), caption="",
-                sha256="0", size_bytes=0, mtime_ns=0)
+    base = dict(
+        path=path,
+        width=64,
+        height=32,
+        bucket_width=32,
+        bucket_height=32,
+        crop=(32, 0, 64, 32),
+        caption="",
+        sha256="0",
+        size_bytes=0,
+        mtime_ns=0,
+    )
     return ImageRecord(**(base | kw))
 
 

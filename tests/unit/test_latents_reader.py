@@ -1,4 +1,5 @@
 """The training reader over a hand-built cache: epoch plans, block reads, checks, sampling, prefetch."""
+
 from __future__ import annotations
 
 import os
@@ -31,16 +32,30 @@ def make_cache(root: Path, flip: bool = False, counts: dict | None = None) -> tu
         data["std"] = np.abs(data["std"])
         arrays = store.create_arrays(root, key, shape, n, "float16", BLOCK, store.array_names(flip))
         for b in range(0, n, BLOCK):
-            store.write_block(arrays, b // BLOCK, {k: v[b:b + BLOCK] for k, v in data.items()})
+            store.write_block(arrays, b // BLOCK, {k: v[b : b + BLOCK] for k, v in data.items()})
         values[key] = data
         index += [{"path": f"{key}/{i:03d}.png", "bucket": key, "row": i, "key": f"k{key}{i}"} for i in range(n)]
         w, h = map(int, key.split("x"))
         buckets.append(LatentBucket(width=w, height=h, shape=shape, count=n, array=key))
     write_jsonl(root / store.INDEX, index)
-    manifest = LatentsManifest(fingerprint="t", tool_version="t", code_version="t", family="tiny", vae_identity="v",
-                               vae_dtype="float32", vae_factor=8, latent_channels=4, scaling_factor=0.18,
-                               shift_factor=0.0, dtype="float16", flip=flip, block_rows=BLOCK, size_policy={},
-                               buckets=buckets, count=len(index))
+    manifest = LatentsManifest(
+        fingerprint="t",
+        tool_version="t",
+        code_version="t",
+        family="tiny",
+        vae_identity="v",
+        vae_dtype="float32",
+        vae_factor=8,
+        latent_channels=4,
+        scaling_factor=0.18,
+        shift_factor=0.0,
+        dtype="float16",
+        flip=flip,
+        block_rows=BLOCK,
+        size_policy={},
+        buckets=buckets,
+        count=len(index),
+    )
     return manifest, values
 
 
@@ -58,8 +73,13 @@ def test_block_shuffle_is_a_permutation_local_to_windows(n, block, window, seed)
 
 
 @settings(max_examples=60, deadline=None)
-@given(counts=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(0, 120), min_size=1),
-       bs=st.integers(1, 6), world=st.integers(1, 3), seed=st.integers(0, 5), epoch=st.integers(0, 3))
+@given(
+    counts=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(0, 120), min_size=1),
+    bs=st.integers(1, 6),
+    world=st.integers(1, 3),
+    seed=st.integers(0, 5),
+    epoch=st.integers(0, 3),
+)
 def test_epoch_plan_shards_ranks_disjointly_and_covers_buckets(counts, bs, world, seed, epoch):
     plan = epoch_plan(counts, bs, world, seed, epoch, block_rows=8)
     again = epoch_plan(counts, bs, world, seed, epoch, block_rows=8)

@@ -1,4 +1,5 @@
 """The cache layout and the block writer, with a stand-in encoder: resume, rejects, reuse, checks."""
+
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,7 @@ def corrupt_png(size=(16, 16)) -> bytes:
     Image.fromarray(np.random.default_rng(1).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
     data = bytearray(buf.getvalue())
     at = data.find(b"IDAT") + 20
-    data[at:at + 40] = bytes(b ^ 0x5A for b in data[at:at + 40])
+    data[at : at + 40] = bytes(b ^ 0x5A for b in data[at : at + 40])
     return bytes(data)
 
 
@@ -42,12 +43,23 @@ def make_job(root: Path, n: int, bad: tuple[int, ...] = ()) -> BucketJob:
             path.write_bytes(corrupt_png())
         else:
             Image.new("RGB", (16, 16), (i * 9 % 256, 40, 200)).save(path)
-        records.append(ImageRecord(path=path.name, width=16, height=16, bucket_width=16, bucket_height=16,
-                                   crop=(0, 0, 16, 16), caption="",
-                                   sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                                   size_bytes=path.stat().st_size, mtime_ns=0))
-    return BucketJob(key="16x16", width=16, height=16, shape=SHAPE, records=records,
-                     row_keys=[row_key(r, IDENTITY) for r in records])
+        records.append(
+            ImageRecord(
+                path=path.name,
+                width=16,
+                height=16,
+                bucket_width=16,
+                bucket_height=16,
+                crop=(0, 0, 16, 16),
+                caption="",
+                sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                size_bytes=path.stat().st_size,
+                mtime_ns=0,
+            )
+        )
+    return BucketJob(
+        key="16x16", width=16, height=16, shape=SHAPE, records=records, row_keys=[row_key(r, IDENTITY) for r in records]
+    )
 
 
 class FakeEncoder:
@@ -149,8 +161,9 @@ def test_a_block_without_record_or_with_a_bad_digest_is_redone(tmp_path):
 
 def test_rows_with_a_known_key_are_copied_not_encoded(tmp_path):
     job = make_job(tmp_path, 6)
-    known = {job.row_keys[i]: {"mean": np.full(SHAPE, i, np.float16), "std": np.ones(SHAPE, np.float16)}
-             for i in (0, 1, 4)}
+    known = {
+        job.row_keys[i]: {"mean": np.full(SHAPE, i, np.float16), "std": np.ones(SHAPE, np.float16)} for i in (0, 1, 4)
+    }
     enc = FakeEncoder()
     _, out = run(tmp_path, job, enc, reuse=Known(known))
     assert out.reused == 3 and out.encoded == 3 == enc.images
@@ -211,11 +224,19 @@ def test_row_key_covers_content_bucket_crop_and_identity(tmp_path):
     rec = make_job(tmp_path, 1).records[0]
     base = row_key(rec, IDENTITY)
     assert base == row_key(rec.model_copy(update={"mtime_ns": 5, "caption": "x"}), IDENTITY)  # not content
-    changes = [rec.model_copy(update={"sha256": "0" * 64}), rec.model_copy(update={"crop": (1, 0, 16, 16)}),
-               rec.model_copy(update={"bucket_width": 24}), rec.model_copy(update={"background": (0, 0, 0)})]
+    changes = [
+        rec.model_copy(update={"sha256": "0" * 64}),
+        rec.model_copy(update={"crop": (1, 0, 16, 16)}),
+        rec.model_copy(update={"bucket_width": 24}),
+        rec.model_copy(update={"background": (0, 0, 0)}),
+    ]
     assert all(row_key(r, IDENTITY) != base for r in changes)
-    others = [("other", "float32", "float16", False), ("vae", "bfloat16", "float16", False),
-              ("vae", "float32", "float32", False), ("vae", "float32", "float16", True)]
+    others = [
+        ("other", "float32", "float16", False),
+        ("vae", "bfloat16", "float16", False),
+        ("vae", "float32", "float32", False),
+        ("vae", "float32", "float16", True),
+    ]
     assert all(row_key(rec, row_identity(*o)) != base for o in others)
 
 
@@ -256,9 +277,19 @@ def test_chunk_files_are_the_ones_zarr_writes_and_zarr_reads_them(tmp_path):
     ours = store.create_arrays(tmp_path / "ours", "24x24", (2, 3, 3), 7, "float16", 4, ("mean",))
     store.write_block(ours, 0, {"mean": data[:4]})
     store.write_block(ours, 1, {"mean": data[4:]})
-    theirs = zarr.open_group(str(tmp_path / "zarr" / store.STORE), mode="a").require_group("24x24").create_array(
-        "mean", shape=data.shape, chunks=(4, 2, 3, 3), dtype="float16", compressors=None, fill_value=0,
-        config={"write_empty_chunks": True})
+    theirs = (
+        zarr.open_group(str(tmp_path / "zarr" / store.STORE), mode="a")
+        .require_group("24x24")
+        .create_array(
+            "mean",
+            shape=data.shape,
+            chunks=(4, 2, 3, 3),
+            dtype="float16",
+            compressors=None,
+            fill_value=0,
+            config={"write_empty_chunks": True},
+        )
+    )
     theirs[:] = data
     for block in (0, 1):
         key = ours["mean"].chunk_key(block)

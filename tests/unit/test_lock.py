@@ -1,4 +1,5 @@
 """The artifact-store lock: a second process waits or refuses naming the holder; the lock dies with its holder."""
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """LoRA export settings and layouts: config fields refused naming them, in train's key and the example; kohya names
 for full-size SDXL/Flux/SD3 module paths; fused layers' block-diagonal stacking; manifest exports checked against
 the file list."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -36,37 +37,57 @@ def test_export_settings_are_in_the_train_key_and_the_example():
 SDXL_UNET = SimpleNamespace(config=SimpleNamespace(layers_per_block=2))
 
 
-@pytest.mark.parametrize("path,name", [
-    # SDXL: level 0 has no attention; input_blocks 4,5 = level 1, 7,8 = level 2; output_blocks 0-2 = level 0 (the
-    # deepest), 3-5 = level 1; middle_block.1 is the middle attention (sgm UNet, as sd-scripts writes SDXL LoRAs).
-    ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
-     "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"),
-    ("down_blocks.2.attentions.1.transformer_blocks.9.attn2.to_out.0",
-     "lora_unet_input_blocks_8_1_transformer_blocks_9_attn2_to_out_0"),
-    ("up_blocks.0.attentions.2.transformer_blocks.3.attn1.to_k",
-     "lora_unet_output_blocks_2_1_transformer_blocks_3_attn1_to_k"),
-    ("up_blocks.1.attentions.0.transformer_blocks.0.attn2.to_v",
-     "lora_unet_output_blocks_3_1_transformer_blocks_0_attn2_to_v"),
-    ("mid_block.attentions.0.transformer_blocks.0.attn1.to_q",
-     "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q"),
-])
+@pytest.mark.parametrize(
+    "path,name",
+    [
+        # SDXL: level 0 has no attention; input_blocks 4,5 = level 1, 7,8 = level 2; output_blocks 0-2 = level 0 (the
+        # deepest), 3-5 = level 1; middle_block.1 is the middle attention (sgm UNet, as sd-scripts writes SDXL LoRAs).
+        (
+            "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+            "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+        ),
+        (
+            "down_blocks.2.attentions.1.transformer_blocks.9.attn2.to_out.0",
+            "lora_unet_input_blocks_8_1_transformer_blocks_9_attn2_to_out_0",
+        ),
+        (
+            "up_blocks.0.attentions.2.transformer_blocks.3.attn1.to_k",
+            "lora_unet_output_blocks_2_1_transformer_blocks_3_attn1_to_k",
+        ),
+        (
+            "up_blocks.1.attentions.0.transformer_blocks.0.attn2.to_v",
+            "lora_unet_output_blocks_3_1_transformer_blocks_0_attn2_to_v",
+        ),
+        (
+            "mid_block.attentions.0.transformer_blocks.0.attn1.to_q",
+            "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q",
+        ),
+    ],
+)
 def test_sdxl_kohya_names_are_the_original_unet_names(path, name):
     tg = kohya.target("sdxl", path, SDXL_UNET)
     assert kohya.kohya_name(tg.name) == name and not tg.parts
 
 
-@pytest.mark.parametrize("family,path,name,slot", [
-    ("sd15", "down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k",
-     "lora_unet_down_blocks_0_attentions_1_transformer_blocks_0_attn2_to_k", 0),
-    ("flux", "transformer_blocks.18.attn.to_v", "lora_unet_double_blocks_18_img_attn_qkv", 2),
-    ("flux", "transformer_blocks.0.attn.to_out.0", "lora_unet_double_blocks_0_img_attn_proj", 0),
-    ("flux", "transformer_blocks.3.attn.add_k_proj", "lora_unet_double_blocks_3_txt_attn_qkv", 1),
-    ("flux", "single_transformer_blocks.37.attn.to_k", "lora_unet_single_blocks_37_linear1", 1),
-    ("flux", "single_transformer_blocks.2.proj_mlp", "lora_unet_single_blocks_2_linear1", 3),
-    ("sd3", "transformer_blocks.23.attn.to_q", "lora_unet_joint_blocks_23_x_block_attn_qkv", 0),
-    ("sd3", "transformer_blocks.1.attn.to_out.0", "lora_unet_joint_blocks_1_x_block_attn_proj", 0),
-    ("sd3", "transformer_blocks.1.attn2.to_v", "lora_unet_joint_blocks_1_x_block_attn2_qkv", 2),
-])
+@pytest.mark.parametrize(
+    "family,path,name,slot",
+    [
+        (
+            "sd15",
+            "down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k",
+            "lora_unet_down_blocks_0_attentions_1_transformer_blocks_0_attn2_to_k",
+            0,
+        ),
+        ("flux", "transformer_blocks.18.attn.to_v", "lora_unet_double_blocks_18_img_attn_qkv", 2),
+        ("flux", "transformer_blocks.0.attn.to_out.0", "lora_unet_double_blocks_0_img_attn_proj", 0),
+        ("flux", "transformer_blocks.3.attn.add_k_proj", "lora_unet_double_blocks_3_txt_attn_qkv", 1),
+        ("flux", "single_transformer_blocks.37.attn.to_k", "lora_unet_single_blocks_37_linear1", 1),
+        ("flux", "single_transformer_blocks.2.proj_mlp", "lora_unet_single_blocks_2_linear1", 3),
+        ("sd3", "transformer_blocks.23.attn.to_q", "lora_unet_joint_blocks_23_x_block_attn_qkv", 0),
+        ("sd3", "transformer_blocks.1.attn.to_out.0", "lora_unet_joint_blocks_1_x_block_attn_proj", 0),
+        ("sd3", "transformer_blocks.1.attn2.to_v", "lora_unet_joint_blocks_1_x_block_attn2_qkv", 2),
+    ],
+)
 def test_kohya_names(family, path, name, slot):
     tg = kohya.target(family, path, SDXL_UNET)
     assert (kohya.kohya_name(tg.name), tg.slot) == (name, slot)
@@ -94,8 +115,11 @@ def test_fused_parts_stack_block_diagonally_keeping_alpha_over_rank():
     g = torch.Generator().manual_seed(0)
     a = {n: torch.randn(2, 3, generator=g) for n in ("to_q", "to_k")}
     b = {n: torch.randn(5, 2, generator=g) for n in ("to_q", "to_k")}
-    state = {f"transformer_blocks.0.attn.{n}.lora_{x}.weight": (a if x == "A" else b)[n]
-             for n in ("to_q", "to_k") for x in "AB"}
+    state = {
+        f"transformer_blocks.0.attn.{n}.lora_{x}.weight": (a if x == "A" else b)[n]
+        for n in ("to_q", "to_k")
+        for x in "AB"
+    }
     out = kohya.to_kohya("sd3", den, state, 1.5)
     stem = "lora_unet_joint_blocks_0_x_block_attn_qkv"
     down, up, alpha = out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"], out[f"{stem}.alpha"]
@@ -107,30 +131,43 @@ def test_fused_parts_stack_block_diagonally_keeping_alpha_over_rank():
 
 
 def _manifest(**exports_file) -> dict:
-    return dict(fingerprint="f", tool_version="t", code_version="c", family="tiny", mode="lora", step=1,
-                world_size=1, global_batch=1, checkpoint="checkpoints/step-0000001", **exports_file)
+    return dict(
+        fingerprint="f",
+        tool_version="t",
+        code_version="c",
+        family="tiny",
+        mode="lora",
+        step=1,
+        world_size=1,
+        global_batch=1,
+        checkpoint="checkpoints/step-0000001",
+        **exports_file,
+    )
 
 
 def test_manifest_exports_must_match_the_listed_files():
-    files = [FileEntry(path="final/lora_kohya.safetensors", bytes=10, sha256="a" * 64),
-             FileEntry(path="final/x/y.json", bytes=3, sha256="b" * 64)]
+    files = [
+        FileEntry(path="final/lora_kohya.safetensors", bytes=10, sha256="a" * 64),
+        FileEntry(path="final/x/y.json", bytes=3, sha256="b" * 64),
+    ]
     good = {"file": "final/lora_kohya.safetensors", "format": "kohya", "bytes": 10, "sha256": "a" * 64}
-    TrainManifest(**_manifest(files=files, exports=[good, {"file": "final", "format": "diffusers", "bytes": 13,
-                                                           "sha256": None}]))
+    TrainManifest(
+        **_manifest(files=files, exports=[good, {"file": "final", "format": "diffusers", "bytes": 13, "sha256": None}])
+    )
     TrainManifest(**_manifest(exports=[{**good, "bytes": 11}]))  # before publishing there is no file list yet
     with pytest.raises(ValueError, match="exports: final/lora_kohya.safetensors"):
         TrainManifest(**_manifest(files=files, exports=[{**good, "sha256": "c" * 64}]))
     with pytest.raises(ValueError, match="exports: folder final"):
-        TrainManifest(**_manifest(files=files, exports=[{"file": "final", "format": "diffusers", "bytes": 12,
-                                                         "sha256": None}]))
+        TrainManifest(
+            **_manifest(files=files, exports=[{"file": "final", "format": "diffusers", "bytes": 12, "sha256": None}])
+        )
     with pytest.raises(ValueError, match="format"):
         TrainManifest(**_manifest(exports=[{**good, "format": "ckpt"}]))
 
 
 def test_single_file_export_needs_a_full_fine_tune_of_a_supported_family():
     refused({"train": {"mode": "lora", "export_single_file": True}}, "train.export_single_file", "train.mode")
-    refused({"model": {"family": "flux"}, "train": {"export_single_file": True}}, "train.export_single_file",
-            "flux")
+    refused({"model": {"family": "flux"}, "train": {"export_single_file": True}}, "train.export_single_file", "flux")
     assert parse_config({"train": {"export_single_file": True}}).train.export_single_file
 
 

@@ -1,5 +1,6 @@
 """The newer families' facts and released-size shapes: weightless shipped configs built on the meta device
 (parameter counts), bucket alignment, the example config, and the full fine-tune refusal above DDP's limit."""
+
 from __future__ import annotations
 
 import json

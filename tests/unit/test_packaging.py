@@ -1,6 +1,7 @@
 """One import package: an install provides `tuneline` (tuneline.flows, tuneline.stages, tuneline.schemas) from
 the repository's top-level folders, and nothing imports them by their bare names (two copies of a module would
 break exception matching and registries)."""
+
 from __future__ import annotations
 
 import re
@@ -22,25 +23,50 @@ def _sources() -> list[Path]:
 
 
 def test_no_module_imports_the_bare_top_level_names():
-    offenders = [f"{p.relative_to(ROOT)}: {m.group(0).strip()}" for p in _sources()
-                 for m in BARE.finditer(p.read_text(encoding="utf-8"))]
-    offenders += [f"{p.relative_to(ROOT)}: -m {m.group(2)}." for p in _sources()
-                  for m in BARE_MODULE_ARG.finditer(p.read_text(encoding="utf-8"))]
+    offenders = [
+        f"{p.relative_to(ROOT)}: {m.group(0).strip()}"
+        for p in _sources()
+        for m in BARE.finditer(p.read_text(encoding="utf-8"))
+    ]
+    offenders += [
+        f"{p.relative_to(ROOT)}: -m {m.group(2)}."
+        for p in _sources()
+        for m in BARE_MODULE_ARG.finditer(p.read_text(encoding="utf-8"))
+    ]
     assert not offenders, "import these as tuneline.<name>:\n" + "\n".join(offenders)
 
 
 def test_the_package_list_covers_every_source_folder():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
-    folders = {p.parent.relative_to(ROOT).as_posix() for top in TOP for p in (ROOT / top).rglob("*.py")
-               if "__pycache__" not in p.parts and (p.parent / "__init__.py").exists()}
+    folders = {
+        p.parent.relative_to(ROOT).as_posix()
+        for top in TOP
+        for p in (ROOT / top).rglob("*.py")
+        if "__pycache__" not in p.parts and (p.parent / "__init__.py").exists()
+    }
     listed = set(setuptools["packages"])
     assert listed == {"tuneline." + f.replace("/", ".") for f in folders}
     assert setuptools["package-dir"] == {f"tuneline.{t}": t for t in TOP}
 
 
 def test_a_wheel_holds_only_the_tuneline_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     (wheel,) = tmp_path.glob("tuneline-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"tuneline", wheel.name.split("-py3")[0] + ".dist-info"}, tops
@@ -51,7 +77,9 @@ def test_a_wheel_holds_only_the_tuneline_package(tmp_path):
 
 
 def test_outside_the_repository_only_tuneline_imports(tmp_path):
-    code = ("import importlib.util as u; import tuneline.stages.common.jsonl; "
-            "print([n for n in ('stages', 'flows', 'schemas') if u.find_spec(n)])")
+    code = (
+        "import importlib.util as u; import tuneline.stages.common.jsonl; "
+        "print([n for n in ('stages', 'flows', 'schemas') if u.find_spec(n)])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,4 +1,5 @@
 """The bounded background prefetch the training feed runs on (tuneline.stages.common.prefetch.ahead)."""
+
 from __future__ import annotations
 
 import random

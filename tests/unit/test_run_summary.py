@@ -1,4 +1,5 @@
 """The end-of-run summary reads the published manifests: built/reused and time, final loss, learning, paths."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,9 @@ from tuneline.flows.summary import summary_lines, timed_stage
 def test_summary_names_built_reused_loss_learning_and_paths(tmp_path):
     train, validate = tmp_path / "train" / "t1", tmp_path / "validate" / "v1"
     validate.mkdir(parents=True)
-    (validate / "manifest.json").write_text(json.dumps({"grid": "grid.png", "color_accuracy": 0.95,
-                                                        "class_separation_accuracy": 1.0}))
+    (validate / "manifest.json").write_text(
+        json.dumps({"grid": "grid.png", "color_accuracy": 0.95, "class_separation_accuracy": 1.0})
+    )
 
     def build_train():
         train.mkdir(parents=True)

@@ -1,4 +1,5 @@
 """Small-bucket policy, duplicates and the bucket table (pure functions)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,18 @@ from tuneline.stages.scan.buckets import (
 
 
 def rec(path: str, bucket=(64, 64), sha="x") -> ImageRecord:
-    return ImageRecord(path=path, width=100, height=100, bucket_width=bucket[0], bucket_height=bucket[1],
-                       crop=(0, 0, 100, 100), caption="", sha256=sha, size_bytes=1, mtime_ns=0)
+    return ImageRecord(
+        path=path,
+        width=100,
+        height=100,
+        bucket_width=bucket[0],
+        bucket_height=bucket[1],
+        crop=(0, 0, 100, 100),
+        caption="",
+        sha256=sha,
+        size_bytes=1,
+        mtime_ns=0,
+    )
 
 
 def test_global_batch_is_batch_times_processes():
@@ -30,11 +41,21 @@ def test_two_nodes_double_the_global_batch_and_the_bucket_plan_sees_it():
     batch 2 (4) cannot on two such nodes (8), and is dropped (or repeated to 8) there."""
     from tuneline.stages.scan.core import stage_config
 
-    one = PipelineConfig.model_validate({"train": {"batch_size": 2, "processes": 2, "grad_accumulation": 3},
-                                         "buckets": {"small_bucket": "drop"}})
-    two = PipelineConfig.model_validate({"train": {"batch_size": 2, "processes": 2, "grad_accumulation": 3,
-                                                   "nodes": 2, "rdzv_endpoint": "node0:29500"},
-                                         "buckets": {"small_bucket": "drop"}})
+    one = PipelineConfig.model_validate(
+        {"train": {"batch_size": 2, "processes": 2, "grad_accumulation": 3}, "buckets": {"small_bucket": "drop"}}
+    )
+    two = PipelineConfig.model_validate(
+        {
+            "train": {
+                "batch_size": 2,
+                "processes": 2,
+                "grad_accumulation": 3,
+                "nodes": 2,
+                "rdzv_endpoint": "node0:29500",
+            },
+            "buckets": {"small_bucket": "drop"},
+        }
+    )
     assert (one.train.global_batch(), two.train.global_batch()) == (4, 8)
     assert two.train.global_batch(per_step=True) == 24 and two.train.global_batch(world=2, per_step=True) == 12
     counts = {(64, 64): 10, (96, 64): 6}
@@ -46,7 +67,10 @@ def test_two_nodes_double_the_global_batch_and_the_bucket_plan_sees_it():
 
 def test_repeat_fills_a_batch():
     assert bucket_plan({(64, 64): 20, (96, 64): 5, (64, 96): 1}, 16, "repeat") == {
-        (64, 64): 1, (96, 64): 4, (64, 96): 16}
+        (64, 64): 1,
+        (96, 64): 4,
+        (64, 96): 16,
+    }
 
 
 def test_drop_reports_dropped_images_and_keeps_the_rest():
@@ -57,8 +81,13 @@ def test_drop_reports_dropped_images_and_keeps_the_rest():
     assert [(d.path, d.kind) for d in dropped] == [("small.png", "small-bucket")]
     assert "bucket 96x64 has 1 images" in dropped[0].reason and "small_bucket" in dropped[0].reason
     assert [(r.width, r.height, r.count, r.dropped) for r in rows] == [(64, 64, 4, False), (96, 64, 1, True)]
-    assert table(rows, plan)[1] == {"bucket": "96x64", "count": 1, "repeats": 0, "status": "dropped",
-                                    "samples": "small.png"}
+    assert table(rows, plan)[1] == {
+        "bucket": "96x64",
+        "count": 1,
+        "repeats": 0,
+        "status": "dropped",
+        "samples": "small.png",
+    }
 
 
 def test_no_batch_error_names_the_bucket_and_the_settings():
@@ -81,10 +110,12 @@ def test_duplicates_grouped_and_optionally_rejected():
 def test_duplicates_across_folders_name_the_folder_and_keep_the_other_folders_same_name():
     """dataset.sources: folder 1's copy of folder 0's b.png is the duplicate; folder 1's own a.png is not touched
     although folder 0 has a different a.png."""
-    records = [rec("a.png", sha="1").model_copy(update={"source": 0}),
-               rec("b.png", sha="2").model_copy(update={"source": 0}),
-               rec("a.png", sha="3").model_copy(update={"source": 1}),
-               rec("c.png", sha="2").model_copy(update={"source": 1})]
+    records = [
+        rec("a.png", sha="1").model_copy(update={"source": 0}),
+        rec("b.png", sha="2").model_copy(update={"source": 0}),
+        rec("a.png", sha="3").model_copy(update={"source": 1}),
+        rec("c.png", sha="2").model_copy(update={"source": 1}),
+    ]
     groups = duplicate_groups(records)
     assert groups == [["0//b.png", "1//c.png"]]
     kept, rejected = reject_duplicates(records, groups)

@@ -1,4 +1,5 @@
 """Captions: sidecars, metadata.jsonl, file-name fallback, undecodable text, the empty-caption policy."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,12 @@ def test_sidecar_beats_metadata_and_is_normalized(tmp_path):
     (tmp_path / "d.TXT").write_text("upper-case extensions", encoding="utf-8")
     (tmp_path / "a.txt").write_text("\ufeff  a red\n square  \n", encoding="utf-8")  # BOM + stray whitespace
     (tmp_path / "metadata.jsonl").write_text(
-        json.dumps({"file_name": "a.png", "text": "from metadata"}) + "\n"
-        + json.dumps({"file_name": "b.jpg", "text": "a blue circle"}) + "\n", encoding="utf-8")
+        json.dumps({"file_name": "a.png", "text": "from metadata"})
+        + "\n"
+        + json.dumps({"file_name": "b.jpg", "text": "a blue circle"})
+        + "\n",
+        encoding="utf-8",
+    )
     (tmp_path / "sub" / "metadata.jsonl").write_text(json.dumps({"file_name": "c.png", "caption": "nested"}) + "\n")
     c = captions(tmp_path)
     assert c.caption_for("a.png") == ("a red square", "sidecar")
@@ -40,8 +45,13 @@ def test_sidecar_beats_metadata_and_is_normalized(tmp_path):
 
 def test_metadata_problems_are_reported_per_line(tmp_path):
     touch_images(tmp_path, "a.png")
-    lines = ['{"file_name": "a.png", "text": "ok"}', "{not json", '{"file_name": "x.png"}',
-             '{"file_name": "../outside.png", "text": "no"}', ""]
+    lines = [
+        '{"file_name": "a.png", "text": "ok"}',
+        "{not json",
+        '{"file_name": "x.png"}',
+        '{"file_name": "../outside.png", "text": "no"}',
+        "",
+    ]
     (tmp_path / "metadata.jsonl").write_text("\n".join(lines), encoding="utf-8")
     c = captions(tmp_path)
     assert c.caption_for("a.png") == ("ok", "metadata")

@@ -1,4 +1,5 @@
 """`dataset.demo: true` deletes only files the demo wrote; build folders of killed demo generations go."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,5 @@
 """The scan's header probe and `load_rgb`: every mode, format and bad-input kind of issue 3."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,11 +20,12 @@ BG = (0, 255, 0)
 
 def png_chunks(width: int, height: int, depth: int, color_type: int, raw: bytes) -> bytes:
     """A PNG written by hand, for layouts PIL cannot save (16-bit RGB) or should refuse (bombs)."""
+
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
     ihdr = struct.pack(">IIBBBBB", width, height, depth, color_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw))
-            + chunk(b"IEND", b""))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
 def probe(path: Path):
@@ -32,10 +34,23 @@ def probe(path: Path):
 
 
 def record(p, background=BG) -> ImageRecord:
-    return ImageRecord(path=p.path, width=p.width, height=p.height, bucket_width=8, bucket_height=8,
-                       crop=(0, 0, p.width, p.height), caption="", sha256=p.sha256, size_bytes=p.size_bytes,
-                       mtime_ns=p.mtime_ns, format=p.format, mode=p.mode, orientation=p.orientation,
-                       conversion=p.conversion, background=background if p.transparent else None)
+    return ImageRecord(
+        path=p.path,
+        width=p.width,
+        height=p.height,
+        bucket_width=8,
+        bucket_height=8,
+        crop=(0, 0, p.width, p.height),
+        caption="",
+        sha256=p.sha256,
+        size_bytes=p.size_bytes,
+        mtime_ns=p.mtime_ns,
+        format=p.format,
+        mode=p.mode,
+        orientation=p.orientation,
+        conversion=p.conversion,
+        background=background if p.transparent else None,
+    )
 
 
 def save(tmp_path: Path, name: str, img: Image.Image, **kw) -> Path:
@@ -50,8 +65,10 @@ def half_red(size=(40, 20), mode="RGB") -> Image.Image:
     return img.convert(mode)
 
 
-@pytest.mark.parametrize("name,kw", [("a.jpg", {}), ("a.png", {}), ("a.webp", {"lossless": True}), ("a.bmp", {}),
-                                     ("a.tiff", {}), ("a.gif", {})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [("a.jpg", {}), ("a.png", {}), ("a.webp", {"lossless": True}), ("a.bmp", {}), ("a.tiff", {}), ("a.gif", {})],
+)
 def test_formats_probe_and_load(tmp_path, name, kw):
     path = save(tmp_path, name, half_red(), **kw)
     p = probe(path)
@@ -82,8 +99,13 @@ def test_transparent_modes_composite_on_background(tmp_path):
     p_img = Image.new("P", (16, 16), 0)
     p_img.putpalette([255, 0, 0, 0, 0, 0] + [0] * 762)
     p_img.paste(1, (0, 0, 8, 16))
-    cases = {"rgba.png": (rgba, {}), "la.png": (rgba.convert("LA"), {}), "p.png": (p_img, {"transparency": 1}),
-             "p.gif": (p_img, {"transparency": 1}), "rgba.webp": (rgba, {"lossless": True})}
+    cases = {
+        "rgba.png": (rgba, {}),
+        "la.png": (rgba.convert("LA"), {}),
+        "p.png": (p_img, {"transparency": 1}),
+        "p.gif": (p_img, {"transparency": 1}),
+        "rgba.webp": (rgba, {"lossless": True}),
+    }
     for name, (img, kw) in cases.items():
         path = save(tmp_path, name, img, **kw)
         p = probe(path)
@@ -94,10 +116,12 @@ def test_transparent_modes_composite_on_background(tmp_path):
 
 
 def test_opaque_modes_are_converted_and_noted(tmp_path):
-    cases = {"l.png": (Image.new("L", (8, 8), 100), "L->RGB", (100, 100, 100)),
-             "cmyk.jpg": (Image.new("CMYK", (8, 8), (0, 255, 255, 0)), "CMYK->RGB (no ICC profile)", None),
-             "p.png": (Image.new("RGB", (8, 8), (10, 20, 30)).quantize(4), "P->RGB", (10, 20, 30)),
-             "one.png": (Image.new("1", (8, 8), 1), "1->RGB", (255, 255, 255))}
+    cases = {
+        "l.png": (Image.new("L", (8, 8), 100), "L->RGB", (100, 100, 100)),
+        "cmyk.jpg": (Image.new("CMYK", (8, 8), (0, 255, 255, 0)), "CMYK->RGB (no ICC profile)", None),
+        "p.png": (Image.new("RGB", (8, 8), (10, 20, 30)).quantize(4), "P->RGB", (10, 20, 30)),
+        "one.png": (Image.new("1", (8, 8), 1), "1->RGB", (255, 255, 255)),
+    }
     for name, (img, note, pixel) in cases.items():
         path = save(tmp_path, name, img)
         p = probe(path)
@@ -134,15 +158,26 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     noise.save(tmp_path / "full.jpg")  # large enough that cutting it in half leaves the header whole
     half_red().save(tmp_path / "full.png")
     jpg, png = (tmp_path / "full.jpg").read_bytes(), (tmp_path / "full.png").read_bytes()
-    files = {"empty.jpg": b"", "text.jpg": b"just some text, not an image\n" * 4,
-             "cut.jpg": jpg[: len(jpg) // 2], "cut.png": png[: len(png) - 20],
-             "header.png": png[:16] + b"\x00" * 64,
-             "bomb.png": png_chunks(20000, 20000, 1, 0, b"\x00" * 64)}
+    files = {
+        "empty.jpg": b"",
+        "text.jpg": b"just some text, not an image\n" * 4,
+        "cut.jpg": jpg[: len(jpg) // 2],
+        "cut.png": png[: len(png) - 20],
+        "header.png": png[:16] + b"\x00" * 64,
+        "bomb.png": png_chunks(20000, 20000, 1, 0, b"\x00" * 64),
+    }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     Image.new("F", (8, 8), 0.5).save(tmp_path / "float.tiff")
-    return {"empty.jpg": "empty-file", "text.jpg": "not-image", "cut.jpg": "truncated", "cut.png": "truncated",
-            "header.png": "unreadable", "bomb.png": "bomb", "float.tiff": "mode"}
+    return {
+        "empty.jpg": "empty-file",
+        "text.jpg": "not-image",
+        "cut.jpg": "truncated",
+        "cut.png": "truncated",
+        "header.png": "unreadable",
+        "bomb.png": "bomb",
+        "float.tiff": "mode",
+    }
 
 
 def test_each_bad_input_kind_is_named(tmp_path):

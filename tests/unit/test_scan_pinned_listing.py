@@ -1,5 +1,6 @@
 """A run in progress keeps using the scan it started from: a stray file appearing in the dataset meanwhile
 (Thumbs.db) does not make its later stages find the scan stale; the next run decides freshness."""
+
 from __future__ import annotations
 
 from tuneline.schemas.config import load_config

@@ -1,5 +1,6 @@
 """Bad entries in a dataset are quarantined, not crashes: a symlink loop, a caption that is a symlink out of the
 dataset (its image is rejected, not trained without a caption); a hash cache of the wrong shape is discarded."""
+
 from __future__ import annotations
 
 import json

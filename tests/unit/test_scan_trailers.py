@@ -1,5 +1,6 @@
 """Photos with data after their end marker (phones' Motion Photos, PNGs with blocks after IEND) are accepted
 and their trailer recorded; a cut file is still refused as truncated."""
+
 from __future__ import annotations
 
 import os

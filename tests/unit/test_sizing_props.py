@@ -1,4 +1,5 @@
 """Property tests of THE size function (stages/common/sizing.py) over random sizes and settings."""
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,14 @@ def policies(draw, upscale=None):
     else:
         resolution = draw(st.floats(alignment * 8, 2048))
     lo, hi = draw(aspects)
-    return SizePolicy(resolution, rtype, alignment, min_aspect=max(lo, 0.25), max_aspect=min(hi, 4.0),
-                      upscale=draw(st.booleans()) if upscale is None else upscale)
+    return SizePolicy(
+        resolution,
+        rtype,
+        alignment,
+        min_aspect=max(lo, 0.25),
+        max_aspect=min(hi, 4.0),
+        upscale=draw(st.booleans()) if upscale is None else upscale,
+    )
 
 
 def ideal(width: int, height: int, p: SizePolicy) -> tuple[float, float]:
@@ -104,8 +111,14 @@ def test_latent_shape_is_bucket_over_vae_factor(w, h, family, multiple, megapixe
 
 
 @settings(max_examples=200, deadline=None)
-@given(sizes, sizes, st.sampled_from([(8, 8), (64, 96), (96, 64), (1024, 512)]),
-       st.sampled_from(["center", "random", "corner"]), st.integers(0, 5), st.text(max_size=8))
+@given(
+    sizes,
+    sizes,
+    st.sampled_from([(8, 8), (64, 96), (96, 64), (1024, 512)]),
+    st.sampled_from(["center", "random", "corner"]),
+    st.integers(0, 5),
+    st.text(max_size=8),
+)
 def test_crop_box_inside_image_with_bucket_aspect(w, h, bucket, mode, seed, key):
     bw, bh = bucket
     box = crop_box(w, h, bw, bh, mode, seed, key)

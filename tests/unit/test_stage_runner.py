@@ -1,4 +1,5 @@
 """The generic runner: versions, atomic publish, freshness and staleness, upstream refusal, failure records."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The text cache's storage and read side on synthetic tensors: chunked writes, dtypes, lazy reads, refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,20 +13,26 @@ from tuneline.stages.text.store import INDEX, STORE, STRINGS, ArrayWriter, TextC
 def _write(tmp_path, rows: int, batch: int, chunk_bytes: int, monkeypatch) -> dict[str, torch.Tensor]:
     monkeypatch.setattr(store, "CHUNK_BYTES", chunk_bytes)
     gen = torch.Generator().manual_seed(0)
-    data = {"prompt_embeds": torch.randn(rows, 3, 4, generator=gen),
-            "prompt_attention_mask": torch.randint(0, 2, (rows, 3), generator=gen),
-            "flags": torch.rand(rows, 2, generator=gen) > 0.5}
+    data = {
+        "prompt_embeds": torch.randn(rows, 3, 4, generator=gen),
+        "prompt_attention_mask": torch.randint(0, 2, (rows, 3), generator=gen),
+        "flags": torch.rand(rows, 2, generator=gen) > 0.5,
+    }
     writer = ArrayWriter(tmp_path / STORE, rows)
     for start in range(0, rows, batch):
-        writer.add({k: v[start:start + batch] for k, v in data.items()})
+        writer.add({k: v[start : start + batch] for k, v in data.items()})
     fields = writer.close()
-    assert fields == {"prompt_embeds": {"shape": (3, 4), "dtype": "float32"},
-                      "prompt_attention_mask": {"shape": (3,), "dtype": "int64"},
-                      "flags": {"shape": (2,), "dtype": "bool"}}
+    assert fields == {
+        "prompt_embeds": {"shape": (3, 4), "dtype": "float32"},
+        "prompt_attention_mask": {"shape": (3,), "dtype": "int64"},
+        "flags": {"shape": (2,), "dtype": "bool"},
+    }
     write_jsonl(tmp_path / STRINGS, ({"row": i, "text": f"s{i}"} for i in range(rows)))
     # Two variants per caption; caption c<i> uses rows i and i+1, the empty caption row 0 for both.
-    write_jsonl(tmp_path / INDEX, [{"caption": "", "rows": [0, 0]}] +
-                [{"caption": f"c{i}", "rows": [i, i + 1]} for i in range(1, rows - 1)])
+    write_jsonl(
+        tmp_path / INDEX,
+        [{"caption": "", "rows": [0, 0]}] + [{"caption": f"c{i}", "rows": [i, i + 1]} for i in range(1, rows - 1)],
+    )
     return data
 
 

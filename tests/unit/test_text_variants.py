@@ -1,4 +1,5 @@
 """Caption variants (tag shuffle / tag dropout) and what the text stage's version depends on. No weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,11 @@ def test_variants_are_pinned():
     """Variants must not depend on PYTHONHASHSEED or the process: the trainer's ranks and later runs must see the
     cache's strings. `random` hashes a string seed with SHA-512, so these exact strings hold everywhere."""
     assert TagAugment(variants=4, shuffle_tags=True, tag_dropout=0.3, seed=1).all(CAPTION) == [
-        CAPTION, "smiling, sks person, red hat, photo", "smiling, photo, outdoors", "sks person, red hat, smiling"]
+        CAPTION,
+        "smiling, sks person, red hat, photo",
+        "smiling, photo, outdoors",
+        "sks person, red hat, smiling",
+    ]
 
 
 def test_keep_tags_stay_first_and_are_never_dropped():
@@ -77,8 +82,12 @@ def test_index_strings_shares_rows_and_keeps_the_empty_caption_at_row_zero():
 
 def test_as_dict_is_empty_for_one_variant():
     assert TagAugment().as_dict() == {}
-    assert TagAugment(3, True, 0.1, 1, 7).as_dict() == {"shuffle_tags": True, "tag_dropout": 0.1, "keep_tags": 1,
-                                                        "seed": 7}
+    assert TagAugment(3, True, 0.1, 1, 7).as_dict() == {
+        "shuffle_tags": True,
+        "tag_dropout": 0.1,
+        "keep_tags": 1,
+        "seed": 7,
+    }
 
 
 def _text_key(**text) -> dict:
@@ -87,15 +96,20 @@ def _text_key(**text) -> dict:
 
 def test_text_version_depends_on_what_changes_the_embeddings():
     base = _text_key()
-    assert base["text"] == {"enabled": True, "max_length": 16, "padding": "max_length", "caption_variants": 1,
-                            "augment": {}, "dtype": "float32"}
+    assert base["text"] == {
+        "enabled": True,
+        "max_length": 16,
+        "padding": "max_length",
+        "caption_variants": 1,
+        "augment": {},
+        "dtype": "float32",
+    }
     assert _text_key(max_length=16) == base, "spelling out the default is no change"
     assert _text_key(batch_size=3) == base
     assert _text_key(seed=5, keep_tags=0) == base, "variant settings do nothing with one variant"
     assert _text_key(max_length=12) != base
     assert _text_key(dtype="float16") != base
-    assert _text_key(caption_variants=2, shuffle_tags=True) != _text_key(caption_variants=2, shuffle_tags=True,
-                                                                          seed=1)
+    assert _text_key(caption_variants=2, shuffle_tags=True) != _text_key(caption_variants=2, shuffle_tags=True, seed=1)
     off = _text_key(enabled=False)
     assert "dtype" not in off["text"] and off != base
     assert _text_key(enabled=False, dtype="float16") == off, "storage dtype means nothing without a cache"

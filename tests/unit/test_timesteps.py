@@ -1,5 +1,6 @@
 """Flow-matching timestep sampling follows the configured distribution; loss weighting and sampling options fit
 the family or are refused naming the fields; the prediction type comes from the model's scheduler config."""
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,12 @@ def test_logit_normal_has_the_configured_logit_mean_and_std(mean, std):
 
 
 def test_sigmoid_scale_is_the_std_of_the_logit():
-    t = parse_config({"model": {"family": "sd3"}, "train": {"timestep_sampling": "sigmoid", "sigmoid_scale": 2.0,
-                                                            "loss_weighting": "none"}}).train
+    t = parse_config(
+        {
+            "model": {"family": "sd3"},
+            "train": {"timestep_sampling": "sigmoid", "sigmoid_scale": 2.0, "loss_weighting": "none"},
+        }
+    ).train
     x = SigmaSampler.from_train(t).draw(N, torch.Generator().manual_seed(0)).double().numpy()
     logit = np.log(x / (1 - x))
     assert abs(logit.mean()) < 0.03 and abs(logit.std() - 2.0) < 0.03
@@ -67,8 +72,13 @@ def test_shift_moves_sigmas_towards_noise_as_the_formula_says():
 def test_auto_shift_is_the_models_own():
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    flux = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5,
-            "max_shift": 1.15}
+    flux = {
+        "use_dynamic_shifting": True,
+        "base_image_seq_len": 256,
+        "max_image_seq_len": 4096,
+        "base_shift": 0.5,
+        "max_shift": 1.15,
+    }
     for tokens in (256, 1024, 4096):
         assert auto_shift(flux, tokens) == pytest.approx(math.exp(calculate_shift(tokens)))
     assert auto_shift({"shift": 3.0}, 4096) == 3.0  # SD3
@@ -113,8 +123,9 @@ def test_min_snr_on_a_flow_family_is_refused_naming_both_fields(family):
 
 def test_flow_options_on_an_epsilon_family_are_refused():
     with pytest.raises(ConfigError) as err:
-        parse_config(_example(**{"train.timestep_sampling": "logit_normal", "train.timestep_shift": 3.0}),
-                     resolve=False)
+        parse_config(
+            _example(**{"train.timestep_sampling": "logit_normal", "train.timestep_shift": 3.0}), resolve=False
+        )
     assert "train.timestep_sampling" in str(err.value) and "train.timestep_shift" in str(err.value)
 
 
@@ -138,8 +149,9 @@ def test_prediction_type_comes_from_the_scheduler_config(tmp_path):
     assert prediction_type(fam.facts.prediction, sched) == "v_prediction"
     assert prediction_type(fam.facts.prediction, sched, "epsilon") == "epsilon"  # model.prediction_type wins
     x0, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
-    out = noisy_and_target(x0, noise, prediction_type(fam.facts.prediction, sched), sched,
-                           torch.Generator().manual_seed(0))
+    out = noisy_and_target(
+        x0, noise, prediction_type(fam.facts.prediction, sched), sched, torch.Generator().manual_seed(0)
+    )
     assert torch.allclose(out.target, sched.get_velocity(x0, noise, out.timesteps))
     assert folders.identity(fam.facts, vpred, "denoiser") != folders.identity(fam.facts, base, "denoiser")
     assert folders.identity(fam.facts, vpred, "vae") == folders.identity(fam.facts, base, "vae")

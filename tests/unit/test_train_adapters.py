@@ -1,6 +1,7 @@
 """train.adapter lokr/loha/dora: the exported LyCORIS-layout file, read with ComfyUI's formulas
 (comfy/weight_adapter/lokr.py, loha.py, lora.py + base.weight_decompose), gives each module exactly the update
 peft applies (its merged weight minus the base), for a UNet (sd15) and a transformer (flux) family; refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,8 +65,9 @@ def trained_deltas(den) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("family", ["sd15", "flux"])
-@pytest.mark.parametrize("adapter,extra", [("lokr", {}), ("lokr", {"lokr_factor": 4, "lora_rank": 2}),
-                                           ("loha", {}), ("dora", {})])
+@pytest.mark.parametrize(
+    "adapter,extra", [("lokr", {}), ("lokr", {"lokr_factor": 4, "lora_rank": 2}), ("loha", {}), ("dora", {})]
+)
 def test_exported_file_recomputes_the_trained_delta(models, tmp_path, family, adapter, extra):
     fam, model_dir = models[family]
     t = TrainConfig(mode="lora", adapter=adapter, lora_alpha=3.0, processes=1, **{"lora_rank": 4, **extra})
@@ -77,8 +79,9 @@ def test_exported_file_recomputes_the_trained_delta(models, tmp_path, family, ad
     den.eval()
     exports = save_final(fam, model_dir, den, t, tmp_path / "final")
     assert [e["format"] for e in exports] == (["diffusers", "kohya"] if adapter == "dora" else ["kohya"])
-    assert adapters.not_exported(t) == ([] if adapter == "dora" else [
-        {"format": "diffusers", "reason": adapters.not_exported(t)[0]["reason"]}])
+    assert adapters.not_exported(t) == (
+        [] if adapter == "dora" else [{"format": "diffusers", "reason": adapters.not_exported(t)[0]["reason"]}]
+    )
     state = load_file(str(tmp_path / "final" / KOHYA_FILE))
     deltas = trained_deltas(den)
     by_stem = {adapters.stem(family, path, den): path for path in deltas}
@@ -108,8 +111,11 @@ def test_adapter_settings_refused_naming_fields():
         TrainConfig(mode="lora", adapter="loha", lokr_factor=4)
     refused({"train": {"mode": "lora", "adapter": "lycoris"}}, "train.adapter")
     TrainConfig(mode="lora", adapter="dora")
-    refused({"model": {"quantize": "int8"}, "train": {"mode": "lora", "adapter": "loha"}},
-            "train.adapter loha", "model.quantize int8")
+    refused(
+        {"model": {"quantize": "int8"}, "train": {"mode": "lora", "adapter": "loha"}},
+        "train.adapter loha",
+        "model.quantize int8",
+    )
 
 
 def test_dora_diffusers_file_loads_with_load_lora_weights_exactly(models, tmp_path):

@@ -1,4 +1,5 @@
 """Checkpoint files: atomic layout, exact optimizer round trip, keep-last-K, verification, resume targets."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """A training worker that dies of an exception it did not record: the stage's error names that exception (and
 what to change for out of memory and a full disk), not torchrun's closing summary. Real torchrun, real worker
 processes; the worker script raises what a full disk or an exhausted allocator raises."""
+
 from __future__ import annotations
 
 import sys
@@ -23,15 +24,27 @@ raise OverflowError("Python int too large to convert to C long")
 """
 
 
-@pytest.mark.parametrize("kind,expect", [("disk", ["No space left on device", "tuneline gc"]),
-                                         ("oom", ["MemoryError", "train.batch_size"]),
-                                         ("overflow", ["OverflowError", "too large"]),
-                                         ("killed", ["SIGKILL", "out-of-memory killer"])])
+@pytest.mark.parametrize(
+    "kind,expect",
+    [
+        ("disk", ["No space left on device", "tuneline gc"]),
+        ("oom", ["MemoryError", "train.batch_size"]),
+        ("overflow", ["OverflowError", "too large"]),
+        ("killed", ["SIGKILL", "out-of-memory killer"]),
+    ],
+)
 def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect):
     (tmp_path / "w.py").write_text(SCRIPT, encoding="utf-8")
     ctx = StageContext(load_config(None, str(tmp_path / "work")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           str(tmp_path / "w.py"), kind]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(tmp_path / "w.py"),
+        kind,
+    ]
     with pytest.raises(TrainingFailed) as err:
         run_torchrun(ctx, cmd, cwd=tmp_path)
     msg = str(err.value)

@@ -1,5 +1,6 @@
 """The launcher's refusal of more DDP processes than a node has GPUs (NCCL holds one rank per GPU), and the demo's
 CPU walkthrough that runs the same on a GPU machine."""
+
 from __future__ import annotations
 
 from tuneline.schemas.config import parse_config

@@ -1,5 +1,6 @@
 """Pure training maths: noising targets, loss weights, noise offset, LR schedules, EMA, sampler plan, config
 intervals."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Memory options of the train stage on CPU: block swap, offloaded checkpointing, 8-bit AdamW, same numbers."""
+
 import pytest
 import torch
 
@@ -26,8 +27,12 @@ def batches(fam, model_dir, steps):
     for _ in range(steps):
         x = torch.randn(2, fam.facts.latent_channels, 16, 16, generator=g)
         ts = torch.randint(0, 1000, (2,), generator=g).float()
-        yield x, ts, fam.encode_text(enc, ["a red square", "a blue circle"]), [MicroCond((128, 128), (0, 0),
-                                                                                          (128, 128))] * 2
+        yield (
+            x,
+            ts,
+            fam.encode_text(enc, ["a red square", "a blue circle"]),
+            [MicroCond((128, 128), (0, 0), (128, 128))] * 2,
+        )
 
 
 def train(fam, model_dir, steps=2, swap=0, quantize=None, **train):
@@ -39,8 +44,12 @@ def train(fam, model_dir, steps=2, swap=0, quantize=None, **train):
     blocks, resident = transformer_blocks(den), []
 
     def count(module, args):
-        resident.append(sum(all(p.untyped_storage().nbytes() > 0 for p in b.parameters()
-                                if t.mode == "full" or not p.requires_grad) for b in blocks))
+        resident.append(
+            sum(
+                all(p.untyped_storage().nbytes() > 0 for p in b.parameters() if t.mode == "full" or not p.requires_grad)
+                for b in blocks
+            )
+        )
 
     for b in blocks:
         b.register_forward_pre_hook(count)
@@ -66,11 +75,17 @@ def assert_same(a, b):
         torch.testing.assert_close(a[2][k], b[2][k], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name,mode,swap,checkpointing,quantize", [
-    ("sd15", "lora", 3, True, None), ("sd15", "full", 2, False, None), ("flux", "lora", 1, False, None),
-    ("flux", "full", 1, True, None), ("sd15", "lora", 3, True, "int8")])
-def test_block_swap_same_numbers_and_at_most_blocks_minus_n_resident(models, name, mode, swap, checkpointing,
-                                                                     quantize):
+@pytest.mark.parametrize(
+    "name,mode,swap,checkpointing,quantize",
+    [
+        ("sd15", "lora", 3, True, None),
+        ("sd15", "full", 2, False, None),
+        ("flux", "lora", 1, False, None),
+        ("flux", "full", 1, True, None),
+        ("sd15", "lora", 3, True, "int8"),
+    ],
+)
+def test_block_swap_same_numbers_and_at_most_blocks_minus_n_resident(models, name, mode, swap, checkpointing, quantize):
     fam, model_dir = models[name]
     plain = train(fam, model_dir, mode=mode, gradient_checkpointing=checkpointing, quantize=quantize)
     swapped = train(fam, model_dir, swap=swap, mode=mode, gradient_checkpointing=checkpointing, quantize=quantize)
@@ -103,8 +118,10 @@ def test_too_many_blocks_refused_naming_the_field(models):
 
 def test_offloaded_checkpointing_same_numbers_as_checkpointing(models):
     fam, model_dir = models["sd15"]
-    assert_same(train(fam, model_dir, mode="lora", gradient_checkpointing=True),
-                train(fam, model_dir, mode="lora", gradient_checkpointing="offload"))
+    assert_same(
+        train(fam, model_dir, mode="lora", gradient_checkpointing=True),
+        train(fam, model_dir, mode="lora", gradient_checkpointing="offload"),
+    )
 
 
 def test_full_fine_tune_swap_refused_with_ddp_naming_both_fields():
@@ -184,8 +201,13 @@ def mid_size_unet(tmp_path, models):
     folder = tmp_path / "mid"
     shutil.copytree(tiny, folder)
     cfg = json.loads((folder / "unet" / "config.json").read_text())
-    cfg.update(block_out_channels=[256, 512], layers_per_block=1, attention_head_dim=8,
-               cross_attention_dim=cfg["cross_attention_dim"], norm_num_groups=32)
+    cfg.update(
+        block_out_channels=[256, 512],
+        layers_per_block=1,
+        attention_head_dim=8,
+        cross_attention_dim=cfg["cross_attention_dim"],
+        norm_num_groups=32,
+    )
     (folder / "unet" / "config.json").write_text(json.dumps(cfg))
     return folder
 

@@ -1,4 +1,5 @@
 """train.optimizer: every choice resumes exactly through a checkpoint; schedule-free's eval weights; refusals."""
+
 import pytest
 import torch
 
@@ -6,9 +7,13 @@ from tuneline.schemas.train import TrainConfig
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.optimizers import build_optimizer, eval_weights, restore_state, state_tensors
 
-SETTINGS = {"adamw": {"learning_rate": 1e-2}, "prodigy": {"learning_rate": 1.0},
-            "adafactor": {"learning_rate": 1e-2}, "adamw_schedulefree": {"learning_rate": 1e-2},
-            "lion": {"learning_rate": 1e-3}}
+SETTINGS = {
+    "adamw": {"learning_rate": 1e-2},
+    "prodigy": {"learning_rate": 1.0},
+    "adafactor": {"learning_rate": 1e-2},
+    "adamw_schedulefree": {"learning_rate": 1e-2},
+    "lion": {"learning_rate": 1e-3},
+}
 
 
 def init_and_grads(steps=4):
@@ -88,14 +93,17 @@ def test_eval_weights_leaves_other_optimizers_alone():
         assert all(torch.equal(params[k].detach(), before[k]) for k in init)
 
 
-@pytest.mark.parametrize("settings, fields", [
-    ({"optimizer": "prodigy", "learning_rate": 1e-4}, "train.learning_rate.*train.optimizer prodigy"),
-    ({"optimizer": "adamw_schedulefree", "lr_schedule": "cosine"}, "train.lr_schedule.*adamw_schedulefree"),
-    ({"optimizer": "adamw_schedulefree", "ema": True}, "train.ema.*adamw_schedulefree"),
-    ({"optimizer": "adafactor", "optimizer_betas": [0.9, 0.99]}, "train.optimizer_betas.*adafactor"),
-    ({"optimizer": "lion", "optimizer_betas": [0.9, 1.5]}, "train.optimizer_betas"),
-    ({"optimizer": "adamw", "prodigy_d_coef": 0.5}, "train.prodigy_d_coef.*prodigy"),
-])
+@pytest.mark.parametrize(
+    "settings, fields",
+    [
+        ({"optimizer": "prodigy", "learning_rate": 1e-4}, "train.learning_rate.*train.optimizer prodigy"),
+        ({"optimizer": "adamw_schedulefree", "lr_schedule": "cosine"}, "train.lr_schedule.*adamw_schedulefree"),
+        ({"optimizer": "adamw_schedulefree", "ema": True}, "train.ema.*adamw_schedulefree"),
+        ({"optimizer": "adafactor", "optimizer_betas": [0.9, 0.99]}, "train.optimizer_betas.*adafactor"),
+        ({"optimizer": "lion", "optimizer_betas": [0.9, 1.5]}, "train.optimizer_betas"),
+        ({"optimizer": "adamw", "prodigy_d_coef": 0.5}, "train.prodigy_d_coef.*prodigy"),
+    ],
+)
 def test_optimizer_settings_refused_at_load_naming_fields(settings, fields):
     with pytest.raises(ValueError, match=fields):
         TrainConfig(**settings)

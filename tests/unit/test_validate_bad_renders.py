@@ -1,5 +1,6 @@
 """A corrupted validation-prompt cache is rebuilt (it carries a checksum), and renders that are NaN or one flat
 color are refused, never published as black squares with exit code 0."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,6 +1,7 @@
 """The renderer: batched calls equal one call per sample, order and negative prompts kept, a live denoiser swapped
 in, latents decoded as the pipeline does; the learning check's nearest-mean rule; the loss-curve PNG; render
 sizes in pixel and area units."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,11 @@ def _latents(r: Renderer, samples: list[Sample]) -> torch.Tensor:
 
 def test_batched_render_equals_one_call_per_sample(renderer):
     r, _ = renderer
-    samples = [Sample("a red square", "", 3), Sample("a blue circle", "a green square", 5),
-               Sample("a blue circle", "", 5)]
+    samples = [
+        Sample("a red square", "", 3),
+        Sample("a blue circle", "a green square", 5),
+        Sample("a blue circle", "", 5),
+    ]
     together = _latents(r, samples)
     alone = torch.cat([_latents(r, [s]) for s in samples])
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)

@@ -1,5 +1,6 @@
 """Flux.1: CLIP pooled output + T5 token embeddings, FluxTransformer2DModel on 16-channel latents packed 2x2 into
 tokens, rectified-flow (flow matching) target, optional guidance embedding (dev-style distilled guidance)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,17 +65,36 @@ class FluxFamily(DiffusersFamily):
         # Packing happens outside the model, so in_channels = 4 * latent channels and patch_size 1, as in Flux.1.
         # attention_head_dim = sum(axes_dims_rope); guidance_embeds on, as in Flux.1-dev.
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=4 * c, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-            axes_dims_rope=(4, 4, 8))
+            patch_size=1,
+            in_channels=4 * c,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8),
+        )
         # Flux.1's published scheduler: resolution-dependent shift computed by the pipeline.
         scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096)
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
         pipe = self.pipeline_class(
-            scheduler=scheduler, vae=flow_vae(self.facts),
-            text_encoder=CLIPTextModel(CLIPTextConfig(**tiny_clip_config(tok, CLIP_LENGTH))), tokenizer=tok,
-            text_encoder_2=tiny_t5(tok_2, 32), tokenizer_2=tok_2, transformer=transformer)
+            scheduler=scheduler,
+            vae=flow_vae(self.facts),
+            text_encoder=CLIPTextModel(CLIPTextConfig(**tiny_clip_config(tok, CLIP_LENGTH))),
+            tokenizer=tok,
+            text_encoder_2=tiny_t5(tok_2, 32),
+            tokenizer_2=tok_2,
+            transformer=transformer,
+        )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     # ---- text --------------------------------------------------------------------------------
@@ -86,17 +106,27 @@ class FluxFamily(DiffusersFamily):
         with torch.no_grad():
             pooled = te(ids, output_hidden_states=False).pooler_output
         _, mask = tokenize(enc.tokenizers[1], captions, enc.max_length, torch.device("cpu"))
-        return {"prompt_embeds": t5_embeds(enc, captions), "pooled_prompt_embeds": pooled,
-                "prompt_attention_mask": mask.to(pooled.device)}
+        return {
+            "prompt_embeds": t5_embeds(enc, captions),
+            "pooled_prompt_embeds": pooled,
+            "prompt_attention_mask": mask.to(pooled.device),
+        }
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
         if max_length > T5_LIMIT:
-            raise ValueError(f"text.max_length {max_length} exceeds the T5 limit {T5_LIMIT} of family "
-                             f"{self.facts.name!r}")
+            raise ValueError(
+                f"text.max_length {max_length} exceeds the T5 limit {T5_LIMIT} of family {self.facts.name!r}"
+            )
 
     # ---- training ----------------------------------------------------------------------------
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """Velocity prediction for scaled latents (B, 16, H, W), returned in the same shape.
 
         Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
@@ -109,15 +139,20 @@ class FluxFamily(DiffusersFamily):
         guidance = None
         if getattr(unwrap(denoiser).config, "guidance_embeds", False):
             guidance = torch.full((b,), self.train_guidance, device=dev, dtype=torch.float32)
-        out = denoiser(hidden_states=pack_latents(noisy), timestep=timesteps.to(dev, dt) / 1000, guidance=guidance,
-                       pooled_projections=text["pooled_prompt_embeds"].to(device=dev, dtype=dt),
-                       encoder_hidden_states=embeds, txt_ids=torch.zeros(embeds.shape[1], 3, device=dev, dtype=dt),
-                       img_ids=image_ids(h, w, dev, dt), return_dict=False)[0]
+        out = denoiser(
+            hidden_states=pack_latents(noisy),
+            timestep=timesteps.to(dev, dt) / 1000,
+            guidance=guidance,
+            pooled_projections=text["pooled_prompt_embeds"].to(device=dev, dtype=dt),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=dev, dtype=dt),
+            img_ids=image_ids(h, w, dev, dt),
+            return_dict=False,
+        )[0]
         return unpack_latents(out, h, w)
 
     # ---- validation --------------------------------------------------------------------------
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
-                      ) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Embeds for FluxPipeline; with a negative, true CFG at `true_cfg_scale` so it takes effect (the
         attention mask is not a pipeline argument). Without one, plain (distilled-guidance) sampling."""
         kwargs = super().prompt_kwargs(text, negative)

@@ -1,5 +1,6 @@
 """The flux kohya LoRA layout: the original (BFL) names, `lora_unet_double_blocks_N_img_attn_qkv`,
 `..._img_attn_proj`, `lora_unet_single_blocks_N_linear1`, ... (fused layers: stages/train/kohya.py)."""
+
 from __future__ import annotations
 
 import re
@@ -13,9 +14,16 @@ def kohya_target(path: str, den) -> Target | None:
     m = re.fullmatch(r"transformer_blocks\.(\d+)\.(.+)", path)
     if m:
         i, rest, pre = m[1], m[2], f"transformer_blocks.{m[1]}"
-        single = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
-                  "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0",
-                  "ff_context.net.2": "txt_mlp.2", "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin"}
+        single = {
+            "attn.to_out.0": "img_attn.proj",
+            "attn.to_add_out": "txt_attn.proj",
+            "ff.net.0.proj": "img_mlp.0",
+            "ff.net.2": "img_mlp.2",
+            "ff_context.net.0.proj": "txt_mlp.0",
+            "ff_context.net.2": "txt_mlp.2",
+            "norm1.linear": "img_mod.lin",
+            "norm1_context.linear": "txt_mod.lin",
+        }
         if rest in single:
             return Target(f"double_blocks.{i}.{single[rest]}")
         leaf = rest.removeprefix("attn.")

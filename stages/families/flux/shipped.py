@@ -1,5 +1,6 @@
 """The shapes of the released flux model that its shipped config (stages/families/configs/flux/) describes: a
 single checkpoint file given with that config must have them (stages/families/shipped.py)."""
+
 from __future__ import annotations
 
 # Original-layout tensor name -> shape in the released model.

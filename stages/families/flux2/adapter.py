@@ -4,6 +4,7 @@ matching (the transformer takes sigma). Flux2Family is what [dev] and [klein] (i
 Flux2DevFamily captions through Mistral Small 3 (Mistral3ForConditionalGeneration: hidden states of layers 10, 20,
 30 side by side, FLUX.2's system message in the chat template) with distilled guidance: Flux2Pipeline has no
 negative prompt, so a negative is dropped."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,13 @@ def tiny_vae(facts: FamilyFacts):
     exercises the normalisation the pipeline applies."""
     from diffusers import AutoencoderKLFlux2
 
-    vae = AutoencoderKLFlux2(block_out_channels=(16, 32, 32, 32), layers_per_block=1,
-                             latent_channels=facts.latent_channels, norm_num_groups=8, sample_size=64)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        latent_channels=facts.latent_channels,
+        norm_num_groups=8,
+        sample_size=64,
+    )
     n = vae.bn.running_mean.numel()
     with torch.no_grad():
         vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, n))
@@ -74,8 +80,14 @@ class Flux2Family(DiffusersFamily):
         check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
 
     # ---- training ----------------------------------------------------------------------------
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """Velocity (noise - x0) for normalised latents (B, 32, H, W): patchified, packed, the transformer called
         as Flux2Pipeline calls it (timestep = sigma, all caption tokens, 4-axis position ids), and unpacked."""
         b, _, h, w = noisy.shape
@@ -84,21 +96,27 @@ class Flux2Family(DiffusersFamily):
         guidance = None
         if getattr(unwrap(denoiser).config, "guidance_embeds", False):
             guidance = torch.full((b,), self.train_guidance, device=dev, dtype=dt)
-        out = denoiser(hidden_states=lat.pack(lat.patchify(noisy)), timestep=timesteps.to(dev, dt) / 1000,
-                       guidance=guidance, encoder_hidden_states=embeds, txt_ids=lat.text_ids(b, embeds.shape[1], dev),
-                       img_ids=lat.latent_ids(b, h // 2, w // 2, dev), return_dict=False)[0]
+        out = denoiser(
+            hidden_states=lat.pack(lat.patchify(noisy)),
+            timestep=timesteps.to(dev, dt) / 1000,
+            guidance=guidance,
+            encoder_hidden_states=embeds,
+            txt_ids=lat.text_ids(b, embeds.shape[1], dev),
+            img_ids=lat.latent_ids(b, h // 2, w // 2, dev),
+            return_dict=False,
+        )[0]
         return lat.unpatchify(lat.unpack(out, h // 2, w // 2))
 
     train_guidance: float = 1.0  # distilled guidance fed to guidance-embedding ([dev]) models while training
 
-    def comfy_lora_state(self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor],
-                         alpha: float) -> dict[str, torch.Tensor]:
+    def comfy_lora_state(
+        self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor]:
         from tuneline.stages.families.flux2.lora_layout import flux2_comfy_state
 
         return flux2_comfy_state(peft_state, alpha)
 
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
-                      ) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Embeds at the cached length, so a "" negative the pipeline encodes itself has the same length."""
         kwargs = super().prompt_kwargs(text, negative)
         kwargs["max_sequence_length"] = text["prompt_embeds"].shape[1]
@@ -110,13 +128,32 @@ def tiny_mistral3(tokenizer: Any, width: int = TINY_TEXT_WIDTH):
     one-layer Pixtral vision tower (never fed images here)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
-    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
-                         num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id)
-    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
-                                 image_size=32, patch_size=16, head_dim=16)
-    cfg = Mistral3Config(text_config=text, vision_config=vision, spatial_merge_size=1,
-                         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))
+    text = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=30,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=1024,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = PixtralVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        image_size=32,
+        patch_size=16,
+        head_dim=16,
+    )
+    cfg = Mistral3Config(
+        text_config=text,
+        vision_config=vision,
+        spatial_merge_size=1,
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+    )
     return Mistral3ForConditionalGeneration(cfg)
 
 
@@ -130,20 +167,41 @@ class Flux2DevFamily(Flux2Family):
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
         transformer = Flux2Transformer2DModel(
-            patch_size=1, in_channels=4 * self.facts.latent_channels, num_layers=1, num_single_layers=1,
-            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=len(DEV_LAYERS) * TINY_TEXT_WIDTH,
-            timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+            patch_size=1,
+            in_channels=4 * self.facts.latent_channels,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=len(DEV_LAYERS) * TINY_TEXT_WIDTH,
+            timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4),
+            guidance_embeds=True,
+        )
         scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096)
-        pipe = self.pipeline_class(scheduler=scheduler, vae=tiny_vae(self.facts), text_encoder=tiny_mistral3(tok),
-                                   tokenizer=tok, transformer=transformer)
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        pipe = self.pipeline_class(
+            scheduler=scheduler,
+            vae=tiny_vae(self.facts),
+            text_encoder=tiny_mistral3(tok),
+            tokenizer=tok,
+            transformer=transformer,
+        )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
         if max_length > self.facts.max_length_limit:
-            raise ValueError(f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                             f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic")
+            raise ValueError(
+                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
+                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
+            )
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As Flux2Pipeline._get_mistral_3_small_prompt_embeds: system message + caption through the chat template,
@@ -151,18 +209,25 @@ class Flux2DevFamily(Flux2Family):
         from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE, format_input
 
         tok, te = enc.tokenizers[0], enc.encoders[0]
-        inputs = tok.apply_chat_template(format_input(captions, SYSTEM_MESSAGE), add_generation_prompt=False,
-                                         tokenize=True, return_dict=True, return_tensors="pt", padding="max_length",
-                                         truncation=True, max_length=enc.max_length)
+        inputs = tok.apply_chat_template(
+            format_input(captions, SYSTEM_MESSAGE),
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+            max_length=enc.max_length,
+        )
         dev = module_device(te)
         mask = inputs["attention_mask"].to(dev)
         with torch.no_grad():
-            out = te(input_ids=inputs["input_ids"].to(dev), attention_mask=mask, output_hidden_states=True,
-                     use_cache=False)
+            out = te(
+                input_ids=inputs["input_ids"].to(dev), attention_mask=mask, output_hidden_states=True, use_cache=False
+            )
         hidden = torch.cat([out.hidden_states[i] for i in DEV_LAYERS], dim=-1)
         return {"prompt_embeds": hidden, "prompt_attention_mask": mask}
 
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
-                      ) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Flux2Pipeline takes no negative prompt (guidance is distilled into the model): a negative is dropped."""
         return super().prompt_kwargs(text, None)

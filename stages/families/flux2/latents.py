@@ -5,6 +5,7 @@ The cache holds that normalised space laid out back as (32, H/8, W/8) (unpatchif
 plain (C, H, W) latent with scale 1 and shift 0 whose noise is i.i.d. like the pipeline's: patchifying is a
 permutation, so Gaussian noise there is Gaussian noise here, and a loss mask at H/8 still lines up.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -2,6 +2,7 @@
 length, with an attention mask), QwenImageTransformer2DModel (MMDiT) on 16-channel latents packed 2x2 into tokens,
 flow matching with the scheduler's dynamic (resolution-dependent) shift, and a video VAE (one frame) whose latents
 are normalised per channel (latents_mean / latents_std in its config). Validation uses true CFG with negatives."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,8 +48,16 @@ class _FrameEncoder(torch.nn.Module):
 class QwenImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["qwen_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_embeds_mask")
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
-                                            "add_v_proj", "to_add_out")
+    lora_target_modules: tuple[str, ...] = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
     # QwenImagePipeline applies a negative prompt only through true CFG; a negative given means the user wants it.
     true_cfg_scale: float = 4.0
 
@@ -60,24 +69,51 @@ class QwenImageFamily(DiffusersFamily):
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit + DROP)
         width = 32
         config = Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tok), hidden_size=width, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                              "mrope_section": [2, 3, 3]},
-                             bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
-                               fullatt_block_indexes=[0]))
+            text_config=dict(
+                vocab_size=len(tok),
+                hidden_size=width,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+                bos_token_id=None,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=32,
+                num_heads=2,
+                out_hidden_size=width,
+                fullatt_block_indexes=[0],
+            ),
+        )
         text_encoder = Qwen2_5_VLForConditionalGeneration(config)
         # attention_head_dim = sum(axes_dims_rope), as in the released (128 = 16 + 56 + 56).
         transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=4 * self.facts.latent_channels, out_channels=self.facts.latent_channels,
-            num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=width,
-            axes_dims_rope=(4, 6, 6))
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=self.facts.latent_channels, dim_mult=[1, 2, 2, 2],
-                                     num_res_blocks=1, temperal_downsample=[False, True, True])
+            patch_size=2,
+            in_channels=4 * self.facts.latent_channels,
+            out_channels=self.facts.latent_channels,
+            num_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=width,
+            axes_dims_rope=(4, 6, 6),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=self.facts.latent_channels,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
-        pipe = self.pipeline_class(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                                   transformer=transformer)
+        pipe = self.pipeline_class(
+            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
+        )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     # ---- latents -----------------------------------------------------------------------------
@@ -101,40 +137,57 @@ class QwenImageFamily(DiffusersFamily):
         states, the template's first 34 tokens dropped; then zero-padded to max_length with a 0/1 mask."""
         tok, te = enc.tokenizers[0], enc.encoders[0]
         dev = module_device(te)
-        batch = tok([TEMPLATE.format(c) for c in captions], max_length=enc.max_length + DROP, padding="max_length",
-                    truncation=True, return_tensors="pt").to(dev)
+        batch = tok(
+            [TEMPLATE.format(c) for c in captions],
+            max_length=enc.max_length + DROP,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+        ).to(dev)
         with torch.no_grad():
-            hidden = te(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                        output_hidden_states=True).hidden_states[-1]
+            hidden = te(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
+            ).hidden_states[-1]
         length = enc.max_length
         embeds = hidden.new_zeros(len(captions), length, hidden.shape[-1])
         mask = torch.zeros(len(captions), length, dtype=torch.long, device=dev)
         for i, m in enumerate(batch.attention_mask.bool()):
-            kept = hidden[i][m][DROP:DROP + length]
-            embeds[i, :len(kept)], mask[i, :len(kept)] = kept, 1
+            kept = hidden[i][m][DROP : DROP + length]
+            embeds[i, : len(kept)], mask[i, : len(kept)] = kept, 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
         if max_length > self.facts.max_length_limit:
-            raise ValueError(f"text.max_length {max_length} exceeds QwenImagePipeline's limit "
-                             f"{self.facts.max_length_limit} for family {self.facts.name!r}")
+            raise ValueError(
+                f"text.max_length {max_length} exceeds QwenImagePipeline's limit "
+                f"{self.facts.max_length_limit} for family {self.facts.name!r}"
+            )
 
     # ---- training ----------------------------------------------------------------------------
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """Velocity for normalised latents (B, 16, H, W). The transformer takes sigma (timesteps / 1000) as
         QwenImagePipeline passes it; latents are packed 2x2 into tokens and unpacked on the way out."""
         b, _, h, w = noisy.shape
         dt, dev = noisy.dtype, noisy.device
-        out = denoiser(hidden_states=pack_latents(noisy), timestep=timesteps.to(dev, dt) / 1000,
-                       encoder_hidden_states=text["prompt_embeds"].to(device=dev, dtype=dt),
-                       encoder_hidden_states_mask=text["prompt_embeds_mask"].to(dev),
-                       img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+        out = denoiser(
+            hidden_states=pack_latents(noisy),
+            timestep=timesteps.to(dev, dt) / 1000,
+            encoder_hidden_states=text["prompt_embeds"].to(device=dev, dtype=dt),
+            encoder_hidden_states_mask=text["prompt_embeds_mask"].to(dev),
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
         return unpack_latents(out, h, w)
 
     # ---- validation --------------------------------------------------------------------------
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
-                      ) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         kwargs = super().prompt_kwargs(text, negative)
         kwargs["max_sequence_length"] = text["prompt_embeds"].shape[1]
         if negative:
@@ -143,7 +196,19 @@ class QwenImageFamily(DiffusersFamily):
 
 
 # Qwen/Qwen-Image scheduler/scheduler_config.json: dynamic (resolution-dependent, exponential) shift.
-SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "invert_sigmas": False, "max_image_seq_len": 8192,
-             "max_shift": 0.9, "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
-             "stochastic_sampling": False, "time_shift_type": "exponential", "use_beta_sigmas": False,
-             "use_dynamic_shifting": True, "use_exponential_sigmas": False, "use_karras_sigmas": False}
+SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}

@@ -2,6 +2,7 @@
 the prompt template's words and the tiny vocabulary, and the chat specials. The pipeline drops the template's first
 34 tokens (QwenImagePipeline.prompt_template_encode_start_idx, counted with Qwen's own tokenizer): this tokenizer
 splits the template into exactly as many, which build_qwen_tokenizer asserts, so the dropped part is the template."""
+
 from __future__ import annotations
 
 import re
@@ -10,9 +11,11 @@ from pathlib import Path
 
 from tuneline.stages.families.vocab import WORDS, _merge, bytes_to_unicode
 
-TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-            "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-            "<|im_start|>assistant\n")
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 DROP = 34
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -47,8 +50,14 @@ def build_qwen_tokenizer(folder: Path, model_max_length: int):
     tk.decoder = decoders.ByteLevel()
     folder.mkdir(parents=True, exist_ok=True)
     tk.save(str(folder / "tokenizer.json"))
-    tok = Qwen2TokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), unk_token=None, bos_token=None,
-                             eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=model_max_length)
+    tok = Qwen2TokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=model_max_length,
+    )
     tok.add_special_tokens({"additional_special_tokens": list(SPECIALS[1:])})
     prefix = TEMPLATE.split("{}")[0]
     assert len(tok(prefix).input_ids) == DROP, "the template prefix must be the 34 tokens the pipeline drops"

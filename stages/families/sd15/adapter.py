@@ -1,4 +1,5 @@
 """Stable Diffusion 1.x/2.x: one CLIP text encoder, UNet2DConditionModel, 4-channel latents, epsilon target."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,10 +15,18 @@ from tuneline.stages.families.vocab import build_clip_tokenizer
 
 def tiny_clip_config(tokenizer: Any, max_positions: int, projection_dim: int | None = None) -> dict[str, Any]:
     """A 2-layer, 32-wide CLIP text config matching a locally built tokenizer (ids of its specials)."""
-    cfg = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, max_position_embeddings=max_positions, hidden_act="quick_gelu",
-               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
+    cfg = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=max_positions,
+        hidden_act="quick_gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if projection_dim is not None:
         cfg["projection_dim"] = projection_dim
     return cfg
@@ -27,10 +36,19 @@ def tiny_vae(latent_channels: int, facts: FamilyFacts, **extra: Any):
     """Four levels (vae_factor 8, like every real family) but 16-32 channels wide."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(16, 32, 32, 32),
-                         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8, sample_size=64,
-                         scaling_factor=facts.scaling_factor, **extra)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        sample_size=64,
+        scaling_factor=facts.scaling_factor,
+        **extra,
+    )
 
 
 def tiny_unet(**extra: Any):
@@ -39,9 +57,16 @@ def tiny_unet(**extra: Any):
     from diffusers import UNet2DConditionModel
 
     cfg: dict[str, Any] = dict(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=4, norm_num_groups=16)
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=4,
+        norm_num_groups=16,
+    )
     return UNet2DConditionModel(**{**cfg, **extra})
 
 
@@ -64,18 +89,31 @@ class SD15Family(DiffusersFamily):
     def tiny_scheduler(self):
         from diffusers import DDPMScheduler
 
-        return DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                             beta_schedule="scaled_linear", prediction_type="epsilon", clip_sample=False,
-                             steps_offset=1)
+        return DDPMScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            prediction_type="epsilon",
+            clip_sample=False,
+            steps_offset=1,
+        )
 
     def build_tiny(self, out_dir: Path) -> None:
         from transformers import CLIPTextConfig, CLIPTextModel
 
         tok = build_clip_tokenizer(out_dir / "tokenizer", self.tiny_text_length)
         text_encoder = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(tok, self.tiny_text_length)))
-        pipe = self.pipeline_class(vae=self.tiny_vae(), text_encoder=text_encoder, tokenizer=tok,
-                                   unet=self.tiny_unet(), scheduler=self.tiny_scheduler(), safety_checker=None,
-                                   feature_extractor=None, requires_safety_checker=False)
+        pipe = self.pipeline_class(
+            vae=self.tiny_vae(),
+            text_encoder=text_encoder,
+            tokenizer=tok,
+            unet=self.tiny_unet(),
+            scheduler=self.tiny_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     # ---- text --------------------------------------------------------------------------------
@@ -89,8 +127,14 @@ class SD15Family(DiffusersFamily):
         return {"prompt_embeds": embeds}
 
     # ---- training ----------------------------------------------------------------------------
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """UNet prediction (facts.prediction: epsilon or v) for scaled latents; `timesteps` are the DDPM
         schedule's integer steps in [0, num_train_timesteps). `micro` is unused by SD1.x."""
         embeds = text["prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)

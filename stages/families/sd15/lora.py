@@ -1,5 +1,6 @@
 """The sd15 kohya LoRA layout: the diffusers UNet's names (sd-scripts trains SD1.x on a UNet with diffusers'
 names), e.g. `lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q`."""
+
 from __future__ import annotations
 
 from tuneline.stages.families.kohya_layout import Target

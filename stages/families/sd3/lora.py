@@ -1,5 +1,6 @@
 """The sd3 kohya LoRA layout: the original (MMDiT) names, `lora_unet_joint_blocks_N_x_block_attn_qkv`,
 `..._x_block_attn_proj`, ... (fused layers: stages/train/kohya.py)."""
+
 from __future__ import annotations
 
 import re

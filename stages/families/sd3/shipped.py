@@ -1,5 +1,6 @@
 """The shapes of the released sd3 model that its shipped config (stages/families/configs/sd3/) describes: a
 single checkpoint file given with that config must have them (stages/families/shipped.py)."""
+
 from __future__ import annotations
 
 # Original-layout tensor name -> shape in the released model.

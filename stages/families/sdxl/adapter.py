@@ -1,5 +1,6 @@
 """Stable Diffusion XL: two CLIP encoders (penultimate hidden states concatenated, pooled output of the second),
 size micro-conditioning (add_time_ids), UNet2DConditionModel, 4-channel latents, epsilon target."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,12 +35,23 @@ class SDXLFamily(DiffusersFamily):
         te = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(tok, n)))
         te_2 = CLIPTextModelWithProjection(CLIPTextConfig(**tiny_clip_config(tok_2, n, projection_dim=32)))
         # cross_attention_dim = both encoders' widths; the added embedding takes 6 time ids + the pooled vector.
-        unet = tiny_unet(cross_attention_dim=64, addition_embed_type="text_time", use_linear_projection=True,
-                         addition_time_embed_dim=TIME_EMBED_DIM,
-                         projection_class_embeddings_input_dim=6 * TIME_EMBED_DIM + 32)
-        pipe = self.pipeline_class(vae=tiny_vae(4, self.facts), text_encoder=te, text_encoder_2=te_2, tokenizer=tok,
-                                   tokenizer_2=tok_2, unet=unet, scheduler=self._scheduler(),
-                                   add_watermarker=False)
+        unet = tiny_unet(
+            cross_attention_dim=64,
+            addition_embed_type="text_time",
+            use_linear_projection=True,
+            addition_time_embed_dim=TIME_EMBED_DIM,
+            projection_class_embeddings_input_dim=6 * TIME_EMBED_DIM + 32,
+        )
+        pipe = self.pipeline_class(
+            vae=tiny_vae(4, self.facts),
+            text_encoder=te,
+            text_encoder_2=te_2,
+            tokenizer=tok,
+            tokenizer_2=tok_2,
+            unet=unet,
+            scheduler=self._scheduler(),
+            add_watermarker=False,
+        )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     @staticmethod
@@ -47,9 +59,15 @@ class SDXLFamily(DiffusersFamily):
         from diffusers import EulerDiscreteScheduler
 
         # SDXL's published schedule; Euler renders well in few steps, training reads it as DDPM.
-        return EulerDiscreteScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                                      beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
-                                      timestep_spacing="leading")
+        return EulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            prediction_type="epsilon",
+            steps_offset=1,
+            timestep_spacing="leading",
+        )
 
     # ---- text --------------------------------------------------------------------------------
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -67,13 +85,20 @@ class SDXLFamily(DiffusersFamily):
         return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
 
     # ---- training ----------------------------------------------------------------------------
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """UNet prediction for scaled latents at DDPM integer `timesteps`. `micro` gives each sample's original
         size, crop and target size (pixels, (h, w)); without it the latent size in pixels and no crop are used,
         which is what the pipeline uses at render time."""
         embeds = text["prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)
-        added = {"text_embeds": text["pooled_prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype),
-                 "time_ids": self.micro_time_ids(micro, noisy)}
-        return denoiser(noisy, timesteps, encoder_hidden_states=embeds, added_cond_kwargs=added,
-                        return_dict=False)[0]
+        added = {
+            "text_embeds": text["pooled_prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype),
+            "time_ids": self.micro_time_ids(micro, noisy),
+        }
+        return denoiser(noisy, timesteps, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False)[0]

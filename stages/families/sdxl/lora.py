@@ -1,5 +1,6 @@
 """The sdxl kohya LoRA layout: the original (sgm/LDM) UNet's names (sd-scripts trains SDXL on the original UNet),
 e.g. `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`."""
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
 """The shapes of the released sdxl model that its shipped config (stages/families/configs/sdxl/) describes: a
 single checkpoint file given with that config must have them (stages/families/shipped.py)."""
+
 from __future__ import annotations
 
 UNET = "model.diffusion_model."

@@ -5,6 +5,7 @@ SD1.5; every behaviour is SD15Family's. The VAE's weights ship in the package (a
 infra/demo_vae/train_demo_vae.py on the demo's shape domain), so demo renders show the prompted colors and shapes;
 the text encoder and UNet stay random-init.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,11 @@ def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict]:
     from safetensors import safe_open
 
     if not DEMO_VAE_FILE.is_file():
-        raise FileNotFoundError(f"{DEMO_VAE_FILE}: the demo VAE's weights are missing from the installed package; "
-                                f"reinstall tuneline, or regenerate them with "
-                                f"`python infra/demo_vae/train_demo_vae.py` from a checkout")
+        raise FileNotFoundError(
+            f"{DEMO_VAE_FILE}: the demo VAE's weights are missing from the installed package; "
+            f"reinstall tuneline, or regenerate them with "
+            f"`python infra/demo_vae/train_demo_vae.py` from a checkout"
+        )
     with safe_open(str(DEMO_VAE_FILE), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads((f.metadata() or {}).get("demo_vae", "{}"))
 

@@ -1,4 +1,5 @@
 """The tiny family's kohya LoRA layout is SD1.5's (the same UNet architecture)."""
+
 from __future__ import annotations
 
 from tuneline.stages.families.sd15.lora import KOHYA_LAYOUT, kohya_target  # noqa: F401

@@ -1,6 +1,7 @@
 """Z-Image: a Qwen3 language model's second-to-last hidden states (variable length: only the caption's real
 tokens), ZImageTransformer2DModel (single-stream DiT, 2x2 patches inside the model) on Flux.1's 16-channel VAE,
 flow matching with the scheduler config's shift (Z-Image-Turbo: fixed 3.0)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,11 +19,21 @@ def tiny_flow_vae(facts: FamilyFacts):
     """Flux.1's VAE layout (16 channels, scale and shift, no quant convolutions) 16-32 channels wide."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(16, 32, 32, 32),
-                         layers_per_block=1, latent_channels=facts.latent_channels, norm_num_groups=8,
-                         sample_size=64, scaling_factor=facts.scaling_factor, shift_factor=facts.shift_factor,
-                         use_quant_conv=False, use_post_quant_conv=False)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        latent_channels=facts.latent_channels,
+        norm_num_groups=8,
+        sample_size=64,
+        scaling_factor=facts.scaling_factor,
+        shift_factor=facts.shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
 
 
 def trim(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -50,18 +61,33 @@ class ZImageFamily(DiffusersFamily):
         # head dim 32 = sum(axes_dims); one main layer and one refiner layer each, as the released model's shape
         # in miniature (30 main layers, 2 + 2 refiners).
         transformer = ZImageTransformer2DModel(
-            all_patch_size=(self.facts.patch_size,), all_f_patch_size=(1,), in_channels=self.facts.latent_channels,
-            dim=64, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=TINY_TEXT_WIDTH,
-            axes_dims=[8, 12, 12], axes_lens=[256, 64, 64])
+            all_patch_size=(self.facts.patch_size,),
+            all_f_patch_size=(1,),
+            in_channels=self.facts.latent_channels,
+            dim=64,
+            n_layers=1,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=TINY_TEXT_WIDTH,
+            axes_dims=[8, 12, 12],
+            axes_lens=[256, 64, 64],
+        )
         # Z-Image-Turbo's published scheduler: a fixed shift of 3.0.
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-        pipe = self.pipeline_class(scheduler=scheduler, vae=tiny_flow_vae(self.facts), text_encoder=tiny_qwen3(tok),
-                                   tokenizer=tok, transformer=transformer)
+        pipe = self.pipeline_class(
+            scheduler=scheduler,
+            vae=tiny_flow_vae(self.facts),
+            text_encoder=tiny_qwen3(tok),
+            tokenizer=tok,
+            transformer=transformer,
+        )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     # ---- text --------------------------------------------------------------------------------
-    def load_text_encoders(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                           max_length: int | None = None) -> TextEncoders:
+    def load_text_encoders(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, max_length: int | None = None
+    ) -> TextEncoders:
         """The pipeline annotates its text encoder as a bare PreTrainedModel: AutoModel reads the folder's class."""
         from transformers import AutoModel, AutoTokenizer
 
@@ -69,13 +95,14 @@ class ZImageFamily(DiffusersFamily):
         te = AutoModel.from_pretrained(model_dir, subfolder="text_encoder", dtype=dtype)
         length = max_length or self.facts.max_length
         self.check_max_length([tok], length)
-        return TextEncoders(tokenizers=[tok], encoders=[te.to(device).eval().requires_grad_(False)],
-                            max_length=length)
+        return TextEncoders(tokenizers=[tok], encoders=[te.to(device).eval().requires_grad_(False)], max_length=length)
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
         if max_length > self.facts.max_length_limit:
-            raise ValueError(f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                             f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic")
+            raise ValueError(
+                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
+                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
+            )
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As ZImagePipeline._encode_prompt: chat template (thinking on), hidden_states[-2] at max_length tokens,
@@ -91,8 +118,14 @@ class ZImageFamily(DiffusersFamily):
         check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
 
     # ---- training ----------------------------------------------------------------------------
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
-                text: dict[str, torch.Tensor], micro: list[MicroCond] | None = None) -> torch.Tensor:
+    def denoise(
+        self,
+        denoiser: torch.nn.Module,
+        noisy: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        micro: list[MicroCond] | None = None,
+    ) -> torch.Tensor:
         """Velocity (noise - x0) for scaled latents (B, 16, H, W).
 
         Z-Image's transformer takes a list of (C, 1, H, W) latents, the timestep as 1 - sigma (ZImagePipeline passes
@@ -105,15 +138,15 @@ class ZImageFamily(DiffusersFamily):
         out = denoiser(list(noisy.unsqueeze(2).unbind(0)), t.to(dt), caps, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
-    def comfy_lora_state(self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor],
-                         alpha: float) -> dict[str, torch.Tensor]:
+    def comfy_lora_state(
+        self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor]:
         from tuneline.stages.families.z_image.lora_layout import z_image_comfy_state
 
         return z_image_comfy_state(peft_state, alpha)
 
     # ---- validation --------------------------------------------------------------------------
-    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None
-                      ) -> dict[str, Any]:
+    def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """ZImagePipeline takes lists of per-prompt embeddings of the real tokens only."""
         kwargs: dict[str, Any] = {"prompt_embeds": trim(text["prompt_embeds"], text["prompt_attention_mask"])}
         if negative:

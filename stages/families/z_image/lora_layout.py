@@ -2,6 +2,7 @@
 `diffusion_model.<diffusers path>` (also `transformer.`, `lycoris_`) for each module `comfy/utils.py:
 z_image_to_diffusers` lists: in the main layers and both refiners the attention projections (q/k/v into its fused
 qkv, to_out.0), the feed-forward w1-w3 and the adaLN modulation."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,10 @@ import torch
 from tuneline.stages.families.comfy_lora import comfy_state
 
 PREFIX = "diffusion_model."
-MAPPED = re.compile(r"^(layers|context_refiner|noise_refiner)\.\d+\."
-                    r"(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|adaLN_modulation\.0)$")
+MAPPED = re.compile(
+    r"^(layers|context_refiner|noise_refiner)\.\d+\."
+    r"(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.w[123]|adaLN_modulation\.0)$"
+)
 
 
 def z_image_comfy_state(peft_state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
