@@ -35,7 +35,7 @@ def _config(cfg) -> dict:
         "caption": {
             "policy": c.policy,
             "trigger": c.trigger,
-            "tiny": c.model if c.model.startswith("tiny") else None,
+            "tiny": c.model if c.model and c.model.startswith("tiny") else None,
             **generation_settings(cfg),
         },
         "dataset": {"empty_caption": cfg.dataset.empty_caption},

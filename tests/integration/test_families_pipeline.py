@@ -13,6 +13,10 @@ import torch
 from tuneline.stages.families.registry import family_names, get_family
 
 FAMILIES = family_names()
+# The shared parity checks below (facts read back from the folder, encode_prompt parity, rendering through the saved
+# folder with a negative) call each pipeline the way the older families' pipelines take their arguments; z_image,
+# flux2 and flux2_klein take others and are checked against their stock pipelines in test_new_families.py.
+PARITY = [n for n in FAMILIES if n not in ("z_image", "flux2", "flux2_klein")]
 CPU = torch.device("cpu")
 
 
@@ -68,7 +72,7 @@ def test_tiny_build_is_deterministic_and_reused(name, built, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp build folder left behind"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PARITY)
 def test_folder_matches_facts(name, built):
     """The static facts configs are checked against are what the model folder really does."""
     fam = get_family(name)
@@ -112,7 +116,7 @@ def _pipeline_encode(pipe, prompts: list[str], length: int) -> dict[str, torch.T
     return {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PARITY)
 def test_encode_text_matches_pipeline(name, built, encoders):
     fam = get_family(name)
     enc = encoders(name)
@@ -158,7 +162,7 @@ def test_denoise_forward_backward(name, built, encoders):
     assert not torch.allclose(out.detach(), other), "the prediction must depend on the text"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PARITY)
 def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, tmp_path):
     fam = get_family(name)
     base = built(name)

@@ -170,7 +170,7 @@ def test_staleness_follows_size_policy_dtype_and_model_not_speed_knobs(tiny_mode
             section, key = dotted.split("__")
             data[section][key] = value
         other = StageContext(parse_config(data, workdir=str(ctx.workdir)))
-        row = {r.stage: r for r in status(other, PIPELINE[:2])}["latents"]
+        row = {r.stage: r for r in status(other, [stage("scan"), stage("latents")])}["latents"]
         return row.state, row.reason
 
     assert latents_state()[0] == "fresh"

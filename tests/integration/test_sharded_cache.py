@@ -105,7 +105,7 @@ def test_blocks_split_into_disjoint_parts_covering_the_plan(data, single):
 
 
 def _work(ctx: StageContext) -> Path:
-    version = expected_versions(ctx, PIPELINE[:2])["latents"][0]
+    version = expected_versions(ctx, [stage("scan"), stage("latents")])["latents"][0]
     return ctx.store.partial_dir("latents", version)
 
 
