@@ -11,7 +11,7 @@ the diffusers file work unchanged; the LyCORIS layout is a renaming of its tenso
 recomputes each module's update from the file with ComfyUI's formulas and compares it with peft's merged weights.
 
 The file (final/lora_kohya.safetensors, for ComfyUI models/loras) names each module as the LoRA file does
-(`lora_unet_<original module>`). Modules that the original checkpoint fuses (flux/sd3 q, k, v) cannot stack a
+(`lora_unet_<original module>`). Modules that the original checkpoint fuses (q, k and v in some transformers) cannot stack a
 Kronecker or Hadamard product the way a LoRA stacks, so they keep the diffusers path as `lycoris_<path>`, the
 SimpleTuner LyCORIS names ComfyUI maps onto the fused weight's rows.
 
