@@ -306,7 +306,7 @@ def test_failed_scan_run_retried_after_the_dataset_appears(server, deployed, cli
         client,
         run.id,
         deployed["worker_log"],
-        "is not a folder",
+        "dataset.path: " + str(tmp_path / "photos"),  # the same refusal the CLI makes before starting a run
         fix=lambda: shutil.copytree(src, tmp_path / "photos"),
         env=server["env"],
     )
