@@ -161,6 +161,8 @@ def expected_versions(ctx: StageContext, stages: list[StageDef]) -> dict[str, tu
     """Per stage: (the version the current config + inputs map to, or None if unknown; the key parts)."""
     out: dict[str, tuple[str | None, dict | None]] = {}
     for sd in stages:
+        if sd.enabled is not None and not sd.enabled(ctx.cfg):
+            continue  # a stage this config turns off has no version (caption without caption.model)
         ups = {u: out[u][0] for u in sd.upstream}
         if any(v is None for v in ups.values()):
             out[sd.name] = (None, None)
