@@ -126,7 +126,7 @@ def upstream_refusal(cfg: PipelineConfig, name: str) -> str | None:
     bad = [r for r in rows if r.state != "fresh"]
     if not bad:
         return None
-    what = "; ".join(f"{r.stage} is {r.state} ({r.reason})" for r in bad)
+    what = "; ".join(f"the {r.stage} artifact is {r.state} ({r.reason})" for r in bad)
     fix = f"tuneline stage {bad[0].stage}" if len(bad) == 1 else f"tuneline run --until {name}"
     return f"stage {name} needs its upstream stages fresh: {what}; run `{fix}` first"
 

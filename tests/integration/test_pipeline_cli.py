@@ -101,7 +101,7 @@ def test_stage_refuses_missing_upstream(tmp_path):
     out = tuneline("stage", "train", "--workdir", str(tmp_path / "empty"))
     assert out.returncode != 0
     # every upstream at fault in one message, with one fix
-    assert all(f"{s} is missing" in out.stderr for s in ("scan", "latents", "text")), out.stderr
+    assert all(f"the {s} artifact is missing" in out.stderr for s in ("scan", "latents", "text")), out.stderr
     assert "`tuneline run --until train --workdir" in out.stderr
     assert not (tmp_path / "empty" / "artifacts" / "train").exists() or not [
         p for p in (tmp_path / "empty" / "artifacts" / "train").iterdir() if not p.name.startswith(".")

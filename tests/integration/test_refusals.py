@@ -53,7 +53,7 @@ def test_stage_names_every_upstream_at_fault_at_once_before_prefect(user_config,
         tuneline("stage", "validate", str(user_config), "--workdir", str(work), env={"PREFECT_HOME": str(home)}), home
     )
     for upstream in ("scan", "latents", "text", "train"):
-        assert f"{upstream} is missing" in msg, msg
+        assert f"the {upstream} artifact is missing" in msg, msg
     assert f"`tuneline run {user_config} --until validate --workdir {work}`" in msg, msg
     assert not work.exists(), "a refused command wrote its workdir"
 
@@ -61,7 +61,7 @@ def test_stage_names_every_upstream_at_fault_at_once_before_prefect(user_config,
 def test_one_stage_at_fault_is_fixed_by_that_stage(user_config, tmp_path):
     work = tmp_path / "w"
     msg = _refused(tuneline("stage", "latents", str(user_config), "--workdir", str(work)))
-    assert "scan is missing" in msg and "text" not in msg.split("run `")[0], msg
+    assert "the scan artifact is missing" in msg and "text" not in msg.split("run `")[0], msg
     assert f"`tuneline stage scan {user_config} --workdir {work}`" in msg, msg
 
 
@@ -69,7 +69,7 @@ def test_one_stage_at_fault_is_fixed_by_that_stage(user_config, tmp_path):
 def test_until_builds_up_to_the_stage_and_the_printed_fix_works(user_config, tmp_path):
     work = tmp_path / "w"
     msg = _refused(tuneline("stage", "train", str(user_config), "--workdir", str(work)))
-    assert all(f"{s} is missing" in msg for s in ("scan", "latents", "text")), msg
+    assert all(f"the {s} artifact is missing" in msg for s in ("scan", "latents", "text")), msg
     fix = shlex.split(FIX.findall(msg)[-1])
     assert fix[:2] == ["tuneline", "run"] and "--until" in fix, fix
     # the same shape, one stage earlier, so the test stays short: everything up to text, nothing after it
@@ -86,7 +86,9 @@ def test_until_builds_up_to_the_stage_and_the_printed_fix_works(user_config, tmp
     }, states
     assert "validation images" not in out.stdout
     msg = _refused(tuneline("stage", "validate", str(user_config), "--workdir", str(work)))
-    assert "train is missing" in msg and "scan is" not in msg and "`tuneline stage train " in msg, msg
+    assert (
+        "the train artifact is missing" in msg and "scan artifact is" not in msg and "`tuneline stage train " in msg
+    ), msg
 
 
 def _states(config: Path, work: Path) -> dict[str, str]:
@@ -147,7 +149,7 @@ def test_a_deployment_run_makes_the_same_check_and_fails_once(user_config, tmp_p
 
     cfg = load_config(user_config, str(tmp_path / "w"))
     expected = preflight.upstream_refusal(cfg, "latents")
-    assert expected and "scan is missing" in expected
+    assert expected and "the scan artifact is missing" in expected
     state = latents_flow(config=cfg, return_state=True)
     assert state.is_failed() and state.message == expected, (state, state.message)
     assert not (tmp_path / "w" / "artifacts" / "latents").exists()
