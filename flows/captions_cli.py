@@ -42,14 +42,14 @@ def captions_export(
     ] = None,
 ) -> None:
     """Write the captions as .txt sidecars (without the trigger) for review and editing."""
-    from tuneline.flows import cli
+    from tuneline.flows import cli_common
     from tuneline.stages.caption.export import export
 
-    cfg = cli._load(config, workdir)
+    cfg = cli_common.load(config, workdir)
     try:
         out, n = export(cfg, fresh_caption_dir(cfg), to)
-    except cli._user_errors() as err:
-        cli._fail(str(err))
+    except cli_common.user_errors() as err:
+        cli_common.fail(str(err))
     typer.echo(f"wrote {n} caption files to {out}")
 
 
@@ -60,12 +60,12 @@ def captions_show(
     count: Annotated[int, typer.Option("--count", min=1, help="captions printed")] = 8,
 ) -> None:
     """Print a sample of the captions (model captions first)."""
-    from tuneline.flows import cli
+    from tuneline.flows import cli_common
     from tuneline.stages.caption.export import show_lines
 
-    cfg = cli._load(config, workdir)
+    cfg = cli_common.load(config, workdir)
     try:
         lines = show_lines(fresh_caption_dir(cfg), count)
-    except cli._user_errors() as err:
-        cli._fail(str(err))
+    except cli_common.user_errors() as err:
+        cli_common.fail(str(err))
     typer.echo("\n".join(lines))

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
+from tuneline.flows import cli_ops
 from tuneline.flows.captions_cli import captions_app
-from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml, load_config
-from tuneline.schemas.families import SHIPPED_CONFIGS
+from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_table, user_errors
+from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
 # (`--force <bool>`), which reads as if the flag took a value.
@@ -25,72 +23,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
-remote_app = typer.Typer(
-    no_args_is_help=True, rich_markup_mode=None, help="Artifact versions on object storage (ops.remote)."
-)
-app.add_typer(remote_app, name="remote")
+app.add_typer(cli_ops.remote_app, name="remote")
 app.add_typer(captions_app, name="captions")
-
-ConfigArg = Annotated[Path | None, typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
-WorkdirOpt = Annotated[str | None, typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
-
-
-# The CONFIG and --workdir this command was given, as typed: fix commands in messages repeat them.
-_invocation: dict[str, str | None] = {"config": None, "workdir": None}
-FIX_COMMAND = re.compile(r"`tuneline (run|stage [a-z]+)((?: --[a-z-]+(?: [a-z]+)?)*)`")
-
-
-def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
-    """Make every `tuneline run|stage …` a message names runnable as printed from this directory: it gets the
-    CONFIG and --workdir of the command that failed (docs/design.md)."""
-
-    def complete(m: re.Match) -> str:
-        args = [m.group(1)] + ([shlex.quote(config)] if config else []) + ([m.group(2).strip()] if m.group(2) else [])
-        args += [f"--workdir {shlex.quote(workdir)}"] if workdir else []
-        return "`tuneline " + " ".join(args) + "`"
-
-    return FIX_COMMAND.sub(complete, msg)
-
-
-def _fail(msg: str) -> None:
-    typer.echo(f"error: {with_invocation(msg, _invocation['config'], _invocation['workdir'])}", err=True)
-    raise typer.Exit(1)
-
-
-def _load(config: Path | None, workdir: str | None) -> PipelineConfig:
-    _invocation.update(config=None if config is None else str(config), workdir=workdir)
-    try:
-        cfg = load_config(config, workdir)
-    except ConfigError as err:
-        _fail(str(err))
-        raise  # unreachable
-    from tuneline.flows.preflight import workdir_not_a_folder
-
-    problem = workdir_not_a_folder(cfg)
-    if problem:
-        _fail(problem)
-    return cfg
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from tuneline.flows.preflight import Refused
-    from tuneline.stages.common.artifacts import ArtifactError
-    from tuneline.stages.common.lock import StoreLocked
-    from tuneline.stages.common.remote import RemoteError
-    from tuneline.stages.common.stage import StageFailed
-    from tuneline.stages.train.launch import TrainingFailed
-
-    return (
-        Refused,
-        ConfigError,
-        ArtifactError,
-        StageFailed,
-        TrainingFailed,
-        StoreLocked,
-        RemoteError,
-        FileNotFoundError,
-        ValueError,
-    )
 
 
 @app.command()
@@ -108,12 +42,12 @@ def run(
     from tuneline.stages.pipeline import STAGE_NAMES, stage_names
 
     if until is not None and until not in STAGE_NAMES:
-        _fail(f"unknown stage {until!r} for --until; stages are: {', '.join(STAGE_NAMES)}")
-    cfg = _load(config, workdir)
+        fail(f"unknown stage {until!r} for --until; stages are: {', '.join(STAGE_NAMES)}")
+    cfg = load(config, workdir)
     _refuse(lambda: preflight.check_paths(cfg))
     every = stage_names(cfg)
     if until is not None and until not in every:
-        _fail(f"--until {until}: the {until} stage is off in this config (it runs: {', '.join(every)})")
+        fail(f"--until {until}: the {until} stage is off in this config (it runs: {', '.join(every)})")
     names = every[: every.index(until) + 1] if until else every
     runs = None if force else _nothing_to_run(cfg, names)
     if runs is None:
@@ -134,14 +68,14 @@ def run(
 
 def _refuse(check) -> None:
     """Run a refusal check (tuneline.flows.preflight) before anything starts; its message is the error. Not
-    `_user_errors()`: that imports the training launcher, and with it torch (seconds on this path)."""
+    `user_errors()`: that imports the training launcher, and with it torch (seconds on this path)."""
     from tuneline.flows.preflight import Refused
     from tuneline.stages.common.artifacts import ArtifactError
 
     try:
         check()
     except (Refused, ConfigError, ArtifactError, FileNotFoundError, ValueError) as err:
-        _fail(str(err))
+        fail(str(err))
 
 
 def _in_flows(cfg: PipelineConfig, call):
@@ -153,7 +87,7 @@ def _in_flows(cfg: PipelineConfig, call):
     try:
         url = api_for_flows()
     except ServerUnavailable as err:
-        _fail(str(err))
+        fail(str(err))
         raise  # unreachable
     from contextlib import nullcontext
 
@@ -161,14 +95,14 @@ def _in_flows(cfg: PipelineConfig, call):
 
     from tuneline.flows.console import quiet_console
 
-    quiet_console(_user_errors(), url)
+    quiet_console(user_errors(), url)
     preflight.checked_in_this_process = True  # the flows need not repeat what was just checked
     started = time.time()
     try:
         with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
             return call()
-    except _user_errors() as err:
-        _fail(str(err))
+    except user_errors() as err:
+        fail(str(err))
     except Exception as err:
         _fail_if_unauthorized(err)
         raise
@@ -185,16 +119,16 @@ def _fail_if_unauthorized(err: BaseException) -> None:
 
     msg = unauthorized_message(err)
     if msg:
-        _fail(msg)
+        fail(msg)
 
 
 def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | None:
     from tuneline.flows.runs import fresh_summary
 
     try:
-        runs = fresh_summary(cfg, names, _user_errors())
-    except _user_errors() as err:
-        _fail(str(err))
+        runs = fresh_summary(cfg, names, user_errors())
+    except user_errors() as err:
+        fail(str(err))
         raise  # unreachable
     if runs is not None:
         typer.echo("every stage is fresh: nothing to build")
@@ -212,13 +146,13 @@ def stage(
     from tuneline.stages.pipeline import STAGE_NAMES
 
     if name not in STAGE_NAMES:
-        _fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
-    cfg = _load(config, workdir)
+        fail(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)}")
+    cfg = load(config, workdir)
     from tuneline.flows import preflight
     from tuneline.stages.pipeline import stage_names
 
     if name not in stage_names(cfg):  # refused before any Prefect server starts
-        _fail(
+        fail(
             f"stage {name} is off in this config: set {name}.model (a local vision-language model folder, or "
             f"tiny) to run it"
         )
@@ -241,18 +175,18 @@ def status(
 ) -> None:
     """Per stage: fresh / stale / missing / failed, version, path, reason."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    cfg = _load(config, workdir)
+    cfg = load(config, workdir)
     from tuneline.stages.common.stage import StageContext, status as stage_status
     from tuneline.stages.pipeline import PIPELINE
 
     try:
         rows = stage_status(StageContext(cfg), PIPELINE)
-    except _user_errors() as err:
-        _fail(str(err))
+    except user_errors() as err:
+        fail(str(err))
     if as_json:
         sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
         return
-    _print_table(
+    print_table(
         ("stage", "state", "version", "path", "summary", "reason"),
         [(r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason) for r in rows],
     )
@@ -277,7 +211,7 @@ def deploy(
     pool: Annotated[str | None, typer.Option("--pool", help="work pool; default ops.work_pool")] = None,
 ) -> None:
     """Register one Prefect deployment per stage plus the pipeline (CONFIG = their default parameters)."""
-    cfg = _load(config, workdir)
+    cfg = load(config, workdir)
     from prefect.settings import PREFECT_API_URL
 
     from tuneline.flows.deploy import deploy as register
@@ -290,8 +224,8 @@ def deploy(
         )
     try:
         deployed = register(cfg, pool)
-    except _user_errors() as err:
-        _fail(str(err))
+    except user_errors() as err:
+        fail(str(err))
     except Exception as err:
         _fail_if_unauthorized(err)
         raise
@@ -313,150 +247,10 @@ def worker(
     raise typer.Exit(serve(pool, limit))
 
 
-@app.command()
-def lineage(
-    config: ConfigArg = None,
-    workdir: WorkdirOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout")] = False,
-) -> None:
-    """Every published version: stage, version, upstream versions, created, fresh for this config."""
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    cfg = _load(config, workdir)
-    from tuneline.flows.ops import lineage_rows
-
-    try:
-        rows = lineage_rows(cfg)
-    except _user_errors() as err:
-        _fail(str(err))
-    if as_json:
-        sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
-        return
-    _print_table(
-        ("stage", "version", "fresh", "upstream", "created_at"),
-        [
-            (r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(), r.created_at[:19].replace("T", " "))
-            for r in rows
-        ],
-    )
-
-
-@app.command()
-def gc(
-    config: ConfigArg = None,
-    workdir: WorkdirOpt = None,
-    keep: Annotated[
-        int | None, typer.Option("--keep", min=0, help="versions kept per stage; default ops.keep_versions")
-    ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would go")] = False,
-    partial: Annotated[
-        bool, typer.Option("--partial", help="also delete interrupted work in progress (loses resumability)")
-    ] = False,
-) -> None:
-    """Delete old versions: keep the newest K per stage and everything fresh or used by a fresh version."""
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    cfg = _load(config, workdir)
-    from tuneline.flows.ops import gc as collect
-
-    try:
-        p, freed = collect(cfg, cfg.ops.keep_versions if keep is None else keep, dry_run=dry_run, partial=partial)
-    except _user_errors() as err:
-        _fail(str(err))
-    verb = "would remove" if dry_run else "removed"
-    for path in p.remove:
-        typer.echo(f"{verb} {path}")
-    for path, why in p.keep.items():
-        typer.echo(f"kept {path} ({why})")
-    for path in p.partial:
-        typer.echo(f"{verb if partial else 'left'} work in progress {path}")
-    typer.echo(f"{verb} {len(p.remove)} versions" + ("" if dry_run else f", freed {freed / 1e6:.1f} MB"))
-
-
-@remote_app.command("push")
-def remote_push(
-    config: ConfigArg = None,
-    workdir: WorkdirOpt = None,
-    stages: Annotated[list[str] | None, typer.Option("--stage", help="repeatable; default all")] = None,
-) -> None:
-    """Upload each stage's fresh version to ops.remote (versions already there are skipped)."""
-    cfg = _load(config, workdir)
-    from tuneline.flows.ops import push
-
-    try:
-        for url in push(cfg, stages):
-            typer.echo(f"pushed {url}")
-    except _user_errors() as err:
-        _fail(str(err))
-
-
-@remote_app.command("pull")
-def remote_pull(
-    stage_name: Annotated[str, typer.Argument(metavar="STAGE")],
-    version: str,
-    config: ConfigArg = None,
-    workdir: WorkdirOpt = None,
-) -> None:
-    """Download one version from ops.remote into the workdir, checking every file's checksum."""
-    cfg = _load(config, workdir)
-    from tuneline.flows.ops import pull
-
-    try:
-        typer.echo(pull(cfg, stage_name, version))
-    except _user_errors() as err:
-        _fail(str(err))
-
-
-@remote_app.command("ls")
-def remote_ls(config: ConfigArg = None, workdir: WorkdirOpt = None) -> None:
-    """Published versions on ops.remote: stage, version, URL (tab-separated)."""
-    cfg = _load(config, workdir)
-    from tuneline.flows.ops import remote
-    from tuneline.stages.pipeline import STAGE_NAMES
-
-    try:
-        r = remote(cfg)
-        for s in STAGE_NAMES:
-            for v in r.versions(s):
-                typer.echo(f"{s}\t{v}\t{r.version_url(s, v)}")
-    except _user_errors() as err:
-        _fail(str(err))
-
-
-@app.command("plan")
-def plan_memory(
-    config: ConfigArg = None,
-    workdir: WorkdirOpt = None,
-    gpu_memory: Annotated[
-        float | None, typer.Option("--gpu-memory", metavar="GIB", help="plan for a CUDA GPU with this much memory")
-    ] = None,
-    model_config: Annotated[
-        str | None,
-        typer.Option(
-            "--model-config",
-            metavar="NAME",
-            help=f"plan a released model from its shipped weightless config ({', '.join(SHIPPED_CONFIGS)})",
-        ),
-    ] = None,
-) -> None:
-    """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
-    cfg = _load(config, workdir)
-    from tuneline.stages.train.memplan import plan_command
-
-    try:
-        plan = plan_command(cfg, gpu_memory, model_config)
-    except _user_errors() as err:
-        _fail(str(err))
-    typer.echo(plan.text())
-    raise typer.Exit(0 if plan.fits else 2)
-
-
-def _print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(*header)
-    for r in rows:
-        table.add_row(*map(str, r))
-    Console().print(table)
+# Registered here, after the pipeline's own commands, so `tuneline --help` lists them in this order.
+app.command()(cli_ops.lineage)
+app.command()(cli_ops.gc)
+app.command("plan")(cli_ops.plan_memory)
 
 
 def main() -> None:
