@@ -13,7 +13,7 @@ import typer
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
 from tuneline.flows import cli_ops
 from tuneline.flows.captions_cli import captions_app
-from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_table, user_errors
+from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_rows, user_errors
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
@@ -183,12 +183,11 @@ def status(
         rows = stage_status(StageContext(cfg), PIPELINE)
     except user_errors() as err:
         fail(str(err))
-    if as_json:
-        sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
-        return
-    print_table(
+    print_rows(
+        rows,
+        as_json,
         ("stage", "state", "version", "path", "summary", "reason"),
-        [(r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason) for r in rows],
+        lambda r: (r.stage, r.state, r.version or "-", r.path or "-", r.summary, r.reason),
     )
 
 

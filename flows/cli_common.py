@@ -3,8 +3,10 @@ error line for what a user can fix (exit 1), whose fix commands repeat the CONFI
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -74,11 +76,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def print_table(header: tuple[str, ...], rows: list[tuple]) -> None:
+def print_rows(rows: list, as_json: bool, header: tuple[str, ...], cells) -> None:
+    """Rows as JSON on stdout (each row's `as_json()`), or as a table of `cells(row)` under `header`."""
+    if as_json:
+        sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
+        return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(*header)
     for r in rows:
-        table.add_row(*map(str, r))
+        table.add_row(*map(str, cells(r)))
     Console().print(table)

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Annotated
 
 import typer
 
-from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_table, user_errors
+from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_rows, user_errors
 from tuneline.schemas.families import SHIPPED_CONFIGS
 
 remote_app = typer.Typer(
@@ -32,15 +31,17 @@ def lineage(
         rows = lineage_rows(cfg)
     except user_errors() as err:
         fail(str(err))
-    if as_json:
-        sys.stdout.write(json.dumps([r.as_json() for r in rows], indent=2) + "\n")
-        return
-    print_table(
+    print_rows(
+        rows,
+        as_json,
         ("stage", "version", "fresh", "upstream", "created_at"),
-        [
-            (r.stage, r.version, "fresh" if r.fresh else "", r.upstream_text(), r.created_at[:19].replace("T", " "))
-            for r in rows
-        ],
+        lambda r: (
+            r.stage,
+            r.version,
+            "fresh" if r.fresh else "",
+            r.upstream_text(),
+            r.created_at[:19].replace("T", " "),
+        ),
     )
 
 
