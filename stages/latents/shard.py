@@ -3,9 +3,9 @@ encoded by its own single process, then checked and completed by the stage in on
 
 The plan is a pure function of the scan's records, the block size and the previous version, so the parent and
 every shard compute it alike. A nominal block is `block_rows` consecutive records of a bucket; blocks with
-records to encode are split into contiguous parts with about as much encoding work each (rows times latent size), and a block with
-nothing to encode (linked or copied from the previous version) goes with the part before it, so an incremental
-rebuild keeps every shard busy.
+records to encode are split into contiguous parts with about as much work each (source and bucket pixels), and a
+block with nothing to encode (linked or copied from the previous version) goes with the part before it, so an
+incremental rebuild keeps every shard busy.
 A shard fills its blocks with the writer a single process uses (same rows, same batches per block), so its
 chunks are byte for byte a single process's. Images rejected while encoding shift the rows of later blocks:
 the parent's pass (the single-process writer's resume) adopts every block that checks out at its place and
@@ -14,7 +14,6 @@ writes the rest itself, so the published cache is the 1-shard cache whatever was
 
 from __future__ import annotations
 
-import math
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -95,16 +94,12 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
 
 
 def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
-    """Per shard, its nominal blocks as (job, block) in plan order: contiguous parts with about as much encoding
-    work each, counted as rows to encode times the bucket's latent size (a 1024² row costs four 512² rows; a block
-    goes to the part its middle unit of work falls in); a block with nothing to encode goes with the block before
-    it."""
+    """Per shard, its nominal blocks as (job, block) in plan order: contiguous parts with about as much work each
+    (a block goes to the part its middle unit of work falls in); a block with nothing to encode goes with the
+    block before it."""
     size = p.settings.block_rows
     blocks = [(k, b) for k, job in enumerate(p.jobs) for b in range(-(-len(job.records) // size))]
-    todo = [
-        math.prod(p.jobs[k].shape) * sum(key not in p.reuse for key in p.jobs[k].row_keys[b * size : (b + 1) * size])
-        for k, b in blocks
-    ]
+    todo = [_work(p.jobs[k], range(b * size, min((b + 1) * size, len(p.jobs[k].records))), p.reuse) for k, b in blocks]
     total = sum(todo)
     out: list[list[tuple[int, int]]] = [[] for _ in range(count)]
     owner, before = 0, 0
@@ -114,6 +109,13 @@ def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
             before += n
         out[owner].append(block)
     return out
+
+
+def _work(job: BucketJob, rows: range, reuse: Reuse) -> int:
+    """What encoding these rows costs, in pixels: each row to encode decodes its source image and encodes its
+    bucket (a 3000² photo costs more than a 600² one in the same bucket); reused rows cost nothing."""
+    bucket = job.width * job.height
+    return sum(job.records[i].width * job.records[i].height + bucket for i in rows if job.row_keys[i] not in reuse)
 
 
 def runs(blocks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
