@@ -184,6 +184,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=False,
         pipeline="QwenImagePipeline",
         denoiser="transformer",
+        checkpoint_marker="transformer_blocks.0.img_mod.",
         kohya_base_version="qwen_image",
         modelspec_arch="qwen-image",
         modelspec_impl="https://github.com/QwenLM/Qwen-Image",
@@ -201,6 +202,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         max_length_limit=512,
         pipeline="ZImagePipeline",
         denoiser="transformer",
+        checkpoint_marker="cap_embedder.",
     ),
     # FLUX.2: 32 VAE channels, 2x2 patchified into 128 and batch-norm normalised (cached that way: scale 1, shift 0).
     "flux2": FamilyFacts(
@@ -216,6 +218,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=False,
         pipeline="Flux2Pipeline",
         denoiser="transformer",
+        checkpoint_marker="double_stream_modulation_img.",
     ),
     "flux2_klein": FamilyFacts(
         "flux2_klein",
@@ -230,6 +233,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=True,
         pipeline="Flux2KleinPipeline",
         denoiser="transformer",
+        checkpoint_marker="double_stream_modulation_img.",
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).
