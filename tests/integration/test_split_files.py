@@ -149,3 +149,17 @@ def test_split_files_run_a_stage(tmp_path):
     assert all(torch.equal(got_te[k].float(), v.float()) for k, v in te_sd.items() if k in got_te)
     got_vae = fam.load_vae(assembled, torch.float32, CPU).state_dict()
     assert all(torch.equal(got_vae[k], v.to(torch.bfloat16).float()) for k, v in vae.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "z_image", "flux2", "flux2_klein"])
+def test_shipped_config_checks_a_transformer_files_shapes(name, tmp_path):
+    from tuneline.stages.families.shipped import SIGNATURES, resolve_config, shipped_dir
+
+    fits = tmp_path / "fits.safetensors"
+    save_file({comfy_layout.PREFIX + k: torch.zeros(s, dtype=torch.float8_e4m3fn) for k, s in SIGNATURES[name].items()}, str(fits))
+    assert resolve_config(name, fits, None) == (str(shipped_dir(name)), True)
+    fam = get_family(name)
+    tiny = tmp_path / "tiny.safetensors"
+    save_file(LAYOUTS[name](_denoiser_state(fam, fam.ensure_model(None, tmp_path / "models"))), str(tiny))
+    with pytest.raises(ValueError, match=f"model.config: null uses the shipped {name} config.*does not fit"):
+        fam.ensure_model(str(tiny), tmp_path / "cache", None)

@@ -17,12 +17,15 @@ from tuneline.stages.families.registry import family_names, get_family
 
 FAMILIES_DIR = Path(__file__).resolve().parents[2] / "stages" / "families"
 # (config folder, component, class, parameters of the published architecture, the model card's rounded size).
-# Z-Image-Turbo: 6B; FLUX.2 [dev]: 32B; FLUX.2 [klein] 4B. See stages/families/z_image/README.md, stages/families/flux2/README.md.
+# Qwen-Image: 20.4B (its card states one decimal); Z-Image-Turbo: 6B; FLUX.2 [dev]: 32B; FLUX.2 [klein] 4B. See
+# stages/families/configs/README.md.
 SHAPES = [
-    ("z_image/config", "transformer", "ZImageTransformer2DModel", 6_154_908_736, 6e9),
-    ("flux2/config_dev", "transformer", "Flux2Transformer2DModel", 32_223_281_152, 32e9),
-    ("flux2/config_klein", "transformer", "Flux2Transformer2DModel", 3_875_544_576, 4e9),
-    ("flux2/config_dev", "vae", "AutoencoderKLFlux2", 84_046_115, None),
+    ("configs/qwen_image", "transformer", "QwenImageTransformer2DModel", 20_430_401_088, 20.4e9),
+    ("configs/qwen_image", "vae", "AutoencoderKLQwenImage", 126_892_531, None),
+    ("configs/z_image", "transformer", "ZImageTransformer2DModel", 6_154_908_736, 6e9),
+    ("configs/flux2", "transformer", "Flux2Transformer2DModel", 32_223_281_152, 32e9),
+    ("configs/flux2_klein", "transformer", "Flux2Transformer2DModel", 3_875_544_576, 4e9),
+    ("configs/flux2", "vae", "AutoencoderKLFlux2", 84_046_115, None),
 ]
 
 
@@ -51,8 +54,8 @@ def test_family_facts_and_example_config(name):
 
 
 def test_full_fine_tune_of_flux2_dev_refused_naming_the_limit(tmp_path):
-    shutil.copytree(FAMILIES_DIR / "flux2" / "config_dev", tmp_path / "dev")
+    shutil.copytree(FAMILIES_DIR / "configs" / "flux2", tmp_path / "dev")
     with pytest.raises(ValueError, match=r"32\.2B parameters.*141 GB.*train.mode lora"):
         get_family("flux2").check_full_finetune(tmp_path / "dev")
-    shutil.copytree(FAMILIES_DIR / "z_image" / "config", tmp_path / "z")
+    shutil.copytree(FAMILIES_DIR / "configs" / "z_image", tmp_path / "z")
     get_family("z_image").check_full_finetune(tmp_path / "z")  # 6.2B: 98 GB per GPU, fits the largest GPU
