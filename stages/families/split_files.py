@@ -156,8 +156,13 @@ def _check_weights(family: Any, out: Path, folder: Path) -> None:
             )
 
 
-def _component_class(family: Any, comp: str) -> type:
-    return family.pipeline_class._get_signature_types()[comp][0]
+def _component_class(out: Path, comp: str) -> type:
+    """The component's class as the folder's model_index.json names it (pipelines type some only as a base class,
+    e.g. PreTrainedModel)."""
+    import importlib
+
+    library, cls = json.loads((out / "model_index.json").read_text())[comp]
+    return getattr(importlib.import_module(library), cls)
 
 
 def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
@@ -171,7 +176,7 @@ def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
             f"{field}: model.config has no {comp}/config.json to build the {comp} from; set model.config to a "
             f"local diffusers folder of the {family.facts.name} model (its configs and tokenizers are read)"
         )
-    cls = _component_class(family, comp)
+    cls = _component_class(out, comp)
     dtype = _dtype(sd)
     model = _load_named(cls, out / comp, sd, dtype)
     if model is None:

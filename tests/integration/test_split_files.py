@@ -101,19 +101,36 @@ def test_transformer_of_another_family_is_refused(tmp_path):
         qwen.ensure_model(str(file), tmp_path / "cache", str(config))
 
 
-def test_split_files_run_a_stage(tmp_path):
-    """Transformer (scaled fp8), text encoder (plain fp8) and VAE (bf16) as three files over a weightless config:
+def _vae_file(fam, vae) -> dict[str, torch.Tensor]:
+    """The VAE's file: Qwen-Image's in diffusers names; Z-Image's is FLUX.1's `ae.safetensors` (original layout)."""
+    sd = vae.state_dict()
+    if fam.facts.name == "qwen_image":
+        return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    from tuneline.stages.train.singlefile_export import vae_name
+
+    levels = len(vae.config.block_out_channels)
+    out = {vae_name(k, levels): v.to(torch.bfloat16) for k, v in sd.items()}
+    assert None not in out
+    return {k: v[:, :, None, None] if ".mid.attn_1." in k and v.ndim == 2 else v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "z_image"])
+def test_split_files_run_a_stage(family, tmp_path):
+    """Transformer (scaled fp8, ComfyUI's layout), text encoder (plain fp8; Z-Image's as ComfyUI's
+    `qwen_3_4b.safetensors`: a causal LM's `model.` names) and VAE (bf16) as three files over a weightless config:
     scan, latents and text run on the assembled model."""
-    fam = get_family("qwen_image")
+    fam = get_family(family)
     tiny = fam.ensure_model(None, tmp_path / "models")
     files = tmp_path / "comfy"
     files.mkdir()
-    save_file(comfy_layout.scaled_fp8(_denoiser_state(fam, tiny)), str(files / "qwen_image_fp8.safetensors"))
+    dm = comfy_layout.scaled_fp8(LAYOUTS[family](_denoiser_state(fam, tiny)))
+    save_file(dm, str(files / "diffusion_model_fp8.safetensors"))
     te = fam.load_text_encoders(tiny, torch.float32, CPU).encoders[0]
     te_sd = {k: v.to(torch.float8_e4m3fn) if v.dim() == 2 else v for k, v in te.state_dict().items()}
-    save_file({k: v.contiguous() for k, v in te_sd.items()}, str(files / "text_encoder_fp8.safetensors"))
+    prefix = "model." if family == "z_image" else ""
+    save_file({prefix + k: v.contiguous() for k, v in te_sd.items()}, str(files / "text_encoder_fp8.safetensors"))
     vae = fam.load_vae(tiny, torch.float32, CPU)
-    save_file({k: v.to(torch.bfloat16) for k, v in vae.state_dict().items()}, str(files / "vae.safetensors"))
+    save_file(_vae_file(fam, vae), str(files / "vae.safetensors"))
     config = _weightless(tiny, tmp_path / "config")
 
     (tmp_path / "data").mkdir()
@@ -124,8 +141,8 @@ def test_split_files_run_a_stage(tmp_path):
         {
             "dataset": {"path": str(tmp_path / "data")},
             "model": {
-                "family": "qwen_image",
-                "path": str(files / "qwen_image_fp8.safetensors"),
+                "family": family,
+                "path": str(files / "diffusion_model_fp8.safetensors"),
                 "text_encoder_path": str(files / "text_encoder_fp8.safetensors"),
                 "vae_path": str(files / "vae.safetensors"),
                 "config": str(config),
@@ -146,9 +163,12 @@ def test_split_files_run_a_stage(tmp_path):
 
     assembled = resolve.model_dir(ctx)
     got_te = fam.load_text_encoders(assembled, torch.float32, CPU).encoders[0].state_dict()
-    assert all(torch.equal(got_te[k].float(), v.float()) for k, v in te_sd.items() if k in got_te)
+    assert got_te.keys() == te.state_dict().keys()
+    assert all(torch.equal(got_te[k].float(), v.float()) for k, v in te_sd.items())
     got_vae = fam.load_vae(assembled, torch.float32, CPU).state_dict()
     assert all(torch.equal(got_vae[k], v.to(torch.bfloat16).float()) for k, v in vae.state_dict().items())
+    got_den = _denoiser_state(fam, assembled)
+    assert all(torch.equal(LAYOUTS[family](got_den)[k].float(), v) for k, v in comfy_layout.dequantized(dm).items())
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "z_image", "flux2", "flux2_klein"])
