@@ -179,6 +179,12 @@ def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
     cls = _component_class(out, comp)
     dtype = _dtype(sd)
     model = _load_named(cls, out / comp, sd, dtype)
+    via = getattr(family, "single_file_layouts", {}).get(comp)
+    if model is None and via is not None:  # another class's converter reads this layout (same module names)
+        from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+        convert = SINGLE_FILE_LOADABLE_CLASSES[via]["checkpoint_mapping_fn"]
+        model = _load_named(cls, out / comp, convert(checkpoint=dict(sd)), dtype)
     if model is None:
         model = _load_converted(cls, out, comp, sd, dtype, field, path)
     for p in (out / comp).iterdir():

@@ -133,3 +133,43 @@ def dequantized(sd: dict[str, torch.Tensor], prefix: str = PREFIX) -> dict[str, 
         scale = sd.get(k.removesuffix(".weight") + ".scale_weight") if k.endswith(".weight") else None
         out[k.removeprefix(prefix)] = v.float() * scale if scale is not None else v
     return out
+
+
+_WAN_RES = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
+            "conv2": "residual.6", "conv_shortcut": "shortcut"}  # fmt: skip
+
+
+def _wan_res(rest: str) -> str:
+    for new, old in _WAN_RES.items():
+        if rest.startswith(new + ".") or rest == new:
+            return old + rest[len(new) :]
+    return rest
+
+
+def wan_vae(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Wan-structured VAE (AutoencoderKLQwenImage / AutoencoderKLWan, 2 resnets per level) in Wan's original layout,
+    as ComfyUI's qwen_image_vae.safetensors: the inverse of diffusers' convert_wan_vae_to_diffusers."""
+    out = {}
+    for k, v in sd.items():
+        side, _, rest = k.partition(".")
+        if k.startswith(("quant_conv.", "post_quant_conv.")):
+            name = ("conv1." if k.startswith("quant") else "conv2.") + k.split(".", 1)[1]
+        elif rest.startswith("conv_in."):
+            name = f"{side}.conv1.{rest[len('conv_in.'):]}"
+        elif rest.startswith(("norm_out.", "conv_out.")):
+            name = f"{side}.head.{'0' if rest.startswith('norm') else '2'}.{rest.split('.', 1)[1]}"
+        elif m := re.match(r"mid_block\.resnets\.(\d)\.(.*)", rest):
+            name = f"{side}.middle.{2 * int(m[1])}.{_wan_res(m[2])}"
+        elif m := re.match(r"mid_block\.attentions\.0\.(.*)", rest):
+            name = f"{side}.middle.1.{m[1]}"
+        elif m := re.match(r"down_blocks\.(\d+)\.(.*)", rest):
+            name = f"encoder.downsamples.{m[1]}.{_wan_res(m[2])}"
+        elif m := re.match(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", rest):
+            block = 4 * int(m[1]) + int(m[2])
+            name = f"decoder.upsamples.{block}.{_wan_res(m[3])}"
+        elif m := re.match(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", rest):
+            name = f"decoder.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
+        else:
+            raise KeyError(k)
+        out[name] = v
+    return out

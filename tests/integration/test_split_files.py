@@ -183,3 +183,27 @@ def test_shipped_config_checks_a_transformer_files_shapes(name, tmp_path):
     save_file(LAYOUTS[name](_denoiser_state(fam, fam.ensure_model(None, tmp_path / "models"))), str(tiny))
     with pytest.raises(ValueError, match=f"model.config: null uses the shipped {name} config.*does not fit"):
         fam.ensure_model(str(tiny), tmp_path / "cache", None)
+
+
+def test_qwen_image_vae_in_wans_original_layout(tmp_path):
+    """ComfyUI's Qwen-Image VAE file is in Wan's original layout: read through diffusers' Wan converter (the
+    released structure, 2 resnets per level, at a narrow width) into AutoencoderKLQwenImage, weights exact."""
+    from diffusers import AutoencoderKLQwenImage
+
+    fam = get_family("qwen_image")
+    tiny = fam.ensure_model(None, tmp_path / "models")
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2)
+    config = _weightless(tiny, tmp_path / "config")
+    vae.save_config(config / "vae")
+    shutil.rmtree(config / fam.text_components[0])
+    shutil.copytree(tiny / fam.text_components[0], config / fam.text_components[0])
+    save_file(comfy_layout.wan_vae(vae.state_dict()), str(tmp_path / "qwen_image_vae.safetensors"))
+    save_file(_denoiser_state(fam, tiny), str(tmp_path / "transformer.safetensors"))
+    out = fam.ensure_model(
+        str(tmp_path / "transformer.safetensors"), tmp_path / "cache", str(config),
+        vae_path=str(tmp_path / "qwen_image_vae.safetensors"),
+    )  # fmt: skip
+    got = fam.load_vae(out, torch.float32, CPU).state_dict()
+    assert got.keys() == vae.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in vae.state_dict().items())
