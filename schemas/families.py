@@ -184,6 +184,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=False,
         pipeline="QwenImagePipeline",
         denoiser="transformer",
+        checkpoint_marker="transformer_blocks.0.img_mod.",
+        shipped_config="Qwen-Image",
         kohya_base_version="qwen_image",
         modelspec_arch="qwen-image",
         modelspec_impl="https://github.com/QwenLM/Qwen-Image",
@@ -201,6 +203,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         max_length_limit=512,
         pipeline="ZImagePipeline",
         denoiser="transformer",
+        checkpoint_marker="cap_embedder.",
+        shipped_config="Z-Image-Turbo",
     ),
     # FLUX.2: 32 VAE channels, 2x2 patchified into 128 and batch-norm normalised (cached that way: scale 1, shift 0).
     "flux2": FamilyFacts(
@@ -216,6 +220,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=False,
         pipeline="Flux2Pipeline",
         denoiser="transformer",
+        checkpoint_marker="double_stream_modulation_img.",
+        shipped_config="FLUX.2-dev",
     ),
     "flux2_klein": FamilyFacts(
         "flux2_klein",
@@ -230,6 +236,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=True,
         pipeline="Flux2KleinPipeline",
         denoiser="transformer",
+        checkpoint_marker="double_stream_modulation_img.",
+        shipped_config="FLUX.2-klein-4B",
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).

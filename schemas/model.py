@@ -34,6 +34,16 @@ class ModelConfig(Strict):
         "transformer-only file) are loaded from that folder's weights; null = the family's "
         "shipped config when the file's shapes fit it",
     )
+    text_encoder_path: Annotated[str | None, ConfigPath()] = Field(
+        None,
+        description="with model.path a transformer-only .safetensors file (as ComfyUI distributes them): the "
+        "text encoder's file (transformers layout; fp8 or scaled fp8 is dequantized at load); null = model.config's",
+    )
+    vae_path: Annotated[str | None, ConfigPath()] = Field(
+        None,
+        description="with model.path a transformer-only .safetensors file: the VAE's file (diffusers or original "
+        "layout; fp8 or scaled fp8 is dequantized at load); null = model.config's",
+    )
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
         "float32", description="weights dtype for frozen parts (fp8 is not supported: see FP8_DTYPES)"
     )
@@ -70,6 +80,12 @@ class ModelConfig(Strict):
                 "model.config describes a single checkpoint file given as model.path; with model.path "
                 "null (the tiny flavor) set model.config null"
             )
+        for name in ("text_encoder_path", "vae_path"):
+            if getattr(self, name) is not None and self.path is None:
+                raise ValueError(
+                    f"model.{name} goes beside a transformer file given as model.path; with model.path null "
+                    f"(the tiny flavor) set model.{name} null"
+                )
         shipped_family = SHIPPED_CONFIGS.get(self.config or "")
         if shipped_family is not None and shipped_family != self.family:
             raise ValueError(

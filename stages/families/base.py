@@ -61,7 +61,14 @@ class Family(Protocol):
     facts: FamilyFacts
 
     # Model folders ---------------------------------------------------------------------------
-    def ensure_model(self, path: str | None, cache_dir: Path, config: str | None = None) -> Path:
+    def ensure_model(
+        self,
+        path: str | None,
+        cache_dir: Path,
+        config: str | None = None,
+        text_encoder_path: str | None = None,
+        vae_path: str | None = None,
+    ) -> Path:
         """A diffusers folder for this family: `path` (folder, or a single checkpoint converted once into
         `cache_dir`, its configs from the diffusers folder `config` when given), or for None the family's tiny random-init flavor built deterministically in `cache_dir`.
         Raises ValueError naming the missing component / file."""

@@ -18,6 +18,7 @@ from tuneline.schemas.families import FamilyFacts
 from tuneline.stages.families import folders
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.singlefile_import import convert_single_file
+from tuneline.stages.families.split_files import convert_split_files
 
 
 def diffusers_pipeline(name: str) -> type:
@@ -82,15 +83,31 @@ class DiffusersFamily:
         return {}
 
     # ---- model folders -----------------------------------------------------------------------
-    def ensure_model(self, path: str | None, cache_dir: Path, config: str | None = None) -> Path:
+    def ensure_model(
+        self,
+        path: str | None,
+        cache_dir: Path,
+        config: str | None = None,
+        text_encoder_path: str | None = None,
+        vae_path: str | None = None,
+    ) -> Path:
         cache_dir = Path(cache_dir)
         if path is None:
             return self._ensure_tiny(cache_dir)
         p = Path(path).expanduser().resolve()
         if p.is_dir():
+            if text_encoder_path or vae_path:
+                raise ValueError(
+                    f"model.text_encoder_path / model.vae_path go beside a transformer file, but model.path {p} is "
+                    f"a diffusers folder (it has its own); set them null, or point model.path at the transformer file"
+                )
             self.check_folder(p)
             return p
         if p.is_file():
+            # A family whose released checkpoints are transformer-only files (no whole-model layout) or a file
+            # given with separate text encoder / VAE files: the split-file assembly.
+            if text_encoder_path or vae_path or not self.facts.checkpoint_components:
+                return convert_split_files(self, p, cache_dir, config, text_encoder_path, vae_path)
             return convert_single_file(self, p, cache_dir, config)
         raise ValueError(
             f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "

@@ -42,7 +42,8 @@ def _model_dir(cfg: PipelineConfig, cache_dir: Path) -> Path:
         folders.check_folder(f, ready)
         return ready.resolve()
     # Builds the tiny flavor, or converts a single file (configs from model.config when set).
-    return family(cfg).ensure_model(cfg.model.path, cache_dir, cfg.model.config)
+    m = cfg.model
+    return family(cfg).ensure_model(m.path, cache_dir, m.config, m.text_encoder_path, m.vae_path)
 
 
 def identity(ctx, component: str) -> str:

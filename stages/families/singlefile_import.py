@@ -18,6 +18,7 @@ from typing import Any
 from tuneline.schemas.families import FAMILY_FACTS, facts
 from tuneline.schemas.model import SHIPPED_CONFIGS
 from tuneline.stages.families.shipped import resolve_config
+from tuneline.stages.families.split_files import checkpoint_family as marked_family
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -41,10 +42,7 @@ def checkpoint_family(file: Path) -> str | None:
             keys = [k.removeprefix("model.diffusion_model.") for k in f.keys()]
     except Exception:  # an unreadable file: the conversion below reports it with the way out
         return None
-    for name, f in FAMILY_FACTS.items():
-        if f.released and f.checkpoint_marker and any(k.startswith(f.checkpoint_marker) for k in keys):
-            return name
-    return None
+    return marked_family(keys)
 
 
 def missing_components(file: Path, family: str) -> list[str]:

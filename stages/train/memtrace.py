@@ -23,9 +23,12 @@ class Trace:
 def text_inputs(fam, den, batch: int) -> dict[str, torch.Tensor]:
     """Conditioning tensors of the shapes the family's text cache holds, from the denoiser's config."""
     c = den.config
-    width = c.get("cross_attention_dim") or c.get("joint_attention_dim")
+    width = c.get("cross_attention_dim") or c.get("joint_attention_dim") or c.get("cap_feat_dim")
     length = fam.facts.max_length + (77 if c.get("pooled_projection_dim") and "caption_projection_dim" in c else 0)
     out = {"prompt_embeds": torch.zeros(batch, length, width, device="meta")}
+    for key in getattr(fam, "prompt_keys", ()):  # a family whose cache holds a token mask: every token real
+        if "mask" in key:
+            out[key] = torch.ones(batch, length, dtype=torch.long, device="meta")
     pooled = c.get("pooled_projection_dim")
     if pooled is None and c.get("projection_class_embeddings_input_dim"):
         pooled = c["projection_class_embeddings_input_dim"] - 6 * c["addition_time_embed_dim"]
@@ -100,7 +103,8 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype) -> Tr
     micro = [MicroCond((edge, edge), (0, 0), (edge, edge))] * batch
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), _FusedAttentionMode():
-            fam.denoise(den, x, ts, {k: v.to(dtype) for k, v in text_inputs(fam, den, batch).items()}, micro=micro)
+            inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in text_inputs(fam, den, batch).items()}
+            fam.denoise(den, x, ts, inputs, micro=micro)
     finally:
         for h in hooks:
             h.remove()

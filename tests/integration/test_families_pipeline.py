@@ -14,9 +14,8 @@ from tuneline.stages.families.registry import family_names, get_family
 
 FAMILIES = family_names()
 # The shared parity checks below (facts read back from the folder, encode_prompt parity, rendering through the saved
-# folder with a negative) call each pipeline the way the older families' pipelines take their arguments; z_image,
-# flux2 and flux2_klein take others and are checked against their stock pipelines in test_new_families.py.
-PARITY = [n for n in FAMILIES if n not in ("z_image", "flux2", "flux2_klein")]
+# folder with a negative) cover every family; _pipeline_encode calls each pipeline's encode_prompt its own way.
+PARITY = FAMILIES
 CPU = torch.device("cpu")
 
 
@@ -89,7 +88,9 @@ def test_folder_matches_facts(name, built):
     denoiser = getattr(pipe, fam.denoiser_component)
     # Flux and Qwen-Image pack 2x2 outside the transformer (4x the latent channels in); the others patch inside.
     packed = denoiser.config.in_channels // facts.latent_channels
-    patch = 2 if packed == 4 else getattr(denoiser.config, "patch_size", 1)
+    # Z-Image's transformer lists its patch sizes (all_patch_size); the others have one.
+    c = denoiser.config
+    patch = 2 if packed == 4 else getattr(c, "patch_size", None) or getattr(c, "all_patch_size", [1])[0]
     assert patch == facts.patch_size
     sched = fam.load_noise_scheduler(built(name))
     kind = "flow_matching" if "FlowMatch" in type(sched).__name__ else sched.config.prediction_type
@@ -105,6 +106,12 @@ def _pipeline_encode(pipe, prompts: list[str], length: int) -> dict[str, torch.T
     if cls == "QwenImagePipeline":  # padded to the longest prompt: our fixed length is compared up to it
         pe, mask = pipe.encode_prompt(prompts, device=CPU, max_sequence_length=length)
         return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+    if cls == "ZImagePipeline":  # one variable-length tensor per prompt: ours padded with a mask, compared trimmed
+        pe, _ = pipe.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False, max_sequence_length=length)
+        return {"prompt_embeds": pe}
+    if cls in ("Flux2Pipeline", "Flux2KleinPipeline"):  # padded to max_sequence_length, as ours
+        pe, _ = pipe.encode_prompt(prompts, device=CPU, max_sequence_length=length)
+        return {"prompt_embeds": pe}
     if cls == "StableDiffusionXLPipeline":
         pe, _, pooled, _ = pipe.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False)
     elif cls == "StableDiffusion3Pipeline":
@@ -127,6 +134,10 @@ def test_encode_text_matches_pipeline(name, built, encoders):
     assert pe.ndim == 3 and pe.shape[0] == 2 and pe.shape[1] >= fam.facts.max_length
     assert not torch.equal(pe[0], pe[1]), "different captions must embed differently"
     ref = _pipeline_encode(_pipe(built(name)), prompts, enc.max_length)
+    if isinstance(ref["prompt_embeds"], list):  # the pipeline keeps only the real tokens of each prompt
+        mask = mine["prompt_attention_mask"].bool()
+        for i, value in enumerate(ref.pop("prompt_embeds")):
+            torch.testing.assert_close(mine["prompt_embeds"][i][mask[i]].to(value.dtype), value)
     for key, value in ref.items():
         got = mine[key]
         if "prompt_embeds_mask" in ref:  # variable length: ours is zero-padded (mask 0) past the longest prompt
@@ -179,6 +190,8 @@ def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, t
     torch.testing.assert_close(next(getattr(pipe, fam.denoiser_component).parameters()), first)
     enc = encoders(name)
     text, negative = fam.encode_text(enc, ["a red square"]), fam.encode_text(enc, ["blurry"])
+    # with guidance and no negative, a family that needs one gets "" encoded, as the renderer does
+    no_negative = fam.encode_text(enc, [""]) if getattr(fam, "negative_required", False) else None
     gen = torch.Generator().manual_seed(0)
     # 2 steps: a scheduler with shift_terminal (Qwen-Image) stretches its sigmas by the last one, 0/0 at 1 step.
     images = pipe(
@@ -191,7 +204,7 @@ def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, t
         width=64,
         generator=torch.Generator().manual_seed(0),
         output_type="np",
-        **fam.prompt_kwargs(text, None),
+        **fam.prompt_kwargs(text, no_negative),
     ).images
     assert plain.shape == images.shape
     assert fam.identity(out, "denoiser") != fam.identity(base, "denoiser")

@@ -48,6 +48,10 @@ class _FrameEncoder(torch.nn.Module):
 class QwenImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["qwen_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_embeds_mask")
+    # ComfyUI's qwen_image_vae.safetensors is in Wan's original VAE layout (ComfyUI runs it as its Wan VAE), and
+    # AutoencoderKLQwenImage has AutoencoderKLWan's module names: diffusers' Wan converter reads it
+    # (stages/families/split_files.py).
+    single_file_layouts: ClassVar[dict[str, str]] = {"vae": "AutoencoderKLWan"}
     lora_target_modules: tuple[str, ...] = (
         "to_q",
         "to_k",

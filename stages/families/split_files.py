@@ -1,0 +1,250 @@
+"""Split files: a transformer-only `model.path` (the `diffusion_models/` file ComfyUI distributes) with the text
+encoder and VAE as separate files (`model.text_encoder_path`, `model.vae_path`), assembled once into a diffusers
+folder in the cache.
+
+The folder's configs, tokenizers and scheduler come from `model.config` (a local diffusers folder of the model, or
+the family's shipped weightless config); each given file replaces its component's weights, and components no file
+is given for keep that folder's weights. Files may be fp8 (tuneline.stages.families.fp8 dequantizes them). A
+component file in the diffusers/transformers layout is loaded as it is; a denoiser or VAE in its original layout goes
+through diffusers' single-file converter for the class, so no key map is kept here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tuneline.schemas.families import FAMILY_FACTS
+from tuneline.stages.families.fp8 import read_weights
+
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+WEIGHTS = (".safetensors", ".bin")
+
+
+def checkpoint_family(keys: list[str]) -> str | None:
+    """The family whose checkpoint_marker the tensor names have; where several match (a FLUX.2 file also has Flux.1's
+    `double_blocks.`), the longest marker, the most specific, wins."""
+    names = [k.removeprefix(p) for k in keys for p in PREFIXES if k.startswith(p)] + list(keys)
+    hits = [
+        (len(f.checkpoint_marker), n)
+        for n, f in FAMILY_FACTS.items()
+        if f.released and f.checkpoint_marker and any(k.startswith(f.checkpoint_marker) for k in names)
+    ]
+    return max(hits, key=lambda h: h[0])[1] if hits else None  # ties: the first row (FLUX.2 [dev] before [klein])
+
+
+def check_fits(family: Any, file: Path, keys: list[str]) -> None:
+    found = checkpoint_family(keys)
+    if found is not None and FAMILY_FACTS[found].checkpoint_marker != family.facts.checkpoint_marker:
+        raise ValueError(
+            f"model.path: {file} looks like a {found} transformer (its tensor names are {found}'s layout) but "
+            f"model.family is {family.facts.name}; set model.family {found}, or point model.path at a "
+            f"{family.facts.name} transformer file"
+        )
+
+
+def _file_ident(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
+
+
+def assembled_dir(family: Any, file: Path, cache_dir: Path, folder: Path, parts: dict[str, Path]) -> Path:
+    ident = "\0".join([_file_ident(file), str(folder.resolve())] + [f"{c}={_file_ident(p)}" for c, p in parts.items()])
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{family.facts.name}-split-{file.stem}-{key}"
+
+
+def convert_split_files(
+    family: Any,
+    file: Path,
+    cache_dir: Path,
+    config: str | None,
+    text_encoder_path: str | None = None,
+    vae_path: str | None = None,
+) -> Path:
+    """model.path `file` (transformer only, or with model.text_encoder_path / model.vae_path beside it) as a
+    diffusers folder in `cache_dir`."""
+    from tuneline.stages.families.shipped import resolve_config
+
+    parts = part_files(family, text_encoder_path, vae_path)
+    folder, _ = resolve_config(family.facts.name, file, config)
+    if folder is None or not (Path(folder) / "model_index.json").is_file():
+        where = "is null and the family ships no config" if folder is None else f"{folder} has no model_index.json"
+        raise ValueError(
+            f"model.config {where}: model.path {file} is a single transformer file, whose configs, tokenizers and "
+            f"scheduler must come from a diffusers folder; set model.config to a local diffusers folder of the "
+            f"{family.facts.name} model"
+        )
+    return assemble(family, file, cache_dir, Path(folder), parts)
+
+
+def part_files(family: Any, text_encoder_path: str | None, vae_path: str | None) -> dict[str, Path]:
+    """component -> file for the separate files given (the family must have exactly one text encoder)."""
+    parts: dict[str, Path] = {}
+    if text_encoder_path is not None:
+        if len(family.text_components) != 1:
+            raise ValueError(
+                f"model.text_encoder_path: family {family.facts.name} has {len(family.text_components)} text "
+                f"encoders ({', '.join(family.text_components)}); give them through model.config (a local "
+                f"diffusers folder holding their weights) and set model.text_encoder_path null"
+            )
+        parts[family.text_components[0]] = Path(text_encoder_path).expanduser()
+    if vae_path is not None:
+        parts["vae"] = Path(vae_path).expanduser()
+    for comp, p in parts.items():
+        if not p.is_file():
+            field = "model.vae_path" if comp == "vae" else "model.text_encoder_path"
+            raise ValueError(f"{field}: {p} is not a file; give the .safetensors file of the model's {comp}")
+    return parts
+
+
+def assemble(family: Any, file: Path, cache_dir: Path, folder: Path, parts: dict[str, Path]) -> Path:
+    """The cached diffusers folder for `file` + `parts` over the configs (and remaining weights) of `folder`."""
+    target = assembled_dir(family, file, cache_dir, folder, parts)
+    if target.is_dir():
+        family.check_folder(target)
+        return target
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
+    try:
+        _copy_folder(folder, tmp)
+        for comp, path in {family.denoiser_component: file, **parts}.items():
+            _replace(family, comp, path, tmp)
+        _check_weights(family, tmp, folder)
+        family.check_folder(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _copy_folder(folder: Path, out: Path) -> None:
+    def link(src: str, dst: str) -> None:  # weights are hard-linked where the filesystem allows (no 2nd copy)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(folder, out, dirs_exist_ok=True, copy_function=link)
+
+
+def _check_weights(family: Any, out: Path, folder: Path) -> None:
+    index = json.loads((out / "model_index.json").read_text())
+    for comp, spec in index.items():
+        if not isinstance(spec, list) or spec[0] is None or "tokenizer" in comp or "scheduler" in comp:
+            continue
+        if comp.endswith("processor") or not (out / comp / "config.json").is_file():
+            continue
+        if not any(p.suffix in WEIGHTS for p in (out / comp).iterdir()):
+            field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(
+                comp, "model.text_encoder_path"
+            )
+            raise ValueError(
+                f"{field}: no {comp} weights: model.config {folder} has none (a weightless config); set {field} "
+                f"to the {comp} file, or model.config to a local diffusers folder holding them"
+            )
+
+
+def _component_class(out: Path, comp: str) -> type:
+    """The component's class as the folder's model_index.json names it (pipelines type some only as a base class,
+    e.g. PreTrainedModel)."""
+    import importlib
+
+    library, cls = json.loads((out / "model_index.json").read_text())[comp]
+    return getattr(importlib.import_module(library), cls)
+
+
+def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
+    field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(comp, "model.text_encoder_path")
+    sd = read_weights(path, field)
+    if comp == family.denoiser_component:
+        check_fits(family, path, list(sd))
+        sd = {next((k.removeprefix(p) for p in PREFIXES if k.startswith(p)), k): v for k, v in sd.items()}
+    if not (out / comp / "config.json").is_file():
+        raise ValueError(
+            f"{field}: model.config has no {comp}/config.json to build the {comp} from; set model.config to a "
+            f"local diffusers folder of the {family.facts.name} model (its configs and tokenizers are read)"
+        )
+    cls = _component_class(out, comp)
+    dtype = _dtype(sd)
+    model = _load_named(cls, out / comp, sd, dtype)
+    via = getattr(family, "single_file_layouts", {}).get(comp)
+    if model is None and via is not None:  # another class's converter reads this layout (same module names)
+        from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+        convert = SINGLE_FILE_LOADABLE_CLASSES[via]["checkpoint_mapping_fn"]
+        model = _load_named(cls, out / comp, convert(checkpoint=dict(sd)), dtype)
+    if model is None:
+        model = _load_converted(cls, out, comp, sd, dtype, field, path)
+    for p in (out / comp).iterdir():
+        if p.suffix in WEIGHTS or p.name.endswith(".index.json"):
+            p.unlink()
+    model.save_pretrained(out / comp, safe_serialization=True)
+
+
+def _dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
+    kinds = [v.dtype for v in sd.values() if v.is_floating_point()]
+    return max(set(kinds), key=kinds.count) if kinds else torch.float32
+
+
+def _load_named(cls: type, comp_dir: Path, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> Any | None:
+    """The component when the file uses the library's own names (those `save_pretrained` writes, or legacy names
+    transformers still maps), else None."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(dir=comp_dir.parent) as d:
+        shutil.copy2(comp_dir / "config.json", Path(d) / "config.json")
+        is_diffusers = cls.__module__.startswith("diffusers")
+        name = "diffusion_pytorch_model.safetensors" if is_diffusers else "model.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(Path(d) / name))
+        kw = {"torch_dtype": dtype} if is_diffusers else {"dtype": dtype}
+        try:
+            model, info = cls.from_pretrained(d, output_loading_info=True, **kw)
+        except Exception:  # shapes or names that are not this library's: the converter (or the refusal) follows
+            return None
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        missing = [k for k in info.get("missing_keys", []) if k not in tied]
+        if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
+            return None
+        return model
+
+
+def _load_converted(
+    cls: type, out: Path, comp: str, sd: dict[str, torch.Tensor], dtype: torch.dtype, field: str, path: Path
+) -> Any:
+    """The component through diffusers' single-file converter for its class (original checkpoint layouts)."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    if cls.__name__ not in SINGLE_FILE_LOADABLE_CLASSES:
+        raise ValueError(
+            f"{field}: {path}'s tensor names are not those of {cls.__name__} (the {comp} of this family), and "
+            f"diffusers has no converter for another layout of it; give the {comp} in the diffusers layout "
+            f"(a diffusers folder's {comp}/ weights) or check the file"
+        )
+    try:
+        model = cls.from_single_file(
+            dict(sd), config=str(out), subfolder=comp, local_files_only=True, torch_dtype=dtype
+        )
+    except Exception as exc:  # diffusers raises many kinds on a foreign layout; name the file and the fix
+        raise ValueError(
+            f"{field}: cannot read {path} as the {comp} ({cls.__name__}) of this family "
+            f"({type(exc).__name__}: {exc}); check that the file is this model's {comp} and model.family"
+        ) from exc
+    empty = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if empty:
+        raise ValueError(
+            f"{field}: {path} has no tensors for {len(empty)} {cls.__name__} weights (e.g. {empty[0]}): it is not "
+            f"a whole {comp} of this model; check model.family and the file"
+        )
+    return model
