@@ -57,11 +57,7 @@ def upcast(sd: dict[str, torch.Tensor], meta: dict[str, str], where: str) -> dic
             f"bf16/fp16 or fp8 release"
         )
     scales = {k.rsplit(".", 1)[0]: v for k, v in sd.items() if k.endswith(SCALES)}
-    out = {
-        k: v
-        for k, v in sd.items()
-        if not k.endswith(SCALES + DROPPED + ("scaled_fp8",))
-    }
+    out = {k: v for k, v in sd.items() if not k.endswith(SCALES + DROPPED + ("scaled_fp8",))}
     scaled = {f"{layer}.weight" for layer in scales}
     for layer, scale in scales.items():
         name = f"{layer}.weight"

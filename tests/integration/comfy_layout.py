@@ -155,7 +155,7 @@ def wan_vae(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if k.startswith(("quant_conv.", "post_quant_conv.")):
             name = ("conv1." if k.startswith("quant") else "conv2.") + k.split(".", 1)[1]
         elif rest.startswith("conv_in."):
-            name = f"{side}.conv1.{rest[len('conv_in.'):]}"
+            name = f"{side}.conv1.{rest[len('conv_in.') :]}"
         elif rest.startswith(("norm_out.", "conv_out.")):
             name = f"{side}.head.{'0' if rest.startswith('norm') else '2'}.{rest.split('.', 1)[1]}"
         elif m := re.match(r"mid_block\.resnets\.(\d)\.(.*)", rest):

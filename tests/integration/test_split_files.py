@@ -176,7 +176,10 @@ def test_shipped_config_checks_a_transformer_files_shapes(name, tmp_path):
     from tuneline.stages.families.shipped import SIGNATURES, resolve_config, shipped_dir
 
     fits = tmp_path / "fits.safetensors"
-    save_file({comfy_layout.PREFIX + k: torch.zeros(s, dtype=torch.float8_e4m3fn) for k, s in SIGNATURES[name].items()}, str(fits))
+    save_file(
+        {comfy_layout.PREFIX + k: torch.zeros(s, dtype=torch.float8_e4m3fn) for k, s in SIGNATURES[name].items()},
+        str(fits),
+    )
     assert resolve_config(name, fits, None) == (str(shipped_dir(name)), True)
     fam = get_family(name)
     tiny = tmp_path / "tiny.safetensors"

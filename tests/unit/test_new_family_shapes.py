@@ -63,7 +63,10 @@ def _text_encoder(which: str):
         )  # fmt: skip
         return T.Mistral3ForConditionalGeneration(
             T.Mistral3Config(
-                text_config=text, vision_config=vision, spatial_merge_size=2, multimodal_projector_bias=False,
+                text_config=text,
+                vision_config=vision,
+                spatial_merge_size=2,
+                multimodal_projector_bias=False,
                 tie_word_embeddings=False,
             )  # fmt: skip
         )
