@@ -9,16 +9,13 @@ transformer) are loaded from model.config's weights; a family may read its denoi
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tuneline.schemas.families import FAMILY_FACTS, facts
 from tuneline.schemas.model import SHIPPED_CONFIGS
 from tuneline.stages.families.shipped import resolve_config
-from tuneline.stages.families.split_files import checkpoint_family as marked_family
+from tuneline.stages.families.split_files import build_once, checkpoint_family as marked_family
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -129,22 +126,7 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
     ident = f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}" + (f"\0{Path(config).resolve()}" if config else "")
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     target = Path(cache_dir) / f"{name}-single-{file.stem}-{key}"
-    if target.is_dir():
-        family.check_folder(target)
-        return target
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-    try:
-        _convert(family, file, tmp, config, missing)
-        family.check_folder(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(family, target, lambda tmp: _convert(family, file, tmp, config, missing))
 
 
 def _convert(family: Any, file: Path, out_dir: Path, config: str | None, missing: list[str]) -> None:

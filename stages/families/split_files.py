@@ -108,16 +108,26 @@ def part_files(family: Any, text_encoder_path: str | None, vae_path: str | None)
 def assemble(family: Any, file: Path, cache_dir: Path, folder: Path, parts: dict[str, Path]) -> Path:
     """The cached diffusers folder for `file` + `parts` over the configs (and remaining weights) of `folder`."""
     target = assembled_dir(family, file, cache_dir, folder, parts)
-    if target.is_dir():
-        family.check_folder(target)
-        return target
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-    try:
+
+    def build(tmp: Path) -> None:
         _copy_folder(folder, tmp)
         for comp, path in {family.denoiser_component: file, **parts}.items():
             _replace(family, comp, path, tmp)
         _check_weights(family, tmp, folder)
+
+    return build_once(family, target, build)
+
+
+def build_once(family: Any, target: Path, build) -> Path:
+    """`target` when it is already built (checked), else `build(tmp)` in a temporary folder beside it, checked and
+    renamed into place: a killed build leaves no half folder, and of two processes building it one copy wins."""
+    if target.is_dir():
+        family.check_folder(target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
         family.check_folder(tmp)
         try:
             os.replace(tmp, target)
