@@ -32,7 +32,8 @@ TE = {
     "processes": 2,
     "batch_size": 2,
     "caption_dropout": 0.5,
-    "checkpoint_every": 4,
+    "checkpoint_every": 2,
+    "keep_checkpoints": 2,
     "validate_every": 2,
 }
 
@@ -44,7 +45,8 @@ def run(tmp_path_factory):
     out = train(cfg)
     ctx = StageContext(cfg)
     validated = run_stage(ctx, stage("validate"), PIPELINE)[0]
-    return cfg, ctx, out, validated
+    resumed = train(small_config(cfg.workdir, {**TE, "resume": str(out / "checkpoints" / "step-0000002")}))
+    return cfg, ctx, out, validated, resumed
 
 
 def _trained_text(cfg, ctx, out) -> TrainedText:
@@ -59,7 +61,7 @@ def _trained_text(cfg, ctx, out) -> TrainedText:
 
 
 def test_manifest_says_the_text_cache_was_not_read(run):
-    _, _, out, validated = run
+    _, _, out, validated, _ = run
     m = json.loads((out / "manifest.json").read_text())
     assert m["text_encoder_lora"] is True and m["text_cache_read"] is False
     assert {e["format"] for e in m["exports"]} == {"diffusers", "kohya"}
@@ -67,7 +69,7 @@ def test_manifest_says_the_text_cache_was_not_read(run):
 
 
 def test_text_encoder_lora_trained_and_exported(run):
-    cfg, ctx, out, _ = run
+    cfg, ctx, out, _, _ = run
     kohya = load_file(out / "final" / KOHYA_FILE)
     te = [k for k in kohya if k.startswith("lora_te_text_model_encoder_layers_")]
     assert te and any(k.startswith("lora_unet_") for k in kohya)
@@ -83,3 +85,13 @@ def test_text_encoder_lora_trained_and_exported(run):
     with torch.no_grad():
         got = fam.encode_text(fam.text_encoders_of(pipe), PROMPTS)["prompt_embeds"]
     torch.testing.assert_close(got, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_resumed_run_reaches_the_uninterrupted_weights(run):
+    """Both LoRAs, the text encoders' optimizer group (its own rate) included, continue exactly from a checkpoint."""
+    _, _, out, _, resumed = run
+    assert json.loads((resumed / "manifest.json").read_text())["resumed_from"].endswith("step-0000002")
+    a, b = load_file(out / "final" / KOHYA_FILE), load_file(resumed / "final" / KOHYA_FILE)
+    assert a.keys() == b.keys() and any(k.startswith("lora_te_") for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
