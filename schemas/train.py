@@ -93,6 +93,15 @@ class TrainConfig(Strict):
         description="train.adapter lokr: split each dimension into factor x rest "
         "(kohya/LyCORIS `factor`); -1 = the most square split",
     )
+    text_encoder_lora: bool = Field(
+        False,
+        description="train.mode lora, model.family sd15/sdxl/tiny: also train a LoRA on the CLIP text "
+        "encoder(s) (q/k/v/out projections); captions and validation prompts are then encoded live with "
+        "the trained encoders (the text cache is not read) and the files carry lora_te keys",
+    )
+    text_encoder_lr: float | None = Field(
+        None, gt=0, description="train.text_encoder_lora: the text encoders' learning rate; null = learning_rate"
+    )
     lora_format: Literal["diffusers", "kohya", "both"] = Field(
         "both",
         description="LoRA files written to final/: diffusers (pytorch_lora_weights.safetensors, for "
@@ -254,6 +263,17 @@ class TrainConfig(Strict):
                 f"train.lokr_factor {self.lokr_factor}: it applies to train.adapter lokr (now "
                 f"{self.adapter}) and is -1 or a factor >= 2"
             )
+        if self.text_encoder_lora and (self.mode != "lora" or self.adapter != "lora"):
+            raise ValueError(
+                f"train.text_encoder_lora trains a plain LoRA beside the denoiser's: it needs train.mode lora "
+                f"and train.adapter lora (now {self.mode}, {self.adapter}); set those or "
+                f"train.text_encoder_lora false"
+            )
+        if self.text_encoder_lr is not None and not self.text_encoder_lora:
+            raise ValueError(
+                "train.text_encoder_lr applies to train.text_encoder_lora true; set it null or turn "
+                "train.text_encoder_lora on"
+            )
         if self.init_from == "previous" and self.mode == "lora":
             raise ValueError(
                 "train.init_from previous continues a full fine-tune's pipeline folder; with "
@@ -368,6 +388,14 @@ class TrainManifest(Manifest):
     exports: list[Export] = Field(default_factory=list, description="the model files in final/ and their format")
     adapter: str | None = Field(
         None, description="train.adapter of a LoRA-mode run (lora, lokr, loha, dora); null for a full fine-tune"
+    )
+    text_encoder_lora: bool = Field(
+        False, description="train.text_encoder_lora: the LoRA files also hold the text encoders' LoRA (lora_te keys)"
+    )
+    text_cache_read: bool = Field(
+        True,
+        description="whether training read the text artifact's cache; false: captions were encoded live "
+        "(text.enabled false, or by the trained text encoders with train.text_encoder_lora)",
     )
     not_exported: list[dict] = Field(
         default_factory=list,

@@ -54,3 +54,8 @@ class ValidateManifest(Manifest):
     # The demo's pixel-space check: share of check renders whose dominant non-background color is the prompted one.
     color_accuracy: float | None = None
     untrained_color_accuracy: float | None = None
+    prompts_encoded_by: str = Field(
+        "base text encoders",
+        description="what encoded the prompts: the base model's text encoders (through the prompt cache), or "
+        "the trained text encoders of a train.text_encoder_lora run (live, no cache)",
+    )

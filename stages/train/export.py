@@ -22,7 +22,7 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.stages.common.hashing import file_sha256
-from tuneline.stages.train import adapters, kohya
+from tuneline.stages.train import adapters, kohya, textlora
 from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
@@ -144,8 +144,11 @@ def save_lora(
     t,
     out: Path,
     info: ExportInfo | None,
+    text=None,
 ) -> None:
-    """Write the LoRA file(s) `train.lora_format` asks for into `out` (final/)."""
+    """Write the LoRA file(s) `train.lora_format` asks for into `out` (final/); with `text` (trained text
+    encoders, train.text_encoder_lora) their LoRA too: `text_encoder.`/`text_encoder_2.` keys in the diffusers
+    file, kohya's `lora_te_`/`lora_te1_`/`lora_te2_` modules in the kohya one."""
     import diffusers
 
     fmt = getattr(t, "lora_format", "both")
@@ -154,11 +157,19 @@ def save_lora(
     adapter = adapters.adapter_of(t)
     if adapter not in adapters.DIFFUSERS_LOADS:
         fmt = "kohya"  # no diffusers loader: the LyCORIS file only (the manifest's not_exported says so)
+    te_layers = text.layers() if text is not None else {}
     if fmt in ("diffusers", "both"):
+        te_kwargs = {}
+        if text is not None:
+            te_meta = textlora.lora_config(t).to_dict()
+            te_meta["target_modules"] = sorted(te_meta["target_modules"])
+            for name, state in te_layers.items():
+                te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
         getattr(diffusers, pipe_name).save_lora_weights(
             out,
             weight_name=DIFFUSERS_FILE,
             **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": adapter_meta},
+            **te_kwargs,
         )
         if info is not None:
             add_metadata(out / DIFFUSERS_FILE, metadata(info, t, family, "diffusers"))
@@ -173,6 +184,8 @@ def save_lora(
             state = own(den, layers, adapter_meta["lora_alpha"])
         else:
             state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
+        if te_layers:
+            state |= textlora.kohya_state(family, te_layers, adapter_meta["lora_alpha"])
         meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
         save_file(state, str(out / KOHYA_FILE), metadata=meta)
 

@@ -75,6 +75,8 @@ class Hooks:
             autocast=tr.autocast,
             max_length=effective_max_length(cfg),
         )
+        if tr.text is not None:  # train.text_encoder_lora: prompts encoded by the encoders being trained
+            renderer.enc = tr.text.enc
         v = cfg.validate_
         samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()

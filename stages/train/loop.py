@@ -39,6 +39,7 @@ from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard,
 from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.schedule import lr_at
 from tuneline.stages.train.swap import BlockSwapper
+from tuneline.stages.train.textlora import Joint, TrainedText
 from tuneline.stages.train.timesteps import SigmaSampler
 
 
@@ -51,7 +52,7 @@ class Data:
     """What training reads: the caches (never the images or the encoders)."""
 
     reader: LatentReader
-    text: TextCache | LiveText  # same .get(captions, variant_ids) and .variants
+    text: TextCache | LiveText | TrainedText  # same .get(captions, variant_ids) and .variants
     records: dict[str, ImageRecord]
     scaling: float | torch.Tensor  # (C, 1, 1) per channel: families.base.latent_affine
     shift: float | torch.Tensor
@@ -79,6 +80,7 @@ class Fed:
     cond: dict[str, torch.Tensor]
     sampled: torch.Tensor | None = None  # float32 latents on the training device, drawn from `dev`
     dev: torch.Generator | None = None
+    strings: list[str] | None = None  # train.text_encoder_lora: the strings the step encodes (cond is empty)
 
 
 def feed_workers(reader: LatentReader, device: torch.device) -> int:
@@ -137,6 +139,9 @@ class Trainer:
         self.autocast = autocast_dtype(self.t.mixed_precision, device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
+        self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora
+        if self.text is not None:
+            self.params.update(self.text.params())
         self.names = list(self.params)
         # train.blocks_to_swap (tuneline.stages.train.swap); before the optimizer, EMA and DDP see the weights
         self.swapper = (
@@ -144,7 +149,7 @@ class Trainer:
             if self.t.blocks_to_swap
             else None
         )
-        self.opt = build_optimizer(list(self.params.values()), self.t)
+        self.opt = build_optimizer(self.param_groups(), self.t)
         self.scaler = grad_scaler(self.autocast)
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
@@ -156,9 +161,24 @@ class Trainer:
         self.flags = torch.zeros(1, 0)  # every rank's stop/checkpoint flags of the last step (train_step)
         # Wrapped after the restore: wrapping broadcasts rank 0's trainable weights, so every rank (on every node)
         # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
-        self.model = (
-            collectives.wrap(self.denoiser, self.params, device) if collectives.active(world) else self.denoiser
-        )
+        # With a text-encoder LoRA, DDP wraps both (its reducer then averages both LoRAs' gradients).
+        joint = Joint(self.denoiser, self.text.enc.encoders) if self.text is not None else self.denoiser
+        self.model = collectives.wrap(joint, self.params, device) if collectives.active(world) else self.denoiser
+
+    def param_groups(self) -> list:
+        """The optimizer's parameters: one group, or with train.text_encoder_lora a second for the text encoders
+        whose rate is train.text_encoder_lr (kept as a ratio to the scheduled rate: optimizers.set_lr)."""
+        if self.text is None:
+            return list(self.params.values())
+        te = set(self.text.params())
+        t = self.t
+        return [
+            {"params": [p for n, p in self.params.items() if n not in te]},
+            {
+                "params": [p for n, p in self.params.items() if n in te],
+                "lr_scale": (t.text_encoder_lr or t.learning_rate) / t.learning_rate,
+            },
+        ]
 
     # ---- one step ----------------------------------------------------------------------------
     def feed(self, stream: Iterator[MicroBatch]) -> Iterator[Fed]:
@@ -180,10 +200,11 @@ class Trainer:
         batch = self.data.reader.batch(mb.bucket, mb.rows, self.flips(len(mb.rows), gen))
         pin = self.device.type == "cuda"  # page-locked: the step's copies to the GPU run asynchronously
         mean, std = self.data.reader.gather(batch, pin=pin)
-        cond = self.conditioning(batch.paths, gen)
+        cond, strings = self.conditioning(batch.paths, gen)
         if pin:
             cond = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in cond.items()}
         fed = Fed(mb, index, gen, batch, mean, None if self.t.latent_sampling == "mean" else std, cond)
+        fed.strings = strings
         if samples_in_feed(self.device):
             self.sample(fed)
         return fed
@@ -232,6 +253,8 @@ class Trainer:
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with no_sync:
             with amp:
+                if fed.strings is not None:  # the trained text encoders, with gradients
+                    cond = self.text.encode(fed.strings)
                 pred = self.fam.denoise(
                     self.model,
                     nz.noisy.to(self.device),
@@ -249,14 +272,19 @@ class Trainer:
             return None
         return (torch.rand(n, generator=gen) < 0.5).tolist()
 
-    def conditioning(self, paths: tuple[str, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def conditioning(
+        self, paths: tuple[str, ...], gen: torch.Generator
+    ) -> tuple[dict[str, torch.Tensor], list[str] | None]:
         """Text tensors for the batch's captions (as the text source holds them), each sample a random one of the
-        cached variants (tag shuffles); caption dropout reads the cached empty caption."""
+        cached variants (tag shuffles); caption dropout reads the cached empty caption. With trained text
+        encoders: no tensors, the strings the step encodes (the same draws)."""
         captions = [self.data.records[p].caption for p in paths]
         drop = torch.rand(len(captions), generator=gen) < self.t.caption_dropout
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
         variants = torch.randint(0, self.data.text.variants, (len(captions),), generator=gen).tolist()
-        return self.data.text.get(captions, variants)
+        if self.text is not None:
+            return {}, self.text.strings(captions, variants)
+        return self.data.text.get(captions, variants), None
 
     def optimizer_step(self) -> None:
         t = self.t

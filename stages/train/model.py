@@ -95,11 +95,18 @@ def denoiser_component(model_dir: Path, denoiser: torch.nn.Module) -> tuple[str,
 
 
 def save_final(
-    fam, model_dir: Path, denoiser: torch.nn.Module, t: TrainConfig, out: Path, info: ExportInfo | None = None
+    fam,
+    model_dir: Path,
+    denoiser: torch.nn.Module,
+    t: TrainConfig,
+    out: Path,
+    info: ExportInfo | None = None,
+    text=None,
 ) -> list[dict]:
     """`final/`: a pipeline folder for DiffusionPipeline.from_pretrained (full), or LoRA weights in the layouts
     `train.lora_format` names (stages/train/export.py), with `info` in their headers. Returns the manifest's
-    `exports` entries (paths relative to `out`'s parent, the artifact directory)."""
+    `exports` entries (paths relative to `out`'s parent, the artifact directory). `text`: the trained text
+    encoders of train.text_encoder_lora (stages/train/textlora.py), whose LoRA goes into the same files."""
     if t.mode == "full":
         fam.save_pipeline(model_dir, unwrap(denoiser), out)
         if getattr(t, "export_single_file", False):
@@ -114,5 +121,5 @@ def save_final(
     }
     meta = lora_config(t, fam.lora_target_modules).to_dict()
     meta["target_modules"] = sorted(meta["target_modules"])
-    save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info)
+    save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info, text)
     return exports(out.parent, out, t.mode)

@@ -146,10 +146,11 @@ def state_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[st
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
+        value = lr * group.get("lr_scale", 1.0)  # a group's own rate as a ratio (train.text_encoder_lr)
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
+            group["lr"].fill_(value)
         else:
-            group["lr"] = lr
+            group["lr"] = value
 
 
 def restore_state(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], meta: dict) -> None:

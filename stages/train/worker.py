@@ -34,6 +34,8 @@ from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text.live import open_text
+from tuneline.stages.text.store import TextCache
+from tuneline.stages.text.variants import TagAugment
 from tuneline.stages.train import collectives, evaluation
 from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CheckpointError
@@ -46,6 +48,7 @@ from tuneline.stages.train.plan import micro_batches
 from tuneline.stages.train.procwatch import worker_guard
 from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.stopping import Interrupted, StopSignals
+from tuneline.stages.train.textlora import TrainedText
 
 RESULT = "result.json"
 ERROR = "error.json"  # rank 0's one-line explanation of a failure the user can act on
@@ -97,8 +100,13 @@ def setup(spec: dict) -> Run:
         every = [r.model_copy(update={"caption": captions[r.ref]}) for r in every]
     records = {r.ref: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
-    # The text cache, or live encoders when the text artifact was built with text.enabled false.
-    text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
+    # The text cache, or live encoders when the text artifact was built with text.enabled false; with
+    # train.text_encoder_lora the encoders being trained (only the artifact's manifest is read).
+    if cfg.train.text_encoder_lora:
+        augment = TagAugment.from_manifest(txt)
+        text = TrainedText(fam, model_dir, device, cfg.train, txt.max_length, augment)
+    else:
+        text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
     sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
     reader = LatentReader(up["latents"], lat)
     scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
@@ -181,7 +189,9 @@ def finish(run: Run, trainer: Trainer) -> None:
         if trainer.ema is not None:
             trainer.ema.copy_to(trainer.params)
         with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: its averaged weights
-            exports = save_final(run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run))
+            exports = save_final(
+                run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run), trainer.text
+            )
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
@@ -207,6 +217,8 @@ def finish(run: Run, trainer: Trainer) -> None:
             "exports": exports,
             "adapter": t.adapter if t.mode == "lora" else None,
             "not_exported": not_exported(t),
+            "text_encoder_lora": trainer.text is not None,
+            "text_cache_read": isinstance(run.data.text, TextCache),
             # measured beside the memory plan (tuneline.stages.train.memplan)
             "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None,
         }

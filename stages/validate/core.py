@@ -14,9 +14,10 @@ from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import class_means, render_check, separation
 
 
-def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer:
+def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_text: bool = False) -> Renderer:
     """Prompts encoded at training's max length; encodings kept in the workdir across validate runs, keyed by
-    the text encoders' identity (only the denoiser is trained), the length and the dtype."""
+    the text encoders' identity, the length and the dtype, unless the text encoders were trained too
+    (`trained_text`, train.text_encoder_lora: the LoRA file's encoders encode every prompt live)."""
     cfg = ctx.cfg
     dev = models.device(cfg)
     dtype = models.dtype(cfg, dev)
@@ -25,14 +26,16 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None) -> Renderer
         ctx.workdir / ".cache" / "validation-prompts.safetensors",
         f"{models.identity(ctx, 'text')}:{length}:{dtype}",
     )
-    return Renderer.load(models.family(cfg), model_dir, dev, dtype, lora=lora, max_length=length, prompt_cache=cache)
+    return Renderer.load(
+        models.family(cfg), model_dir, dev, dtype, lora=lora, max_length=length, prompt_cache=None if trained_text else cache
+    )
 
 
 def trained_renderer(ctx, upstream: dict) -> Renderer:
     """full: the published pipeline folder; lora: the base pipeline with the LoRA weights loaded, as a user would."""
     final = models.artifact_dir(ctx, upstream["train"]) / upstream["train"].final
     if upstream["train"].mode == "lora":
-        return load_renderer(ctx, models.model_dir(ctx), lora=final)
+        return load_renderer(ctx, models.model_dir(ctx), lora=final, trained_text=upstream["train"].text_encoder_lora)
     return load_renderer(ctx, final)
 
 
@@ -105,6 +108,8 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     rendered = render_prompts(ctx, renderer, work)
     ctx.reporter.progress("validate-progress", 0.5, f"{len(rendered)} prompts rendered")
     facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"}
+    if upstream["train"].text_encoder_lora:  # prompts encoded live by the LoRA file's text encoders
+        facts["prompts_encoded_by"] = "trained text encoders"
     if v.learning_check:
         facts |= check_learning(ctx, renderer, upstream)
     ctx.reporter.progress("validate-progress", 1.0, "done")

@@ -122,8 +122,9 @@ class SD15Family(DiffusersFamily):
         ids, mask = tokenize(tok, captions, enc.max_length, module_device(te))
         # SD1.x encoders were trained without masking; diffusers passes a mask only when the config asks.
         attn = mask if getattr(te.config, "use_attention_mask", False) else None
-        with torch.no_grad():
-            embeds = te(ids, attention_mask=attn)[0]
+        # No no_grad here: a text-encoder LoRA (train.text_encoder_lora) trains through this call; the cache
+        # writer and renderer encode under no_grad (families/encode.py), and frozen encoders track no gradients.
+        embeds = te(ids, attention_mask=attn)[0]
         return {"prompt_embeds": embeds}
 
     # ---- training ----------------------------------------------------------------------------

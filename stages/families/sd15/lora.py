@@ -6,6 +6,8 @@ from __future__ import annotations
 from tuneline.stages.families.kohya_layout import Target
 
 KOHYA_LAYOUT = "unet"
+# train.text_encoder_lora: the CLIP encoder's kohya prefix (ComfyUI maps lora_te_text_model_... onto CLIP)
+TEXT_ENCODER_KOHYA = (("text_encoder", "lora_te"),)
 
 
 def kohya_target(path: str, den) -> Target:

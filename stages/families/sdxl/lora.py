@@ -8,6 +8,8 @@ import re
 from tuneline.stages.families.kohya_layout import Target
 
 KOHYA_LAYOUT = "sgm"
+# train.text_encoder_lora: kohya's prefixes of the two CLIP encoders (ComfyUI maps them onto clip_l and clip_g)
+TEXT_ENCODER_KOHYA = (("text_encoder", "lora_te1"), ("text_encoder_2", "lora_te2"))
 
 
 def kohya_target(path: str, den) -> Target | None:

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from tuneline.stages.families.sd15.lora import KOHYA_LAYOUT, kohya_target  # noqa: F401
+from tuneline.stages.families.sd15.lora import KOHYA_LAYOUT, TEXT_ENCODER_KOHYA, kohya_target  # noqa: F401

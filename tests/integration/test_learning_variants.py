@@ -1,0 +1,53 @@
+"""The demo's learning check with one training setting changed: train.optimizer prodigy (learning rate 1.0, Prodigy's
+own value), train.adapter lokr (a LoKr needs train.mode lora and states its own rate).
+
+Opt-in (TUNELINE_LEARNING_VARIANTS=1): each is a whole demo run, 6 minutes on 2 free CPU cores and ~17 minutes
+on a loaded machine, too long for the default suite. Measured (1000 steps): prodigy color_accuracy 1.0; lokr
+(every UNet layer of the tiny family) 0.84 at learning rate 1e-2, 0.81 at 2e-2, unstable at 3e-2 (untrained 0.28),
+so the lokr variant does not reach 0.9 yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.pipeline import PIPELINE, stages_for
+from tuneline.stages.scan.demo import write_demo_dataset
+
+LOKR_RATE = 1e-2
+VARIANTS = {
+    "prodigy": {"optimizer": "prodigy", "learning_rate": 1.0},
+    "lokr": {"mode": "lora", "adapter": "lokr", "lora_rank": 16, "learning_rate": LOKR_RATE},
+}
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not os.environ.get("TUNELINE_LEARNING_VARIANTS"), reason="a whole demo run each: TUNELINE_LEARNING_VARIANTS=1"
+    ),
+]
+
+
+def demo_with(workdir, train: dict) -> dict:
+    data = copy.deepcopy(DEMO_CONFIG)
+    data["workdir"] = str(workdir)
+    data["train"] = {**data["train"], **train}
+    cfg = parse_config(data)
+    write_demo_dataset(cfg.resolve(cfg.dataset.path))
+    ctx = StageContext(cfg)
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(cfg)}
+    return json.loads((paths["validate"] / "manifest.json").read_text())
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("train", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_demo_learning_check_passes_with(train, tmp_path):
+    m = demo_with(tmp_path, train)
+    assert m["color_accuracy"] >= 0.9 and m["untrained_color_accuracy"] < m["color_accuracy"], m
