@@ -68,3 +68,53 @@ def test_without_control_the_records_hold_no_pair(tmp_path):
     manifest, records, rejected = _scan(tmp_path, data, None)
     assert len(records) == 3 and not rejected and manifest["unmatched_controls"] == []
     assert all(r["control_path"] is None for r in records.values())
+
+
+def test_control_latents_are_cached_beside_the_targets_and_reused(tmp_path):
+    """The latents stage (tiny family) caches each control at its image's bucket; an edited control is the one
+    row encoded again."""
+    import numpy as np
+
+    from tuneline.schemas.latents import LatentsManifest
+    from tuneline.stages.latents import controls as control_latents
+    from tuneline.stages.latents.reader import LatentReader
+    from tuneline.stages.pipeline import PIPELINE, stage
+
+    data, controls = _folder(tmp_path)
+    Image.new("RGB", (64, 64), (0, 200, 0)).save(controls / "owl.png")
+    Image.open(data / "dog.png").save(controls / "dog.png")  # the dog's control is the image itself
+    cfg = parse_config(
+        {
+            "workdir": str(tmp_path / "work"),
+            "dataset": {"path": str(data), "control": str(controls)},
+            "buckets": {"resolution": 32},
+            "model": {"device": "cpu"},
+        },
+        "<test>",
+    )
+
+    def latents():
+        ctx = StageContext(cfg)
+        run_stage(ctx, stage("scan"), PIPELINE)
+        path, _ = run_stage(ctx, stage("latents"), PIPELINE)
+        return path, json.loads((path / "manifest.json").read_text())
+
+    path, manifest = latents()
+    assert (manifest["controls"], manifest["controls_encoded"], manifest["controls_reused"]) == (3, 3, 0)
+    [bucket] = manifest["buckets"]
+    ctrl = np.load(control_latents.control_file(path, bucket["array"]))
+    assert ctrl.shape == (3, *bucket["shape"])
+    rows = {r["path"]: r["row"] for r in read_jsonl(path / "index.jsonl")}
+    reader = LatentReader(path, LatentsManifest.model_validate(manifest))
+    batch = reader.batch(bucket["array"], np.arange(3))
+    target = reader.gather(batch)[0].float().numpy()
+    assert np.array_equal(control_latents.read(reader, batch).numpy(), ctrl.astype(np.float32))
+    assert np.allclose(ctrl[rows["dog.png"]], target[rows["dog.png"]], atol=1e-2)
+    assert not np.allclose(ctrl[rows["cat.png"]], target[rows["cat.png"]], atol=1e-2)
+
+    Image.new("RGB", (48, 32), (200, 0, 0)).save(controls / "cat.jpg")
+    path2, manifest2 = latents()
+    assert (manifest2["controls_encoded"], manifest2["controls_reused"]) == (1, 2)
+    ctrl2 = np.load(control_latents.control_file(path2, bucket["array"]))
+    assert not np.allclose(ctrl2[rows["cat.png"]], ctrl[rows["cat.png"]])
+    assert np.array_equal(ctrl2[rows["owl.png"]], ctrl[rows["owl.png"]])
