@@ -50,7 +50,11 @@ class DatasetConfig(Strict):
         description="several folders, each with its repeats, role (train | regularization), "
         "loss_weight and caption_extension; dataset.path must then be null",
     )
-    demo: bool = Field(False, description="write the demo's generated dataset to `path` first")
+    demo: bool | Literal["edit"] = Field(
+        False,
+        description="write the demo's generated dataset to `path` first; `edit`: pairs of shapes whose instruction "
+        "changes the color (\"make it red\"), the controls in dataset.control (null: `<path>-controls`)",
+    )
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True
     extensions: list[str] = Field(
@@ -93,6 +97,14 @@ class DatasetConfig(Strict):
         "path without extension (cat.png -> <control>/cat.png, any image extension; relative: against the "
         "workdir). The caption is the edit instruction; an image without its control is rejected. null = none",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _edit_demo_controls(cls, data):
+        """The edit demo writes its controls beside its images unless dataset.control names a folder."""
+        if isinstance(data, dict) and data.get("demo") == "edit" and not data.get("control") and data.get("path"):
+            return {**data, "control": f"{str(data['path']).rstrip('/')}-controls"}
+        return data
 
     @model_validator(mode="after")
     def _one_dataset(self) -> DatasetConfig:
