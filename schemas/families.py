@@ -188,7 +188,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         tokenizers=("tokenizer", "tokenizer_2"),
         kohya_base_version="flux1",
         modelspec_arch="flux-1-dev/kontext",
-        modelspec_impl="https://github.com/black-forest-labs/flux",
+        modelspec_impl="https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev",
     ),
     # Latents are normalised per channel (the VAE config's latents_mean/std); the scalars are the identity.
     "qwen_image": FamilyFacts(

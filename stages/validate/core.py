@@ -109,7 +109,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     else:
         rendered, controls = render_prompts(ctx, renderer, work), []
     ctx.reporter.progress("validate-progress", 0.5, f"{len(rendered)} prompts rendered")
-    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png", "controls": controls}
+    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"} | ({"controls": controls} if controls else {})
     if v.learning_check and ctx.cfg.dataset.demo == "edit":
         facts |= edits_mod.check_edits(ctx, renderer, upstream, lambda: load_renderer(ctx, models.model_dir(ctx)))
     elif v.learning_check:
