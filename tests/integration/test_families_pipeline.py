@@ -15,8 +15,9 @@ from tuneline.stages.families.registry import family_names, get_family
 FAMILIES = family_names()
 # The shared parity checks below (facts read back from the folder, encode_prompt parity, rendering through the saved
 # folder with a negative) call each pipeline the way the older families' pipelines take their arguments; z_image,
-# flux2 and flux2_klein take others and are checked against their stock pipelines in test_new_families.py.
-PARITY = [n for n in FAMILIES if n not in ("z_image", "flux2", "flux2_klein")]
+# flux2 and flux2_klein take others and are checked against their stock pipelines in test_new_families.py; flux_kontext
+# renders at max_area (its pipeline's own size otherwise), checked in test_edit_family.py.
+PARITY = [n for n in FAMILIES if n not in ("z_image", "flux2", "flux2_klein", "flux_kontext")]
 CPU = torch.device("cpu")
 
 
