@@ -167,3 +167,21 @@ def test_denoise_builds_the_pipeline_conditioning_and_falls_back_to_text_to_imag
         assert torch.equal(plain, FluxFamily().denoise(den, noisy, t, text))
         edited = fam.denoise(den, noisy, t, text | {"control_latents": torch.randn(2, 16, 8, 8, generator=gen)})
     assert edited.shape == noisy.shape and not torch.allclose(edited, plain)
+
+
+def test_validate_controls_name_the_edits_rendered(edit_run, tmp_path):
+    """validate.controls replaces the training pairs: each image (relative to the workdir) at the render size with
+    its instruction and seed; an unreadable one is refused naming it."""
+    from tuneline.stages.validate.edits import edit_samples
+
+    ctx, _ = edit_run
+    Image.new("RGB", (32, 48), (10, 20, 200)).save(ctx.workdir / "input.png")
+    data = ctx.cfg.model_dump(by_alias=True)
+    data["validate"]["controls"] = [{"image": "input.png", "prompt": "make it red", "seed": 7}]
+    cfg = parse_config(data)
+    [s] = edit_samples(StageContext(cfg), {}, (64, 64))
+    assert (s.prompt, s.seed, s.image.size) == ("make it red", 7, (64, 64))
+    assert s.image.getpixel((32, 32)) == (10, 20, 200)
+    data["validate"]["controls"] = [{"image": "missing.png", "prompt": "make it red"}]
+    with pytest.raises(ValueError, match="missing.png"):
+        edit_samples(StageContext(parse_config(data)), {}, (64, 64))
