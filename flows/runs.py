@@ -16,12 +16,12 @@ def fresh_summary(
         return None  # a server shows every run, even a no-op one; a remote may still need its push
     if cfg.dataset.demo:
         from tuneline.stages.common.lock import store_lock
-        from tuneline.stages.scan.demo import write_demo_dataset
+        from tuneline.stages.scan.demo import write_demo_for
 
         # Under the store's lock, as the scan flow writes it: two runs of one fresh demo workdir otherwise both
         # generated the dataset at once and the slower one crashed (`Directory not empty`).
         with store_lock(cfg.workdir_path(), timeout=cfg.ops.lock_timeout, purpose="demo dataset"):
-            write_demo_dataset(cfg.resolve(cfg.dataset.path))  # a no-op when current
+            write_demo_for(cfg)  # a no-op when current
     from tuneline.stages.common.stage import StageContext, status as stage_status
     from tuneline.stages.pipeline import stage as stage_def
 

@@ -62,9 +62,9 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
     slot = train_slot(config.ops.train_concurrency) if name == "train" else contextlib.nullcontext()
     with slot, whole():
         if name == "scan" and config.dataset.demo:
-            from tuneline.stages.scan.demo import write_demo_dataset
+            from tuneline.stages.scan.demo import write_demo_for
 
-            write_demo_dataset(config.resolve(config.dataset.path))
+            write_demo_for(config)
         path, built = run_stage(ctx, stage(name), PIPELINE)
     if config.ops.remote and (path / "manifest.json").is_file():  # a non-publishing node has nothing to push
         _push(config, name, path)

@@ -170,6 +170,26 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         modelspec_arch="flux-1-dev",
         modelspec_impl="https://github.com/black-forest-labs/flux",
     ),
+    # FLUX.1 Kontext [dev]: FLUX.1 with the input image's tokens appended (image editing from paired datasets).
+    "flux_kontext": FamilyFacts(
+        "flux_kontext",
+        8,
+        2,
+        16,
+        0.3611,
+        0.1159,
+        "flow_matching",
+        512,
+        max_length_limit=512,
+        negative_needs_guidance=False,
+        pipeline="FluxKontextPipeline",
+        denoiser="transformer",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        kohya_base_version="flux1",
+        modelspec_arch="flux-1-dev/kontext",
+        modelspec_impl="https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev",
+    ),
     # Latents are normalised per channel (the VAE config's latents_mean/std); the scalars are the identity.
     "qwen_image": FamilyFacts(
         "qwen_image",

@@ -94,4 +94,11 @@ class LatentsManifest(Manifest):
         description="rows with a loss mask; when > 0, masks/<bucket>.npy holds every row's mask "
         "at the latent grid (dataset.masks)",
     )
+    controls: int = Field(
+        0,
+        description="rows with a control image (dataset.control); when > 0, controls/<bucket>.npy holds every "
+        "row's control latents (VAE mean) in row order",
+    )
+    controls_encoded: int = Field(0, description="control images run through the VAE by this build")
+    controls_reused: int = Field(0, description="control rows copied from the previous version")
     shards: list[ShardReport] | None = Field(None, description="per shard of a sharded build (latents.shards > 1)")

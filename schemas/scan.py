@@ -50,7 +50,11 @@ class DatasetConfig(Strict):
         description="several folders, each with its repeats, role (train | regularization), "
         "loss_weight and caption_extension; dataset.path must then be null",
     )
-    demo: bool = Field(False, description="write the demo's generated dataset to `path` first")
+    demo: bool | Literal["edit"] = Field(
+        False,
+        description="write the demo's generated dataset to `path` first; `edit`: pairs of shapes whose instruction "
+        "changes the color (\"make it red\"), the controls in dataset.control (null: `<path>-controls`)",
+    )
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True
     extensions: list[str] = Field(
@@ -87,6 +91,21 @@ class DatasetConfig(Strict):
         "image; relative: against the workdir); images without one weigh fully. null = none",
     )
 
+    control: Annotated[str | None, ConfigPath()] = Field(
+        None,
+        description="paired (editing) datasets: a folder of control (input) images, one per image, matched by "
+        "path without extension (cat.png -> <control>/cat.png, any image extension; relative: against the "
+        "workdir). The caption is the edit instruction; an image without its control is rejected. null = none",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _edit_demo_controls(cls, data):
+        """The edit demo writes its controls beside its images unless dataset.control names a folder."""
+        if isinstance(data, dict) and data.get("demo") == "edit" and not data.get("control") and data.get("path"):
+            return {**data, "control": f"{str(data['path']).rstrip('/')}-controls"}
+        return data
+
     @model_validator(mode="after")
     def _one_dataset(self) -> DatasetConfig:
         if self.sources is not None and self.path is not None:
@@ -110,6 +129,13 @@ class DatasetConfig(Strict):
                 "dataset.demo false with dataset.sources"
             )
         return self
+
+    @field_validator("control")
+    @classmethod
+    def _control(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("give a folder of control images, or null")
+        return v
 
     @field_validator("masks")
     @classmethod
@@ -228,6 +254,11 @@ class ImageRecord(BaseModel):
     mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")
     mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
     mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
+    control_path: str | None = Field(None, description="control image relative to dataset.control (paired data)")
+    control_sha256: str | None = Field(None, description="content of the control image: a changed control is new content")
+    control_size_bytes: int | None = None
+    control_width: int | None = Field(None, description="control size after EXIF orientation (resized to the image's)")
+    control_height: int | None = None
     source: int | None = Field(
         None,
         description="with dataset.sources or train.eval.path: the index of the "
@@ -279,6 +310,10 @@ class ScanManifest(Manifest):
     sources: list[SourceRow] = Field(
         default_factory=list,
         description="with dataset.sources or train.eval.path: each folder by record `source` index",
+    )
+    control_root: str | None = Field(None, description="dataset.control, absolute; null without paired data")
+    unmatched_controls: list[str] = Field(
+        default_factory=list, description="control images (relative to control_root) no image pairs with"
     )
 
     def roots(self) -> dict[int | None, Path]:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuneline.schemas.base import Manifest, Seed, Strict
+from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict
 
 
 class ValidationPrompt(Strict):
     prompt: str
     negative_prompt: str = ""
+    seed: Seed = 0
+
+
+class ValidationControl(Strict):
+    """An edit to render: the input image and the instruction (families that take a control image)."""
+
+    image: Annotated[str, ConfigPath()] = Field(description="the input image; relative paths resolve against the workdir")
+    prompt: str = Field(description="the edit instruction")
     seed: Seed = 0
 
 
@@ -22,6 +30,11 @@ class ValidateConfig(Strict):
     aspect: float = Field(1.0, ge=1 / 16, le=16, description="width/height of rendered images")
     steps: int = Field(20, ge=1, description="sampler steps")
     guidance_scale: float = Field(4.0, ge=0)
+    controls: list[ValidationControl] | None = Field(
+        None,
+        description="families that take a control image (image editing): the edits rendered, each {image, prompt}; "
+        "null = the first N training pairs' controls with their captions (N = the number of prompts)",
+    )
     learning_check: bool = Field(
         False,
         description="demo only: measure class separation in latent space and whether renders show the prompted color",
@@ -59,3 +72,7 @@ class ValidateManifest(Manifest):
         description="what encoded the prompts: the base model's text encoders (through the prompt cache), or "
         "the trained text encoders of a train.text_encoder_lora run (live, no cache)",
     )
+    # The edit demo's check: share of edits of new controls whose result is nearest the instructed color's mean latent.
+    edit_color_accuracy: float | None = None
+    untrained_edit_color_accuracy: float | None = None
+    controls: list[str] = Field(default_factory=list, description="per image: its control image's file, if an edit")

@@ -22,6 +22,7 @@ _ADAPTERS: dict[str, str] = {
     "sdxl": "SDXLFamily",
     "sd3": "SD3Family",
     "flux": "FluxFamily",
+    "flux_kontext": "FluxKontextFamily",
     "qwen_image": "QwenImageFamily",
     "z_image": "ZImageFamily",
     "flux2": "Flux2DevFamily",

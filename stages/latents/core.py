@@ -20,10 +20,11 @@ from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.sizing import latent_shape
 from tuneline.stages.families import resolve as models
-from tuneline.stages.latents import masks, size_policy, store
+from tuneline.stages.latents import controls, masks, size_policy, store
 from tuneline.stages.latents.encode import Encoder, vae_facts_of
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
 from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
+from tuneline.stages.scan.controls import control_root
 from tuneline.stages.scan.masks import mask_root
 
 PROGRESS_KEY = "latents-progress"
@@ -106,9 +107,18 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         batch_size=lc.batch_size,
         names=store.array_names(lc.flip),
     )
-    results = write_buckets(ctx, settings, jobs, Encoder(vae, dev, lc.dtype, lc.flip), len(records))
+    encoder = Encoder(vae, dev, lc.dtype, lc.flip)
+    results = write_buckets(ctx, settings, jobs, encoder, len(records))
     facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae_facts_of(fam, vae), vae_dtype)
-    return facts | {"masked": write_masks(ctx, work, results, records, scan)}
+    paired = write_controls(ctx, work, results, jobs, records, encoder, identity)
+    return facts | {"masked": write_masks(ctx, work, results, records, scan)} | paired
+
+
+def write_controls(ctx, work: Path, results, jobs: list[BucketJob], records, encoder: Encoder, identity: dict) -> dict:
+    """Control latents of a paired dataset beside the targets (stages/latents/controls.py)."""
+    index = [row for r in results for row in r.index]
+    shapes = {j.key: j.shape for j in jobs}
+    return controls.write_controls(ctx, work, index, records, control_root(ctx.cfg), encoder, shapes, identity)
 
 
 def write_masks(ctx, work: Path, results: list[BucketResult], records: list[ImageRecord], scan: ScanManifest) -> int:
@@ -140,8 +150,11 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
         facts["reused"],
         facts["resumed"],
     )
-    return facts | {
-        "masked": write_masks(ctx, work, results, scan_records(models.artifact_dir(ctx, scan)), scan),
+    lc = ctx.cfg.latents
+    identity = row_identity(models.identity(ctx, "vae"), p.vae_dtype, lc.dtype, lc.flip)
+    all_records = scan_records(models.artifact_dir(ctx, scan))
+    return facts | write_controls(ctx, work, results, p.jobs, all_records, encoder, identity) | {
+        "masked": write_masks(ctx, work, results, all_records, scan),
         "shards": shard.shard_entries(reports),
     }
 

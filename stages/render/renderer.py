@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -32,6 +33,7 @@ class Sample:
     prompt: str
     negative_prompt: str
     seed: int
+    image: Any = None  # an edit's input (control) image at the render size, for families that take one
 
 
 class Renderer:
@@ -72,7 +74,8 @@ class Renderer:
 
             load_lora(pipe, fam.facts.name, Path(lora))  # load_lora_weights, or a lokr/loha file merged
         # Rendering only decodes; an empty module rather than None, as some VAEs (Qwen-Image) walk theirs when decoding.
-        pipe.vae.encoder = torch.nn.Module()
+        if not getattr(fam, "takes_control", False):  # an edit family's pipeline encodes its input image
+            pipe.vae.encoder = torch.nn.Module()
         pipe.set_progress_bar_config(disable=True)
         encoders = fam.text_encoders_of(pipe, max_length)
         return cls(fam, pipe, encoders, device, autocast, prompt_cache)
@@ -119,8 +122,13 @@ class Renderer:
             neg = batch_of(encoded, negatives, self.device) if negatives else None
             gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
             # Pictures come back as floats first: NaN would silently turn black in the 8-bit conversion.
+            edit = {}
+            if hasattr(self.fam, "control_kwargs"):  # an edit family: its input images (if any) and the size
+                images = [s.image for s in batch] if batch[0].image is not None else None
+                edit = self.fam.control_kwargs(images, width, height)
             images = self.pipe(
                 **self.fam.prompt_kwargs(text, neg),
+                **edit,
                 width=width,
                 height=height,
                 num_inference_steps=steps,

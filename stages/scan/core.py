@@ -19,7 +19,7 @@ from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from tuneline.stages.common.stage import StageFailed
-from tuneline.stages.scan import buckets as bk, images, masks
+from tuneline.stages.scan import buckets as bk, controls, images, masks
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 
@@ -48,7 +48,8 @@ def alignment(cfg: PipelineConfig) -> int:
 
 def stage_config(cfg: PipelineConfig) -> dict:
     """What changes the records later stages consume (the path itself is an input, not config)."""
-    dataset = cfg.dataset.model_dump(mode="json", exclude={"path", "demo", "sources"})
+    # dataset.control is a path (an input, fingerprinted by stage_inputs), like dataset.path.
+    dataset = cfg.dataset.model_dump(mode="json", exclude={"path", "demo", "sources", "control"})
     # Which folders and how each is captioned; their paths are inputs, how training uses them is train's key.
     dataset["sources"] = [{"role": s.role, "caption_extension": s.caption_extension} for s in dataset_sources(cfg)]
     out = {"dataset": dataset, "buckets": cfg.buckets.model_dump(mode="json") | {"alignment": alignment(cfg)}}
@@ -84,6 +85,7 @@ def stage_inputs(ctx, upstream) -> dict:
         if run:
             pins[(src.index, str(src.root))] = prints[-1]
     out = prints[0] if len(prints) == 1 else {"sources": prints}
+    out |= {"controls": c} if (c := controls.fingerprint(ctx.cfg)) else {}
     return out | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
 
 
@@ -229,7 +231,7 @@ def _records(ctx, src: Source) -> tuple[list[ImageRecord], list[Rejected], int]:
     return records, rejected + misfits, reopened
 
 
-def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Rejected], int, list[dict]]:
+def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Rejected], int, list[dict], list[str]]:
     records, rejected, reopened, rows = [], [], 0, []
     for src in sources:
         got, bad, n = _records(ctx, src)
@@ -243,7 +245,8 @@ def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Re
             f"dataset source(s) {empty} hold no usable image (see rejected.jsonl): add images, or "
             f"remove the folder from dataset.sources / train.eval.path"
         )
-    return records, rejected, reopened, rows
+    records, unpaired, unmatched = controls.attach(records, ctx.cfg)
+    return records, rejected + unpaired, reopened, rows, unmatched
 
 
 def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchError) -> StageFailed:
@@ -266,7 +269,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
                 f"{src.field} {src.root} is not a folder: point it at your images (relative paths "
                 f"resolve against the workdir){demo}"
             )
-    records, rejected, reopened, source_rows = _all_records(ctx, sources)
+    records, rejected, reopened, source_rows, unmatched = _all_records(ctx, sources)
     groups = bk.duplicate_groups(records)
     if cfg.dataset.duplicates == "reject":
         records, dups = bk.reject_duplicates(records, groups)
@@ -282,7 +285,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     write_jsonl(work / "images.jsonl", records)
     write_jsonl(work / "rejected.jsonl", rejected)
     _report(ctx, root, rows, plan, rejected, reopened, len(records), groups)
-    consumed = [r.model_dump(mode="json", exclude={"mtime_ns"}) for r in records]
+    consumed = [controls.consumed(r) for r in records]
+    if unmatched:
+        ctx.log.warning("scan: %d control images pair with no image, e.g. %s", len(unmatched), unmatched[0])
     return {
         "alignment": alignment(cfg),
         "dataset_root": str(root),
@@ -294,6 +299,8 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         "conversions": bk.conversions(records),
         "reopened": reopened,
         "sources": source_rows if sources[0].index is not None else [],
+        "control_root": str(controls.control_root(cfg)) if cfg.dataset.control else None,
+        "unmatched_controls": unmatched,
         # What later stages consume, and nothing else: records (paths relative to the root, sizes, content
         # hashes, buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection
         # leaves the version as it was; the republished manifest then names the new root.

@@ -59,8 +59,13 @@ def _write_all(target: Path) -> None:
         _draw(color, shape, size, rng).save(target / f"{stem}.png")
         (target / f"{stem}.txt").write_text(f"a {color} {shape}\n", encoding="utf-8")
         written += [f"{stem}.png", f"{stem}.txt"]
+    finish(target, written, DEMO_VERSION)
+
+
+def finish(target: Path, written: list[str], version: str) -> None:
+    """Record what a demo wrote into `target` (the only files ever deleted) and mark it complete."""
     (target / FILES).write_text(json.dumps(written), encoding="utf-8")
-    (target / MARKER).write_text(DEMO_VERSION, encoding="utf-8")
+    (target / MARKER).write_text(version, encoding="utf-8")
 
 
 def demo_files(root: Path) -> set[str]:
@@ -114,9 +119,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def is_complete(root: Path) -> bool:
+def is_complete(root: Path, version: str = DEMO_VERSION) -> bool:
     try:
-        return (root / MARKER).read_text(encoding="utf-8").strip() == DEMO_VERSION
+        return (root / MARKER).read_text(encoding="utf-8").strip() == version
     except (FileNotFoundError, NotADirectoryError):
         return False
 
@@ -129,26 +134,56 @@ def write_demo_dataset(root: Path) -> None:
     else is left as it is and the user is told to pick another path.
     """
     root = Path(root)
+    if is_complete(root):
+        if root.parent.is_dir():
+            remove_leftovers(root)
+        return
+    clear(root)
+    build_into([root], _write_all)
+
+
+def clear(root: Path, field: str = "dataset.path") -> None:
+    """Make way for a demo in `root`: remove killed generations' leftovers and an older demo (its own files
+    only); refuse a folder holding anything else."""
     if root.parent.is_dir():
         remove_leftovers(root)
-    if is_complete(root):
-        return
     if root.exists():
         if not (root / MARKER).is_file() and any(root.iterdir()):
             raise ConfigError(
-                f"dataset.path {root} exists and is not a tuneline demo dataset; with "
-                f"dataset.demo true it must be empty or missing: point dataset.path elsewhere "
+                f"{field} {root} exists and is not a tuneline demo dataset; with "
+                f"dataset.demo true it must be empty or missing: point {field} elsewhere "
                 f"or set dataset.demo false to scan it as it is"
             )
         _remove_stale_demo(root)  # an empty folder, or an older demo version: only its own files go
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+
+
+def build_into(roots: list[Path], write) -> None:
+    """`write(*folders)` into hidden siblings of `roots`, then each renamed into place: a killed run leaves no
+    half dataset (and the next run removes the siblings)."""
+    tmps = []
     try:
-        _write_all(tmp)
-        os.replace(tmp, root)
+        for root in roots:
+            root.parent.mkdir(parents=True, exist_ok=True)
+            tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            tmps.append(tmp)
+        write(*tmps)
+        for tmp, root in zip(tmps, roots):
+            os.replace(tmp, root)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_demo_for(cfg) -> None:
+    """The demo dataset `cfg.dataset.demo` asks for: the colored shapes, or (edit) pairs in dataset.path and
+    dataset.control."""
+    if cfg.dataset.demo == "edit":
+        from tuneline.stages.scan.edit_demo import write_edit_demo
+
+        write_edit_demo(cfg.resolve(cfg.dataset.path), cfg.resolve(cfg.dataset.control))
+    else:
+        write_demo_dataset(cfg.resolve(cfg.dataset.path))

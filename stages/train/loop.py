@@ -19,6 +19,7 @@ from tuneline.stages.common.prefetch import ahead
 from tuneline.stages.families.base import MicroCond
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.latents import store
+from tuneline.stages.latents.controls import read as read_controls
 from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
@@ -201,6 +202,9 @@ class Trainer:
         pin = self.device.type == "cuda"  # page-locked: the step's copies to the GPU run asynchronously
         mean, std = self.data.reader.gather(batch, pin=pin)
         cond, strings = self.conditioning(batch.paths, gen)
+        control = read_controls(self.data.reader, batch) if getattr(self.fam, "takes_control", False) else None
+        if control is not None:  # a paired dataset: the input images, scaled as the targets are
+            cond["control_latents"] = scale_latents(control, self.data.scaling, self.data.shift)
         if pin:
             cond = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in cond.items()}
         fed = Fed(mb, index, gen, batch, mean, None if self.t.latent_sampling == "mean" else std, cond)

@@ -10,6 +10,7 @@ from tuneline.stages.caption import upstream_captions
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
+from tuneline.stages.validate import edits as edits_mod
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import class_means, render_check, separation
 
@@ -105,12 +106,18 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     v = ctx.cfg.validate_
     renderer = trained_renderer(ctx, upstream)
     ctx.reporter.progress("validate-progress", 0.1, "pipeline loaded")
-    rendered = render_prompts(ctx, renderer, work)
+    edits = edits_mod.edit_samples(ctx, upstream, render_size_for(ctx.cfg))
+    if edits:  # an edit family with controls: control | result per row
+        rendered, controls = edits_mod.render_edits(ctx, renderer, work, edits)
+    else:
+        rendered, controls = render_prompts(ctx, renderer, work), []
     ctx.reporter.progress("validate-progress", 0.5, f"{len(rendered)} prompts rendered")
-    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"}
+    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"} | ({"controls": controls} if controls else {})
     if upstream["train"].text_encoder_lora:  # prompts encoded live by the LoRA file's text encoders
         facts["prompts_encoded_by"] = "trained text encoders"
-    if v.learning_check:
+    if v.learning_check and ctx.cfg.dataset.demo == "edit":
+        facts |= edits_mod.check_edits(ctx, renderer, upstream, lambda: load_renderer(ctx, models.model_dir(ctx)))
+    elif v.learning_check:
         facts |= check_learning(ctx, renderer, upstream)
     ctx.reporter.progress("validate-progress", 1.0, "done")
     report(ctx, work, rendered, facts, upstream["train"])
@@ -139,5 +146,10 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
             f"{facts['untrained_class_separation_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f}); "
             f"prompted color rendered {facts['color_accuracy']:.2f} trained, "
             f"{facts['untrained_color_accuracy']:.2f} untrained"
+        )
+    if "edit_color_accuracy" in facts:
+        text += (
+            f"\n\nEdit learning check: instructed color {facts['edit_color_accuracy']:.2f} trained, "
+            f"{facts['untrained_edit_color_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f})"
         )
     ctx.reporter.markdown("validate-images", text, "validation images")

@@ -27,7 +27,7 @@ def test_registry_covers_every_family_with_facts():
     assert (
         set(family_names())
         == set(FAMILY_FACTS)
-        == {"tiny", "sd15", "sdxl", "sd3", "flux", "qwen_image", "z_image", "flux2", "flux2_klein"}
+        == {"tiny", "sd15", "sdxl", "sd3", "flux", "flux_kontext", "qwen_image", "z_image", "flux2", "flux2_klein"}
     )
     for name in family_names():
         fam = get_family(name)
@@ -37,7 +37,7 @@ def test_registry_covers_every_family_with_facts():
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown family 'sd2'.*tiny, sd15, sdxl, sd3, flux, qwen_image"):
+    with pytest.raises(ValueError, match="unknown family 'sd2'.*tiny, sd15, sdxl, sd3, flux, flux_kontext, qwen_image"):
         get_family("sd2")
     with pytest.raises(ValueError, match="model.family"):
         facts("sd2")
@@ -50,6 +50,7 @@ def test_facts_alignment_and_targets():
         "sdxl": 8,
         "sd3": 16,
         "flux": 16,
+        "flux_kontext": 16,
         "qwen_image": 16,
         "z_image": 16,
         "flux2": 16,
@@ -58,12 +59,13 @@ def test_facts_alignment_and_targets():
     assert {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"} == {
         "sd3",
         "flux",
+        "flux_kontext",
         "qwen_image",
         "z_image",
         "flux2",
         "flux2_klein",
     }
-    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {"sd3", "flux", "qwen_image", "z_image"}
+    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {"sd3", "flux", "flux_kontext", "qwen_image", "z_image"}
 
 
 def test_bpe_merges_rebuild_every_word_whole():

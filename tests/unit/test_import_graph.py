@@ -26,11 +26,14 @@ RANK = {"schemas": 0, "common": 1, "families": 2, "render": 3, "stage": 4, "stag
 ARTIFACT_READERS = {
     "tuneline.stages.scan.images",  # decode an image the scan recorded, as the scan decoded it
     "tuneline.stages.scan.masks",  # where the scan's mask images are
+    "tuneline.stages.scan.controls",  # where the scan's control images are (paired datasets)
+    "tuneline.stages.scan.edit_demo",  # the edit demo's pairs: its learning check draws new controls alike
     "tuneline.stages.caption",  # the stage definition and its captions by image (text, train, validate read them)
     "tuneline.stages.latents",  # the stage definition
     "tuneline.stages.latents.reader",
     "tuneline.stages.latents.store",
     "tuneline.stages.latents.masks",
+    "tuneline.stages.latents.controls",  # the cached control latents of a paired dataset
     "tuneline.stages.text",  # the stage definition and the embedding length it caches at
     "tuneline.stages.text.store",
     "tuneline.stages.text.live",  # text.enabled false: the same interface, encoded on the fly

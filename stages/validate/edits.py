@@ -1,0 +1,124 @@
+"""Validation of an edit family (one that takes a control image): render edits through the stock pipeline, and the
+edit demo's learning check.
+
+The edits are validate.controls ({image, prompt}) or, without them, the first N training pairs' controls with their
+captions (N = the number of validation prompts, each lending its seed). Each control is resized to the render size,
+as training saw it at its image's size. The grid shows control | result per row.
+
+The edit learning check (dataset.demo: edit): new controls of one color with "make it <color>" for every demo color;
+the share of results whose latent is nearest the instructed color's mean cached target latent (as the shapes demo's
+class separation, stages/validate/learning.py), for the trained and the untrained model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.caption import upstream_captions
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.families import resolve as models
+from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
+from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.validate.learning import class_means, separation
+
+
+def takes_control(cfg) -> bool:
+    return bool(getattr(models.family(cfg), "takes_control", False))
+
+
+def _training_pairs(ctx, upstream: dict, n: int) -> list[tuple[Path, str]]:
+    """(control file, caption) of the first `n` training pairs, in record order."""
+    scan_dir = ctx.store.version_dir("scan", upstream["latents"].upstream["scan"])
+    root = json.loads((scan_dir / "manifest.json").read_text()).get("control_root")
+    if root is None:
+        return []
+    captions = upstream_captions(ctx, upstream) or {}
+    seen, out = set(), []
+    for r in read_jsonl(scan_dir / "images.jsonl"):
+        ref = r["path"] if r.get("source") is None else f"{r['source']}//{r['path']}"
+        if r.get("control_path") and ref not in seen and len(out) < n:
+            seen.add(ref)
+            out.append((Path(root) / r["control_path"], captions.get(ref, r["caption"])))
+    return out
+
+
+def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
+    """The edits to render, each control at the render size; empty when there is nothing to edit."""
+    v = ctx.cfg.validate_
+    if not takes_control(ctx.cfg):
+        return []
+    if v.controls:
+        wanted = [(Path(c.image), c.prompt, c.seed) for c in v.controls]
+    else:
+        pairs = _training_pairs(ctx, upstream, len(v.prompts))
+        wanted = [(path, caption, p.seed) for (path, caption), p in zip(pairs, v.prompts)]
+    out = []
+    for path, prompt, seed in wanted:
+        try:
+            image = load_rgb(path).resize(size, Image.Resampling.BICUBIC)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"validate.controls image {path} cannot be read ({err}): fix the path or the file") from None
+        out.append(Sample(prompt, "", seed, image))
+    return out
+
+
+def render_edits(ctx, renderer: Renderer, work: Path, samples: list[Sample]) -> tuple[list[RenderedImage], list[str]]:
+    """Render the edits; (rendered images, their control files). grid.png: control | result per row."""
+    v = ctx.cfg.validate_
+    width, height = render_size_for(ctx.cfg)
+    images = renderer.render(samples, width, height, v.steps, v.guidance_scale)
+    rendered, controls, cells = [], [], []
+    for i, (s, img) in enumerate(zip(samples, images)):
+        name, control = f"{i:03d}-seed{s.seed}.png", f"{i:03d}-control.png"
+        img.save(work / name)
+        s.image.save(work / control)
+        cells += [s.image, img]
+        controls.append(control)
+        rendered.append(RenderedImage(file=name, prompt=s.prompt, negative_prompt="", seed=s.seed, width=img.width, height=img.height))
+    grid(cells, cols=2).save(work / "grid.png")
+    return rendered, controls
+
+
+def check_edits(ctx, trained: Renderer, upstream: dict, load_untrained) -> dict:
+    """edit_color_accuracy and untrained_edit_color_accuracy of the edit demo (module docstring)."""
+    from tuneline.stages.scan.edit_demo import check_controls, instruction
+
+    cfg, lat = ctx.cfg, upstream["latents"]
+    v = cfg.validate_
+    width, height = render_size_for(cfg, aspect=1.0)
+    shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
+    scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
+    try:
+        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape, upstream_captions(ctx, upstream))
+    except ValueError as err:
+        ctx.log.warning("edit learning check skipped: %s", err)
+        return {}
+    pairs = check_controls(v.check_seeds)
+    colors = [c for c, _ in pairs]
+    samples = [
+        Sample(instruction(c), "", 1000 + i, img.resize((width, height), Image.Resampling.BICUBIC))
+        for i, (c, img) in enumerate(pairs)
+    ]
+    fam, facts = models.family(cfg), {}
+    for prefix, renderer in (("", trained), ("untrained_", None)):
+        renderer = renderer or load_untrained()
+        out = renderer.render(samples, width, height, v.check_steps, v.guidance_scale, output_type="latent")
+        latents = torch.stack([torch.as_tensor(t) for t in out]).float().cpu()
+        if latents.dim() == 3:  # packed tokens: the family lays them out on the latent grid
+            latents = fam.rendered_latents(latents, width, height)
+        acc = separation(latents, colors, means)
+        if acc is None:
+            ctx.log.warning("edit learning check skipped: rendered latents are not (C, H, W) like the cache")
+            return {}
+        facts[f"{prefix}edit_color_accuracy"] = acc
+    ctx.log.info(
+        "edit learning check: instructed color trained %.2f, untrained %.2f",
+        facts["edit_color_accuracy"],
+        facts["untrained_edit_color_accuracy"],
+    )
+    return facts
