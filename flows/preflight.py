@@ -31,7 +31,9 @@ def missing_paths(cfg: PipelineConfig) -> list[str]:
     on another machine (a worker's)."""
     out: list[str] = []
     for field, value in _config_paths(cfg, cfg, ""):
-        if (field == "dataset.path" and cfg.dataset.demo) or (field == "dataset.control" and cfg.dataset.demo == "edit"):
+        if (field == "dataset.path" and cfg.dataset.demo) or (
+            field == "dataset.control" and cfg.dataset.demo == "edit"
+        ):
             continue
         if not os.path.lexists(cfg.resolve(value)):
             out.append(f"{field}: {cfg.resolve(value)}")

@@ -23,7 +23,9 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module, never the 
 # train.export_single_file: stages/train/singlefile_export.py writes these (their schemas/families.py rows say so).
 SINGLE_FILE_FAMILIES = family_list(lambda f: f.single_file_export)
 # CLIP-conditioned UNet families: their text encoders take a LoRA in the layout ComfyUI maps onto CLIP.
-TEXT_ENCODER_LORA_FAMILIES = family_list(lambda f: f.pipeline in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"))
+TEXT_ENCODER_LORA_FAMILIES = family_list(
+    lambda f: f.pipeline in ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
+)
 FLOW_FAMILIES = family_list(lambda f: f.prediction == "flow_matching")
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (docs/design.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.

@@ -53,7 +53,7 @@ class DatasetConfig(Strict):
     demo: bool | Literal["edit"] = Field(
         False,
         description="write the demo's generated dataset to `path` first; `edit`: pairs of shapes whose instruction "
-        "changes the color (\"make it red\"), the controls in dataset.control (null: `<path>-controls`)",
+        'changes the color ("make it red"), the controls in dataset.control (null: `<path>-controls`)',
     )
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True
@@ -255,7 +255,9 @@ class ImageRecord(BaseModel):
     mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
     mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
     control_path: str | None = Field(None, description="control image relative to dataset.control (paired data)")
-    control_sha256: str | None = Field(None, description="content of the control image: a changed control is new content")
+    control_sha256: str | None = Field(
+        None, description="content of the control image: a changed control is new content"
+    )
     control_size_bytes: int | None = None
     control_width: int | None = Field(None, description="control size after EXIF orientation (resized to the image's)")
     control_height: int | None = None

@@ -18,7 +18,9 @@ class ValidationPrompt(Strict):
 class ValidationControl(Strict):
     """An edit to render: the input image and the instruction (families that take a control image)."""
 
-    image: Annotated[str, ConfigPath()] = Field(description="the input image; relative paths resolve against the workdir")
+    image: Annotated[str, ConfigPath()] = Field(
+        description="the input image; relative paths resolve against the workdir"
+    )
     prompt: str = Field(description="the edit instruction")
     seed: Seed = 0
 

@@ -153,10 +153,14 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
     lc = ctx.cfg.latents
     identity = row_identity(models.identity(ctx, "vae"), p.vae_dtype, lc.dtype, lc.flip)
     all_records = scan_records(models.artifact_dir(ctx, scan))
-    return facts | write_controls(ctx, work, results, p.jobs, all_records, encoder, identity) | {
-        "masked": write_masks(ctx, work, results, all_records, scan),
-        "shards": shard.shard_entries(reports),
-    }
+    return (
+        facts
+        | write_controls(ctx, work, results, p.jobs, all_records, encoder, identity)
+        | {
+            "masked": write_masks(ctx, work, results, all_records, scan),
+            "shards": shard.shard_entries(reports),
+        }
+    )
 
 
 def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, total: int) -> list[BucketResult]:

@@ -28,7 +28,13 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_tex
         f"{models.identity(ctx, 'text')}:{length}:{dtype}",
     )
     return Renderer.load(
-        models.family(cfg), model_dir, dev, dtype, lora=lora, max_length=length, prompt_cache=None if trained_text else cache
+        models.family(cfg),
+        model_dir,
+        dev,
+        dtype,
+        lora=lora,
+        max_length=length,
+        prompt_cache=None if trained_text else cache,
     )
 
 
@@ -112,7 +118,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     else:
         rendered, controls = render_prompts(ctx, renderer, work), []
     ctx.reporter.progress("validate-progress", 0.5, f"{len(rendered)} prompts rendered")
-    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"} | ({"controls": controls} if controls else {})
+    facts = {"images": [r.model_dump() for r in rendered], "grid": "grid.png"} | (
+        {"controls": controls} if controls else {}
+    )
     if upstream["train"].text_encoder_lora:  # prompts encoded live by the LoRA file's text encoders
         facts["prompts_encoded_by"] = "trained text encoders"
     if v.learning_check and ctx.cfg.dataset.demo == "edit":

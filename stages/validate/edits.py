@@ -62,7 +62,9 @@ def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
         try:
             image = load_rgb(path).resize(size, Image.Resampling.BICUBIC)
         except (OSError, ValueError) as err:
-            raise ValueError(f"validate.controls image {path} cannot be read ({err}): fix the path or the file") from None
+            raise ValueError(
+                f"validate.controls image {path} cannot be read ({err}): fix the path or the file"
+            ) from None
         out.append(Sample(prompt, "", seed, image))
     return out
 
@@ -79,7 +81,11 @@ def render_edits(ctx, renderer: Renderer, work: Path, samples: list[Sample]) -> 
         s.image.save(work / control)
         cells += [s.image, img]
         controls.append(control)
-        rendered.append(RenderedImage(file=name, prompt=s.prompt, negative_prompt="", seed=s.seed, width=img.width, height=img.height))
+        rendered.append(
+            RenderedImage(
+                file=name, prompt=s.prompt, negative_prompt="", seed=s.seed, width=img.width, height=img.height
+            )
+        )
     grid(cells, cols=2).save(work / "grid.png")
     return rendered, controls
 

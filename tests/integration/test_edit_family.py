@@ -160,7 +160,10 @@ def test_denoise_builds_the_pipeline_conditioning_and_falls_back_to_text_to_imag
     den = pipe.transformer
     gen = torch.Generator().manual_seed(1)
     noisy = torch.randn(2, 16, 8, 8, generator=gen)
-    text = {"prompt_embeds": torch.randn(2, 7, 32, generator=gen), "pooled_prompt_embeds": torch.randn(2, 32, generator=gen)}
+    text = {
+        "prompt_embeds": torch.randn(2, 7, 32, generator=gen),
+        "pooled_prompt_embeds": torch.randn(2, 32, generator=gen),
+    }
     t = torch.tensor([500.0, 900.0])
     with torch.no_grad():
         plain = fam.denoise(den, noisy, t, text)

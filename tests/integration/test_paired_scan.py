@@ -38,7 +38,11 @@ def _scan(tmp_path: Path, data: Path, controls: Path | None):
     )
     path, built = run_stage(StageContext(cfg), STAGE, [STAGE])
     manifest = json.loads((path / "manifest.json").read_text())
-    return manifest, {r["path"]: r for r in read_jsonl(path / "images.jsonl")}, list(read_jsonl(path / "rejected.jsonl"))
+    return (
+        manifest,
+        {r["path"]: r for r in read_jsonl(path / "images.jsonl")},
+        list(read_jsonl(path / "rejected.jsonl")),
+    )
 
 
 def test_pairs_are_recorded_and_an_image_without_its_control_is_rejected(tmp_path):

@@ -65,7 +65,13 @@ def test_facts_alignment_and_targets():
         "flux2",
         "flux2_klein",
     }
-    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {"sd3", "flux", "flux_kontext", "qwen_image", "z_image"}
+    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {
+        "sd3",
+        "flux",
+        "flux_kontext",
+        "qwen_image",
+        "z_image",
+    }
 
 
 def test_bpe_merges_rebuild_every_word_whole():
