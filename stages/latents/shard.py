@@ -3,8 +3,8 @@ encoded by its own single process, then checked and completed by the stage in on
 
 The plan is a pure function of the scan's records, the block size and the previous version, so the parent and
 every shard compute it alike. A nominal block is `block_rows` consecutive records of a bucket; blocks with
-records to encode are split into contiguous parts with about as much work each (source and bucket pixels), and a
-block with nothing to encode (linked or copied from the previous version) goes with the part before it, so an
+records to encode are dealt out so that every shard has about as much work (source and bucket pixels), and a
+block with nothing to encode (linked or copied from the previous version) goes with the block before it, so an
 incremental rebuild keeps every shard busy.
 A shard fills its blocks with the writer a single process uses (same rows, same batches per block), so its
 chunks are byte for byte a single process's. Images rejected while encoding shift the rows of later blocks:
@@ -94,20 +94,22 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
 
 
 def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
-    """Per shard, its nominal blocks as (job, block) in plan order: contiguous parts with about as much work each
-    (a block goes to the part its middle unit of work falls in); a block with nothing to encode goes with the
-    block before it."""
+    """Per shard, its nominal blocks as (job, block) in plan order, with about as much work each: blocks to encode
+    go, costliest first, to the shard with the least work so far (ties: the block earlier in the plan, the shard
+    with the lower index), so parts differ by less than one block's work; a block with nothing to encode goes with
+    the block before it."""
     size = p.settings.block_rows
     blocks = [(k, b) for k, job in enumerate(p.jobs) for b in range(-(-len(job.records) // size))]
-    todo = [_work(p.jobs[k], range(b * size, min((b + 1) * size, len(p.jobs[k].records))), p.reuse) for k, b in blocks]
-    total = sum(todo)
+    cost = [_work(p.jobs[k], range(b * size, min((b + 1) * size, len(p.jobs[k].records))), p.reuse) for k, b in blocks]
+    load, owner = [0] * count, [0] * len(blocks)
+    for i in sorted((i for i, c in enumerate(cost) if c), key=lambda i: (-cost[i], i)):
+        owner[i] = min(range(count), key=lambda s: (load[s], s))
+        load[owner[i]] += cost[i]
     out: list[list[tuple[int, int]]] = [[] for _ in range(count)]
-    owner, before = 0, 0
-    for block, n in zip(blocks, todo):
-        if n:
-            owner = min(count - 1, (2 * before + n) * count // (2 * total))
-            before += n
-        out[owner].append(block)
+    for i, block in enumerate(blocks):
+        if not cost[i] and i:
+            owner[i] = owner[i - 1]
+        out[owner[i]].append(block)
     return out
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tuneline.schemas.sources import training_settings
-from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import file_sha256

@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere

@@ -12,7 +12,7 @@ from PIL import Image
 
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.text import TextManifest
-from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stages_for

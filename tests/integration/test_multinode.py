@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.test_train_support import ROOT, build_upstream, small_config
-from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.pipeline import PIPELINE
 

@@ -12,7 +12,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tuneline.schemas.config import parse_config
-from tuneline.schemas.train import TrainConfig, TrainManifest
+from tuneline.schemas.train import TrainConfig
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.common import unwrap

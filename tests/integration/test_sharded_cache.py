@@ -97,8 +97,8 @@ def test_blocks_split_into_disjoint_parts_covering_the_plan(data, single):
     for count in (1, 2, 3, 7):
         parts = owners(p, count)
         flat = [b for part in parts for b in part]
-        assert sorted(flat) == flat and len(set(flat)) == len(flat)  # contiguous, disjoint, in plan order
-        assert len(flat) == sum(-(-len(j.records) // 4) for j in p.jobs)
+        assert all(sorted(part) == part for part in parts)  # each shard's blocks in plan order
+        assert len(set(flat)) == len(flat) == sum(-(-len(j.records) // 4) for j in p.jobs)  # disjoint, covering
         rows = [sum(len(p.jobs[k].records[b * 4 : (b + 1) * 4]) for k, b in part) for part in parts]
         assert max(rows) - min(rows) <= 4  # about as many rows to encode each (nothing reused here)
     assert [len(split(10, 3, i)) for i in range(3)] == [3, 3, 4]

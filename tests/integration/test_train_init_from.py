@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.schemas.families import FAMILY_FACTS
-from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common import gc
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.families.folders import tiny_dir

@@ -12,7 +12,7 @@ import torch
 from tests.unit.test_config_checks import refused
 from tuneline.schemas.base import FileEntry
 from tuneline.schemas.config import example_yaml, parse_config
-from tuneline.schemas.train import TrainManifest
+from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.train import kohya
 
 
