@@ -95,9 +95,10 @@ class TrainConfig(Strict):
     )
     text_encoder_lora: bool = Field(
         False,
-        description="train.mode lora, model.family sd15/sdxl/tiny: also train a LoRA on the CLIP text "
-        "encoder(s) (q/k/v/out projections); captions and validation prompts are then encoded live with "
-        "the trained encoders (the text cache is not read) and the files carry lora_te keys",
+        description="train.mode lora, a CLIP-conditioned UNet family (another family is refused, the "
+        "refusal names them): also train a LoRA on its CLIP text encoder(s) (q/k/v/out projections); "
+        "captions and validation prompts are then encoded live with the trained encoders (the text cache "
+        "is not read) and the files carry lora_te keys",
     )
     text_encoder_lr: float | None = Field(
         None, gt=0, description="train.text_encoder_lora: the text encoders' learning rate; null = learning_rate"

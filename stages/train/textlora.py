@@ -1,5 +1,5 @@
-"""train.text_encoder_lora: a LoRA on the CLIP text encoder(s) of sd15/sdxl (and the tiny family), trained beside
-the denoiser's.
+"""train.text_encoder_lora: a LoRA on the CLIP text encoder(s) of the CLIP-conditioned UNet families, trained
+beside the denoiser's.
 
 The captions are then encoded live, with gradients, by the encoders being trained: the text artifact's cache
 (encoded by the frozen encoders) is not read, only its manifest (max length, caption variants), so caption
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tuneline.stages.families.base import Family
-from tuneline.stages.text.variants import TagAugment
+from tuneline.stages.text import TagAugment
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 # (diffusers pipeline component, kohya prefix) per encoder, in the family's order; the family's lora.py names

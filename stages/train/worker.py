@@ -33,9 +33,9 @@ from tuneline.stages.families.registry import get_family
 from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.render.plots import loss_curve
+from tuneline.stages.text import TagAugment
 from tuneline.stages.text.live import open_text
 from tuneline.stages.text.store import TextCache
-from tuneline.stages.text.variants import TagAugment
 from tuneline.stages.train import collectives, evaluation
 from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CheckpointError

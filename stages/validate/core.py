@@ -6,13 +6,12 @@ from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
-from tuneline.stages.caption import upstream_captions
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.validate import edits as edits_mod
 from tuneline.stages.validate.colors import color_accuracy
-from tuneline.stages.validate.learning import class_means, render_check, separation
+from tuneline.stages.validate.learning import render_check, separation, square_class_means
 
 
 def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_text: bool = False) -> Renderer:
@@ -72,15 +71,10 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
 def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
     """The demo's learning checks for the trained and the untrained model, same seeds and settings: class
     separation of the sampled latents, and the prompted color's share of the decoded images (colors.py)."""
-    cfg, lat = ctx.cfg, upstream["latents"]
-    width, height = render_size_for(cfg, aspect=1.0)
-    shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
-    scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
-    try:
-        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape, upstream_captions(ctx, upstream))
-    except ValueError as err:
-        ctx.log.warning("learning check skipped: %s", err)
+    cfg = ctx.cfg
+    if (got := square_class_means(ctx, upstream, "learning check")) is None:
         return {}
+    width, height, means = got
     facts = {}
     for prefix, renderer in (("", trained), ("untrained_", None)):
         renderer = renderer or load_renderer(ctx, models.model_dir(ctx))

@@ -24,7 +24,7 @@ from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.scan.images import load_rgb
-from tuneline.stages.validate.learning import class_means, separation
+from tuneline.stages.validate.learning import separation, square_class_means
 
 
 def takes_control(cfg) -> bool:
@@ -94,16 +94,10 @@ def check_edits(ctx, trained: Renderer, upstream: dict, load_untrained) -> dict:
     """edit_color_accuracy and untrained_edit_color_accuracy of the edit demo (module docstring)."""
     from tuneline.stages.scan.edit_demo import check_controls, instruction
 
-    cfg, lat = ctx.cfg, upstream["latents"]
-    v = cfg.validate_
-    width, height = render_size_for(cfg, aspect=1.0)
-    shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
-    scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
-    try:
-        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape, upstream_captions(ctx, upstream))
-    except ValueError as err:
-        ctx.log.warning("edit learning check skipped: %s", err)
+    cfg, v = ctx.cfg, ctx.cfg.validate_
+    if (got := square_class_means(ctx, upstream, "edit learning check")) is None:
         return {}
+    width, height, means = got
     pairs = check_controls(v.check_seeds)
     colors = [c for c, _ in pairs]
     samples = [

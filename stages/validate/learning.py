@@ -16,10 +16,12 @@ import torch
 
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
 from tuneline.schemas.latents import LatentsManifest
+from tuneline.stages.caption import upstream_captions
 from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.families import resolve as models
 from tuneline.stages.families.base import latent_affine, scale_latents
 from tuneline.stages.latents import store
-from tuneline.stages.render.renderer import Renderer, Sample
+from tuneline.stages.render.renderer import Renderer, Sample, render_size_for
 
 CHECK_SEED = 1000  # check samples use seeds CHECK_SEED + i, apart from the validation prompts' own seeds
 
@@ -52,6 +54,21 @@ def class_means(
             if row["bucket"] in blocks and color in words:
                 found[color].append(blocks[row["bucket"]][row["row"]])
     return {c: np.mean(v, axis=0) for c, v in found.items()}
+
+
+def square_class_means(ctx, upstream: dict, check: str) -> tuple[int, int, dict[str, np.ndarray]] | None:
+    """(width, height, per-color mean latent) for a learning check rendered at the square render size, or None
+    (logged as `check` skipped) when the cache cannot give the means."""
+    lat = upstream["latents"]
+    width, height = render_size_for(ctx.cfg, aspect=1.0)
+    shape = (lat.latent_channels, height // lat.vae_factor, width // lat.vae_factor)
+    scan_dir = ctx.store.version_dir("scan", lat.upstream["scan"])
+    try:
+        means = class_means(models.artifact_dir(ctx, lat), lat, scan_dir, shape, upstream_captions(ctx, upstream))
+    except ValueError as err:
+        ctx.log.warning("%s skipped: %s", check, err)
+        return None
+    return width, height, means
 
 
 def check_samples(cfg) -> tuple[list[str], list[Sample]]:

@@ -76,7 +76,7 @@ class SDXLFamily(DiffusersFamily):
         hidden, pooled = [], None
         for tok, te in zip(enc.tokenizers, enc.encoders):
             ids, _ = tokenize(tok, captions, enc.max_length, module_device(te))
-            out = te(ids, output_hidden_states=True)  # with gradients for train.text_encoder_lora (as sd15's)
+            out = te(ids, output_hidden_states=True)  # with gradients for train.text_encoder_lora
             hidden.append(out.hidden_states[-2])
             if out[0].ndim == 2:  # the model with projection returns text_embeds first
                 pooled = out[0]
