@@ -1,0 +1,171 @@
+"""FLUX.2 reference images from a paired folder (dataset.control) with the flux2 tiny flavor on CPU, in one shared
+scan -> validate run: the reference tokens and ids as Flux2Pipeline builds them from `image=`, the validation grid
+of reference | result rows, and the exported LoRA read by the stock Flux2Pipeline rendering as trained."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.validate import ValidateManifest
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.pipeline import PIPELINE, stages_for
+from tuneline.stages.train.export import DIFFUSERS_FILE
+
+pytestmark = pytest.mark.slow
+FAMILY = "flux2"
+CPU = torch.device("cpu")
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+
+
+def paired_folder(root: Path) -> tuple[Path, Path]:
+    """Six 64 px targets "make it <color>", each with a control of another color (one reference per target)."""
+    data, controls = root / "data", root / "controls"
+    data.mkdir(parents=True)
+    controls.mkdir()
+    names = list(COLORS)
+    for i in range(6):
+        want, given = names[i % 3], names[(i + 1) % 3]
+        stem = f"{i:02d}-{given}-to-{want}"
+        img = Image.new("RGB", (64, 64), (245, 245, 245))
+        img.paste(COLORS[want], (16, 16, 48, 48))
+        img.save(data / f"{stem}.png")
+        (data / f"{stem}.txt").write_text(f"make it {want}")
+        ctl = Image.new("RGB", (64, 64), (245, 245, 245))
+        ctl.paste(COLORS[given], (16, 16, 48, 48))
+        ctl.save(controls / f"{stem}.png")
+    return data, controls
+
+
+def config(workdir: Path, data: Path, controls: Path | None, family: str = FAMILY):
+    d = copy.deepcopy(DEMO_CONFIG)
+    d["workdir"] = str(workdir)
+    d["dataset"] = {"path": str(data), "control": None if controls is None else str(controls)}
+    d["model"] = {"family": family, "path": None, "device": "cpu"}
+    d["train"] |= {"steps": 2, "batch_size": 2, "processes": 1, "mode": "lora", "learning_rate": 1e-2}
+    d["train"] |= {"checkpoint_every": 2, "validate_every": 0}
+    d["validate"] |= {"steps": 2, "learning_check": False}
+    d["validate"]["prompts"] = d["validate"]["prompts"][:2]
+    return parse_config(d)
+
+
+@pytest.fixture(scope="session")
+def flux2_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux2-refs")
+    data, controls = paired_folder(root)
+    ctx = StageContext(config(root / "w", data, controls))
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
+    return ctx, paths
+
+
+def test_references_are_cached_trained_and_validated(flux2_run):
+    ctx, paths = flux2_run
+    lat = ctx.store.read(paths["latents"], LatentsManifest)
+    assert lat.controls == lat.count == 6 and lat.controls_encoded == 6
+    val = ctx.store.read(paths["validate"], ValidateManifest)
+    # The first two training pairs' references with their instructions, each beside its result.
+    assert [i.prompt for i in val.images] == ["make it red", "make it green"]
+    assert val.controls == ["000-control.png", "001-control.png"]
+    with Image.open(paths["validate"] / "grid.png") as g:
+        assert g.size == (2 * 64, 2 * 64)
+        left = np.asarray(g.convert("RGB"))[64:, :64]
+    with Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "01-blue-to-green.png") as c:
+        assert np.array_equal(left, np.asarray(c.convert("RGB")))
+
+
+def test_denoise_builds_the_pipeline_reference_tokens(flux2_run):
+    """Reference tokens and ids equal Flux2Pipeline.prepare_image_latents' from the same images (one and two
+    references); the prediction covers the target tokens only and changes with the reference; without control
+    latents the denoise is text-to-image."""
+    from tuneline.stages.families.flux2 import latents as lat
+    from tuneline.stages.families.flux2.references import reference_tokens
+
+    ctx, _ = flux2_run
+    fam = get_family(FAMILY)
+    pipe = fam.load_pipeline(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
+    encoder = fam.load_vae_encoder(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
+    images = [
+        pipe.image_processor.preprocess(Image.new("RGB", (64, 64), c), 64, 64, resize_mode="crop")
+        for c in ((200, 30, 30), (20, 90, 210))
+    ]
+    with torch.no_grad():
+        cached = [encoder.encode(x).latent_dist.mean for x in images]  # what the latents stage caches
+    like = torch.zeros(1, 32, 8, 8)
+    for n in (1, 2):
+        want_tokens, want_ids = pipe.prepare_image_latents(images[:n], 1, torch.Generator(), CPU, torch.float32)
+        control = cached[0] if n == 1 else torch.stack(cached, dim=1)
+        tokens, ids = reference_tokens(control, like)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(tokens, want_tokens, atol=1e-5, rtol=1e-5)
+
+    gen = torch.Generator().manual_seed(1)
+    noisy = torch.randn(1, 32, 8, 8, generator=gen)
+    text = {"prompt_embeds": torch.randn(1, 7, pipe.transformer.config.joint_attention_dim, generator=gen)}
+    t = torch.tensor([700.0])
+    with torch.no_grad():
+        plain = fam.denoise(pipe.transformer, noisy, t, text)
+        edited = fam.denoise(pipe.transformer, noisy, t, text | {"control_latents": cached[0]})
+        # The transformer called as the pipeline's loop calls it, its prediction cut to the target tokens.
+        tokens, ids = pipe.prepare_image_latents(images[:1], 1, torch.Generator(), CPU, torch.float32)
+        target = lat.pack(lat.patchify(noisy))
+        full = pipe.transformer(
+            hidden_states=torch.cat([target, tokens], dim=1),
+            timestep=t / 1000,
+            guidance=torch.full((1,), fam.train_guidance),
+            encoder_hidden_states=text["prompt_embeds"],
+            txt_ids=lat.text_ids(1, 7, CPU),
+            img_ids=torch.cat([lat.latent_ids(1, 4, 4, CPU), ids], dim=1),
+            return_dict=False,
+        )[0]
+    torch.testing.assert_close(edited, lat.unpatchify(lat.unpack(full[:, : target.shape[1]], 4, 4)))
+    assert edited.shape == noisy.shape and not torch.allclose(edited, plain)
+
+
+def test_lora_in_stock_flux2_pipeline_renders_as_trained(flux2_run):
+    """The exported LoRA loads in diffusers' Flux2Pipeline (load_lora_weights) and, given the reference as
+    `image=`, renders as the trained model does in validation (the same latents), unlike the base model; the
+    reference changes the render."""
+    from diffusers import Flux2Pipeline
+
+    from tuneline.stages.render.renderer import Renderer, Sample
+    from tuneline.stages.text import effective_max_length
+
+    ctx, paths = flux2_run
+    fam = get_family(FAMILY)
+    model_dir = fam.ensure_model(None, ctx.workdir / "models")
+    control = Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "00-green-to-red.png").convert("RGB")
+    length = effective_max_length(ctx.cfg)
+    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
+    want = torch.as_tensor(trained.render([Sample("make it red", "", 3, control)], 64, 64, 2, 2.0, "latent")[0])
+
+    def stock(lora: bool, image) -> torch.Tensor:
+        pipe = Flux2Pipeline.from_pretrained(model_dir, dtype=torch.float32)
+        if lora:
+            pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(
+            prompt="make it red",
+            image=image,
+            width=64,
+            height=64,
+            num_inference_steps=2,
+            guidance_scale=2.0,
+            max_sequence_length=length,
+            generator=torch.Generator().manual_seed(3),
+            output_type="latent",
+        ).images[0]
+
+    got = stock(True, [control])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(stock(False, [control]), want, atol=1e-4), "the LoRA must change the edit"
+    assert not torch.allclose(stock(True, None), want, atol=1e-4), "the reference must change the edit"
