@@ -19,7 +19,7 @@ from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.pipeline import PIPELINE, stages_for
+from tuneline.stages.pipeline import PIPELINE, stage, stages_for
 from tuneline.stages.train.export import DIFFUSERS_FILE
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,9 @@ CPU = torch.device("cpu")
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 
 
-def paired_folder(root: Path) -> tuple[Path, Path]:
-    """Six 64 px targets "make it <color>", each with a control of another color (one reference per target)."""
+def paired_folder(root: Path, refs: int = 1) -> tuple[Path, Path]:
+    """Six 64 px targets "make it <color>", each with a control of another color: one file per target, or with
+    `refs` > 1 a folder of that many references (the first of the other color, then lighter variants)."""
     data, controls = root / "data", root / "controls"
     data.mkdir(parents=True)
     controls.mkdir()
@@ -41,9 +42,14 @@ def paired_folder(root: Path) -> tuple[Path, Path]:
         img.paste(COLORS[want], (16, 16, 48, 48))
         img.save(data / f"{stem}.png")
         (data / f"{stem}.txt").write_text(f"make it {want}")
-        ctl = Image.new("RGB", (64, 64), (245, 245, 245))
-        ctl.paste(COLORS[given], (16, 16, 48, 48))
-        ctl.save(controls / f"{stem}.png")
+        for j in range(refs):
+            ctl = Image.new("RGB", (64, 64), (245 - 60 * j, 245, 245))
+            ctl.paste(COLORS[given], (16 + 4 * j, 16, 48, 48))
+            if refs == 1:
+                ctl.save(controls / f"{stem}.png")
+            else:
+                (controls / stem).mkdir(exist_ok=True)
+                ctl.save(controls / stem / f"ref{j}.png")
     return data, controls
 
 
@@ -83,17 +89,19 @@ def test_references_are_cached_trained_and_validated(flux2_run):
         assert np.array_equal(left, np.asarray(c.convert("RGB")))
 
 
-def test_denoise_builds_the_pipeline_reference_tokens(flux2_run):
-    """Reference tokens and ids equal Flux2Pipeline.prepare_image_latents' from the same images (one and two
-    references); the prediction covers the target tokens only and changes with the reference; without control
-    latents the denoise is text-to-image."""
+@pytest.mark.parametrize("name", [FAMILY, "flux2_klein"])
+def test_denoise_builds_the_pipeline_reference_tokens(flux2_run, name):
+    """Reference tokens and ids equal the stock pipeline's prepare_image_latents' (Flux2Pipeline,
+    Flux2KleinPipeline) from the same images (one and two references); the prediction is the transformer's as the
+    pipeline's loop calls it, cut to the target tokens, and changes with the reference."""
     from tuneline.stages.families.flux2 import latents as lat
     from tuneline.stages.families.flux2.references import reference_tokens
 
     ctx, _ = flux2_run
-    fam = get_family(FAMILY)
-    pipe = fam.load_pipeline(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
-    encoder = fam.load_vae_encoder(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
+    fam = get_family(name)
+    model_dir = fam.ensure_model(None, ctx.workdir / "models")
+    pipe = fam.load_pipeline(model_dir, torch.float32, CPU)
+    encoder = fam.load_vae_encoder(model_dir, torch.float32, CPU)
     images = [
         pipe.image_processor.preprocess(Image.new("RGB", (64, 64), c), 64, 64, resize_mode="crop")
         for c in ((200, 30, 30), (20, 90, 210))
@@ -121,7 +129,7 @@ def test_denoise_builds_the_pipeline_reference_tokens(flux2_run):
         full = pipe.transformer(
             hidden_states=torch.cat([target, tokens], dim=1),
             timestep=t / 1000,
-            guidance=torch.full((1,), fam.train_guidance),
+            guidance=torch.full((1,), fam.train_guidance) if pipe.transformer.config.guidance_embeds else None,
             encoder_hidden_states=text["prompt_embeds"],
             txt_ids=lat.text_ids(1, 7, CPU),
             img_ids=torch.cat([lat.latent_ids(1, 4, 4, CPU), ids], dim=1),
@@ -169,3 +177,98 @@ def test_lora_in_stock_flux2_pipeline_renders_as_trained(flux2_run):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(stock(False, [control]), want, atol=1e-4), "the LoRA must change the edit"
     assert not torch.allclose(stock(True, None), want, atol=1e-4), "the reference must change the edit"
+
+
+@pytest.fixture(scope="session")
+def flux2_refs_run(tmp_path_factory):
+    """The same run with two reference images per target (<control>/<stem>/ref0.png, ref1.png)."""
+    root = tmp_path_factory.mktemp("flux2-two-refs")
+    data, controls = paired_folder(root, refs=2)
+    ctx = StageContext(config(root / "w", data, controls))
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
+    return root, ctx, paths
+
+
+def test_several_references_are_recorded_cached_and_validated(flux2_refs_run):
+    from tuneline.stages.common.hashing import file_sha256
+    from tuneline.stages.common.jsonl import read_jsonl
+
+    _, ctx, paths = flux2_refs_run
+    controls = ctx.cfg.resolve(ctx.cfg.dataset.control)
+    records = list(read_jsonl(paths["scan"] / "images.jsonl"))
+    assert len(records) == 6
+    for r in records:
+        stem = Path(r["path"]).stem
+        assert r["control_path"] == stem and [f["path"] for f in r["control_references"]] == [
+            f"{stem}/ref0.png",
+            f"{stem}/ref1.png",
+        ]
+        for f in r["control_references"]:
+            assert f["sha256"] == file_sha256(controls / f["path"]) and (f["width"], f["height"]) == (64, 64)
+            assert f["size_bytes"] == (controls / f["path"]).stat().st_size
+    lat = ctx.store.read(paths["latents"], LatentsManifest)
+    assert lat.controls == 6 and lat.controls_encoded == 12
+    [array] = [p for p in (paths["latents"] / "controls").glob("*.npy") if not p.name.endswith(".flip.npy")]
+    assert np.load(array).shape == (6, 2, 32, 8, 8)
+    val = ctx.store.read(paths["validate"], ValidateManifest)
+    assert [i.prompt for i in val.images] == ["make it red", "make it green"]
+    # Each row's control file shows its two references side by side.
+    with Image.open(paths["validate"] / "000-control.png") as c:
+        strip = np.asarray(c.convert("RGB"))
+    assert strip.shape == (64, 128, 3)
+    for j in range(2):
+        with Image.open(controls / "00-green-to-red" / f"ref{j}.png") as ref:
+            assert np.array_equal(strip[:, 64 * j : 64 * (j + 1)], np.asarray(ref.convert("RGB")))
+
+
+def test_lora_renders_with_several_references_in_the_stock_pipeline(flux2_refs_run):
+    """Flux2Pipeline given both references as `image=[...]` with the exported LoRA renders as validation does; the
+    second reference changes the render."""
+    from diffusers import Flux2Pipeline
+
+    from tuneline.stages.render.renderer import Renderer, Sample
+    from tuneline.stages.text import effective_max_length
+
+    _, ctx, paths = flux2_refs_run
+    fam = get_family(FAMILY)
+    model_dir = fam.ensure_model(None, ctx.workdir / "models")
+    folder = ctx.cfg.resolve(ctx.cfg.dataset.control) / "00-green-to-red"
+    refs = [Image.open(folder / f"ref{j}.png").convert("RGB") for j in range(2)]
+    length = effective_max_length(ctx.cfg)
+    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
+    want = torch.as_tensor(trained.render([Sample("make it red", "", 3, refs)], 64, 64, 2, 2.0, "latent")[0])
+    pipe = Flux2Pipeline.from_pretrained(model_dir, dtype=torch.float32)
+    pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
+    pipe.set_progress_bar_config(disable=True)
+
+    def stock(image) -> torch.Tensor:
+        return pipe(
+            prompt="make it red",
+            image=image,
+            width=64,
+            height=64,
+            num_inference_steps=2,
+            guidance_scale=2.0,
+            max_sequence_length=length,
+            generator=torch.Generator().manual_seed(3),
+            output_type="latent",
+        ).images[0]
+
+    torch.testing.assert_close(stock(refs), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(stock(refs[:1]), want, atol=1e-4), "the second reference must change the edit"
+
+
+def test_an_edited_reference_is_the_one_encoded_again(flux2_refs_run, tmp_path):
+    """Replacing one reference of one image makes a new scan version whose latents encode that reference again and
+    copy the other eleven."""
+    import shutil
+
+    root, _, _ = flux2_refs_run
+    for name in ("data", "controls", "w"):
+        shutil.copytree(root / name, tmp_path / name, symlinks=True)
+    Image.new("RGB", (64, 64), (9, 99, 199)).save(tmp_path / "controls" / "03-green-to-red" / "ref1.png")
+    ctx = StageContext(config(tmp_path / "w", tmp_path / "data", tmp_path / "controls"))
+    run_stage(ctx, stage("scan"), PIPELINE)
+    path, built = run_stage(ctx, stage("latents"), PIPELINE)
+    lat = ctx.store.read(path, LatentsManifest)
+    assert built and (lat.controls_encoded, lat.controls_reused) == (1, 11)

@@ -59,6 +59,7 @@ class Flux2Family(DiffusersFamily):
     # Reference images (dataset.control): the training loop hands over the cached control latents as
     # text["control_latents"], (B, C, H, W) or (B, N, C, H, W) for several per target (references.py).
     takes_control: ClassVar[bool] = True
+    multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
     one_control_per_call: ClassVar[bool] = True
     # Flux2's double blocks name their attention to_q/k/v/to_out.0; single blocks fuse qkv+mlp (to_qkv_mlp_proj).
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
