@@ -222,3 +222,81 @@ def test_latents_refuse_several_references_for_a_family_taking_one(tmp_path):
     )
     with pytest.raises(Exception, match=r"2 reference images, but family 'tiny' takes one"):
         run_stage(StageContext(cfg), stage("latents"), PIPELINE)
+
+
+def test_each_source_pairs_with_its_own_control_folder(tmp_path):
+    """dataset.sources[i].control: each folder's images pair with their own controls (the same name in two
+    sources, two controls), a source without one takes dataset.control; the latents cache each from its folder;
+    an edited control of one source is new scan content."""
+    import numpy as np
+
+    from tuneline.schemas.scan import ScanManifest
+    from tuneline.stages.common.hashing import file_sha256
+    from tuneline.stages.latents import controls as control_latents
+    from tuneline.stages.pipeline import PIPELINE, stage
+
+    folders = {}
+    for name, color in (("a", (200, 20, 20)), ("b", (20, 20, 200)), ("c", (20, 200, 20))):
+        data, ctl = tmp_path / f"data-{name}", tmp_path / f"ctl-{name}"
+        data.mkdir()
+        ctl.mkdir()
+        Image.new("RGB", (32, 32), color).save(data / "cat.png")
+        (data / "cat.txt").write_text("make it red")
+        folders[name] = (data, ctl)
+    Image.open(folders["a"][0] / "cat.png").save(folders["a"][1] / "cat.png")  # a's control is its image
+    Image.new("RGB", (32, 32), (0, 0, 0)).save(folders["b"][1] / "cat.png")
+    Image.new("RGB", (32, 32), (9, 9, 9)).save(folders["c"][1] / "cat.png")
+    dataset = {
+        "path": None,
+        "control": str(folders["c"][1]),
+        "sources": [
+            {"path": str(folders["a"][0]), "control": str(folders["a"][1])},
+            {"path": str(folders["b"][0]), "control": str(folders["b"][1]), "role": "regularization"},
+            {"path": str(folders["c"][0])},
+        ],
+    }
+    manifest, records, rejected = _scan_family(tmp_path, dataset, "tiny")
+    assert not rejected and manifest["unmatched_controls"] == []
+    assert [s["control"] for s in manifest["sources"]] == [str(folders[n][1]) for n in "abc"]
+    assert ScanManifest.model_validate(manifest).control_roots() == {
+        None: folders["c"][1],
+        **{i: folders[n][1] for i, n in enumerate("abc")},
+    }
+    for i, n in enumerate("abc"):
+        assert records[f"{i}//cat.png"]["control_sha256"] == file_sha256(folders[n][1] / "cat.png")
+
+    cfg = parse_config(
+        {
+            "workdir": str(tmp_path / "work"),
+            "dataset": dataset,
+            "buckets": {"resolution": 32, "alignment": 16},
+            "model": {"family": "tiny", "device": "cpu"},
+        },
+        "<test>",
+    )
+    path, _ = run_stage(StageContext(cfg), stage("latents"), PIPELINE)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert (manifest["controls"], manifest["controls_encoded"]) == (3, 3)
+    [bucket] = manifest["buckets"]
+    rows = {r["path"]: r["row"] for r in read_jsonl(path / "index.jsonl")}
+    ctrl = np.load(control_latents.control_file(path, bucket["array"]))
+    a, b = ctrl[rows["0//cat.png"]], ctrl[rows["1//cat.png"]]
+    assert not np.allclose(a, b, atol=1e-2)  # the same name, each source's own control
+
+    # One source's control edited: new scan content for that record only.
+    Image.new("RGB", (32, 32), (90, 0, 90)).save(folders["b"][1] / "cat.png")
+    _, records2, _ = _scan_family(tmp_path, dataset, "tiny")
+    assert records2["1//cat.png"]["control_sha256"] != records["1//cat.png"]["control_sha256"]
+    assert records2["0//cat.png"] == records["0//cat.png"] | {"mtime_ns": records2["0//cat.png"]["mtime_ns"]}
+
+
+def test_a_source_without_control_is_rejected_when_others_are_paired(tmp_path):
+    data, ctl = _folder(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    Image.new("RGB", (32, 32)).save(other / "x.png")
+    dataset = {"path": None, "sources": [{"path": str(data), "control": str(ctl)}, {"path": str(other)}]}
+    _, records, rejected = _scan_family(tmp_path, dataset, "tiny")
+    assert set(records) == {"0//cat.png", "0//dog.png"}
+    reasons = {r["path"]: r["reason"] for r in rejected}
+    assert "dataset.sources[1].control" in reasons["1//x.png"]
