@@ -272,3 +272,33 @@ def test_an_edited_reference_is_the_one_encoded_again(flux2_refs_run, tmp_path):
     path, built = run_stage(ctx, stage("latents"), PIPELINE)
     lat = ctx.store.read(path, LatentsManifest)
     assert built and (lat.controls_encoded, lat.controls_reused) == (1, 11)
+
+
+def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run):
+    """The validate flow's Prefect markdown artifact, read back from Prefect, holds the grid (control | result per
+    row) as an inline PNG equal to grid.png, and names each row's control file."""
+    import asyncio
+    import base64
+    import io
+    import re
+
+    from prefect.client.orchestration import get_client
+
+    from tuneline.flows.stage_flows import validate_flow
+
+    _, ctx, paths = flux2_refs_run
+    assert Path(validate_flow(config=ctx.cfg)) == paths["validate"]  # fresh: reported, not rebuilt
+
+    async def artifact() -> str:
+        async with get_client() as client:
+            arts = await client.read_artifacts(limit=200)
+        texts = [a.data for a in arts if a.key == "validate-grid" and paths["validate"].name in (a.description or "")]
+        assert texts, f"no validate-grid artifact; keys {sorted({a.key for a in arts if a.key})}"
+        return texts[-1]
+
+    text = asyncio.run(artifact())
+    [b64] = re.findall(r"!\[grid\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", text)
+    inline = np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+    with Image.open(paths["validate"] / "grid.png") as g:
+        assert np.array_equal(inline, np.asarray(g.convert("RGB")))
+    assert "| control | image |" in text and "[000-control.png](000-control.png)" in text
