@@ -302,3 +302,18 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
     with Image.open(paths["validate"] / "grid.png") as g:
         assert np.array_equal(inline, np.asarray(g.convert("RGB")))
     assert "| control | image |" in text and "[000-control.png](000-control.png)" in text
+
+
+def test_validate_controls_may_name_a_folder_of_references(flux2_refs_run):
+    """A validate.controls image that is a folder: its images in name order, each at the render size."""
+    from tuneline.stages.validate.edits import edit_samples
+
+    _, ctx, _ = flux2_refs_run
+    refs = ctx.workdir / "refs"
+    refs.mkdir()
+    Image.new("RGB", (32, 48), (200, 0, 0)).save(refs / "b.png")
+    Image.new("RGB", (80, 64), (0, 0, 200)).save(refs / "a.png")
+    data = ctx.cfg.model_dump(by_alias=True)
+    data["validate"]["controls"] = [{"image": "refs", "prompt": "make it red", "seed": 7}]
+    [s] = edit_samples(StageContext(parse_config(data)), {}, (64, 64))
+    assert [(i.size, i.getpixel((5, 5))) for i in s.image] == [((64, 64), (0, 0, 200)), ((64, 64), (200, 0, 0))]
