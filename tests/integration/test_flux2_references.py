@@ -317,3 +317,15 @@ def test_validate_controls_may_name_a_folder_of_references(flux2_refs_run):
     data["validate"]["controls"] = [{"image": "refs", "prompt": "make it red", "seed": 7}]
     [s] = edit_samples(StageContext(parse_config(data)), {}, (64, 64))
     assert [(i.size, i.getpixel((5, 5))) for i in s.image] == [((64, 64), (0, 0, 200)), ((64, 64), (200, 0, 0))]
+
+
+def test_rendered_latents_are_laid_out_as_the_cache(flux2_run):
+    """The edit learning check (dataset.demo: edit) compares renders with the cache: the pipeline's packed
+    output_type="latent" tokens laid out as the pipeline's own unpack and unpatchify do."""
+    ctx, _ = flux2_run
+    fam = get_family(FAMILY)
+    pipe = fam.load_pipeline(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
+    tokens = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(0))
+    _, ids = pipe.prepare_latents(2, 32, 64, 64, torch.float32, CPU, None, latents=torch.zeros(2, 128, 4, 4))
+    want = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(tokens, ids))
+    assert torch.equal(fam.rendered_latents(tokens, 64, 64), want)
