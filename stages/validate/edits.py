@@ -87,7 +87,13 @@ def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
             raise ValueError(
                 f"validate.controls image {path} cannot be read ({err}): fix the path or the file"
             ) from None
-        out.append(Sample(prompt, "", seed, image))
+        several = isinstance(image, list) and len(image) > 1
+        if several and not getattr(models.family(ctx.cfg), "multiple_references", False):
+            raise ValueError(
+                f"validate.controls image {path} is a folder of {len(image)} reference images, but family "
+                f"{ctx.cfg.model.family!r} takes one control image: name one image"
+            )
+        out.append(Sample(prompt, "", seed, image[0] if isinstance(image, list) and len(image) == 1 else image))
     return out
 
 
