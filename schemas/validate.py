@@ -20,7 +20,7 @@ class ValidationControl(Strict):
 
     image: Annotated[str, ConfigPath()] = Field(
         description="the input image, or a folder of reference images (name order) for a family that takes "
-        "several (flux2); relative paths resolve against the workdir"
+        "several (FLUX.2); relative paths resolve against the workdir"
     )
     prompt: str = Field(description="the edit instruction")
     seed: Seed = 0

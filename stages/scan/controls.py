@@ -166,13 +166,16 @@ def _check_references(kept: list[ImageRecord], cfg: PipelineConfig) -> None:
     several = [ref for ref, n in counts.items() if n > 1]
     if not several:
         return
-    from tuneline.stages.families.registry import get_family
+    from tuneline.stages.families.registry import family_names, get_family
 
-    if not getattr(get_family(cfg.model.family), "multiple_references", False):
+    def takes_several(name: str) -> bool:
+        return bool(getattr(get_family(name), "multiple_references", False))
+
+    if not takes_several(cfg.model.family):
         raise StageFailed(
             f"{several[0]} has {counts[several[0]]} reference images in a control folder, but family "
             f"{cfg.model.family!r} takes one control image per image: keep one (as <control>/<stem>.png), or "
-            f"use a family that takes several (flux2, flux2_klein)"
+            f"use a family that takes several ({', '.join(n for n in family_names() if takes_several(n))})"
         )
     a, na = next(iter(counts.items()))
     if other := next(((ref, n) for ref, n in counts.items() if n != na), None):
