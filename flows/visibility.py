@@ -158,18 +158,25 @@ def _report_validation(rep: PrefectReporter, cfg: PipelineConfig, path: Path, m:
     url = image_url(cfg, "validate", path.name, grid)
     if url:
         rep.image("validate-grid-image", url, f"validation grid of {path.name}")
+    def link(rel: str) -> str:
+        return f"[{rel}]({image_url(cfg, 'validate', path.name, rel) or rel})"
+
+    controls = m.get("controls") or []  # an edit family: each row's control (input) beside its result
     rows = [
-        f"| [{i['file']}]({image_url(cfg, 'validate', path.name, i['file']) or i['file']}) | {i['prompt']} | "
+        f"| {link(controls[n]) + ' | ' if controls else ''}{link(i['file'])} | {i['prompt']} | "
         f"{i['negative_prompt']} | {i['seed']} |"
-        for i in m.get("images", [])
+        for n, i in enumerate(m.get("images", []))
     ]
+    head = ["| control | image | prompt | negative | seed |", "|---|---|---|---|---|"] if controls else []
+    head = head or ["| image | prompt | negative | seed |", "|---|---|---|---|"]
     thumb = inline_png(path / grid)
     where = f"![grid]({thumb})" if thumb else ""
+    where += "\n\neach row: control | result" if controls else ""
     where += f"\n\nfull size: [{grid}]({url})" if url else f"\n\nfull size: `{path / grid}`"
     rep.markdown(
         "validate-grid",
-        "\n".join([where, "", "| image | prompt | negative | seed |", "|---|---|---|---|", *rows]),
-        f"validation images of {path.name}",
+        "\n".join([where, "", *head, *rows]),
+        f"validation {'edits' if controls else 'images'} of {path.name}",
     )
 
 

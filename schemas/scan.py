@@ -29,6 +29,11 @@ class SourceConfig(Strict):
     caption_extension: str | None = Field(
         None, description="sidecar caption extension of this folder; null = dataset.caption_extension"
     )
+    control: Annotated[str | None, ConfigPath()] = Field(
+        None,
+        description="this folder's control (input) images, paired as dataset.control pairs them; null = "
+        "dataset.control",
+    )
 
     @field_validator("caption_extension")
     @classmethod
@@ -95,7 +100,9 @@ class DatasetConfig(Strict):
         None,
         description="paired (editing) datasets: a folder of control (input) images, one per image, matched by "
         "path without extension (cat.png -> <control>/cat.png, any image extension; relative: against the "
-        "workdir). The caption is the edit instruction; an image without its control is rejected. null = none",
+        "workdir), or several references as <control>/cat/*.png (sorted by name) for families that take several "
+        "(FLUX.2 [dev] and [klein]). The caption is the edit instruction; an image without its control is rejected. "
+        "With dataset.sources, a source's own `control` replaces it for that source. null = none",
     )
 
     @model_validator(mode="before")
@@ -214,6 +221,17 @@ class BucketConfig(Strict):
         return sorted(self.resolutions) if self.resolutions else [self.resolution]
 
 
+class ControlFile(BaseModel):
+    """One reference image of a target that has several (<control>/<stem>/*.png)."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(description="relative to the control folder, '/' separated")
+    sha256: str
+    size_bytes: int
+    width: int = Field(description="after EXIF orientation (resized to the image's size when cached)")
+    height: int
+
+
 class ImageRecord(BaseModel):
     """One accepted image, as every later stage sees it. Sizes come from the ONE size function.
 
@@ -261,6 +279,11 @@ class ImageRecord(BaseModel):
     control_size_bytes: int | None = None
     control_width: int | None = Field(None, description="control size after EXIF orientation (resized to the image's)")
     control_height: int | None = None
+    control_references: list[ControlFile] | None = Field(
+        None,
+        description="several references (<control>/<stem>/*.png, sorted by name): each file; control_path is then "
+        "the folder and control_sha256 covers every reference's content. null: one control file",
+    )
     source: int | None = Field(
         None,
         description="with dataset.sources or train.eval.path: the index of the "
@@ -296,6 +319,7 @@ class SourceRow(BaseModel):
     root: str = Field(description="the folder, absolute")
     role: Literal["train", "regularization", "eval"]
     images: int = Field(description="records from this folder")
+    control: str | None = Field(None, description="its control folder, absolute (paired data); null = none")
 
 
 class ScanManifest(Manifest):
@@ -321,3 +345,8 @@ class ScanManifest(Manifest):
     def roots(self) -> dict[int | None, Path]:
         """record.source -> the folder its path is relative to."""
         return {None: Path(self.dataset_root), **{i: Path(s.root) for i, s in enumerate(self.sources)}}
+
+    def control_roots(self) -> dict[int | None, Path | None]:
+        """record.source -> the folder its control_path is relative to (None: that folder has no controls)."""
+        plain = None if self.control_root is None else Path(self.control_root)
+        return {None: plain, **{i: Path(s.control) if s.control else None for i, s in enumerate(self.sources)}}

@@ -19,7 +19,8 @@ class ValidationControl(Strict):
     """An edit to render: the input image and the instruction (families that take a control image)."""
 
     image: Annotated[str, ConfigPath()] = Field(
-        description="the input image; relative paths resolve against the workdir"
+        description="the input image, or a folder of reference images (name order) for a family that takes "
+        "several (FLUX.2); relative paths resolve against the workdir"
     )
     prompt: str = Field(description="the edit instruction")
     seed: Seed = 0

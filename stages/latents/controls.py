@@ -1,10 +1,13 @@
 """Control latents of a paired dataset (dataset.control), cached beside the targets: `controls/<bucket>.npy`, one
 (C, h, w) row per target row (the VAE's mean: FLUX.1 Kontext encodes its input with sample_mode "argmax"), and
 `controls/<bucket>.flip.npy` with latents.flip. Each control is resized to its image's size and then gets the
-image's crop and bucket, so the pair lines up token for token.
+image's crop and bucket, so the pair lines up token for token. An image with N reference images (a family that
+takes several, FLUX.2: `<control>/<stem>/*.png`) has an (N, C, h, w) row, its references in name order; every image
+of the dataset has the same N (the scan checks it).
 
-Incremental: a row's key hashes the control's content hash, the image's size, crop and bucket, and the VAE and
-dtype identity; rows of the previous version with the same key are copied, not encoded again.
+Incremental: a control's key hashes its content hash, the image's size, crop and bucket, and the VAE and
+dtype identity; controls (each reference apart) of the previous version with the same key are copied, not encoded
+again.
 """
 
 from __future__ import annotations
@@ -37,41 +40,66 @@ def _keys_file(artifact_dir: Path, bucket: str) -> Path:
     return Path(artifact_dir) / FOLDER / f"{bucket}.keys.json"
 
 
-def row_key(rec: ImageRecord, identity: dict) -> str:
+def row_key(rec: ImageRecord, identity: dict, sha256: str | None = None) -> str:
+    """The cache key of one control (of reference `sha256` among several) at its image's size, crop and bucket."""
     size = [rec.width, rec.height, rec.bucket_width, rec.bucket_height, *rec.crop]
-    return digest({"control": rec.control_sha256, "size": size, **identity}, length=32)
+    return digest({"control": sha256 or rec.control_sha256, "size": size, **identity}, length=32)
 
 
-def pixels(rec: ImageRecord, root: Path) -> torch.Tensor:
-    """The control as the target's pixels: resized to the image's size, then the image's crop and bucket."""
-    path = safe_join(root, rec.control_path)
-    if file_sha256(path) != rec.control_sha256:
+def references(rec: ImageRecord) -> list[tuple[str, str, int, int]]:
+    """(path, sha256, width, height) of each of the record's controls: one, or several in order."""
+    if rec.control_references is None:
+        return [(rec.control_path, rec.control_sha256, rec.control_width, rec.control_height)]
+    return [(f.path, f.sha256, f.width, f.height) for f in rec.control_references]
+
+
+def pixels(rec: ImageRecord, root: Path, ref: int = 0) -> torch.Tensor:
+    """Control `ref` as the target's pixels: resized to the image's size, then the image's crop and bucket."""
+    rel, sha, width, height = references(rec)[ref]
+    path = safe_join(root, rel)
+    if file_sha256(path) != sha:
         raise ArtifactError(
             f"control image {path} of {rec.path} changed since the scan (content hash differs): run "
             f"`tuneline stage scan` again"
         )
     img = load_rgb(path)
-    if img.size != (rec.control_width, rec.control_height):
+    if img.size != (width, height):
         raise ArtifactError(f"control image {path} is {img.size}, the scan recorded it otherwise: rescan")
     return to_pixels(img.resize((rec.width, rec.height), Image.Resampling.BICUBIC), rec)
 
 
 class _Previous:
-    """Rows of the previous published version's control arrays, by key."""
+    """Rows of the previous published version's control arrays, by key (one key per reference)."""
 
     def __init__(self, ctx, flip: bool):
         found = reusable_previous(ctx, "latents", LatentsManifest)
-        self.where: dict[str, tuple[Path, str, int]] = {}
+        self.where: dict[str, tuple[Path, str, int, int | None]] = {}
         if found is None or not found[1].controls or found[1].flip != flip:
             return
         for keys in (found[0] / FOLDER).glob("*.keys.json"):
             bucket = keys.name.removesuffix(".keys.json")
             for i, k in enumerate(json.loads(keys.read_text())):
-                self.where[k] = (found[0], bucket, i)
+                for j, key in enumerate(k) if isinstance(k, list) else [(None, k)]:
+                    self.where[key] = (found[0], bucket, i, j)
 
     def get(self, key: str, flipped: bool) -> np.ndarray | None:
         at = self.where.get(key)
-        return None if at is None else _array(str(at[0]), at[1], flipped)[at[2]]
+        if at is None:
+            return None
+        row = _array(str(at[0]), at[1], flipped)[at[2]]
+        return row if at[3] is None else row[at[3]]
+
+
+def _check_family(ctx, n: int) -> None:
+    """Several references per image only for a family that takes them (the scan refuses it, but a scan made
+    for another family can be reused)."""
+    from tuneline.stages.families import resolve as models
+
+    if n > 1 and not getattr(models.family(ctx.cfg), "multiple_references", False):
+        raise ArtifactError(
+            f"the scan pairs each image with {n} reference images, but family {ctx.cfg.model.family!r} takes one "
+            f"control image: keep one per image (<control>/<stem>.png) and run `tuneline stage scan` again"
+        )
 
 
 def write_controls(
@@ -79,50 +107,66 @@ def write_controls(
     work: Path,
     index: list[dict],
     records: list[ImageRecord],
-    control_root: Path | None,
+    roots: dict[int | None, Path | None],
     encoder,
     shape_of: dict[str, tuple[int, int, int]],
     identity: dict,
 ) -> dict:
-    """Every bucket's control latents when the records have controls; returns the manifest's counts."""
+    """Every bucket's control latents when the records have controls; returns the manifest's counts. Arrays are
+    (rows, C, h, w) for one control per image, (rows, N, C, h, w) for N references."""
     sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
-    if control_root is None or not any(sized[row["path"], row["bucket"]].control_path for row in index):
+    if not any(sized[row["path"], row["bucket"]].control_path for row in index):
         return {"controls": 0}
+    n = max(len(references(r)) for r in records if r.control_path)
+    _check_family(ctx, n)
     buckets: dict[str, list[dict]] = {}
     for row in index:
         buckets.setdefault(row["bucket"], []).append(row)
-    flip, dtype = ctx.cfg.latents.flip, np.dtype(ctx.cfg.latents.dtype)
-    previous, encoded, reused = _Previous(ctx, flip), 0, 0
+    previous, counts = _Previous(ctx, ctx.cfg.latents.flip), {"encoded": 0, "reused": 0}
     (work / FOLDER).mkdir(exist_ok=True)
     for bucket, members in buckets.items():
         members.sort(key=lambda row: row["row"])
         recs = [sized[row["path"], bucket] for row in members]
-        keys = [row_key(r, identity) for r in recs]
-        out = {False: np.zeros((len(recs), *shape_of[bucket]), dtype)}
-        if flip:
-            out[True] = np.zeros_like(out[False])
-        todo = []
-        for i, key in enumerate(keys):
-            if key in previous.where:
-                for flipped in out:
-                    out[flipped][i] = previous.get(key, flipped)
-                reused += 1
-            else:
-                todo.append(i)
-        for start in range(0, len(todo), ctx.cfg.latents.batch_size):
-            part = todo[start : start + ctx.cfg.latents.batch_size]
-            got = encoder([pixels(recs[i], control_root) for i in part], [recs[i].path for i in part], shape_of[bucket])
-            for j, i in enumerate(part):
-                out[False][i] = got["mean"][j]
-                if flip:
-                    out[True][i] = got["flip_mean"][j]
-            encoded += len(part)
-        check_latents({"mean": out[False]}, shape_of[bucket], [r.path for r in recs])
-        for flipped, arr in out.items():
-            np.save(control_file(work, bucket, flipped), arr)
-        _keys_file(work, bucket).write_text(json.dumps(keys))
-    ctx.log.info("latents: control latents of %d rows (%d encoded, %d copied)", len(index), encoded, reused)
-    return {"controls": len(index), "controls_encoded": encoded, "controls_reused": reused}
+        keys = _write_bucket(ctx, work, bucket, recs, roots, encoder, shape_of[bucket], identity, previous, counts)
+        _keys_file(work, bucket).write_text(json.dumps(keys if n > 1 else [k[0] for k in keys]))
+    ctx.log.info(
+        "latents: control latents of %d rows (%d encoded, %d copied)", len(index), counts["encoded"], counts["reused"]
+    )
+    return {"controls": len(index), "controls_encoded": counts["encoded"], "controls_reused": counts["reused"]}
+
+
+def _write_bucket(ctx, work, bucket, recs, roots, encoder, shape, identity, previous, counts) -> list[list[str]]:
+    """One bucket's arrays; each row's keys, one per reference."""
+    n = len(references(recs[0]))
+    if any(len(references(r)) != n for r in recs):  # the scan checks it; a hand-edited record would misalign
+        raise ArtifactError(f"images of bucket {bucket} take different numbers of reference images: rescan")
+    keys = [[row_key(r, identity, sha) for _, sha, _, _ in references(r)] for r in recs]
+    flip, dtype = ctx.cfg.latents.flip, np.dtype(ctx.cfg.latents.dtype)
+    out = {False: np.zeros((len(recs), n, *shape), dtype)}
+    if flip:
+        out[True] = np.zeros_like(out[False])
+    todo = []
+    for i, j in ((i, j) for i in range(len(recs)) for j in range(n)):
+        if keys[i][j] in previous.where:
+            for flipped in out:
+                out[flipped][i, j] = previous.get(keys[i][j], flipped)
+            counts["reused"] += 1
+        else:
+            todo.append((i, j))
+    size = ctx.cfg.latents.batch_size
+    for part in (todo[k : k + size] for k in range(0, len(todo), size)):
+        got = encoder(
+            [pixels(recs[i], roots[recs[i].source], j) for i, j in part], [recs[i].path for i, _ in part], shape
+        )
+        for m, (i, j) in enumerate(part):
+            out[False][i, j] = got["mean"][m]
+            if flip:
+                out[True][i, j] = got["flip_mean"][m]
+        counts["encoded"] += len(part)
+    check_latents({"mean": out[False].reshape(-1, *shape)}, shape, [r.path for r in recs for _ in range(n)])
+    for flipped, arr in out.items():
+        np.save(control_file(work, bucket, flipped), arr[:, 0] if n == 1 else arr)
+    return keys
 
 
 @lru_cache(maxsize=64)
@@ -131,15 +175,16 @@ def _array(artifact_dir: str, bucket: str, flipped: bool) -> np.ndarray:
 
 
 def read(reader, batch) -> torch.Tensor | None:
-    """(B, C, h, w) float32 control latents of a reader batch (the flipped control for flipped rows); None when the
-    cache holds none. Checked against the bucket's latent shape, as the targets are."""
+    """(B, C, h, w) float32 control latents of a reader batch ((B, N, C, h, w) for N references per image; the
+    flipped control for flipped rows); None when the cache holds none. Checked against the bucket's latent shape,
+    as the targets are."""
     if not getattr(reader.manifest, "controls", 0):
         return None
     flips = batch.flip or (False,) * len(batch.rows)
     rows = [np.asarray(_array(str(reader.dir), batch.bucket, f)[r], np.float32) for r, f in zip(batch.rows, flips)]
     out = torch.from_numpy(np.stack(rows))
     expected = tuple(reader.shapes[batch.bucket])
-    if tuple(out.shape[1:]) != expected:
+    if tuple(out.shape[-3:]) != expected or out.dim() not in (4, 5):
         raise ArtifactError(
             f"control latents of bucket {batch.bucket} in {reader.dir} are {tuple(out.shape[1:])}, the targets "
             f"{expected}: rebuild with `tuneline stage latents --force`"

@@ -24,7 +24,6 @@ from tuneline.stages.latents import controls, masks, size_policy, store
 from tuneline.stages.latents.encode import Encoder, vae_facts_of
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
 from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
-from tuneline.stages.scan.controls import control_root
 from tuneline.stages.scan.masks import mask_root
 
 PROGRESS_KEY = "latents-progress"
@@ -110,15 +109,17 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     encoder = Encoder(vae, dev, lc.dtype, lc.flip)
     results = write_buckets(ctx, settings, jobs, encoder, len(records))
     facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae_facts_of(fam, vae), vae_dtype)
-    paired = write_controls(ctx, work, results, jobs, records, encoder, identity)
+    paired = write_controls(ctx, work, results, jobs, records, encoder, identity, scan)
     return facts | {"masked": write_masks(ctx, work, results, records, scan)} | paired
 
 
-def write_controls(ctx, work: Path, results, jobs: list[BucketJob], records, encoder: Encoder, identity: dict) -> dict:
+def write_controls(
+    ctx, work: Path, results, jobs: list[BucketJob], records, encoder: Encoder, identity: dict, scan: ScanManifest
+) -> dict:
     """Control latents of a paired dataset beside the targets (stages/latents/controls.py)."""
     index = [row for r in results for row in r.index]
     shapes = {j.key: j.shape for j in jobs}
-    return controls.write_controls(ctx, work, index, records, control_root(ctx.cfg), encoder, shapes, identity)
+    return controls.write_controls(ctx, work, index, records, scan.control_roots(), encoder, shapes, identity)
 
 
 def write_masks(ctx, work: Path, results: list[BucketResult], records: list[ImageRecord], scan: ScanManifest) -> int:
@@ -155,7 +156,7 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
     all_records = scan_records(models.artifact_dir(ctx, scan))
     return (
         facts
-        | write_controls(ctx, work, results, p.jobs, all_records, encoder, identity)
+        | write_controls(ctx, work, results, p.jobs, all_records, encoder, identity, scan)
         | {
             "masked": write_masks(ctx, work, results, all_records, scan),
             "shards": shard.shard_entries(reports),

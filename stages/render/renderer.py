@@ -88,9 +88,13 @@ class Renderer:
         # A sample without a negative prompt lets the pipeline use its own unconditional input, so those and the
         # ones with a negative render in separate calls (mixing them would change what "no negative" means).
         groups = [[i for i, s in enumerate(samples) if bool(s.negative_prompt) == neg] for neg in (False, True)]
+        # A pipeline whose input images are shared by every prompt of a call (FLUX.2's references) renders each
+        # sample with its own images in a call of its own.
+        shared = samples and samples[0].image is not None and getattr(self.fam, "one_control_per_call", False)
+        size = 1 if shared else MAX_BATCH
         for group in groups:
-            for start in range(0, len(group), MAX_BATCH):
-                idx = group[start : start + MAX_BATCH]
+            for start in range(0, len(group), size):
+                idx = group[start : start + size]
                 for i, result in zip(
                     idx, self._call([samples[i] for i in idx], width, height, steps, guidance, output_type)
                 ):

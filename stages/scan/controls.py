@@ -1,10 +1,14 @@
 """Paired (editing) datasets (dataset.control): each image's control image, matched by path without extension.
 
 `cat.png` pairs with `<control>/cat.<any image extension>`; an image in a subfolder with the same subfolder of the
-control folder. The control's content hash and size go into the record, so an edited control is new scan content
-and the latents re-cache it. An image without its control is rejected; controls no image pairs with are listed in
-the manifest. The pair is bucketed by the image: the latents stage resizes the control to the image's size first,
-as FLUX.1 Kontext training resizes its input to the target's.
+control folder. A family that takes several reference images (FLUX.2) may instead have a folder
+`<control>/cat/` of them, taken in name order (a single file wins over a folder of the same stem). With
+dataset.sources, a source's own `control` folder replaces dataset.control for that source.
+
+The control's content hash and size go into the record (each reference's, for several), so an edited control is
+new scan content and the latents re-cache it. An image without its control is rejected; controls no image pairs
+with are listed in the manifest. The pair is bucketed by the image: the latents stage resizes the control to the
+image's size first, as FLUX.1 Kontext training resizes its input to the target's.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.scan import IMAGE_EXTENSIONS, ImageRecord, Rejected
+from tuneline.schemas.scan import IMAGE_EXTENSIONS, ControlFile, ImageRecord, Rejected
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
@@ -26,88 +30,201 @@ def control_root(cfg: PipelineConfig) -> Path | None:
     return None if c is None else cfg.resolve(c)
 
 
-def _index(cfg: PipelineConfig) -> dict[str, list[Path]]:
+def source_roots(cfg: PipelineConfig) -> dict[int | None, tuple[Path | None, str]]:
+    """Per record source index: (its control folder or None, the config field naming it)."""
+    out: dict[int | None, tuple[Path | None, str]] = {}
+    own = [s.control for s in cfg.dataset.sources or []]
+    for src in dataset_sources(cfg):
+        mine = own[src.index] if src.index is not None and src.index < len(own) else None
+        out[src.index] = (
+            (cfg.resolve(mine), f"dataset.sources[{src.index}].control")
+            if mine
+            else (control_root(cfg), "dataset.control")
+        )
+    return out
+
+
+def paired(cfg: PipelineConfig) -> bool:
+    return any(root is not None for root, _ in source_roots(cfg).values())
+
+
+def _is_image(p: Path) -> bool:
+    return p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+
+
+def _index(cfg: PipelineConfig, root: Path, field: str) -> dict[str, list[Path]]:
     """Control files by path without extension, relative to the control folder ('/' separated)."""
-    root = control_root(cfg)
     if not root.is_dir():
         raise StageFailed(
-            f"dataset.control {root} is not a folder: point it at your control (input) images, one per "
+            f"{field} {root} is not a folder: point it at your control (input) images, one per "
             f"image with the same name (relative paths resolve against the workdir), or set it to null"
         )
     inside = [s.root for s in dataset_sources(cfg) if root.resolve().is_relative_to(s.root.resolve())]
     if inside:
         raise StageFailed(
-            f"dataset.control {root} is inside the dataset folder {inside[0]}: its images would be trained as "
+            f"{field} {root} is inside the dataset folder {inside[0]}: its images would be trained as "
             f"targets; move the control images to a folder beside it"
         )
     out: dict[str, list[Path]] = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."):
+        if _is_image(p):
             out.setdefault(p.relative_to(root).with_suffix("").as_posix(), []).append(p)
     return out
 
 
 def fingerprint(cfg: PipelineConfig) -> str | None:
-    """The control folder's listing (name, size, mtime): an edited control makes the scan stale."""
-    root = control_root(cfg)
-    if root is None or not root.is_dir():
+    """The control folders' listings (name, size, mtime): an edited control makes the scan stale."""
+    roots = sorted({str(r) for r, _ in source_roots(cfg).values() if r is not None and r.is_dir()})
+    if not roots:
         return None
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    return digest([(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    prints = []
+    for root in map(Path, roots):
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        prints.append([(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    # One folder: the print it had before sources could name their own, so a rescan keeps its version.
+    return digest(prints[0] if len(prints) == 1 else prints)
 
 
 def consumed(r: ImageRecord) -> dict:
     """A record as later stages consume it: without control fields when it has no control, so a dataset without
-    pairs keeps the scan version it had before paired datasets existed."""
+    pairs keeps the scan version it had before paired datasets existed (and control_references when null, so one
+    control per image keeps its version too)."""
     skip = {"mtime_ns"} | (set(FIELDS) if r.control_path is None else set())
+    skip |= {"control_references"} if r.control_references is None else set()
     return r.model_dump(mode="json", exclude=skip)
 
 
-def _pair(r: ImageRecord, found: list[Path] | None, root: Path) -> ImageRecord | Rejected:
+def _probe(path: Path, root: Path) -> ControlFile | str:
+    """The file's facts, or why it cannot be used."""
+    st = path.stat()
+    probe = probe_file(path, path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns)
+    if probe.error:
+        return f"control image {path}: {probe.error}"
+    return ControlFile(
+        path=probe.path, sha256=probe.sha256, size_bytes=probe.size_bytes, width=probe.width, height=probe.height
+    )
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """A references folder's images, in name order (none when it is no folder)."""
+    return [p for p in sorted(folder.iterdir(), key=lambda p: p.name) if _is_image(p)] if folder.is_dir() else []
+
+
+def _references(folder: Path, root: Path) -> dict | str:
+    """The control fields of a folder of several references (name order), or why it cannot be used."""
+    files = _folder_files(folder)
+    if not files:
+        return f"control folder {folder} holds no image: add the references, or remove the folder"
+    refs = [_probe(p, root) for p in files]
+    if bad := [r for r in refs if isinstance(r, str)]:
+        return bad[0]
+    if len(refs) == 1:  # one reference in a folder is one control
+        return _fields(refs[0])
+    return {
+        "control_path": folder.relative_to(root).as_posix(),
+        "control_sha256": digest([r.sha256 for r in refs], length=64),
+        "control_size_bytes": sum(r.size_bytes for r in refs),
+        "control_width": None,
+        "control_height": None,
+        "control_references": refs,
+    }
+
+
+def _fields(f: ControlFile) -> dict:
+    return {
+        "control_path": f.path,
+        "control_sha256": f.sha256,
+        "control_size_bytes": f.size_bytes,
+        "control_width": f.width,
+        "control_height": f.height,
+    }
+
+
+def _pair(r: ImageRecord, found: list[Path] | None, root: Path) -> dict | Rejected:
     def reject(reason: str) -> Rejected:
         return Rejected(path=r.ref, kind="control", reason=reason)
 
     stem = Path(r.path).with_suffix("").as_posix()
     if not found:
+        if (root / stem).is_dir():
+            got = _references(root / stem, root)
+            return reject(got) if isinstance(got, str) else got
         return reject(
-            f"no control image {root / stem}.* for this image (dataset.control pairs every image with the "
-            f"control of the same name): add it, or remove the image"
+            f"no control image {root / stem}.* (nor a folder {root / stem}/ of references) for this image "
+            f"(the control folder pairs every image with the control of the same name): add it, or remove the image"
         )
     if len(found) > 1:
         return reject(f"several control images match it ({', '.join(p.name for p in found)}): keep one")
-    path = found[0]
-    st = path.stat()
-    probe = probe_file(path, path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns)
-    if probe.error:
-        return reject(f"control image {path}: {probe.error}")
-    return r.model_copy(
-        update={
-            "control_path": probe.path,
-            "control_sha256": probe.sha256,
-            "control_size_bytes": probe.size_bytes,
-            "control_width": probe.width,
-            "control_height": probe.height,
-        }
-    )
+    got = _probe(found[0], root)
+    return reject(got) if isinstance(got, str) else _fields(got)
+
+
+def _check_references(kept: list[ImageRecord], cfg: PipelineConfig) -> None:
+    """Several references need a family that takes several, and the same number for every image (a training
+    batch stacks them)."""
+    counts = {r.ref: len(r.control_references or [None]) for r in kept}
+    several = [ref for ref, n in counts.items() if n > 1]
+    if not several:
+        return
+    from tuneline.stages.families.registry import family_names, get_family
+
+    def takes_several(name: str) -> bool:
+        return bool(getattr(get_family(name), "multiple_references", False))
+
+    if not takes_several(cfg.model.family):
+        raise StageFailed(
+            f"{several[0]} has {counts[several[0]]} reference images in a control folder, but family "
+            f"{cfg.model.family!r} takes one control image per image: keep one (as <control>/<stem>.png), or "
+            f"use a family that takes several ({', '.join(n for n in family_names() if takes_several(n))})"
+        )
+    a, na = next(iter(counts.items()))
+    if other := next(((ref, n) for ref, n in counts.items() if n != na), None):
+        b, nb = other
+        raise StageFailed(
+            f"images take different numbers of reference images ({a}: {na}, {b}: {nb}): give every image the "
+            f"same number (a training batch stacks them)"
+        )
 
 
 def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageRecord], list[Rejected], list[str]]:
     """(records with their control, images rejected for want of one, controls no image pairs with)."""
-    if cfg.dataset.control is None:
+    if not paired(cfg):
         return records, [], []
-    root, index = control_root(cfg), _index(cfg)
-    kept, rejected, probed, used, named = [], [], {}, set(), set()
+    roots = source_roots(cfg)
+    indexes = {str(root): _index(cfg, root, field) for root, field in roots.values() if root is not None}
+    kept, rejected, probed, used, named = [], [], {}, {}, set()
     for r in records:
+        root, _ = roots[r.source]
         stem = Path(r.path).with_suffix("").as_posix()
-        used.add(stem)
-        if stem not in probed:  # one probe per control, not per resolution
-            probed[stem] = _pair(r, index.get(stem), root)
-        got = probed[stem]
+        if root is None:  # other folders of the dataset are paired, this one not
+            got = Rejected(
+                path=r.ref,
+                kind="control",
+                reason=f"its folder has no control images: set dataset.sources[{r.source}].control (or "
+                f"dataset.control), or remove the folder from dataset.sources",
+            )
+        else:
+            index = indexes[str(root)]
+            files = index.get(stem) or _folder_files(root / stem)
+            used.setdefault(str(root), set()).update(p.relative_to(root).as_posix() for p in files)
+            if (str(root), stem) not in probed:  # one probe per control, not per resolution
+                probed[str(root), stem] = _pair(r, index.get(stem), root)
+            got = probed[str(root), stem]
         if isinstance(got, Rejected):
             if r.ref not in named:  # once, not once per resolution
                 named.add(r.ref)
                 rejected.append(got.model_copy(update={"path": r.ref}))
             continue
-        kept.append(r.model_copy(update={k: getattr(got, k) for k in FIELDS}))
-    unmatched = sorted(p.relative_to(root).as_posix() for s, ps in index.items() if s not in used for p in ps)
-    return kept, rejected, unmatched
+        kept.append(r.model_copy(update=got))
+    _check_references(kept, cfg)
+    return kept, rejected, _unmatched(indexes, used)
+
+
+def _unmatched(indexes: dict[str, dict[str, list[Path]]], used: dict[str, set[str]]) -> list[str]:
+    """Control files no image pairs with, relative to their folder."""
+    out = set()
+    for key, index in indexes.items():
+        root = Path(key)
+        names = (p.relative_to(root).as_posix() for paths in index.values() for p in paths)
+        out.update(n for n in names if n not in used.get(key, ()))
+    return sorted(out)

@@ -238,7 +238,9 @@ def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Re
         records += got
         rejected += bad
         reopened += n
+        ctl = controls.source_roots(ctx.cfg)[src.index][0]
         rows.append({"root": str(src.root), "role": src.role, "images": len({r.path for r in got})})
+        rows[-1] |= {"control": str(ctl)} if ctl is not None else {}
     empty = [r["root"] for r in rows if not r["images"]]
     if len(sources) > 1 and empty:
         raise StageFailed(

@@ -12,12 +12,12 @@ class separation, stages/validate/learning.py), for the trained and the untraine
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from PIL import Image
 
+from tuneline.schemas.scan import IMAGE_EXTENSIONS, ScanManifest
 from tuneline.schemas.validate import RenderedImage
 from tuneline.stages.caption import upstream_captions
 from tuneline.stages.common.jsonl import read_jsonl
@@ -34,8 +34,8 @@ def takes_control(cfg) -> bool:
 def _training_pairs(ctx, upstream: dict, n: int) -> list[tuple[Path, str]]:
     """(control file, caption) of the first `n` training pairs, in record order."""
     scan_dir = ctx.store.version_dir("scan", upstream["latents"].upstream["scan"])
-    root = json.loads((scan_dir / "manifest.json").read_text()).get("control_root")
-    if root is None:
+    roots = ScanManifest.model_validate_json((scan_dir / "manifest.json").read_text()).control_roots()
+    if not any(roots.values()):
         return []
     captions = upstream_captions(ctx, upstream) or {}
     seen, out = set(), []
@@ -43,8 +43,30 @@ def _training_pairs(ctx, upstream: dict, n: int) -> list[tuple[Path, str]]:
         ref = r["path"] if r.get("source") is None else f"{r['source']}//{r['path']}"
         if r.get("control_path") and ref not in seen and len(out) < n:
             seen.add(ref)
-            out.append((Path(root) / r["control_path"], captions.get(ref, r["caption"])))
+            out.append((roots[r.get("source")] / r["control_path"], captions.get(ref, r["caption"])))
     return out
+
+
+def load_control(path: Path, size: tuple[int, int]) -> Image.Image | list[Image.Image]:
+    """The control image at `size`, or a folder's reference images (name order) each at `size`."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        if not files:
+            raise ValueError("the folder holds no image")
+        return [load_rgb(p).resize(size, Image.Resampling.BICUBIC) for p in files]
+    return load_rgb(path).resize(size, Image.Resampling.BICUBIC)
+
+
+def control_strip(image: Image.Image | list[Image.Image]) -> Image.Image:
+    """One picture of a sample's control: the image, or its references side by side."""
+    if not isinstance(image, list):
+        return image
+    strip = Image.new("RGB", (sum(i.width for i in image), max(i.height for i in image)))
+    x = 0
+    for i in image:
+        strip.paste(i, (x, 0))
+        x += i.width
+    return strip
 
 
 def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
@@ -60,12 +82,18 @@ def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
     out = []
     for path, prompt, seed in wanted:
         try:
-            image = load_rgb(path).resize(size, Image.Resampling.BICUBIC)
+            image = load_control(path, size)
         except (OSError, ValueError) as err:
             raise ValueError(
                 f"validate.controls image {path} cannot be read ({err}): fix the path or the file"
             ) from None
-        out.append(Sample(prompt, "", seed, image))
+        several = isinstance(image, list) and len(image) > 1
+        if several and not getattr(models.family(ctx.cfg), "multiple_references", False):
+            raise ValueError(
+                f"validate.controls image {path} is a folder of {len(image)} reference images, but family "
+                f"{ctx.cfg.model.family!r} takes one control image: name one image"
+            )
+        out.append(Sample(prompt, "", seed, image[0] if isinstance(image, list) and len(image) == 1 else image))
     return out
 
 
@@ -78,8 +106,9 @@ def render_edits(ctx, renderer: Renderer, work: Path, samples: list[Sample]) -> 
     for i, (s, img) in enumerate(zip(samples, images)):
         name, control = f"{i:03d}-seed{s.seed}.png", f"{i:03d}-control.png"
         img.save(work / name)
-        s.image.save(work / control)
-        cells += [s.image, img]
+        strip = control_strip(s.image)  # several references: side by side, squeezed into the grid's cell
+        strip.save(work / control)
+        cells += [strip if strip.size == img.size else strip.resize(img.size, Image.Resampling.BICUBIC), img]
         controls.append(control)
         rendered.append(
             RenderedImage(

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from tuneline.schemas.config import parse_config
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.common.stage import StageContext, StageFailed, run_stage
 from tuneline.stages.scan import STAGE
 
 
@@ -122,3 +123,180 @@ def test_control_latents_are_cached_beside_the_targets_and_reused(tmp_path):
     ctrl2 = np.load(control_latents.control_file(path2, bucket["array"]))
     assert not np.allclose(ctrl2[rows["cat.png"]], ctrl[rows["cat.png"]])
     assert np.array_equal(ctrl2[rows["owl.png"]], ctrl[rows["owl.png"]])
+
+
+
+def _scan_family(tmp_path: Path, dataset: dict, family: str):
+    cfg = parse_config(
+        {
+            "workdir": str(tmp_path / "work"),
+            "dataset": dataset,
+            "buckets": {"resolution": 32, "alignment": 16},
+            "model": {"family": family},
+        },
+        "<test>",
+    )
+    path, _ = run_stage(StageContext(cfg), STAGE, [STAGE])
+    manifest = json.loads((path / "manifest.json").read_text())
+    records = {r["path"] if r["source"] is None else f"{r['source']}//{r['path']}": r for r in read_jsonl(path / "images.jsonl")}
+    return manifest, records, list(read_jsonl(path / "rejected.jsonl"))
+
+
+def _references(controls: Path, stem: str, n: int) -> None:
+    (controls / stem).mkdir()
+    for j in reversed(range(n)):  # written out of name order: the order is by name
+        Image.new("RGB", (64, 32 + 8 * j), (10 * j, 0, 0)).save(controls / stem / f"{j}.png")
+
+
+def test_several_references_per_image_for_a_family_that_takes_them(tmp_path):
+    """controls/<stem>/*.png: each reference recorded in name order with its hash and size; an empty folder
+    rejects its image; control files no image pairs with are reported, those of a used folder are not."""
+    from tuneline.stages.common.hashing import file_sha256
+
+    data, controls = _folder(tmp_path)
+    Image.new("RGB", (64, 64)).save(data / "emu.png")
+    (controls / "cat.jpg").unlink()
+    (controls / "dog.png").unlink()
+    for stem in ("cat", "dog", "owl", "extra"):
+        _references(controls, stem, 2)
+    (controls / "emu").mkdir()
+    manifest, records, rejected = _scan_family(tmp_path, {"path": str(data), "control": str(controls)}, "flux2")
+    assert set(records) == {"cat.png", "dog.png", "owl.png"}
+    dog = records["dog.png"]
+    assert dog["control_path"] == "dog" and [f["path"] for f in dog["control_references"]] == ["dog/0.png", "dog/1.png"]
+    refs = [controls / "dog" / f"{j}.png" for j in (0, 1)]
+    assert [f["sha256"] for f in dog["control_references"]] == [file_sha256(p) for p in refs]
+    assert [f["size_bytes"] for f in dog["control_references"]] == [p.stat().st_size for p in refs]
+    assert [(f["width"], f["height"]) for f in dog["control_references"]] == [(64, 32), (64, 40)]
+    [emu] = rejected
+    assert emu["path"] == "emu.png" and "holds no image" in emu["reason"]
+    assert manifest["unmatched_controls"] == ["extra/0.png", "extra/1.png", "stray.png"]
+
+    # A reference edited: the record's content (and so the scan version) changes.
+    Image.new("RGB", (64, 40), (0, 0, 250)).save(refs[1])
+    _, records2, _ = _scan_family(tmp_path, {"path": str(data), "control": str(controls)}, "flux2")
+    assert records2["dog.png"]["control_sha256"] != dog["control_sha256"]
+    assert records2["dog.png"]["control_references"][0] == dog["control_references"][0]
+
+    # Every image needs the same number of references (a batch stacks them).
+    Image.new("RGB", (64, 64)).save(controls / "emu" / "0.png")
+    with pytest.raises(StageFailed, match=r"different numbers of reference images \(cat.png: 2, emu.png: 1\)"):
+        _scan_family(tmp_path, {"path": str(data), "control": str(controls)}, "flux2")
+
+
+def test_a_family_taking_one_control_refuses_a_folder_of_several(tmp_path):
+    """flux_kontext: a single file wins over a folder of the same stem (whose files are then unmatched); a folder
+    of several is refused naming the image and the family."""
+    data, controls = _folder(tmp_path)
+    _references(controls, "cat", 2)  # beside cat.jpg
+    manifest, records, _ = _scan_family(tmp_path, {"path": str(data), "control": str(controls)}, "flux_kontext")
+    assert records["cat.png"]["control_path"] == "cat.jpg" and records["cat.png"]["control_references"] is None
+    assert manifest["unmatched_controls"] == ["cat/0.png", "cat/1.png", "stray.png"]
+    (controls / "dog.png").unlink()
+    _references(controls, "dog", 2)
+    with pytest.raises(StageFailed, match=r"dog.png has 2 reference images .* family 'flux_kontext' takes one"):
+        _scan_family(tmp_path, {"path": str(data), "control": str(controls)}, "flux_kontext")
+
+
+def test_latents_refuse_several_references_for_a_family_taking_one(tmp_path):
+    """A scan made for flux2 (several references per image) reused by a family that takes one control: the latents
+    stage refuses it, naming the family."""
+    from tuneline.stages.pipeline import PIPELINE, stage
+
+    data, controls = _folder(tmp_path)
+    (controls / "cat.jpg").unlink()
+    (controls / "dog.png").unlink()
+    Image.new("RGB", (64, 64)).save(data / "owl.png")
+    for stem in ("cat", "dog", "owl"):
+        _references(controls, stem, 2)
+    dataset = {"path": str(data), "control": str(controls)}
+    _scan_family(tmp_path, dataset, "flux2")
+    cfg = parse_config(
+        {
+            "workdir": str(tmp_path / "work"),
+            "dataset": dataset,
+            "buckets": {"resolution": 32, "alignment": 16},
+            "model": {"family": "tiny", "device": "cpu"},
+        },
+        "<test>",
+    )
+    with pytest.raises(Exception, match=r"2 reference images, but family 'tiny' takes one"):
+        run_stage(StageContext(cfg), stage("latents"), PIPELINE)
+
+
+def test_each_source_pairs_with_its_own_control_folder(tmp_path):
+    """dataset.sources[i].control: each folder's images pair with their own controls (the same name in two
+    sources, two controls), a source without one takes dataset.control; the latents cache each from its folder;
+    an edited control of one source is new scan content."""
+    import numpy as np
+
+    from tuneline.schemas.scan import ScanManifest
+    from tuneline.stages.common.hashing import file_sha256
+    from tuneline.stages.latents import controls as control_latents
+    from tuneline.stages.pipeline import PIPELINE, stage
+
+    folders = {}
+    for name, color in (("a", (200, 20, 20)), ("b", (20, 20, 200)), ("c", (20, 200, 20))):
+        data, ctl = tmp_path / f"data-{name}", tmp_path / f"ctl-{name}"
+        data.mkdir()
+        ctl.mkdir()
+        Image.new("RGB", (32, 32), color).save(data / "cat.png")
+        (data / "cat.txt").write_text("make it red")
+        folders[name] = (data, ctl)
+    Image.open(folders["a"][0] / "cat.png").save(folders["a"][1] / "cat.png")  # a's control is its image
+    Image.new("RGB", (32, 32), (0, 0, 0)).save(folders["b"][1] / "cat.png")
+    Image.new("RGB", (32, 32), (9, 9, 9)).save(folders["c"][1] / "cat.png")
+    dataset = {
+        "path": None,
+        "control": str(folders["c"][1]),
+        "sources": [
+            {"path": str(folders["a"][0]), "control": str(folders["a"][1])},
+            {"path": str(folders["b"][0]), "control": str(folders["b"][1]), "role": "regularization"},
+            {"path": str(folders["c"][0])},
+        ],
+    }
+    manifest, records, rejected = _scan_family(tmp_path, dataset, "tiny")
+    assert not rejected and manifest["unmatched_controls"] == []
+    assert [s["control"] for s in manifest["sources"]] == [str(folders[n][1]) for n in "abc"]
+    assert ScanManifest.model_validate(manifest).control_roots() == {
+        None: folders["c"][1],
+        **{i: folders[n][1] for i, n in enumerate("abc")},
+    }
+    for i, n in enumerate("abc"):
+        assert records[f"{i}//cat.png"]["control_sha256"] == file_sha256(folders[n][1] / "cat.png")
+
+    cfg = parse_config(
+        {
+            "workdir": str(tmp_path / "work"),
+            "dataset": dataset,
+            "buckets": {"resolution": 32, "alignment": 16},
+            "model": {"family": "tiny", "device": "cpu"},
+        },
+        "<test>",
+    )
+    path, _ = run_stage(StageContext(cfg), stage("latents"), PIPELINE)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert (manifest["controls"], manifest["controls_encoded"]) == (3, 3)
+    [bucket] = manifest["buckets"]
+    rows = {r["path"]: r["row"] for r in read_jsonl(path / "index.jsonl")}
+    ctrl = np.load(control_latents.control_file(path, bucket["array"]))
+    a, b = ctrl[rows["0//cat.png"]], ctrl[rows["1//cat.png"]]
+    assert not np.allclose(a, b, atol=1e-2)  # the same name, each source's own control
+
+    # One source's control edited: new scan content for that record only.
+    Image.new("RGB", (32, 32), (90, 0, 90)).save(folders["b"][1] / "cat.png")
+    _, records2, _ = _scan_family(tmp_path, dataset, "tiny")
+    assert records2["1//cat.png"]["control_sha256"] != records["1//cat.png"]["control_sha256"]
+    assert records2["0//cat.png"] == records["0//cat.png"] | {"mtime_ns": records2["0//cat.png"]["mtime_ns"]}
+
+
+def test_a_source_without_control_is_rejected_when_others_are_paired(tmp_path):
+    data, ctl = _folder(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    Image.new("RGB", (32, 32)).save(other / "x.png")
+    dataset = {"path": None, "sources": [{"path": str(data), "control": str(ctl)}, {"path": str(other)}]}
+    _, records, rejected = _scan_family(tmp_path, dataset, "tiny")
+    assert set(records) == {"0//cat.png", "0//dog.png"}
+    reasons = {r["path"]: r["reason"] for r in rejected}
+    assert "dataset.sources[1].control" in reasons["1//x.png"]

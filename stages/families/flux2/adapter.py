@@ -3,7 +3,8 @@ normalised by the VAE's batch-norm statistics and packed into tokens (stages/fam
 matching (the transformer takes sigma). Flux2Family is what [dev] and [klein] (its own folder) share;
 Flux2DevFamily captions through Mistral Small 3 (Mistral3ForConditionalGeneration: hidden states of layers 10, 20,
 30 side by side, FLUX.2's system message in the chat template) with distilled guidance: Flux2Pipeline has no
-negative prompt, so a negative is dropped."""
+negative prompt, so a negative is dropped. Both take reference images (dataset.control) as the stock pipelines take
+`image=` (references.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily, module_device, unwrap
 from tuneline.stages.families.flux2 import latents as lat
+from tuneline.stages.families.flux2.references import reference_tokens
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, build_bpe_tokenizer
 
+CONTROL_KEY = "control_latents"  # the conditioning key the training loop fills for a family that takes control
 DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers
 SPECIALS = ("<pad>", "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[IMG]")
 # Mistral Small 3's template for what Flux2Pipeline sends (a system turn and a user turn, content as text parts).
@@ -53,6 +56,11 @@ class Flux2Family(DiffusersFamily):
 
     facts: ClassVar[FamilyFacts]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
+    # Reference images (dataset.control): the training loop hands over the cached control latents as
+    # text["control_latents"], (B, C, H, W) or (B, N, C, H, W) for several per target (references.py).
+    takes_control: ClassVar[bool] = True
+    multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
+    one_control_per_call: ClassVar[bool] = True
     # Flux2's double blocks name their attention to_q/k/v/to_out.0; single blocks fuse qkv+mlp (to_qkv_mlp_proj).
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -96,16 +104,38 @@ class Flux2Family(DiffusersFamily):
         guidance = None
         if getattr(unwrap(denoiser).config, "guidance_embeds", False):
             guidance = torch.full((b,), self.train_guidance, device=dev, dtype=dt)
+        tokens, ids = lat.pack(lat.patchify(noisy)), lat.latent_ids(b, h // 2, w // 2, dev)
+        n = tokens.shape[1]
+        if (control := text.get(CONTROL_KEY)) is not None:  # reference images (references.py)
+            ref_tokens, ref_ids = reference_tokens(control, noisy)
+            tokens, ids = torch.cat([tokens, ref_tokens], dim=1), torch.cat([ids, ref_ids], dim=1)
         out = denoiser(
-            hidden_states=lat.pack(lat.patchify(noisy)),
+            hidden_states=tokens,
             timestep=timesteps.to(dev, dt) / 1000,
             guidance=guidance,
             encoder_hidden_states=embeds,
             txt_ids=lat.text_ids(b, embeds.shape[1], dev),
-            img_ids=lat.latent_ids(b, h // 2, w // 2, dev),
+            img_ids=ids,
             return_dict=False,
         )[0]
-        return lat.unpatchify(lat.unpack(out, h // 2, w // 2))
+        return lat.unpatchify(lat.unpack(out[:, :n], h // 2, w // 2))
+
+    def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:
+        """Pipeline arguments for one sample's reference images, already at the render size (None: text to image).
+        Flux2Pipeline's `image` is the list of references every prompt of the call shares, so the renderer renders
+        such samples one per call (`one_control_per_call`)."""
+        if images is None:
+            return {}
+        if len(images) != 1:
+            raise ValueError(f"family {self.facts.name!r} renders one sample's references per call, got {len(images)}")
+        refs = images[0]
+        return {"image": list(refs) if isinstance(refs, (list, tuple)) else [refs]}
+
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        """The pipeline's output_type="latent" result (B, tokens, 128), normalised, as (B, 32, H, W) cache-space
+        latents (the edit learning check compares them with the cache)."""
+        f = 2 * self.facts.vae_factor
+        return lat.unpatchify(lat.unpack(latents, height // f, width // f))
 
     train_guidance: float = 1.0  # distilled guidance fed to guidance-embedding ([dev]) models while training
 
