@@ -93,6 +93,8 @@ class TextCache:
             )
         group = zarr.open_group(str(self.dir / STORE), mode="r")
         self.index: dict[str, list[int]] = {r["caption"]: r["rows"] for r in read_jsonl(self.dir / INDEX)}
+        # Rows per (instruction, control image): looked up by stages.text.controls.pair_key.
+        self.paired = (self.dir / "controls.jsonl").is_file()
         self.variants = len(self.index[""])
         arrays = {}
         for f in fields:
