@@ -225,7 +225,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         negative_needs_guidance=False,
         pipeline="QwenImageEditPipeline",
         denoiser="transformer",
-        kohya_base_version="qwen_image",
+        kohya_base_version="qwen_image_edit",
         modelspec_arch="qwen-image-edit",
         modelspec_impl="https://github.com/QwenLM/Qwen-Image",
     ),

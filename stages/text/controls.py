@@ -21,15 +21,10 @@ from tuneline.stages.caption import upstream_captions
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
 from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.text.store import CONTROLS, SEP, pair_key
 from tuneline.stages.text.variants import TagAugment
 
-SEP = "\x1f"  # ASCII unit separator: not in a 64-digit hex hash
-CONTROLS = "controls.jsonl"
-
-
-def pair_key(text: str, control_sha256: str) -> str:
-    return f"{control_sha256}{SEP}{text}"
-
+__all__ = ["CONTROLS", "encode_keys", "index_pairs", "pair_key", "paired_captions", "split_key"]
 
 def split_key(key: str) -> tuple[str | None, str]:
     """(control sha256 or None for a text-only row, the string)."""

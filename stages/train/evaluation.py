@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 import torch
 
-from tuneline.stages.text.controls import pair_key
+from tuneline.stages.text.store import pair_key
 from tuneline.stages.train.loop import Trainer, micro_cond
 from tuneline.stages.train.objective import scale_latents
 from tuneline.stages.train.optimizers import eval_weights

@@ -22,9 +22,8 @@ from tuneline.stages.latents import store
 from tuneline.stages.latents.controls import read as read_controls
 from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
-from tuneline.stages.text.controls import pair_key
 from tuneline.stages.text.live import LiveText
-from tuneline.stages.text.store import TextCache
+from tuneline.stages.text.store import TextCache, pair_key
 from tuneline.stages.train import checkpoint as ckpt, collectives
 from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser

@@ -1,5 +1,5 @@
-"""The tiny flavor's tokenizer and processor. The tokenizer is Qwen-Image's tiny one (stages/families/qwen_image/
-vocab.py) grown by the edit template's words and the vision specials: QwenImageEditPipeline drops the edit
+"""The tiny flavor's tokenizer and processor. The tokenizer is Qwen-Image's tiny one
+(tuneline.stages.families.qwen_image.vocab) grown by the edit template's words and the vision specials: QwenImageEditPipeline drops the edit
 template's first 64 tokens (prompt_template_encode_start_idx, counted with Qwen's tokenizer), the system prompt up to
 the image; this tokenizer splits that prefix into exactly as many, and Qwen-Image's text-only template prefix into
 its 34, which build_edit_tokenizer asserts.
