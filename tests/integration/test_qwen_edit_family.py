@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from safetensors import safe_open
 
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG, RGB
@@ -26,7 +27,7 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
-from tuneline.stages.train.export import DIFFUSERS_FILE
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 
 pytestmark = pytest.mark.slow
 FAMILY = "qwen_image_edit"
@@ -113,8 +114,8 @@ def test_validation_renders_edits_through_the_stock_pipeline(qwen_run):
 
 
 def test_lora_in_stock_edit_pipeline_renders_as_trained(qwen_run):
-    """The exported LoRA loads in diffusers' QwenImageEditPipeline (load_lora_weights) and edits as the trained model
-    renders it in validation (the same latents), unlike the base model."""
+    """The exported LoRA loads in diffusers' QwenImageEditPipeline (load_lora_weights), changes its transformer, and
+    the stock pipeline edits as the trained model renders it in validation (the same latents)."""
     from diffusers import QwenImageEditPipeline
 
     from tuneline.stages.families.qwen_image_edit.vocab import load_processor
@@ -129,18 +130,28 @@ def test_lora_in_stock_edit_pipeline_renders_as_trained(qwen_run):
 
     pipe = QwenImageEditPipeline.from_pretrained(model_dir, processor=load_processor(model_dir / "processor"))
     pipe.set_progress_bar_config(disable=True)
-
-    def stock() -> torch.Tensor:
-        gen = torch.Generator().manual_seed(3)
-        out = pipe(prompt="make it red", image=control, width=64, height=64, num_inference_steps=2, generator=gen,
-                   output_type="latent")
-        return out.images[0]
-
-    base = stock()
-    pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
-    got = stock()
-    assert not torch.allclose(base, want, atol=1e-4), "the LoRA must change the edit"
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    probe = {"hidden_states": torch.randn(1, 4, 64, generator=gen), "timestep": torch.tensor([0.5])}
+    probe |= {"encoder_hidden_states": torch.randn(1, 5, 32, generator=gen), "img_shapes": [[(1, 2, 2)]]}
+    with torch.no_grad():
+        base = pipe.transformer(**probe, return_dict=False)[0]
+        pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
+        assert not torch.allclose(pipe.transformer(**probe, return_dict=False)[0], base), "the LoRA must change it"
+    out = pipe(
+        prompt="make it red",
+        image=control,
+        width=64,
+        height=64,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(3),
+        output_type="latent",
+    )
+    torch.testing.assert_close(out.images[0], want, atol=1e-4, rtol=1e-4)
+    # The ComfyUI (kohya) file in Qwen-Image's layout: lora_unet_ + the diffusers module path.
+    with safe_open(str(paths["train"] / "final" / KOHYA_FILE), framework="pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+    assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in keys
+    assert meta["ss_base_model_version"] == "qwen_image_edit"
 
 
 def test_an_edited_control_image_re_encodes_only_its_text_rows(qwen_run, tmp_path):
