@@ -6,7 +6,8 @@ the content hash of the control image it was encoded with. The keys are the cach
 incremental build reuses a row exactly when both the string and the control image's content are unchanged: an
 edited control re-encodes its own rows and nothing else. Row 0 stays the plain empty string (text only), which every
 text cache holds. controls.jsonl in the artifact lists the control images (sha256, file) the rows were encoded from;
-its presence tells readers (TextCache.paired) to look rows up by pair_key.
+its presence tells readers (TextCache.paired) to look rows up by pair_key. A record without a control (a source
+without one) keys its rows by the plain string, encoded text only.
 
 Other families, and this one without pairs (dataset.control null), build the plain string cache.
 """
@@ -38,7 +39,8 @@ def sees_control(fam) -> bool:
 
 def paired_captions(ctx, scan, upstream: dict) -> tuple[list[tuple[str, str]], dict[str, Path]] | None:
     """((caption, control sha256) of each distinct pair in record order, sha256 -> control file), or None when the
-    family's text encoder does not see controls or the scan holds no pairs."""
+    family's text encoder does not see controls or the scan holds no pairs. A record without a control (a source
+    without one) gives (caption, None): a text-only row."""
     if not sees_control(models.family(ctx.cfg)):
         return None
     scan_dir = models.artifact_dir(ctx, scan)
@@ -49,20 +51,22 @@ def paired_captions(ctx, scan, upstream: dict) -> tuple[list[tuple[str, str]], d
     pairs: dict[tuple[str, str], None] = {}
     files: dict[str, Path] = {}
     for r in read_jsonl(scan_dir / "images.jsonl"):
-        if not r.get("control_sha256"):
-            continue
         ref = r["path"] if r.get("source") is None else f"{r['source']}//{r['path']}"
-        pairs.setdefault((captions.get(ref, r["caption"]), r["control_sha256"]), None)
-        files.setdefault(r["control_sha256"], Path(root) / r["control_path"])
-    return (list(pairs), files) if pairs else None
+        sha = r.get("control_sha256")
+        pairs.setdefault((captions.get(ref, r["caption"]), sha), None)
+        if sha:
+            files.setdefault(sha, Path(root) / r["control_path"])
+    return (list(pairs), files) if files else None
 
 
-def index_pairs(pairs: list[tuple[str, str]], augment: TagAugment) -> tuple[list[str], dict[str, list[int]]]:
+def index_pairs(
+    pairs: list[tuple[str, str | None]], augment: TagAugment
+) -> tuple[list[str], dict[str, list[int]]]:
     """(distinct keys to encode, pair key -> the row of each variant), as variants.index_strings for strings:
     row 0 is the plain "", then each control's empty instruction (caption dropout), then the pairs' variants."""
     rows_of: dict[str, int] = {"": 0}
     index: dict[str, list[int]] = {"": [0] * augment.variants}
-    shas = list(dict.fromkeys(sha for _, sha in pairs))
+    shas = list(dict.fromkeys(sha for _, sha in pairs if sha))
     for caption, sha in [("", s) for s in shas] + pairs:
         key = pair_key(caption, sha)
         if key not in index:

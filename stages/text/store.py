@@ -140,9 +140,10 @@ class TextCache:
         return {f: take_rows(a, rows) for f, a in self.arrays.items()}
 
 
-def pair_key(text: str, control_sha256: str) -> str:
-    """The row key of `text` encoded with the control image of this content hash."""
-    return f"{control_sha256}{SEP}{text}"
+def pair_key(text: str, control_sha256: str | None) -> str:
+    """The row key of `text` encoded with the control image of this content hash (a record without a control:
+    `text` itself, a text-only row)."""
+    return f"{control_sha256}{SEP}{text}" if control_sha256 else text
 
 
 def _dtype(t: torch.Tensor) -> str:
