@@ -60,34 +60,10 @@ class QwenImageEditFamily(QwenImageFamily):
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
         from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         tok = build_edit_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit + EDIT_DROP)
         width = 32
-        ids = dict(zip(("vision_start", "vision_end", "image", "video"), tok.convert_tokens_to_ids(list(VISION))))
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tok),
-                hidden_size=width,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=4096,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-                bos_token_id=None,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            ),
-            vision_config=dict(
-                depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0]
-            ),
-            image_token_id=ids["image"],
-            video_token_id=ids["video"],
-            vision_start_token_id=ids["vision_start"],
-            vision_end_token_id=ids["vision_end"],
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        text_encoder = tiny_text_encoder(tok, width)
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
             in_channels=4 * self.facts.latent_channels,
@@ -238,6 +214,36 @@ class QwenImageEditFamily(QwenImageFamily):
         """The pipeline's output_type="latent" result (B, tokens, C*4) as (B, C, H, W) denoiser-space latents."""
         f = self.facts.vae_factor
         return unpack_latents(latents, height // f, width // f)
+
+
+def tiny_text_encoder(tok, width: int):
+    """Qwen-Image's tiny Qwen2.5-VL with its vision tower, its special token ids those of `tok`."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = dict(zip(("vision_start", "vision_end", "image", "video"), tok.convert_tokens_to_ids(list(VISION))))
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=width,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0]
+        ),
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 def text_to_image(pipe: Any) -> Any:
