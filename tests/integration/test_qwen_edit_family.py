@@ -239,3 +239,20 @@ def test_without_controls_it_trains_and_renders_as_text_to_image(qwen_run, tmp_p
     assert [i.prompt for i in val.images] == [p["prompt"] for p in DEMO_CONFIG["validate"]["prompts"][:2]]
     assert not val.controls  # rendered without an input image: QwenImageEditPipeline would have refused
     assert (paths["train"] / "final" / DIFFUSERS_FILE).is_file()
+
+
+def test_text_to_image_prompts_past_the_pipeline_limit_lose_only_padding():
+    """The default max_length (room for vision tokens) exceeds QwenImagePipeline's 1024: text-only prompts are cut
+    to 1024 where the rest is masked padding, and refused where it is not."""
+    from tuneline.stages.families.qwen_image_edit.adapter import trim_padding
+
+    mask = torch.zeros(1, 1536, dtype=torch.long)
+    mask[:, :10] = 1
+    embeds = torch.randn(1, 1536, 4)
+    kwargs = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "max_sequence_length": 1536}
+    out = trim_padding(kwargs)
+    assert out["max_sequence_length"] == 1024 and out["prompt_embeds_mask"].shape == (1, 1024)
+    assert torch.equal(out["prompt_embeds"], embeds[:, :1024])
+    mask[:, 1100] = 1
+    with pytest.raises(ValueError, match="more than 1024 tokens"):
+        trim_padding(kwargs)
