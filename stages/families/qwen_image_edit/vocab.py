@@ -75,7 +75,7 @@ def _video_stand_in():
         from transformers import Qwen2VLVideoProcessor
 
         return Qwen2VLVideoProcessor()
-    setattr(sys.modules["transformers"], "VideoProcessorMixin", VideoProcessorMixin)
+    sys.modules["transformers"].VideoProcessorMixin = VideoProcessorMixin
     return VideoProcessorMixin()
 
 
