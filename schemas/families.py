@@ -210,6 +210,25 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         modelspec_arch="qwen-image",
         modelspec_impl="https://github.com/QwenLM/Qwen-Image",
     ),
+    # Qwen-Image-Edit: Qwen-Image with the input image's tokens appended and shown to its vision-language text encoder;
+    # max_length makes room for the input image's vision tokens (about 1,370 at the pipeline's 1024 x 1024).
+    "qwen_image_edit": FamilyFacts(
+        "qwen_image_edit",
+        8,
+        2,
+        16,
+        1.0,
+        0.0,
+        "flow_matching",
+        1536,
+        max_length_limit=4096,
+        negative_needs_guidance=False,
+        pipeline="QwenImageEditPipeline",
+        denoiser="transformer",
+        kohya_base_version="qwen_image_edit",
+        modelspec_arch="qwen-image-edit",
+        modelspec_impl="https://github.com/QwenLM/Qwen-Image",
+    ),
     # Z-Image: Flux.1's VAE, 2x2 patches inside the transformer, Qwen3 captions of up to 512 chat-template tokens.
     "z_image": FamilyFacts(
         "z_image",

@@ -24,6 +24,7 @@ _ADAPTERS: dict[str, str] = {
     "flux": "FluxFamily",
     "flux_kontext": "FluxKontextFamily",
     "qwen_image": "QwenImageFamily",
+    "qwen_image_edit": "QwenImageEditFamily",
     "z_image": "ZImageFamily",
     "flux2": "Flux2DevFamily",
     "flux2_klein": "Flux2KleinFamily",

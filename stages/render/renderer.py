@@ -130,9 +130,11 @@ class Renderer:
             if hasattr(self.fam, "control_kwargs"):  # an edit family: its input images (if any) and the size
                 images = [s.image for s in batch] if batch[0].image is not None else None
                 edit = self.fam.control_kwargs(images, width, height)
-            images = self.pipe(
-                **self.fam.prompt_kwargs(text, neg),
-                **edit,
+            kwargs, pipe = {**self.fam.prompt_kwargs(text, neg), **edit}, self.pipe
+            if hasattr(self.fam, "edit_call"):  # prompts encoded with the input images (Qwen-Image-Edit)
+                pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
+            images = pipe(
+                **kwargs,
                 width=width,
                 height=height,
                 num_inference_steps=steps,

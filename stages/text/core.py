@@ -13,6 +13,7 @@ from tuneline.stages.common.stage import key_parts
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.encode import encode_strings, storage_tensor
 from tuneline.stages.text import STAGE, effective_max_length
+from tuneline.stages.text.controls import CONTROLS, encode_keys, index_pairs, paired_captions
 from tuneline.stages.text.reuse import PreviousStrings
 from tuneline.stages.text.store import INDEX, STORE, STRINGS, ArrayWriter
 from tuneline.stages.text.variants import TagAugment, index_strings
@@ -37,6 +38,10 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         else unique_captions(models.artifact_dir(ctx, scan))
     )
     fam = models.family(cfg)
+    paired = paired_captions(ctx, scan, upstream)  # a family whose text encoder sees the controls, with pairs
+    if paired is not None:
+        check_paired(cfg)
+        captions = [c for c, _ in paired[0]]
     facts = {
         "enabled": cfg.text.enabled,
         "family": fam.facts.name,
@@ -49,16 +54,19 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     }
     if not cfg.text.enabled:
         return facts  # the manifest alone tells consumers how to encode live
-    strings, index = index_strings(captions, augment)
+    strings, index = index_pairs(paired[0], augment) if paired else index_strings(captions, augment)
+    files = paired[1] if paired else None
     previous = PreviousStrings.latest(ctx, key_parts(ctx, STAGE, {}))
     shards = None
     if cfg.text.shards > 1 and any(previous is None or s not in previous for s in strings):
         from tuneline.stages.text import shard
 
         staged, shards = shard.build_sharded(ctx, work, {"scan": scan.fingerprint})
-        fields, encoded = write_cache(ctx, work, strings, previous, staged)
+        fields, encoded = write_cache(ctx, work, strings, previous, staged, files=files)
     else:
-        fields, encoded = write_cache(ctx, work, strings, previous)
+        fields, encoded = write_cache(ctx, work, strings, previous, files=files)
+    if files is not None:
+        write_jsonl(work / CONTROLS, ({"sha256": sha, "path": str(p)} for sha, p in files.items()))
     write_jsonl(work / STRINGS, ({"row": i, "text": s} for i, s in enumerate(strings)))
     write_jsonl(work / INDEX, ({"caption": c, "rows": rows} for c, rows in index.items()))
     ctx.log.info(
@@ -80,17 +88,30 @@ def build(ctx, work: Path, upstream: dict) -> dict:
 
 
 def wanted_strings(ctx, scan: ScanManifest) -> list[str]:
-    """Every distinct string the cache holds, in row order (what a shard recomputes to find its windows)."""
-    strings, _ = index_strings(unique_captions(models.artifact_dir(ctx, scan)), TagAugment.from_config(ctx.cfg.text))
-    return strings
+    """Every distinct string (or pair key) the cache holds, in row order (what a shard recomputes to find its
+    windows)."""
+    augment = TagAugment.from_config(ctx.cfg.text)
+    paired = paired_captions(ctx, scan, {})
+    if paired is not None:
+        return index_pairs(paired[0], augment)[0]
+    return index_strings(unique_captions(models.artifact_dir(ctx, scan)), augment)[0]
+
+
+def check_paired(cfg) -> None:
+    """Rows per (instruction, control image) exist only in the cache: live encoding takes strings alone."""
+    if not cfg.text.enabled:
+        raise ValueError(
+            f"text.enabled: false, but model.family {cfg.model.family}'s text encoder sees the control images of "
+            f"dataset.control, which only the text cache encodes: set text.enabled true and run `tuneline stage text`"
+        )
 
 
 class Encoders:
     """The family's text encoders, loaded on first use, once: a scan that only dropped or reordered captions (or a
     shard whose windows are all done) never loads them."""
 
-    def __init__(self, ctx):
-        self.ctx, self.enc = ctx, None
+    def __init__(self, ctx, files: dict | None = None):
+        self.ctx, self.enc, self.files = ctx, None, files
 
     def __call__(self, new: list[str]) -> dict:
         import torch
@@ -102,19 +123,25 @@ class Encoders:
             self.enc = fam.load_text_encoders(
                 models.model_dir(self.ctx), models.dtype(cfg, dev), dev, max_length=effective_max_length(cfg)
             )
-        out = encode_strings(fam, self.enc, new, len(new))
+        if self.files is not None:  # (instruction, control image) pair keys
+            out = encode_keys(fam, self.enc, new, self.files, len(new))
+        else:
+            out = encode_strings(fam, self.enc, new, len(new))
         return {k: storage_tensor(v, getattr(torch, cfg.text.dtype)) for k, v in out.items()}
 
 
-def write_cache(ctx, work: Path, strings: list[str], previous: PreviousStrings | None, staged=None) -> tuple[dict, int]:
+def write_cache(
+    ctx, work: Path, strings: list[str], previous: PreviousStrings | None, staged=None, files: dict | None = None
+) -> tuple[dict, int]:
     """Write text.zarr row by row in `strings` order: strings the previous version holds are copied, the rest
     encoded in batches (or taken from what shards encoded: `staged(window number, new strings)` gives a window's
-    rows or None). Returns (each field's per-row shape and dtype, strings encoded)."""
+    rows or None); with `files` (sha256 -> control image) the strings are pair keys (stages/text/controls.py).
+    Returns (each field's per-row shape and dtype, strings encoded)."""
     import torch
 
     cfg = ctx.cfg
     todo = [s for s in strings if previous is None or s not in previous]
-    encode = Encoders(ctx)
+    encode = Encoders(ctx, files)
     writer = ArrayWriter(work / STORE, len(strings))
     bs, done = cfg.text.batch_size, 0
     for number, window in enumerate(windows(strings, previous, bs)):

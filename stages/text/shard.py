@@ -53,14 +53,16 @@ def load_window(work: Path, number: int, new: list[str]) -> dict[str, torch.Tens
 def run_shard(ctx, job: ShardJob, index: int) -> dict:
     """A shard's body: encode its windows that are not staged yet."""
     from tuneline.stages.text import STAGE
+    from tuneline.stages.text.controls import paired_captions
     from tuneline.stages.text.core import Encoders, wanted_strings
 
     work = Path(job.work)
     scan = ctx.store.read(ctx.store.version_dir("scan", job.upstream["scan"]), ScanManifest)
     previous = PreviousStrings.latest(ctx, key_parts(ctx, STAGE, {}))
     todo = to_encode(wanted_strings(ctx, scan), previous, ctx.cfg.text.batch_size)
+    paired = paired_captions(ctx, scan, {})  # sha256 -> control file where rows are (instruction, control) pairs
     mine = [todo[k] for k in split(len(todo), job.count, index)]
-    encode, encoded, resumed = Encoders(ctx), 0, 0
+    encode, encoded, resumed = Encoders(ctx, paired[1] if paired else None), 0, 0
     staging(work).mkdir(parents=True, exist_ok=True)
     for number, new in mine:
         if load_window(work, number, new) is not None:

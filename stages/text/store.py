@@ -4,6 +4,8 @@
                         text.dtype, integer/bool tensors (attention masks) in their own dtype
     strings.jsonl       {"row", "text"}: the exact string of each row; row 0 is always "" (caption dropout)
     captions.jsonl      {"caption", "rows"}: each dataset caption (and "") -> the row of each of its K variants
+    controls.jsonl      only where rows are per (instruction, control image): {"sha256", "path"} of each control;
+                        strings and captions are then pair_key(string, control sha256) (stages/text/controls.py)
 
 A text artifact built with text.enabled false holds only its manifest: consumers encode live (stages/text/live.py).
 """
@@ -22,6 +24,9 @@ from tuneline.stages.common.jsonl import read_jsonl
 STORE = "text.zarr"
 INDEX = "captions.jsonl"
 STRINGS = "strings.jsonl"
+# With rows per (instruction, control image) (stages/text/controls.py): the control images they were encoded with.
+CONTROLS = "controls.jsonl"
+SEP = "\x1f"  # between a pair key's control sha256 and its string (ASCII unit separator: not in a hex hash)
 # Rows are buffered into chunks of about this size: whole-chunk writes, and a lazy reader fetches little extra.
 CHUNK_BYTES = 4 << 20
 # Caches up to this size are read into memory; bigger ones (long T5 embeddings of large datasets) stay on disk.
@@ -93,6 +98,8 @@ class TextCache:
             )
         group = zarr.open_group(str(self.dir / STORE), mode="r")
         self.index: dict[str, list[int]] = {r["caption"]: r["rows"] for r in read_jsonl(self.dir / INDEX)}
+        # Rows per (instruction, control image): looked up by stages.text.controls.pair_key.
+        self.paired = (self.dir / CONTROLS).is_file()
         self.variants = len(self.index[""])
         arrays = {}
         for f in fields:
@@ -131,6 +138,12 @@ class TextCache:
         as written). The empty caption is row 0 for every variant."""
         rows = self.rows(captions, variant_ids)
         return {f: take_rows(a, rows) for f, a in self.arrays.items()}
+
+
+def pair_key(text: str, control_sha256: str | None) -> str:
+    """The row key of `text` encoded with the control image of this content hash (a record without a control:
+    `text` itself, a text-only row)."""
+    return f"{control_sha256}{SEP}{text}" if control_sha256 else text
 
 
 def _dtype(t: torch.Tensor) -> str:

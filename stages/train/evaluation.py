@@ -11,6 +11,7 @@ import hashlib
 import numpy as np
 import torch
 
+from tuneline.stages.text.store import pair_key
 from tuneline.stages.train.loop import Trainer, micro_cond
 from tuneline.stages.train.objective import scale_latents
 from tuneline.stages.train.optimizers import eval_weights
@@ -61,9 +62,12 @@ class Evaluator:
                     batch = data.reader.batch(bucket, np.array([row]))
                     x0 = scale_latents(data.reader.gather(batch)[0].float(), data.scaling, data.shift)
                     path = batch.paths[0]
+                    caption = data.records[path].caption
+                    if getattr(data.text, "paired", False):  # rows per (instruction, control image)
+                        caption = pair_key(caption, data.records[path].control_sha256)
                     cond = {
                         k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
-                        for k, v in data.text.get([data.records[path].caption], [0]).items()
+                        for k, v in data.text.get([caption], [0]).items()
                     }
                     for t in self.timesteps:
                         noisy, ts, target = _noised(

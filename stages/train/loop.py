@@ -23,7 +23,7 @@ from tuneline.stages.latents.controls import read as read_controls
 from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
-from tuneline.stages.text.store import TextCache
+from tuneline.stages.text.store import TextCache, pair_key
 from tuneline.stages.train import checkpoint as ckpt, collectives
 from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
@@ -285,6 +285,8 @@ class Trainer:
         captions = [self.data.records[p].caption for p in paths]
         drop = torch.rand(len(captions), generator=gen) < self.t.caption_dropout
         captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+        if getattr(self.data.text, "paired", False):  # rows per (instruction, control image): Qwen-Image-Edit
+            captions = [pair_key(c, self.data.records[p].control_sha256) for c, p in zip(captions, paths)]
         variants = torch.randint(0, self.data.text.variants, (len(captions),), generator=gen).tolist()
         if self.text is not None:
             return {}, self.text.strings(captions, variants)

@@ -16,7 +16,8 @@ FAMILIES = family_names()
 # The shared parity checks below (facts read back from the folder, encode_prompt parity, rendering through the saved
 # folder with a negative) cover every family; _pipeline_encode calls each pipeline's encode_prompt its own way.
 # flux_kontext renders at max_area (its pipeline's own size otherwise): checked in test_edit_family.py.
-PARITY = [n for n in FAMILIES if n != "flux_kontext"]
+# qwen_image_edit's pipeline needs an input image: checked in test_qwen_edit_family.py.
+PARITY = [n for n in FAMILIES if n not in ("flux_kontext", "qwen_image_edit")]
 CPU = torch.device("cpu")
 
 
@@ -53,7 +54,12 @@ def encoders(built):
 def _pipe(folder: Path):
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(folder)
+    extra = {}
+    if (folder / "processor").is_dir():  # Qwen-Image-Edit's Qwen2-VL processor, loadable without torchvision
+        from tuneline.stages.families.qwen_image_edit.vocab import load_processor
+
+        extra["processor"] = load_processor(folder / "processor")
+    pipe = DiffusionPipeline.from_pretrained(folder, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -27,7 +27,19 @@ def test_registry_covers_every_family_with_facts():
     assert (
         set(family_names())
         == set(FAMILY_FACTS)
-        == {"tiny", "sd15", "sdxl", "sd3", "flux", "flux_kontext", "qwen_image", "z_image", "flux2", "flux2_klein"}
+        == {
+            "tiny",
+            "sd15",
+            "sdxl",
+            "sd3",
+            "flux",
+            "flux_kontext",
+            "qwen_image",
+            "qwen_image_edit",
+            "z_image",
+            "flux2",
+            "flux2_klein",
+        }
     )
     for name in family_names():
         fam = get_family(name)
@@ -52,6 +64,7 @@ def test_facts_alignment_and_targets():
         "flux": 16,
         "flux_kontext": 16,
         "qwen_image": 16,
+        "qwen_image_edit": 16,
         "z_image": 16,
         "flux2": 16,
         "flux2_klein": 16,
@@ -61,6 +74,7 @@ def test_facts_alignment_and_targets():
         "flux",
         "flux_kontext",
         "qwen_image",
+        "qwen_image_edit",
         "z_image",
         "flux2",
         "flux2_klein",
@@ -70,6 +84,7 @@ def test_facts_alignment_and_targets():
         "flux",
         "flux_kontext",
         "qwen_image",
+        "qwen_image_edit",
         "z_image",
     }
 
