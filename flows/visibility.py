@@ -158,6 +158,7 @@ def _report_validation(rep: PrefectReporter, cfg: PipelineConfig, path: Path, m:
     url = image_url(cfg, "validate", path.name, grid)
     if url:
         rep.image("validate-grid-image", url, f"validation grid of {path.name}")
+
     def link(rel: str) -> str:
         return f"[{rel}]({image_url(cfg, 'validate', path.name, rel) or rel})"
 

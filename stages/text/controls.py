@@ -27,6 +27,7 @@ from tuneline.stages.text.variants import TagAugment
 
 __all__ = ["CONTROLS", "encode_keys", "index_pairs", "pair_key", "paired_captions", "split_key"]
 
+
 def split_key(key: str) -> tuple[str | None, str]:
     """(control sha256 or None for a text-only row, the string)."""
     sha, sep, text = key.partition(SEP)
@@ -59,9 +60,7 @@ def paired_captions(ctx, scan, upstream: dict) -> tuple[list[tuple[str, str]], d
     return (list(pairs), files) if files else None
 
 
-def index_pairs(
-    pairs: list[tuple[str, str | None]], augment: TagAugment
-) -> tuple[list[str], dict[str, list[int]]]:
+def index_pairs(pairs: list[tuple[str, str | None]], augment: TagAugment) -> tuple[list[str], dict[str, list[int]]]:
     """(distinct keys to encode, pair key -> the row of each variant), as variants.index_strings for strings:
     row 0 is the plain "", then each control's empty instruction (caption dropout), then the pairs' variants."""
     rows_of: dict[str, int] = {"": 0}

@@ -5,7 +5,6 @@ of reference | result rows, and the exported LoRA read by the stock Flux2Pipelin
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import numpy as np

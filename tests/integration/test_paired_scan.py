@@ -125,7 +125,6 @@ def test_control_latents_are_cached_beside_the_targets_and_reused(tmp_path):
     assert np.array_equal(ctrl2[rows["owl.png"]], ctrl[rows["owl.png"]])
 
 
-
 def _scan_family(tmp_path: Path, dataset: dict, family: str):
     cfg = parse_config(
         {
@@ -138,7 +137,10 @@ def _scan_family(tmp_path: Path, dataset: dict, family: str):
     )
     path, _ = run_stage(StageContext(cfg), STAGE, [STAGE])
     manifest = json.loads((path / "manifest.json").read_text())
-    records = {r["path"] if r["source"] is None else f"{r['source']}//{r['path']}": r for r in read_jsonl(path / "images.jsonl")}
+    records = {
+        r["path"] if r["source"] is None else f"{r['source']}//{r['path']}": r
+        for r in read_jsonl(path / "images.jsonl")
+    }
     return manifest, records, list(read_jsonl(path / "rejected.jsonl"))
 
 

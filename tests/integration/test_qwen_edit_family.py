@@ -34,7 +34,12 @@ FAMILY = "qwen_image_edit"
 CPU = torch.device("cpu")
 STEPS = 2
 # (control color, target color, shape): the caption is the instruction "make it <target color>".
-PAIRS = [("red", "blue", "square"), ("green", "yellow", "circle"), ("blue", "red", "circle"), ("yellow", "green", "square")]
+PAIRS = [
+    ("red", "blue", "square"),
+    ("green", "yellow", "circle"),
+    ("blue", "red", "circle"),
+    ("yellow", "green", "square"),
+]
 
 
 def _shape(color: str, shape: str) -> Image.Image:

@@ -75,7 +75,10 @@ class QwenImageEditFamily(QwenImageFamily):
             axes_dims_rope=(4, 6, 6),
         )
         vae = AutoencoderKLQwenImage(
-            base_dim=8, z_dim=self.facts.latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+            base_dim=8,
+            z_dim=self.facts.latent_channels,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
             temperal_downsample=[False, True, True],
         )
         pipe = self.pipeline_class(
