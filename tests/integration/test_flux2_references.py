@@ -316,6 +316,10 @@ def test_validate_controls_may_name_a_folder_of_references(flux2_refs_run):
     data["validate"]["controls"] = [{"image": "refs", "prompt": "make it red", "seed": 7}]
     [s] = edit_samples(StageContext(parse_config(data)), {}, (64, 64))
     assert [(i.size, i.getpixel((5, 5))) for i in s.image] == [((64, 64), (0, 0, 200)), ((64, 64), (200, 0, 0))]
+    # A family taking one control refuses such a folder, naming it.
+    data["model"]["family"] = "flux_kontext"
+    with pytest.raises(ValueError, match=r"refs is a folder of 2 reference images, but family 'flux_kontext'"):
+        edit_samples(StageContext(parse_config(data)), {}, (64, 64))
 
 
 def test_rendered_latents_are_laid_out_as_the_cache(flux2_run):
@@ -328,7 +332,3 @@ def test_rendered_latents_are_laid_out_as_the_cache(flux2_run):
     _, ids = pipe.prepare_latents(2, 32, 64, 64, torch.float32, CPU, None, latents=torch.zeros(2, 128, 4, 4))
     want = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(tokens, ids))
     assert torch.equal(fam.rendered_latents(tokens, 64, 64), want)
-    # A family taking one control refuses such a folder, naming it.
-    data["model"]["family"] = "flux_kontext"
-    with pytest.raises(ValueError, match=r"refs is a folder of 2 reference images, but family 'flux_kontext'"):
-        edit_samples(StageContext(parse_config(data)), {}, (64, 64))
