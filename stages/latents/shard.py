@@ -59,6 +59,12 @@ class LazyEncoder:
         return self._encoder(pixels, paths, expected)
 
 
+# On a CPU the VAE's convolutions dominate: encoding a bucket pixel costs about as much as decoding and resizing 16
+# source pixels (bench/sharded_cache.py: shards split by pixels alone finished 7 s apart, their times following their
+# row counts); on a GPU the VAE is cheap beside decoding, so both weigh alike.
+VAE_WEIGHT_CPU = 16
+
+
 def planned_vae_dtype(cfg) -> str:
     """The dtype the VAE runs in, known without loading it."""
     return str(models.dtype(cfg, models.device(cfg))).removeprefix("torch.")
@@ -70,6 +76,7 @@ class Plan:
     settings: Settings
     reuse: Reuse
     vae_dtype: str
+    vae_weight: int  # what encoding a bucket pixel costs against decoding a source pixel (see _work)
 
 
 def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
@@ -90,7 +97,8 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
         names=store.array_names(lc.flip),
     )
     previous = PreviousRows.latest(ctx, settings.names)
-    return Plan(jobs, settings, previous if previous is not None else NO_REUSE, vae_dtype)
+    weight = VAE_WEIGHT_CPU if models.device(cfg).type == "cpu" else 1
+    return Plan(jobs, settings, previous if previous is not None else NO_REUSE, vae_dtype, weight)
 
 
 def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
@@ -100,7 +108,10 @@ def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
     the block before it."""
     size = p.settings.block_rows
     blocks = [(k, b) for k, job in enumerate(p.jobs) for b in range(-(-len(job.records) // size))]
-    cost = [_work(p.jobs[k], range(b * size, min((b + 1) * size, len(p.jobs[k].records))), p.reuse) for k, b in blocks]
+    cost = [
+        _work(p.jobs[k], range(b * size, min((b + 1) * size, len(p.jobs[k].records))), p.reuse, p.vae_weight)
+        for k, b in blocks
+    ]
     load, owner = [0] * count, [0] * len(blocks)
     for i in sorted((i for i, c in enumerate(cost) if c), key=lambda i: (-cost[i], i)):
         owner[i] = min(range(count), key=lambda s: (load[s], s))
@@ -113,10 +124,11 @@ def owners(p: Plan, count: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _work(job: BucketJob, rows: range, reuse: Reuse) -> int:
-    """What encoding these rows costs, in pixels: each row to encode decodes its source image and encodes its
-    bucket (a 3000² photo costs more than a 600² one in the same bucket); reused rows cost nothing."""
-    bucket = job.width * job.height
+def _work(job: BucketJob, rows: range, reuse: Reuse, vae_weight: int) -> int:
+    """What encoding these rows costs: each row to encode decodes its source image (a 3000² photo costs more than a
+    600² one in the same bucket) and encodes its bucket, a bucket pixel weighing `vae_weight` source pixels; reused
+    rows cost nothing."""
+    bucket = job.width * job.height * vae_weight
     return sum(job.records[i].width * job.records[i].height + bucket for i in rows if job.row_keys[i] not in reuse)
 
 
