@@ -21,15 +21,19 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tuneline.stages.families.common import unwrap
 
+# Z-Image's forward runs its block stacks in this order (a stack its variant lacks is None).
+ZIMAGE_STACKS = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
+
 
 def transformer_blocks(denoiser: torch.nn.Module) -> list[torch.nn.Module]:
     """The denoiser's transformer blocks in the order its forward runs them: a transformer's
-    `transformer_blocks` then `single_transformer_blocks` (SD3, Flux), or a UNet's `BasicTransformerBlock`s
-    down, mid, up (module registration puts up before mid, so it is walked explicitly)."""
+    `transformer_blocks` then `single_transformer_blocks` (SD3, Flux, Qwen-Image), its refiner stacks then its
+    main stack (Z-Image), or a UNet's `BasicTransformerBlock`s down, mid, up
+    (module registration puts up before mid, so it is walked explicitly)."""
     den = unwrap(denoiser)
     lists = [
         getattr(den, n)
-        for n in ("transformer_blocks", "single_transformer_blocks")
+        for n in ("transformer_blocks", "single_transformer_blocks", *ZIMAGE_STACKS)
         if isinstance(getattr(den, n, None), torch.nn.ModuleList)
     ]
     if lists:

@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     cache = tmp_path_factory.mktemp("models")
-    return {name: (get_family(name), get_family(name).ensure_model(None, cache)) for name in ("sd15", "flux")}
+    return {name: (get_family(name), get_family(name).ensure_model(None, cache)) for name in ("sd15", "flux", "z_image")}
 
 
 def batches(fam, model_dir, steps):
@@ -82,6 +82,7 @@ def assert_same(a, b):
         ("sd15", "full", 2, False, None),
         ("flux", "lora", 1, False, None),
         ("flux", "full", 1, True, None),
+        ("z_image", "lora", 1, True, None),
         ("sd15", "lora", 3, True, "int8"),
     ],
 )
