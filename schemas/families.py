@@ -229,6 +229,25 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         modelspec_arch="qwen-image-edit",
         modelspec_impl="https://github.com/QwenLM/Qwen-Image",
     ),
+    # Qwen-Image-Edit Plus (2509): one or several input images, each seen by the text encoder at about 384 x 384
+    # (about 200 vision tokens each with the released processor) and appended as tokens at about 1024 x 1024.
+    "qwen_image_edit_plus": FamilyFacts(
+        "qwen_image_edit_plus",
+        8,
+        2,
+        16,
+        1.0,
+        0.0,
+        "flow_matching",
+        1024,
+        max_length_limit=4096,
+        negative_needs_guidance=False,
+        pipeline="QwenImageEditPlusPipeline",
+        denoiser="transformer",
+        kohya_base_version="qwen_image_edit_plus",
+        modelspec_arch="qwen-image-edit-plus",
+        modelspec_impl="https://github.com/QwenLM/Qwen-Image",
+    ),
     # Z-Image: Flux.1's VAE, 2x2 patches inside the transformer, Qwen3 captions of up to 512 chat-template tokens.
     "z_image": FamilyFacts(
         "z_image",

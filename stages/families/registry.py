@@ -25,6 +25,7 @@ _ADAPTERS: dict[str, str] = {
     "flux_kontext": "FluxKontextFamily",
     "qwen_image": "QwenImageFamily",
     "qwen_image_edit": "QwenImageEditFamily",
+    "qwen_image_edit_plus": "QwenImageEditPlusFamily",
     "z_image": "ZImageFamily",
     "flux2": "Flux2DevFamily",
     "flux2_klein": "Flux2KleinFamily",

@@ -18,7 +18,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from tuneline.schemas.scan import IMAGE_EXTENSIONS
 from tuneline.stages.caption import upstream_captions
+from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
 from tuneline.stages.scan.images import load_rgb
@@ -74,8 +76,20 @@ def index_pairs(pairs: list[tuple[str, str | None]], augment: TagAugment) -> tup
 
 
 def load_control(path: Path, sha256: str):
-    """The control image (RGB, upright), refused when its content is no longer what the scan hashed."""
-    data = Path(path).read_bytes()
+    """The control image (RGB, upright), or a folder's reference images in name order (the scan's control_sha256
+    is then the digest of theirs); refused when the content is no longer what the scan hashed."""
+    path = Path(path)
+    if path.is_dir():
+        # The scan's references: image files in name order, hidden files left out (stages/scan/controls.py).
+        files = [p for p in sorted(path.iterdir(), key=lambda p: p.name) if p.suffix.lower() in IMAGE_EXTENSIONS]
+        files = [p for p in files if p.is_file() and not p.name.startswith(".")]
+        if digest([hashlib.sha256(p.read_bytes()).hexdigest() for p in files], length=64) != sha256:
+            raise ValueError(
+                f"control folder {path} changed since the scan (its references' sha256 differ from the scan's "
+                f"record): run `tuneline stage scan`, then `tuneline stage text`"
+            )
+        return [load_rgb(p) for p in files]
+    data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != sha256:
         raise ValueError(
             f"control image {path} changed since the scan (its sha256 differs from the scan's record): run "

@@ -36,6 +36,8 @@ def test_registry_covers_every_family_with_facts():
             "flux_kontext",
             "qwen_image",
             "qwen_image_edit",
+        "qwen_image_edit_plus",
+            "qwen_image_edit_plus",
             "z_image",
             "flux2",
             "flux2_klein",
@@ -65,6 +67,7 @@ def test_facts_alignment_and_targets():
         "flux_kontext": 16,
         "qwen_image": 16,
         "qwen_image_edit": 16,
+        "qwen_image_edit_plus": 16,
         "z_image": 16,
         "flux2": 16,
         "flux2_klein": 16,
@@ -75,6 +78,7 @@ def test_facts_alignment_and_targets():
         "flux_kontext",
         "qwen_image",
         "qwen_image_edit",
+        "qwen_image_edit_plus",
         "z_image",
         "flux2",
         "flux2_klein",
@@ -85,6 +89,7 @@ def test_facts_alignment_and_targets():
         "flux_kontext",
         "qwen_image",
         "qwen_image_edit",
+        "qwen_image_edit_plus",
         "z_image",
     }
 

@@ -133,9 +133,10 @@ class QwenImageEditFamily(QwenImageFamily):
         if len(images) != len(captions):
             raise ValueError(f"{len(images)} control images for {len(captions)} instructions")
         te, dev = enc.encoders[0], module_device(enc.encoders[0])
+        texts, pictures = self.edit_inputs(captions, images)
         inputs = enc.extra["processor"](
-            text=[EDIT_TEMPLATE.format(c) for c in captions],
-            images=[prompt_image(im) for im in images],
+            text=texts,
+            images=pictures,
             padding=True,
             return_tensors="pt",
         ).to(dev)
@@ -161,6 +162,11 @@ class QwenImageEditFamily(QwenImageFamily):
             embeds[i, : len(kept)], mask[i, : len(kept)] = kept, 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
+    def edit_inputs(self, captions: list[str], images: list[Any]) -> tuple[list[str], list[Any]]:
+        """The processor's texts and images: the edit template around each instruction, and each control image
+        resized as the pipeline resizes it for its text encoder."""
+        return [EDIT_TEMPLATE.format(c) for c in captions], [prompt_image(im) for im in images]
+
     # ---- training ----------------------------------------------------------------------------
     def denoise(
         self,
@@ -181,13 +187,15 @@ class QwenImageEditFamily(QwenImageFamily):
         dt, dev = noisy.dtype, noisy.device
         if control.shape[0] != b or ch % 2 or cw % 2:
             raise ValueError(f"control latents {tuple(control.shape)} do not fit the targets {tuple(noisy.shape)}")
+        # (B, N, C, h, w): several references (the Plus pipeline), each packed after the last, one img_shapes entry each
+        refs = control.unbind(1) if control.dim() == 5 else [control]
         target = pack_latents(noisy)
         out = denoiser(
-            hidden_states=torch.cat([target, pack_latents(control.to(dev, dt))], dim=1),
+            hidden_states=torch.cat([target, *(pack_latents(r.to(dev, dt).contiguous()) for r in refs)], dim=1),
             timestep=timesteps.to(dev, dt) / 1000,
             encoder_hidden_states=text["prompt_embeds"].to(device=dev, dtype=dt),
             encoder_hidden_states_mask=text["prompt_embeds_mask"].to(dev),
-            img_shapes=[[(1, h // 2, w // 2), (1, ch // 2, cw // 2)]] * b,
+            img_shapes=[[(1, h // 2, w // 2), *[(1, ch // 2, cw // 2)] * len(refs)]] * b,
             return_dict=False,
         )[0]
         return unpack_latents(out[:, : target.shape[1]], h, w)
