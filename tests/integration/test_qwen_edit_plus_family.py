@@ -129,7 +129,7 @@ def test_text_rows_per_instruction_and_control_images(plus_run, tmp_path):
 
     w = tmp_path / "w"
     shutil.copytree(ctx.workdir, w, symlinks=True)
-    _shape("blue", "circle").save(w / "pairs-controls" / "1" / "1.png")
+    _shape("green", "circle").save(w / "pairs-controls" / "1" / "1.png")
     ctx2 = StageContext(_plus_config(w))
     run_stage(ctx2, stage("scan"), PIPELINE)
     path, built = run_stage(ctx2, stage("text"), PIPELINE)
