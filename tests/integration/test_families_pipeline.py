@@ -16,8 +16,9 @@ FAMILIES = family_names()
 # The shared parity checks below (facts read back from the folder, encode_prompt parity, rendering through the saved
 # folder with a negative) cover every family; _pipeline_encode calls each pipeline's encode_prompt its own way.
 # flux_kontext renders at max_area (its pipeline's own size otherwise): checked in test_edit_family.py.
-# qwen_image_edit's pipeline needs an input image: checked in test_qwen_edit_family.py.
-PARITY = [n for n in FAMILIES if n not in ("flux_kontext", "qwen_image_edit")]
+# The Qwen-Image-Edit pipelines need an input image: checked in test_qwen_edit_family.py and
+# test_qwen_edit_plus_family.py.
+PARITY = [n for n in FAMILIES if n not in ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus")]
 CPU = torch.device("cpu")
 
 
