@@ -69,12 +69,13 @@ def test_conditioning_matches_the_stock_plus_pipeline(plus_run):
     images (also inside a batch of captions, as the text cache encodes them); the references are packed as its
     prepare_latents packs them and the transformer sees them with its img_shapes, one entry per image."""
     from tuneline.stages.families.qwen_image.adapter import pack_latents, unpack_latents
-    from tuneline.stages.families.qwen_image_edit_plus.adapter import condition_image
+    from tuneline.stages.families.qwen_image_edit_plus.adapter import PLUS_TEMPLATE, condition_image
 
     ctx, _ = plus_run
     fam = get_family(FAMILY)
     pipe = fam.load_pipeline(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
     enc = fam.text_encoders_of(pipe, 192)
+    assert pipe.prompt_template_encode == PLUS_TEMPLATE and pipe.prompt_template_encode_start_idx == 64
     wide = Image.new("RGB", (80, 48), (10, 20, 200))
     refs = [*_refs(ctx, 0), wide]
     mine = fam.encode_text(enc, ["make it blue", "make it red"], [refs, wide])
