@@ -36,7 +36,6 @@ def test_registry_covers_every_family_with_facts():
             "flux_kontext",
             "qwen_image",
             "qwen_image_edit",
-        "qwen_image_edit_plus",
             "qwen_image_edit_plus",
             "z_image",
             "flux2",

@@ -16,7 +16,9 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     cache = tmp_path_factory.mktemp("models")
-    return {name: (get_family(name), get_family(name).ensure_model(None, cache)) for name in ("sd15", "flux", "z_image")}
+    return {
+        name: (get_family(name), get_family(name).ensure_model(None, cache)) for name in ("sd15", "flux", "z_image")
+    }
 
 
 def batches(fam, model_dir, steps):
