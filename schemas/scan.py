@@ -101,7 +101,7 @@ class DatasetConfig(Strict):
         description="paired (editing) datasets: a folder of control (input) images, one per image, matched by "
         "path without extension (cat.png -> <control>/cat.png, any image extension; relative: against the "
         "workdir), or several references as <control>/cat/*.png (sorted by name) for families that take several "
-        "(FLUX.2 [dev] and [klein]). The caption is the edit instruction; an image without its control is rejected. "
+        "(FLUX.2 [dev] and [klein], Qwen-Image-Edit Plus). The caption is the edit instruction; an image without its control is rejected. "
         "With dataset.sources, a source's own `control` replaces it for that source. null = none",
     )
 

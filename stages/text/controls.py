@@ -15,10 +15,9 @@ Other families, and this one without pairs (dataset.control null), build the pla
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
-from tuneline.schemas.scan import IMAGE_EXTENSIONS
+from tuneline.schemas.scan import IMAGE_EXTENSIONS, ScanManifest
 from tuneline.stages.caption import upstream_captions
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl
@@ -40,15 +39,15 @@ def sees_control(fam) -> bool:
     return bool(getattr(fam, "text_sees_control", False))
 
 
-def paired_captions(ctx, scan, upstream: dict) -> tuple[list[tuple[str, str]], dict[str, Path]] | None:
+def paired_captions(ctx, scan: ScanManifest, upstream: dict) -> tuple[list[tuple[str, str]], dict[str, Path]] | None:
     """((caption, control sha256) of each distinct pair in record order, sha256 -> control file), or None when the
     family's text encoder does not see controls or the scan holds no pairs. A record without a control (a source
     without one) gives (caption, None): a text-only row."""
     if not sees_control(models.family(ctx.cfg)):
         return None
     scan_dir = models.artifact_dir(ctx, scan)
-    root = json.loads((scan_dir / "manifest.json").read_text()).get("control_root")
-    if root is None:
+    roots = scan.control_roots()  # record.source -> its control folder (dataset.sources[i].control or dataset.control)
+    if not any(roots.values()):
         return None
     captions = upstream_captions(ctx, upstream) or {}
     pairs: dict[tuple[str, str], None] = {}
@@ -58,7 +57,7 @@ def paired_captions(ctx, scan, upstream: dict) -> tuple[list[tuple[str, str]], d
         sha = r.get("control_sha256")
         pairs.setdefault((captions.get(ref, r["caption"]), sha), None)
         if sha:
-            files.setdefault(sha, Path(root) / r["control_path"])
+            files.setdefault(sha, roots[r.get("source")] / r["control_path"])
     return (list(pairs), files) if files else None
 
 

@@ -266,6 +266,15 @@ def test_each_source_pairs_with_its_own_control_folder(tmp_path):
     }
     for i, n in enumerate("abc"):
         assert records[f"{i}//cat.png"]["control_sha256"] == file_sha256(folders[n][1] / "cat.png")
+    # A family whose text encoder sees the control: the text rows take each source's own control file.
+    from tuneline.stages.text.controls import paired_captions
+
+    qwen = parse_config({"workdir": str(tmp_path / "work"), "dataset": dataset, "model": {"family": "qwen_image_edit"}})
+    qctx = StageContext(qwen)
+    scan = qctx.store.read(qctx.store.latest("scan"), ScanManifest)
+    pairs, files = paired_captions(qctx, scan, {})
+    assert files == {file_sha256(folders[n][1] / "cat.png"): folders[n][1] / "cat.png" for n in "abc"}
+    assert sorted(sha for _, sha in pairs) == sorted(files)
 
     cfg = parse_config(
         {
