@@ -67,7 +67,7 @@ class QwenImageFamily(DiffusersFamily):
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+        from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit + DROP)
@@ -96,6 +96,17 @@ class QwenImageFamily(DiffusersFamily):
             ),
         )
         text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        transformer, vae = self.tiny_denoiser_and_vae(width)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
+        pipe = self.pipeline_class(
+            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
+        )
+        pipe.save_pretrained(out_dir, safe_serialization=True)
+
+    def tiny_denoiser_and_vae(self, width: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The tiny flavor's transformer (text width `width`) and VAE, shared with the edit families built on it."""
+        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
         # attention_head_dim = sum(axes_dims_rope), as in the released (128 = 16 + 56 + 56).
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
@@ -114,11 +125,7 @@ class QwenImageFamily(DiffusersFamily):
             num_res_blocks=1,
             temperal_downsample=[False, True, True],
         )
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
-        pipe = self.pipeline_class(
-            scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer
-        )
-        pipe.save_pretrained(out_dir, safe_serialization=True)
+        return transformer, vae
 
     # ---- latents -----------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -59,28 +59,12 @@ class QwenImageEditFamily(QwenImageFamily):
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         tok = build_edit_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit + EDIT_DROP)
         width = 32
         text_encoder = tiny_text_encoder(tok, width)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=4 * self.facts.latent_channels,
-            out_channels=self.facts.latent_channels,
-            num_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=width,
-            axes_dims_rope=(4, 6, 6),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=self.facts.latent_channels,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        )
+        transformer, vae = self.tiny_denoiser_and_vae(width)
         pipe = self.pipeline_class(
             scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER),
             vae=vae,
