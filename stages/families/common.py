@@ -262,6 +262,22 @@ class DiffusersFamily:
         return torch.tensor(rows, dtype=latents.dtype, device=latents.device)
 
 
+def dynamic_shift_scheduler() -> Any:
+    """FLUX.1's and FLUX.2's published scheduler: flow matching whose shift the pipeline computes from the image's
+    token count (base 0.5 at 256 tokens to 1.15 at 4096)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain diffusers model inside DDP (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     while True:

@@ -1,42 +1,39 @@
-"""The demo's training and validation for real, in process: the demo config (full fine-tune, 2 gloo processes, the
-learning check on), one run shared by every test here, then stock diffusers loading the result."""
+"""The demo's train and validate artifacts, read from the README quick start's run (the session's `demo_run`: the
+demo config, a full fine-tune on 2 gloo processes with the learning check on), so the suite trains the demo once."""
 
 from __future__ import annotations
 
-import copy
 import json
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from tests.integration.test_train_support import RecordingReporter
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.pipeline import PIPELINE, stages_for
-from tuneline.stages.scan.demo import write_demo_dataset
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("demo")
-    data = copy.deepcopy(DEMO_CONFIG)
-    data["workdir"] = str(wd)
-    cfg = parse_config(data)
-    write_demo_dataset(cfg.resolve(cfg.dataset.path))
-    reporter = RecordingReporter()
-    ctx = StageContext(cfg, reporter=reporter)
-    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(ctx.cfg)}
-    return cfg, paths, reporter
+def demo(demo_run):
+    """(config, {stage: published artifact}) of the quick start's run, found through each stage's one version."""
+    workdir = demo_run["workdir"]
+    cfg = parse_config({**DEMO_CONFIG, "workdir": str(workdir)})
+    paths = {}
+    for stage in ("train", "validate"):
+        (version,) = [p for p in (workdir / "artifacts" / stage).iterdir() if not p.name.startswith(".")]
+        paths[stage] = version
+    return cfg, paths
 
 
-def _manifest(path) -> dict:
+def _manifest(path: Path) -> dict:
     return json.loads((path / "manifest.json").read_text())
 
 
 def test_learning_check_separates_the_classes(demo):
-    _, paths, _ = demo
+    _, paths = demo
     m = _manifest(paths["validate"])
     assert m["class_separation_accuracy"] >= 0.9, m
     assert m["untrained_class_separation_accuracy"] <= 0.5, m
@@ -44,7 +41,7 @@ def test_learning_check_separates_the_classes(demo):
 
 
 def test_train_artifact_layout(demo):
-    cfg, paths, reporter = demo
+    cfg, paths = demo
     t, out = cfg.train, paths["train"]
     m = _manifest(out)
     assert (m["step"], m["world_size"], m["mode"]) == (t.steps, 2, "full")
@@ -61,21 +58,10 @@ def test_train_artifact_layout(demo):
     assert Image.open(out / "loss.png").size == (640, 360)
     assert m["losses"][-1] < m["losses"][0]
     assert (out / "final" / "model_index.json").is_file()
-    assert ("train-progress", 1.0) in reporter.progress_calls
 
 
-def test_final_loads_with_stock_diffusers_and_renders(demo):
-    from diffusers import DiffusionPipeline
-
-    _, paths, _ = demo
-    pipe = DiffusionPipeline.from_pretrained(paths["train"] / "final")
-    pipe.set_progress_bar_config(disable=True)
-    image = pipe("a blue square", num_inference_steps=2, height=64, width=64).images[0]
-    assert image.size == (64, 64)
-
-
-def test_validate_artifact_and_report(demo):
-    cfg, paths, reporter = demo
+def test_validate_artifact(demo):
+    cfg, paths = demo
     out = paths["validate"]
     m = _manifest(out)
     prompts = cfg.validate_.prompts
@@ -84,6 +70,3 @@ def test_validate_artifact_and_report(demo):
         assert Image.open(out / item["file"]).size == (item["width"], item["height"]) == (64, 64)
     assert Image.open(out / m["grid"]).size == (64 * len(prompts), 64)
     assert sorted(p.name for p in out.glob("*.png")) == sorted([i["file"] for i in m["images"]] + [m["grid"]])
-    text = reporter.markdowns["validate-images"]
-    assert "Learning check" in text and all(i["file"] in text for i in m["images"])
-    assert (paths["train"] / "loss.png").as_uri() in text

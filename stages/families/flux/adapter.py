@@ -10,7 +10,7 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize, unwrap
+from tuneline.stages.families.common import DiffusersFamily, dynamic_shift_scheduler, module_device, tokenize, unwrap
 from tuneline.stages.families.sd3.adapter import CLIP_LENGTH, T5_LIMIT, flow_vae, t5_embeds, tiny_t5
 from tuneline.stages.families.sd15.adapter import tiny_clip_config
 from tuneline.stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
@@ -56,7 +56,7 @@ class FluxFamily(DiffusersFamily):
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+        from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextConfig, CLIPTextModel
 
         tok = build_clip_tokenizer(out_dir / "tokenizer", CLIP_LENGTH)
@@ -76,16 +76,7 @@ class FluxFamily(DiffusersFamily):
             guidance_embeds=True,
             axes_dims_rope=(4, 4, 8),
         )
-        # Flux.1's published scheduler: resolution-dependent shift computed by the pipeline.
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        scheduler = dynamic_shift_scheduler()
         pipe = self.pipeline_class(
             scheduler=scheduler,
             vae=flow_vae(self.facts),

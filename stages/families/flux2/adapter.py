@@ -15,7 +15,7 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.common import DiffusersFamily, module_device, unwrap
+from tuneline.stages.families.common import DiffusersFamily, dynamic_shift_scheduler, module_device, unwrap
 from tuneline.stages.families.flux2 import latents as lat
 from tuneline.stages.families.flux2.references import reference_tokens
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, build_bpe_tokenizer
@@ -187,36 +187,35 @@ def tiny_mistral3(tokenizer: Any, width: int = TINY_TEXT_WIDTH):
     return Mistral3ForConditionalGeneration(cfg)
 
 
+def tiny_transformer(facts: FamilyFacts, text_width: int, guidance: bool) -> torch.nn.Module:
+    """The tiny flavors' FLUX.2 transformer: in_channels = 4 x the latent channels (patchified), head dim 16 =
+    sum(axes_dims_rope), text features `text_width` wide; a guidance embedding for [dev] ([klein] samples with true
+    CFG)."""
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * facts.latent_channels,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance,
+    )
+
+
 class Flux2DevFamily(Flux2Family):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["flux2"]
 
     def build_tiny(self, out_dir: Path) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-
         # The released folder's tokenizer is a Pixtral processor (it needs torchvision); the pipeline only uses its
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
-        transformer = Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=4 * self.facts.latent_channels,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=len(DEV_LAYERS) * TINY_TEXT_WIDTH,
-            timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4),
-            guidance_embeds=True,
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        transformer = tiny_transformer(self.facts, len(DEV_LAYERS) * TINY_TEXT_WIDTH, guidance=True)
+        scheduler = dynamic_shift_scheduler()
         pipe = self.pipeline_class(
             scheduler=scheduler,
             vae=tiny_vae(self.facts),

@@ -11,7 +11,8 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import TextEncoders
-from tuneline.stages.families.flux2.adapter import Flux2Family, tiny_vae
+from tuneline.stages.families.common import dynamic_shift_scheduler
+from tuneline.stages.families.flux2.adapter import Flux2Family, tiny_transformer, tiny_vae
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, chat_prompts, qwen_hidden, tiny_qwen3
 
 KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
@@ -21,37 +22,13 @@ class Flux2KleinFamily(Flux2Family):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["flux2_klein"]
 
     def build_tiny(self, out_dir: Path) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-
         from tuneline.stages.families.qwen import build_qwen_tokenizer
 
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit)
         # 28 Qwen3 layers (as the released 4B) so the pipeline's hidden-state layers 9, 18, 27 exist; 32 wide.
         te = tiny_qwen3(tok, layers=28, causal_lm=True)
-        # in_channels = 4 x 32 latent channels (patchified); head dim 16 = sum(axes_dims_rope); no guidance
-        # embedding ([klein] samples with true CFG).
-        transformer = Flux2Transformer2DModel(
-            patch_size=1,
-            in_channels=4 * self.facts.latent_channels,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=len(KLEIN_LAYERS) * TINY_TEXT_WIDTH,
-            timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4),
-            guidance_embeds=False,
-        )
-        # FLUX.2's published scheduler: dynamic (resolution-dependent) shift.
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+        transformer = tiny_transformer(self.facts, len(KLEIN_LAYERS) * TINY_TEXT_WIDTH, guidance=False)
+        scheduler = dynamic_shift_scheduler()
         pipe = self.pipeline_class(
             scheduler=scheduler,
             vae=tiny_vae(self.facts),
