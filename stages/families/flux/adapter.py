@@ -55,6 +55,9 @@ class FluxFamily(DiffusersFamily):
         return load_flux_transformer(file, config)
 
     # ---- tiny flavor -------------------------------------------------------------------------
+    def tiny_vae(self) -> torch.nn.Module:
+        return flow_vae(self.facts)
+
     def build_tiny(self, out_dir: Path) -> None:
         from diffusers import FluxTransformer2DModel
         from transformers import CLIPTextConfig, CLIPTextModel
@@ -79,7 +82,7 @@ class FluxFamily(DiffusersFamily):
         scheduler = dynamic_shift_scheduler()
         pipe = self.pipeline_class(
             scheduler=scheduler,
-            vae=flow_vae(self.facts),
+            vae=self.tiny_vae(),
             text_encoder=CLIPTextModel(CLIPTextConfig(**tiny_clip_config(tok, CLIP_LENGTH))),
             tokenizer=tok,
             text_encoder_2=tiny_t5(tok_2, 32),
