@@ -1,5 +1,8 @@
 """The demo's learning check with one training setting changed: train.optimizer prodigy (learning rate 1.0, Prodigy's
-own value), train.adapter lokr (a LoKr needs train.mode lora and states its own rate).
+own value), train.adapter lokr (a LoKr needs train.mode lora and states its own rate); and the edit demo's check
+(dataset.demo: edit, FLUX.1 Kontext's tiny flavor, learning rate 3e-3): the trained model follows the instruction
+better than the untrained one. Measured (1000 steps): edit_color_accuracy 0.59 trained, 0.28 untrained; 0.31 at the
+demo's learning rate 1e-3.
 
 Opt-in (TUNELINE_LEARNING_VARIANTS=1): each is a whole demo run, 6 minutes on 2 free CPU cores and ~17 minutes
 on a loaded machine, too long for the default suite. Measured (1000 steps): prodigy color_accuracy 1.0; lokr
@@ -19,9 +22,10 @@ from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stages_for
-from tuneline.stages.scan.demo import write_demo_dataset
+from tuneline.stages.scan.demo import write_demo_dataset, write_demo_for
 
 LOKR_RATE = 1e-2
+EDIT_RATE = 3e-3  # a full fine-tune of the tiny transformer: 1e-3 learns the edit too slowly
 VARIANTS = {
     "prodigy": {"optimizer": "prodigy", "learning_rate": 1.0},
     "lokr": {"mode": "lora", "adapter": "lokr", "lora_rank": 16, "learning_rate": LOKR_RATE},
@@ -51,3 +55,17 @@ def demo_with(workdir, train: dict) -> dict:
 def test_demo_learning_check_passes_with(train, tmp_path):
     m = demo_with(tmp_path, train)
     assert m["color_accuracy"] >= 0.9 and m["untrained_color_accuracy"] < m["color_accuracy"], m
+
+
+@pytest.mark.timeout(3600)
+def test_edit_demo_learns_the_instructed_color(tmp_path):
+    data = copy.deepcopy(DEMO_CONFIG)
+    data |= {"workdir": str(tmp_path), "dataset": {"path": "demo-data", "demo": "edit"}}
+    data["model"] = {"family": "flux_kontext", "path": None, "device": "cpu"}
+    data["train"] = {**data["train"], "learning_rate": EDIT_RATE}
+    cfg = parse_config(data)
+    write_demo_for(cfg)
+    ctx = StageContext(cfg)
+    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(cfg)}
+    m = json.loads((paths["validate"] / "manifest.json").read_text())
+    assert m["edit_color_accuracy"] > m["untrained_edit_color_accuracy"], m
