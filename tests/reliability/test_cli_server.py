@@ -142,8 +142,9 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
         _, rest = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError("tuneline was still running 150 s after Ctrl-C") from None
+        _, rest = proc.communicate()
+        tail = ("".join(err_lines) + (rest or ""))[-4000:]
+        raise AssertionError(f"tuneline was still running 150 s after Ctrl-C; its stderr:\n{tail}") from None
     err = "".join(err_lines) + (rest or "")
     assert proc.returncode != 0
     assert "ConnectError" not in err and "Traceback" not in err, err[-4000:]
