@@ -23,7 +23,7 @@ from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stages_for
-from tuneline.stages.scan.demo import write_demo_dataset, write_demo_for
+from tuneline.stages.scan.demo import write_demo_for
 
 LOKR_RATE = 1e-2
 LOKR_STEPS = {"steps": 2000, "checkpoint_every": 1000, "validate_every": 1000}
@@ -41,12 +41,14 @@ pytestmark = [
 ]
 
 
-def demo_with(workdir, train: dict) -> dict:
-    data = copy.deepcopy(DEMO_CONFIG)
+def demo_with(workdir, train: dict, **sections: dict) -> dict:
+    """The validate manifest of a whole demo run: the demo config with `train` overrides and whole `sections`
+    (dataset, model) replaced."""
+    data = copy.deepcopy(DEMO_CONFIG) | sections
     data["workdir"] = str(workdir)
     data["train"] = {**data["train"], **train}
     cfg = parse_config(data)
-    write_demo_dataset(cfg.resolve(cfg.dataset.path))
+    write_demo_for(cfg)
     ctx = StageContext(cfg)
     paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(cfg)}
     return json.loads((paths["validate"] / "manifest.json").read_text())
@@ -61,13 +63,10 @@ def test_demo_learning_check_passes_with(train, tmp_path):
 
 @pytest.mark.timeout(3600)
 def test_edit_demo_learns_the_instructed_color(tmp_path):
-    data = copy.deepcopy(DEMO_CONFIG)
-    data |= {"workdir": str(tmp_path), "dataset": {"path": "demo-data", "demo": "edit"}}
-    data["model"] = {"family": "flux_kontext", "path": None, "device": "cpu"}
-    data["train"] = {**data["train"], "learning_rate": EDIT_RATE}
-    cfg = parse_config(data)
-    write_demo_for(cfg)
-    ctx = StageContext(cfg)
-    paths = {sd.name: run_stage(ctx, sd, PIPELINE)[0] for sd in stages_for(cfg)}
-    m = json.loads((paths["validate"] / "manifest.json").read_text())
+    m = demo_with(
+        tmp_path,
+        {"learning_rate": EDIT_RATE},
+        dataset={"path": "demo-data", "demo": "edit"},
+        model={"family": "flux_kontext", "path": None, "device": "cpu"},
+    )
     assert m["edit_color_accuracy"] > m["untrained_edit_color_accuracy"], m
