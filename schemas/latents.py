@@ -99,6 +99,11 @@ class LatentsManifest(Manifest):
         description="rows with a control image (dataset.control); when > 0, controls/<bucket>.npy holds every "
         "row's control latents (VAE mean) in row order",
     )
+    control_shapes: dict[str, list[int]] | None = Field(
+        None,
+        description="per bucket, the control latents' (C, h, w) where the family encodes its input at a size of "
+        "its own (Qwen-Image-Edit: about 1 MP); null = the targets' shapes",
+    )
     controls_encoded: int = Field(0, description="control images run through the VAE by this build")
     controls_reused: int = Field(0, description="control rows copied from the previous version")
     shards: list[ShardReport] | None = Field(None, description="per shard of a sharded build (latents.shards > 1)")

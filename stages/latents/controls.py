@@ -1,11 +1,14 @@
 """Control latents of a paired dataset (dataset.control), cached beside the targets: `controls/<bucket>.npy`, one
 (C, h, w) row per target row (the VAE's mean: FLUX.1 Kontext encodes its input with sample_mode "argmax"), and
 `controls/<bucket>.flip.npy` with latents.flip. Each control is resized to its image's size and then gets the
-image's crop and bucket, so the pair lines up token for token. An image with N reference images (a family that
+image's crop and bucket, so the pair lines up token for token; a family whose pipeline encodes its input at a size of
+its own (Qwen-Image-Edit: about 1 MP whatever the output size) names it with `control_size(width, height)`, and the
+aligned control is resized to that instead of the bucket: the manifest's `control_shapes` records each bucket's
+control latent shape, which the reader checks. An image with N reference images (a family that
 takes several, FLUX.2: `<control>/<stem>/*.png`) has an (N, C, h, w) row, its references in name order; every image
 of the dataset has the same N (the scan checks it).
 
-Incremental: a control's key hashes its content hash, the image's size, crop and bucket, and the VAE and
+Incremental: a control's key hashes its content hash, the image's size, crop, bucket and control size, and the VAE and
 dtype identity; controls (each reference apart) of the previous version with the same key are copied, not encoded
 again.
 """
@@ -13,6 +16,7 @@ again.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,6 +29,7 @@ from tuneline.schemas.scan import ImageRecord
 from tuneline.stages.common.artifacts import ArtifactError, safe_join
 from tuneline.stages.common.hashing import digest, file_sha256
 from tuneline.stages.common.stage import reusable_previous
+from tuneline.stages.families import resolve as models
 from tuneline.stages.latents.encode import check_latents, to_pixels
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.scan.images import load_rgb
@@ -40,10 +45,20 @@ def _keys_file(artifact_dir: Path, bucket: str) -> Path:
     return Path(artifact_dir) / FOLDER / f"{bucket}.keys.json"
 
 
-def row_key(rec: ImageRecord, identity: dict, sha256: str | None = None) -> str:
-    """The cache key of one control (of reference `sha256` among several) at its image's size, crop and bucket."""
-    size = [rec.width, rec.height, rec.bucket_width, rec.bucket_height, *rec.crop]
-    return digest({"control": sha256 or rec.control_sha256, "size": size, **identity}, length=32)
+def row_key(rec: ImageRecord, identity: dict, sha256: str | None = None, size: tuple[int, int] | None = None) -> str:
+    """The cache key of one control (of reference `sha256` among several) at its image's size, crop and bucket,
+    encoded at `size` (width, height) when that is not the bucket's."""
+    sizes = [rec.width, rec.height, rec.bucket_width, rec.bucket_height, *rec.crop]
+    if size is not None and tuple(size) != (rec.bucket_width, rec.bucket_height):
+        sizes += list(size)  # absent at the bucket's size: keys of caches made before control_size stay valid
+    return digest({"control": sha256 or rec.control_sha256, "size": sizes, **identity}, length=32)
+
+
+def control_size(fam, width: int, height: int) -> tuple[int, int]:
+    """The pixel size a control of a (width, height) bucket is encoded at: the family's control_size, or the
+    bucket's."""
+    sized = getattr(fam, "control_size", None)
+    return tuple(sized(width, height)) if sized else (width, height)
 
 
 def references(rec: ImageRecord) -> list[tuple[str, str, int, int]]:
@@ -53,8 +68,9 @@ def references(rec: ImageRecord) -> list[tuple[str, str, int, int]]:
     return [(f.path, f.sha256, f.width, f.height) for f in rec.control_references]
 
 
-def pixels(rec: ImageRecord, root: Path, ref: int = 0) -> torch.Tensor:
-    """Control `ref` as the target's pixels: resized to the image's size, then the image's crop and bucket."""
+def pixels(rec: ImageRecord, root: Path, ref: int = 0, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Control `ref` as the target's pixels: resized to the image's size, then the image's crop and bucket (or
+    `size`)."""
     rel, sha, width, height = references(rec)[ref]
     path = safe_join(root, rel)
     if file_sha256(path) != sha:
@@ -65,7 +81,7 @@ def pixels(rec: ImageRecord, root: Path, ref: int = 0) -> torch.Tensor:
     img = load_rgb(path)
     if img.size != (width, height):
         raise ArtifactError(f"control image {path} is {img.size}, the scan recorded it otherwise: rescan")
-    return to_pixels(img.resize((rec.width, rec.height), Image.Resampling.BICUBIC), rec)
+    return to_pixels(img.resize((rec.width, rec.height), Image.Resampling.BICUBIC), rec, size)
 
 
 class _Previous:
@@ -93,8 +109,6 @@ class _Previous:
 def _check_family(ctx, n: int) -> None:
     """Several references per image only for a family that takes them (the scan refuses it, but a scan made
     for another family can be reused)."""
-    from tuneline.stages.families import resolve as models
-
     if n > 1 and not getattr(models.family(ctx.cfg), "multiple_references", False):
         raise ArtifactError(
             f"the scan pairs each image with {n} reference images, but family {ctx.cfg.model.family!r} takes one "
@@ -124,23 +138,42 @@ def write_controls(
         buckets.setdefault(row["bucket"], []).append(row)
     previous, counts = _Previous(ctx, ctx.cfg.latents.flip), {"encoded": 0, "reused": 0}
     (work / FOLDER).mkdir(exist_ok=True)
+    fam, shapes = models.family(ctx.cfg), {}
     for bucket, members in buckets.items():
         members.sort(key=lambda row: row["row"])
         recs = [sized[row["path"], bucket] for row in members]
-        keys = _write_bucket(ctx, work, bucket, recs, roots, encoder, shape_of[bucket], identity, previous, counts)
+        size = control_size(fam, recs[0].bucket_width, recs[0].bucket_height)
+        f, c = fam.facts.vae_factor, shape_of[bucket][0]
+        shapes[bucket] = (c, size[1] // f, size[0] // f)
+        at = _Bucket(bucket, recs, shapes[bucket], size)
+        keys = _write_bucket(ctx, work, at, roots, encoder, identity, previous, counts)
         _keys_file(work, bucket).write_text(json.dumps(keys if n > 1 else [k[0] for k in keys]))
     ctx.log.info(
         "latents: control latents of %d rows (%d encoded, %d copied)", len(index), counts["encoded"], counts["reused"]
     )
-    return {"controls": len(index), "controls_encoded": counts["encoded"], "controls_reused": counts["reused"]}
+    out = {"controls": len(index), "controls_encoded": counts["encoded"], "controls_reused": counts["reused"]}
+    if any(shapes[b] != tuple(shape_of[b]) for b in shapes):  # recorded only where they differ from the targets'
+        out["control_shapes"] = {b: list(s) for b, s in shapes.items()}
+    return out
 
 
-def _write_bucket(ctx, work, bucket, recs, roots, encoder, shape, identity, previous, counts) -> list[list[str]]:
+@dataclass(frozen=True)
+class _Bucket:
+    """One bucket's controls: its key, records in row order, control latent shape and pixel size (width, height)."""
+
+    key: str
+    recs: list[ImageRecord]
+    shape: tuple[int, int, int]
+    size: tuple[int, int]
+
+
+def _write_bucket(ctx, work, at: _Bucket, roots, encoder, identity, previous, counts) -> list[list[str]]:
     """One bucket's arrays; each row's keys, one per reference."""
+    bucket, recs, shape, size = at.key, at.recs, at.shape, at.size
     n = len(references(recs[0]))
     if any(len(references(r)) != n for r in recs):  # the scan checks it; a hand-edited record would misalign
         raise ArtifactError(f"images of bucket {bucket} take different numbers of reference images: rescan")
-    keys = [[row_key(r, identity, sha) for _, sha, _, _ in references(r)] for r in recs]
+    keys = [[row_key(r, identity, sha, size) for _, sha, _, _ in references(r)] for r in recs]
     flip, dtype = ctx.cfg.latents.flip, np.dtype(ctx.cfg.latents.dtype)
     out = {False: np.zeros((len(recs), n, *shape), dtype)}
     if flip:
@@ -153,10 +186,10 @@ def _write_bucket(ctx, work, bucket, recs, roots, encoder, shape, identity, prev
             counts["reused"] += 1
         else:
             todo.append((i, j))
-    size = ctx.cfg.latents.batch_size
-    for part in (todo[k : k + size] for k in range(0, len(todo), size)):
+    step = ctx.cfg.latents.batch_size
+    for part in (todo[k : k + step] for k in range(0, len(todo), step)):
         got = encoder(
-            [pixels(recs[i], roots[recs[i].source], j) for i, j in part], [recs[i].path for i, _ in part], shape
+            [pixels(recs[i], roots[recs[i].source], j, size) for i, j in part], [recs[i].path for i, _ in part], shape
         )
         for m, (i, j) in enumerate(part):
             out[False][i, j] = got["mean"][m]
@@ -176,17 +209,18 @@ def _array(artifact_dir: str, bucket: str, flipped: bool) -> np.ndarray:
 
 def read(reader, batch) -> torch.Tensor | None:
     """(B, C, h, w) float32 control latents of a reader batch ((B, N, C, h, w) for N references per image; the
-    flipped control for flipped rows); None when the cache holds none. Checked against the bucket's latent shape,
-    as the targets are."""
+    flipped control for flipped rows); None when the cache holds none. Checked against the bucket's control shape
+    (the manifest's control_shapes, else the targets')."""
     if not getattr(reader.manifest, "controls", 0):
         return None
     flips = batch.flip or (False,) * len(batch.rows)
     rows = [np.asarray(_array(str(reader.dir), batch.bucket, f)[r], np.float32) for r, f in zip(batch.rows, flips)]
     out = torch.from_numpy(np.stack(rows))
-    expected = tuple(reader.shapes[batch.bucket])
+    own = (getattr(reader.manifest, "control_shapes", None) or {}).get(batch.bucket)
+    expected = tuple(own or reader.shapes[batch.bucket])
     if tuple(out.shape[-3:]) != expected or out.dim() not in (4, 5):
         raise ArtifactError(
-            f"control latents of bucket {batch.bucket} in {reader.dir} are {tuple(out.shape[1:])}, the targets "
-            f"{expected}: rebuild with `tuneline stage latents --force`"
+            f"control latents of bucket {batch.bucket} in {reader.dir} are {tuple(out.shape[1:])}, the manifest "
+            f"says {expected}: rebuild with `tuneline stage latents --force`"
         )
     return out

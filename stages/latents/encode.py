@@ -32,9 +32,10 @@ class LatentShapeError(RuntimeError):
     """The VAE's output for an image does not match what its bucket requires, or is not finite."""
 
 
-def to_pixels(img: Image.Image, rec: ImageRecord) -> torch.Tensor:
-    """Crop the recorded box and resize to the recorded bucket: (3, H, W) float32 in [-1, 1]."""
-    img = img.crop(rec.crop).resize((rec.bucket_width, rec.bucket_height), Image.Resampling.BICUBIC)
+def to_pixels(img: Image.Image, rec: ImageRecord, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Crop the recorded box and resize to the recorded bucket (or to `size`, (width, height)): (3, H, W) float32
+    in [-1, 1]."""
+    img = img.crop(rec.crop).resize(size or (rec.bucket_width, rec.bucket_height), Image.Resampling.BICUBIC)
     arr = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(2, 0, 1)
 

@@ -1,7 +1,7 @@
 """Held-out eval loss (train.eval): the loss of the held-out rows (tuneline.stages.train.rows) at fixed timesteps and noise.
 
 The noise is seeded by the image and the timestep, so two evaluations of the same weights give the same number
-and curves compare across runs.
+and curves compare across runs. A paired dataset's rows are denoised with their control latents, as in training.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tuneline.stages.text.store import pair_key
-from tuneline.stages.train.loop import Trainer, micro_cond
+from tuneline.stages.train.loop import Trainer, control_cond, micro_cond
 from tuneline.stages.train.objective import scale_latents
 from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.rows import Rows
@@ -67,7 +67,7 @@ class Evaluator:
                         caption = pair_key(caption, data.records[path].control_sha256)
                     cond = {
                         k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
-                        for k, v in data.text.get([caption], [0]).items()
+                        for k, v in (data.text.get([caption], [0]) | control_cond(tr.fam, data, batch)).items()
                     }
                     for t in self.timesteps:
                         noisy, ts, target = _noised(

@@ -109,6 +109,13 @@ def sample_latents(mean: torch.Tensor, std: torch.Tensor | None, dev: torch.Gene
     return draw(mean, std, dev)
 
 
+def control_cond(fam, data, batch) -> dict[str, torch.Tensor]:
+    """A paired dataset's conditioning for a family that takes control: the batch's control latents, scaled as the
+    targets are (nothing without controls)."""
+    control = read_controls(data.reader, batch) if getattr(fam, "takes_control", False) else None
+    return {} if control is None else {"control_latents": scale_latents(control, data.scaling, data.shift)}
+
+
 def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
     """SDXL-style size conditioning from the scan's record: original size, crop corner in bucket pixels, bucket.
     A flipped image's crop starts as far from the left edge as the unflipped crop ends from the right one."""
@@ -202,9 +209,7 @@ class Trainer:
         pin = self.device.type == "cuda"  # page-locked: the step's copies to the GPU run asynchronously
         mean, std = self.data.reader.gather(batch, pin=pin)
         cond, strings = self.conditioning(batch.paths, gen)
-        control = read_controls(self.data.reader, batch) if getattr(self.fam, "takes_control", False) else None
-        if control is not None:  # a paired dataset: the input images, scaled as the targets are
-            cond["control_latents"] = scale_latents(control, self.data.scaling, self.data.shift)
+        cond |= control_cond(self.fam, self.data, batch)
         if pin:
             cond = {k: v.pin_memory() if v.device.type == "cpu" else v for k, v in cond.items()}
         fed = Fed(mb, index, gen, batch, mean, None if self.t.latent_sampling == "mean" else std, cond)

@@ -157,6 +157,50 @@ def test_lora_in_stock_edit_pipeline_renders_as_trained(qwen_run):
     assert meta["ss_base_model_version"] == "qwen_image_edit"
 
 
+def test_controls_are_cached_at_the_pipelines_input_size(qwen_run):
+    """QwenImageEditPipeline VAE-encodes its input at about 1 MP whatever the output size: the 64-pixel targets'
+    controls are cached as the 1024 x 1024 images it encodes (the manifest's control_shapes, checked by the reader
+    the training batch reads through), near the pipeline's own image_latents of that control (it resizes with
+    another filter)."""
+    from tuneline.stages.families.qwen_image.adapter import pack_latents
+    from tuneline.stages.latents import controls
+    from tuneline.stages.latents.reader import LatentReader
+
+    ctx, paths = qwen_run
+    lat = ctx.store.read(paths["latents"], LatentsManifest)
+    assert [tuple(b.shape) for b in lat.buckets] == [(16, 8, 8)]
+    assert lat.control_shapes == {b.array: [16, 128, 128] for b in lat.buckets}
+    reader = LatentReader(paths["latents"], lat)
+    [bucket] = reader.shapes
+    row = [Path(p).stem for p in reader.paths[bucket]].index("0")
+    got = controls.read(reader, reader.batch(bucket, np.array([row])))
+    assert tuple(got.shape) == (1, 16, 128, 128)
+    fam = get_family(FAMILY)
+    pipe = fam.load_pipeline(fam.ensure_model(None, ctx.workdir / "models"), torch.float32, CPU)
+    image = pipe.image_processor.preprocess(_control(ctx, 0), 1024, 1024).unsqueeze(2)
+    _, want = pipe.prepare_latents(image, 1, 16, 64, 64, torch.float32, CPU, torch.manual_seed(0))
+    mean, std = (torch.tensor(s).view(1, 16, 1, 1) for s in fam.latent_stats(pipe.vae))
+    got = pack_latents((got - mean) / std)
+    assert got.shape == want.shape
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.98
+
+
+def test_eval_loss_feeds_the_controls(qwen_run):
+    """The held-out eval loss of a paired dataset denoises with each row's control latents, as training does: the
+    same rows evaluated without them give another loss."""
+    from tests.integration.test_train_families import _trainer
+    from tuneline.stages.train.evaluation import Evaluator
+
+    ctx, paths = qwen_run
+    trainer = _trainer(ctx.cfg, ctx)
+    held = {bucket: [0, 1] for bucket in trainer.data.reader.shapes}
+    evaluator = Evaluator(trainer, held, [500])
+    paired = evaluator.evaluate()["loss"]
+    reader = trainer.data.reader
+    reader.manifest = reader.manifest.model_copy(update={"controls": 0})
+    assert evaluator.evaluate()["loss"] != paired
+
+
 def test_an_edited_control_image_re_encodes_only_its_text_rows(qwen_run, tmp_path):
     """The text version covers the control images' content: replacing one control rebuilds the text stage, which
     encodes that control's two rows (its instruction, its empty instruction) and copies the others."""

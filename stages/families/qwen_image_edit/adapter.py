@@ -1,7 +1,9 @@
 """Qwen-Image-Edit: Qwen-Image's transformer, VAE and Qwen2.5-VL text encoder, conditioned as diffusers'
 QwenImageEditPipeline conditions them:
 - the input (control) image's latents are packed 2x2 into tokens and appended to the generated image's tokens, and
-  the transformer's `img_shapes` lists both (its RoPE tells them apart); the loss is on the target's tokens;
+  the transformer's `img_shapes` lists both (its RoPE tells them apart); the loss is on the target's tokens. The
+  pipeline VAE-encodes the input at about 1024 x 1024 pixels at its aspect ratio, whatever the output size, so the
+  latents stage caches controls at that size (control_size), not at the target's bucket;
 - the text encoder sees the control image: the edit template around the instruction with the image's vision tokens
   (Qwen2VLProcessor), its last hidden states with the template's first 64 tokens dropped. The image is first resized
   as the pipeline resizes it (to about 1024 x 1024 pixels at its own aspect ratio, calculate_dimensions).
@@ -74,6 +76,15 @@ class QwenImageEditFamily(QwenImageFamily):
             transformer=transformer,
         )
         pipe.save_pretrained(out_dir, safe_serialization=True)
+
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        """The pixel size the latents stage caches a control at, for a target bucket of (width, height): the
+        pipeline's calculate_dimensions(1024 * 1024, ratio), the size it VAE-encodes an input image of the target's
+        aspect ratio at (the control is aligned to its target first: same crop)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        w, h, _ = calculate_dimensions(PROMPT_IMAGE_AREA, width / height)
+        return w, h
 
     def check_folder(self, folder: Path) -> None:
         super().check_folder(folder)
