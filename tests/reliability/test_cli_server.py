@@ -29,6 +29,12 @@ def _env(home: Path, **extra: str) -> dict:
     return env
 
 
+def _terminal_signals() -> None:
+    """Ctrl-C as a terminal's foreground command takes it: a test run started in the background of a
+    non-interactive shell (`pytest ... &`) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tuneline.flows.cli", *args],
@@ -38,6 +44,7 @@ def _start(args: list[str], env: dict) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_terminal_signals,
     )
 
 
@@ -146,7 +153,7 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
         tail = ("".join(err_lines) + (rest or ""))[-4000:]
         raise AssertionError(f"tuneline was still running 150 s after Ctrl-C; its stderr:\n{tail}") from None
     err = "".join(err_lines) + (rest or "")
-    assert proc.returncode != 0
+    assert proc.returncode != 0, f"tuneline finished despite the Ctrl-C; its stderr:\n{err[-3000:]}"
     assert "ConnectError" not in err and "Traceback" not in err, err[-4000:]
     assert "error: interrupted" in err and "training was stopped" in err, err[-2000:]
     states = _flow_run_states(env)
