@@ -8,7 +8,8 @@ plan costs seconds on any machine. Terms:
 - trainable parameters, their gradients and optimizer state (AdamW two float32 moments, adamw8bit two bytes);
   the EMA copy (train.ema);
 - activations: a forward of the largest bucket at train.batch_size traced on the meta device, summing the tensors
-  autograd saves for backward (saved_tensors_hooks), per transformer block and outside them. With checkpointing
+  autograd saves for backward (saved_tensors_hooks), per transformer block and outside them; for a paired dataset
+  of an edit family the forward includes a control image's tokens at the size they are cached at. With checkpointing
   the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward; under
   16-bit autocast float32 activations count at two bytes;
 - on CUDA a fixed reserve for the context and the caching allocator.
@@ -99,6 +100,15 @@ class Setting:
     edge: int
 
 
+def planned_controls(cfg, fam) -> int:
+    """Control images per sample the training feeds: one for a paired dataset (dataset.control, the edit demo's
+    included) of a family that takes control, else none. Folders of several references are not counted (the plan
+    reads the config, not the scan): each adds one control's tokens."""
+    from tuneline.stages.scan.controls import paired
+
+    return int(bool(getattr(fam, "takes_control", False)) and paired(cfg))
+
+
 def size(b: int) -> str:
     return f"{b / GIB:8.2f} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / 2**20:8.1f} MiB"
 
@@ -164,12 +174,13 @@ class Planner:
         self.den = build_meta(fam, model_dir, self.t, self.dtype, None)
         self.traces: dict[int, Trace] = {}
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
+        self.controls = planned_controls(cfg, fam)
 
     def trace(self, batch: int, edge: int) -> Trace:
         """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
         few shared ones), so one sample is traced per edge and scaled."""
         if edge not in self.traces:
-            self.traces[edge] = trace_activations(self.fam, self.den, 1, edge, self.dtype)
+            self.traces[edge] = trace_activations(self.fam, self.den, 1, edge, self.dtype, self.controls)
         one = self.traces[edge]
         return Trace(
             one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share

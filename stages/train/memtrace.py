@@ -62,8 +62,20 @@ class _FusedAttentionMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype) -> Trace:
-    """Bytes saved for backward by one training forward of `batch` images of `edge` x `edge` pixels."""
+def control_input(fam, batch: int, edge: int, controls: int, dtype: torch.dtype) -> torch.Tensor:
+    """Meta control latents as the training loop feeds them: (B, C, h, w), or (B, N, C, h, w) for N references."""
+    from tuneline.stages.latents.controls import control_size
+
+    f = fam.facts
+    w, h = control_size(fam, edge, edge)
+    shape = (batch, *([controls] if controls > 1 else []), f.latent_channels, h // f.vae_factor, w // f.vae_factor)
+    return torch.zeros(shape, device="meta", dtype=dtype)
+
+
+def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype, controls: int = 0) -> Trace:
+    """Bytes saved for backward by one training forward of `batch` images of `edge` x `edge` pixels, each with
+    `controls` control images (a paired dataset of an edit family: their tokens join the target's, at the size the
+    latents stage caches them)."""
     from tuneline.stages.families.base import MicroCond
 
     blocks = transformer_blocks(den)
@@ -104,6 +116,8 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype) -> Tr
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), _FusedAttentionMode():
             inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in text_inputs(fam, den, batch).items()}
+            if controls:
+                inputs["control_latents"] = control_input(fam, batch, edge, controls, dtype)
             fam.denoise(den, x, ts, inputs, micro=micro)
     finally:
         for h in hooks:

@@ -171,11 +171,12 @@ def test_adamw8bit_resumes_exactly(tmp_path):
     assert not torch.equal(straight["w"].detach(), init["w"])
 
 
-def saved_bytes(fam, den, batch, edge):
+def saved_bytes(fam, den, batch, edge, controls: int = 0):
     """Bytes of the distinct tensors autograd saves for backward in one real forward on the CPU (weights
-    excluded: the plan counts them as weights)."""
+    excluded: the plan counts them as weights), with `controls` control images per sample."""
     from tuneline.stages.families.base import MicroCond
     from tuneline.stages.train.memplan import text_inputs
+    from tuneline.stages.train.memtrace import control_input
 
     weights = {p.untyped_storage().data_ptr() for p in den.parameters()}
     seen: dict[int, int] = {}
@@ -190,6 +191,8 @@ def saved_bytes(fam, den, batch, edge):
     x = torch.randn(batch, f.latent_channels, edge // f.vae_factor, edge // f.vae_factor)
     ts = torch.full((batch,), 500.0) if f.prediction == "flow_matching" else torch.full((batch,), 500)
     text = {k: torch.randn(v.shape) for k, v in text_inputs(fam, den, batch).items()}
+    if controls:
+        text["control_latents"] = torch.randn(control_input(fam, batch, edge, controls, torch.float32).shape)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fam.denoise(den, x, ts, text, micro=[MicroCond((edge, edge), (0, 0), (edge, edge))] * batch)
     return sum(seen.values())
@@ -241,4 +244,30 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
     measured = saved_bytes(fam, real, 2, 128)
     total = planned.outside + sum(planned.blocks)
     assert sum(p.numel() for p in real.parameters()) > (3e7 if size == "mid" else 0)
+    assert -0.05 * measured <= total - measured <= 0.10 * measured, (total, measured)
+
+
+@pytest.mark.parametrize("name", ["qwen_image_edit", "flux_kontext"])
+def test_a_paired_dataset_plans_the_control_tokens(tmp_path_factory, name):
+    """An edit family trained on pairs feeds each sample's control tokens beside the target's (Qwen-Image-Edit's
+    cached at about 1 MP whatever the bucket): a paired config's plan traces them and matches a real forward with
+    its control latents (the 64-pixel target alone saves a quarter of that for Qwen-Image-Edit)."""
+    from tuneline.schemas.config import parse_config
+    from tuneline.stages.train.memplan import build_meta, planned_controls, trace_activations
+
+    fam = get_family(name)
+    model_dir = fam.ensure_model(None, tmp_path_factory.mktemp("edit-models"))
+    paired = parse_config({"model": {"family": name}, "dataset": {"control": "inputs"}})
+    assert planned_controls(paired, fam) == 1
+    assert planned_controls(parse_config({"model": {"family": name}}), fam) == 0
+    assert planned_controls(parse_config({"dataset": {"control": "inputs"}}), get_family("tiny")) == 0
+    t = TrainConfig(mode="full", processes=1)
+    meta = build_meta(fam, model_dir, t, torch.float32, None)
+    planned = trace_activations(fam, meta, 2, 64, torch.float32, controls=1)
+    cls = type(meta)
+    torch.manual_seed(0)
+    real = cls.from_config(cls.load_config(model_dir, subfolder=fam.denoiser_component))
+    measured, alone = saved_bytes(fam, real, 2, 64, controls=1), saved_bytes(fam, real, 2, 64)
+    total = planned.outside + sum(planned.blocks)
+    assert measured > alone * (3 if name == "qwen_image_edit" else 1)
     assert -0.05 * measured <= total - measured <= 0.10 * measured, (total, measured)
