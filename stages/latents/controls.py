@@ -61,6 +61,13 @@ def control_size(fam, width: int, height: int) -> tuple[int, int]:
     return tuple(sized(width, height)) if sized else (width, height)
 
 
+def control_shape(fam, width: int, height: int) -> tuple[int, int, int]:
+    """The (C, h, w) latents of a control of a (width, height) bucket, encoded at control_size."""
+    w, h = control_size(fam, width, height)
+    f = fam.facts.vae_factor
+    return (fam.facts.latent_channels, h // f, w // f)
+
+
 def references(rec: ImageRecord) -> list[tuple[str, str, int, int]]:
     """(path, sha256, width, height) of each of the record's controls: one, or several in order."""
     if rec.control_references is None:
@@ -142,10 +149,9 @@ def write_controls(
     for bucket, members in buckets.items():
         members.sort(key=lambda row: row["row"])
         recs = [sized[row["path"], bucket] for row in members]
-        size = control_size(fam, recs[0].bucket_width, recs[0].bucket_height)
-        f, c = fam.facts.vae_factor, shape_of[bucket][0]
-        shapes[bucket] = (c, size[1] // f, size[0] // f)
-        at = _Bucket(bucket, recs, shapes[bucket], size)
+        width, height = recs[0].bucket_width, recs[0].bucket_height
+        shapes[bucket] = control_shape(fam, width, height)
+        at = _Bucket(bucket, recs, shapes[bucket], control_size(fam, width, height))
         keys = _write_bucket(ctx, work, at, roots, encoder, identity, previous, counts)
         _keys_file(work, bucket).write_text(json.dumps(keys if n > 1 else [k[0] for k in keys]))
     ctx.log.info(

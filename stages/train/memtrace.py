@@ -64,11 +64,9 @@ class _FusedAttentionMode(torch.overrides.TorchFunctionMode):
 
 def control_input(fam, batch: int, edge: int, controls: int, dtype: torch.dtype) -> torch.Tensor:
     """Meta control latents as the training loop feeds them: (B, C, h, w), or (B, N, C, h, w) for N references."""
-    from tuneline.stages.latents.controls import control_size
+    from tuneline.stages.latents.controls import control_shape
 
-    f = fam.facts
-    w, h = control_size(fam, edge, edge)
-    shape = (batch, *([controls] if controls > 1 else []), f.latent_channels, h // f.vae_factor, w // f.vae_factor)
+    shape = (batch, *([controls] if controls > 1 else []), *control_shape(fam, edge, edge))
     return torch.zeros(shape, device="meta", dtype=dtype)
 
 

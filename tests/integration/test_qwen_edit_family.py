@@ -191,7 +191,7 @@ def test_eval_loss_feeds_the_controls(qwen_run):
     from tests.integration.test_train_families import _trainer
     from tuneline.stages.train.evaluation import Evaluator
 
-    ctx, paths = qwen_run
+    ctx, _ = qwen_run
     trainer = _trainer(ctx.cfg, ctx)
     held = {bucket: [0, 1] for bucket in trainer.data.reader.shapes}
     evaluator = Evaluator(trainer, held, [500])

@@ -5,8 +5,9 @@ QwenImageEditPlusPipeline conditions it:
   own aspect ratio (CONDITION_IMAGE_SIZE), the template's first 64 tokens dropped;
 - each input image's latents are packed 2x2 into tokens and appended after the target's, one img_shapes entry each
   (QwenImageEditFamily.denoise with (B, N, C, h, w) control latents); the loss is on the target's tokens. The
-  pipeline VAE-encodes each at about 1024 x 1024 pixels at its own aspect ratio (VAE_IMAGE_SIZE); the latents stage
-  caches every reference at that size for the target's aspect ratio (control_size), since a training batch stacks
+  pipeline VAE-encodes each at about 1024 x 1024 pixels at its own aspect ratio (VAE_IMAGE_SIZE, the edit pipeline's
+  area); the latents stage caches every reference at that size for the target's aspect ratio (QwenImageEditFamily's
+  control_size), since a training batch stacks
   them: references of another aspect ratio than their target are stretched to it, as they are for every family.
 
 Several references per target come from `<control>/<stem>/*.png` folders (multiple_references), one control file
@@ -48,12 +49,6 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["qwen_image_edit_plus"]
     multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
     one_control_per_call: ClassVar[bool] = True
-
-    def control_size(self, width: int, height: int) -> tuple[int, int]:
-        """calculate_dimensions(VAE_IMAGE_SIZE, ratio) for the target bucket's ratio (QwenImageEditFamily's)."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import VAE_IMAGE_SIZE, calculate_dimensions
-
-        return calculate_dimensions(VAE_IMAGE_SIZE, width / height)
 
     def edit_inputs(self, captions: list[str], images: list[Any]) -> tuple[list[str], list[Any]]:
         """Per caption, its control image or list of references: the Plus template with one "Picture i" vision
