@@ -131,6 +131,11 @@ class TrainConfig(Strict):
         description="recompute activations in backward to save memory; offload: also keep the activations "
         "saved for backward in CPU memory (same numbers as true, less GPU memory, slower)",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each of the denoiser's transformer blocks (and a UNet's resnet blocks) in place: "
+        "the same weights and checkpoints, faster steps after a first slower one that compiles",
+    )
     blocks_to_swap: int = Field(
         0,
         ge=0,
@@ -327,6 +332,17 @@ class TrainConfig(Strict):
                 f"train.blocks_to_swap {self.blocks_to_swap} with train.mode full trains in one process: "
                 f"set train.processes: 1 (and train.nodes: 1), or train.mode: lora, or "
                 f"train.blocks_to_swap: 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compile_no_swap(self) -> TrainConfig:
+        # Swap's hooks on each block free and refill its weights' storage and wait on CUDA streams: a compiled
+        # block's graph would capture them.
+        if self.compile and self.blocks_to_swap:
+            raise ValueError(
+                f"train.compile with train.blocks_to_swap {self.blocks_to_swap}: swapped blocks run eager; set "
+                f"train.compile: false or train.blocks_to_swap: 0"
             )
         return self
 

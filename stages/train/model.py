@@ -14,6 +14,7 @@ import torch
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.train.adapters import peft_config
+from tuneline.stages.train.compile import compile_blocks
 from tuneline.stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from tuneline.stages.train.quantize import quantize_base
 from tuneline.stages.train.singlefile_export import save_single_file
@@ -74,6 +75,8 @@ def prepare_denoiser(
         from tuneline.stages.train.offload import offloaded_checkpoint
 
         den.enable_gradient_checkpointing(offloaded_checkpoint if t.gradient_checkpointing == "offload" else None)
+    if t.compile:  # after checkpointing and LoRA are in place, before any wrapping or sharding
+        compile_blocks(den)
     den.train()
     trainable = {n: p for n, p in den.named_parameters() if p.requires_grad}
     if not trainable:
