@@ -107,9 +107,12 @@ def full_model(family: str, out: Path) -> Path:
     return out
 
 
-def result(metric: str, value: float, op: str, target: float) -> None:
-    ok = value <= target if op == "<=" else value >= target
-    print(f"RESULT {metric} {value:.6g} goal {op} {target:g} {'PASS' if ok else 'FAIL'}", flush=True)
+def result(metric: str, value: float, op: str, target: float, also: bool = True, **second: float) -> None:
+    """A RESULT line; `second`: the second value and the anchor's, after the PASS|FAIL word (which also needs
+    `also`, the second value's own goal)."""
+    ok = (value <= target if op == "<=" else value >= target) and also
+    tail = "".join(f" {k} {v:.6g}" for k, v in second.items())
+    print(f"RESULT {metric} {value:.6g} goal {op} {target:g} {'PASS' if ok else 'FAIL'}{tail}", flush=True)
 
 
 def caches(cfg):

@@ -1,0 +1,101 @@
+"""The LoRA figures of bench/gpu.py, each beside its published anchor (SimpleTuner's H100 sweep: bf16, batch 1,
+1024², post-warm-up, caching and validation excluded), with the memory plan beside the measured peak, and the
+quantized bases' learning check. Every figure here needs CUDA: its second value is the peak GPU memory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from gpu_setup import Bench, caches, free, result, step_seconds, trainer_for
+
+GB = 1e9 / 2**30  # GiB per GB: the FLUX.2 [klein] figures are published in GB
+
+
+@dataclass(frozen=True)
+class Anchor:
+    family: str
+    seconds: float | None  # the anchor's s/step (None: only a memory figure is published)
+    gib: float  # the anchor's peak
+    train: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+
+
+ANCHORS = {
+    "sdxl_lora": Anchor("sdxl", 0.606, 13.0),
+    "flux2_klein_lora": Anchor("flux2_klein", None, 12 * GB),
+    "flux2_klein_lora_int8": Anchor("flux2_klein", None, 8 * GB, model={"quantize": "int8"}),
+    "z_image_lora": Anchor("z_image", 0.243, 21.3),
+    "z_image_lora_ckpt": Anchor("z_image", 0.479, 12.9, {"gradient_checkpointing": True}),
+    # FLUX.1 (12 B) against Chroma's 8.9 B figures (0.454 s, 26.2 GiB) scaled by the parameter count.
+    "flux_lora": Anchor("flux", 0.61, 35.0),
+    "qwen_image_lora": Anchor("qwen_image", 1.202, 41.0, {"gradient_checkpointing": True}),
+}
+PLAN_TOLERANCE = 0.15
+LEARN_STEPS = 20
+
+
+def missing_text_encoder(family: str) -> str | None:
+    """Why `family`'s full-size caches cannot be built here: its shipped config has no text encoder to build."""
+    from tuneline.stages.families.shipped import shipped_dir
+
+    index = json.loads((shipped_dir(family) / "model_index.json").read_text())
+    if any(name.startswith("text_encoder") for name in index):
+        return None
+    return f"the shipped config of {family} holds no text encoder to build the text cache from"
+
+
+def measured(b: Bench, name: str, anchor: Anchor, planned_families: set[str]) -> tuple[float, float]:
+    """(s/step, peak GiB) of the LoRA step at the anchor's settings; the first figure of a family also prints
+    plan_vs_measured_<family> (the memory plan's peak against the measured one, on the same run)."""
+    from tuneline.stages.families import resolve as models
+    from tuneline.stages.train.memplan import gpu_figures
+
+    cfg = b.config(name, anchor.family, anchor.train, model=anchor.model)
+    ctx = caches(cfg)
+    seconds = []
+    fig = gpu_figures(cfg, models.model_dir(ctx), lambda: seconds.append(step_seconds(b, trainer_for(cfg, ctx))))
+    free(b)
+    if anchor.family not in planned_families:
+        planned_families.add(anchor.family)
+        off = abs(fig["planned"] / fig["measured"] - 1)
+        result(
+            f"plan_vs_measured_{anchor.family}",
+            off,
+            "<=",
+            PLAN_TOLERANCE,
+            planned_gib=fig["planned"] / 2**30,
+            measured_gib=fig["measured"] / 2**30,
+        )
+    return seconds[0], fig["measured"] / 2**30
+
+
+def loss_falls(b: Bench, family: str, quantize: str) -> tuple[float, float]:
+    """(first, mean of the last 5) losses of LEARN_STEPS steps on one fixed batch (the same draws every step)
+    over a `quantize` base: the adapter learns through the quantized weights."""
+    from tuneline.stages.train.plan import micro_batches
+
+    cfg = b.config(f"learn-{quantize}", family, model={"quantize": quantize})
+    trainer = trainer_for(cfg, caches(cfg))
+    mb = next(micro_batches(trainer.data.rows.epoch_plans(1), cfg.train.batch_size, 0))
+    losses = [trainer.train_step([trainer.prepare(0, mb)]) for _ in range(LEARN_STEPS)]
+    del trainer
+    free(b)
+    return losses[0], sum(losses[-5:]) / 5
+
+
+def lora_figure(b: Bench, name: str, planned_families: set[str]) -> None:
+    anchor = ANCHORS[name]
+    seconds, peak = measured(b, name, anchor, planned_families)
+    print(f"{name}: {seconds:.4f} s/step, peak {peak:.2f} GiB on {b.device}", flush=True)
+    if anchor.model.get("quantize"):
+        for quantize in ("int8", "fp8"):
+            first, last = loss_falls(b, anchor.family, quantize)
+            print(f"{name}: {quantize} base, loss over {LEARN_STEPS} steps {first:.4f} -> {last:.4f}", flush=True)
+            if not last < first:
+                peak = float("inf")  # a base the adapter cannot learn through fails the figure
+    if anchor.seconds is None:
+        result(name, peak, "<=", anchor.gib, s_per_step=seconds)
+    else:
+        ok = peak <= anchor.gib
+        result(name, seconds, "<=", anchor.seconds, also=ok, peak_gib=peak, anchor_peak_gib=anchor.gib)
