@@ -26,6 +26,7 @@ NOT_FINGERPRINTED = {
     "keep_checkpoints",
     "validate_every",
     "blocks_to_swap",
+    "compile",  # the same steps as eager up to float reordering; leaving it out keeps existing runs' fingerprints
 }
 
 

@@ -65,3 +65,9 @@ def test_compiled_training_equals_eager_and_resumes_exactly(bench, tmp_path):
     assert resumed.step == STEPS and resumed.losses == compiled.losses
     for n, p in compiled.params.items():
         assert torch.equal(resumed.params[n], p), n
+
+
+def test_compile_with_block_swap_is_refused_naming_both_keys(bench):
+    _, cfg, _ = bench
+    with pytest.raises(ValueError, match=r"train\.compile with train\.blocks_to_swap 2.*train\.blocks_to_swap: 0"):
+        cfg.train.model_validate({**cfg.train.model_dump(), "compile": True, "blocks_to_swap": 2})
