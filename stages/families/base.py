@@ -122,6 +122,16 @@ class Family(Protocol):
         target = noise - x0 (the adapter converts to its model's own timestep convention)."""
 
     lora_target_modules: tuple[str, ...]
+    # train.text_encoder_lora: the text encoders' modules its LoRA targets (peft suffixes); empty where the family
+    # has none (its schemas/families.py row says text_encoder_lora, which the config check reads).
+    text_encoder_lora_targets: tuple[str, ...]
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        """Modules of `model`, the pipeline component `component` (the denoiser's or a text encoder's), whose output
+        never reaches the training loss: e.g. the last block's text stream of a transformer that keeps only the image
+        tokens. No adapter targets them and a full fine-tune keeps them frozen: a trained parameter without a gradient
+        stops DDP at its second step ("Expected to have finished reduction"). Default: none."""
+
     # True where the pipeline, given pre-encoded prompts, needs negative embeds too (the renderer then encodes "",
     # as the pipeline would itself); families without the attribute are False.
     negative_required: bool

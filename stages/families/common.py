@@ -47,6 +47,9 @@ class DiffusersFamily:
 
     facts: ClassVar[FamilyFacts]
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = ()
+    takes_control: ClassVar[bool] = False
+    negative_required: ClassVar[bool] = False
     # Tensors encode_text returns that the pipeline takes as `<key>=` / `negative_<key>=`.
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
     tiny_seed: ClassVar[int] = 0
@@ -81,6 +84,9 @@ class DiffusersFamily:
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         return {}
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        return ()
 
     # ---- model folders -----------------------------------------------------------------------
     def ensure_model(

@@ -24,6 +24,8 @@ the trained weights (at strength 1).
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from tuneline.stages.train import kohya
@@ -52,28 +54,31 @@ def alpha_of(t) -> float:
     return float(t.lora_alpha or t.lora_rank)
 
 
-def peft_config(t, target_modules: tuple[str, ...]):
-    """The peft config train.adapter names (rank train.lora_rank, alpha train.lora_alpha or the rank)."""
+def exclude_pattern(modules: tuple[str, ...]) -> str | None:
+    """peft's exclude_modules (a regex it full-matches against module paths) for `modules` and every module inside
+    them; None for none. A pattern rather than a list: peft matches list entries by suffix only, so a listed
+    container (a feed-forward) would leave its inner layers targeted."""
+    if not modules:
+        return None
+    return "(" + "|".join(re.escape(m) for m in modules) + r")(\..*)?"
+
+
+def peft_config(t, target_modules: tuple[str, ...], unused: tuple[str, ...] = ()):
+    """The peft config train.adapter names (rank train.lora_rank, alpha train.lora_alpha or the rank), on the
+    modules `target_modules` names except the `unused` ones (Family.unused_modules)."""
     adapter, targets = adapter_of(t), list(target_modules)
+    common = dict(r=t.lora_rank, target_modules=targets, exclude_modules=exclude_pattern(unused))
     if adapter == "lokr":
         from peft import LoKrConfig
 
-        return LoKrConfig(
-            r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True, decompose_factor=t.lokr_factor
-        )
+        return LoKrConfig(**common, alpha=alpha_of(t), init_weights=True, decompose_factor=t.lokr_factor)
     if adapter == "loha":
         from peft import LoHaConfig
 
-        return LoHaConfig(r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True)
+        return LoHaConfig(**common, alpha=alpha_of(t), init_weights=True)
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=t.lora_rank,
-        lora_alpha=alpha_of(t),
-        init_lora_weights=True,
-        target_modules=targets,
-        use_dora=adapter == "dora",
-    )
+    return LoraConfig(**common, lora_alpha=alpha_of(t), init_lora_weights=True, use_dora=adapter == "dora")
 
 
 def not_exported(t) -> list[dict]:

@@ -160,11 +160,10 @@ def save_lora(
     te_layers = text.layers() if text is not None else {}
     if fmt in ("diffusers", "both"):
         te_kwargs = {}
-        if text is not None:
-            te_meta = textlora.lora_config(t).to_dict()
+        for name, state in te_layers.items():
+            te_meta = text.configs[name].to_dict()
             te_meta["target_modules"] = sorted(te_meta["target_modules"])
-            for name, state in te_layers.items():
-                te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
+            te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
         getattr(diffusers, pipe_name).save_lora_weights(
             out,
             weight_name=DIFFUSERS_FILE,

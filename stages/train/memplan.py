@@ -38,13 +38,14 @@ def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None
     config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
     with torch.device("meta"):
         den = cls.from_config(config)
+    from tuneline.stages.train.model import freeze_unused, lora_config
+
     if t.mode == "full":
         den = den.float().requires_grad_(True)
+        freeze_unused(fam, den, fam.denoiser_component)
     else:
-        from tuneline.stages.train.model import lora_config
-
         den = den.to(dtype).requires_grad_(False)
-        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()

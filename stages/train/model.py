@@ -41,9 +41,17 @@ def grad_scaler(dtype: torch.dtype | None) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
 
-def lora_config(t: TrainConfig, target_modules: tuple[str, ...]):
-    """The peft config of train.adapter (stages/train/adapters.py)."""
-    return peft_config(t, target_modules)
+def lora_config(t: TrainConfig, fam, denoiser: torch.nn.Module):
+    """The peft config of train.adapter (stages/train/adapters.py) on the family's targets in `denoiser`, less the
+    modules whose output never reaches the loss."""
+    return peft_config(t, fam.lora_target_modules, fam.unused_modules(unwrap(denoiser), fam.denoiser_component))
+
+
+def freeze_unused(fam, model: torch.nn.Module, component: str) -> None:
+    """A full fine-tune keeps the modules whose output never reaches the loss frozen (Family.unused_modules): a
+    trained parameter without a gradient stops DDP at its second step."""
+    for name in fam.unused_modules(model, component):
+        model.get_submodule(name).requires_grad_(False)
 
 
 def prepare_denoiser(
@@ -60,11 +68,12 @@ def prepare_denoiser(
         if check is not None:
             check(model_dir)
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
+        freeze_unused(fam, den, fam.denoiser_component)
     else:
         den = fam.load_denoiser(model_dir, base_dtype, device).requires_grad_(False)
         if quantize:
             quantize_base(den, quantize, device)
-        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -119,7 +128,7 @@ def save_final(
         k: v.detach().to("cpu", torch.float32).contiguous()
         for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()
     }
-    meta = lora_config(t, fam.lora_target_modules).to_dict()
+    meta = lora_config(t, fam, denoiser).to_dict()
     meta["target_modules"] = sorted(meta["target_modules"])
     save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info, text)
     return exports(out.parent, out, t.mode)

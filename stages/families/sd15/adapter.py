@@ -70,7 +70,13 @@ def tiny_unet(**extra: Any):
     return UNet2DConditionModel(**{**cfg, **extra})
 
 
+# train.text_encoder_lora: CLIP's attention projections, as diffusers' SD/SDXL LoRA scripts train them; the files
+# carry them in the layout ComfyUI maps onto CLIP (lora_te_text_model_encoder_layers_0_self_attn_q_proj).
+CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
 class SD15Family(DiffusersFamily):
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = CLIP_LORA_TARGETS
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd15"]
     # The tiny flavor's CLIP context: SD1.5's 77, so the sd15 flavor behaves like the real model.
     tiny_text_length: ClassVar[int] = 77
