@@ -54,20 +54,32 @@ def alpha_of(t) -> float:
     return float(t.lora_alpha or t.lora_rank)
 
 
-def exclude_pattern(modules: tuple[str, ...]) -> str | None:
-    """peft's exclude_modules (a regex it full-matches against module paths) for `modules` and every module inside
-    them; None for none. A pattern rather than a list: peft matches list entries by suffix only, so a listed
-    container (a feed-forward) would leave its inner layers targeted."""
-    if not modules:
-        return None
-    return "(" + "|".join(re.escape(m) for m in modules) + r")(\..*)?"
+def exclude_pattern(unused: tuple[str, ...], containers: tuple[str, ...] = ()) -> str | None:
+    """peft's exclude_modules (a regex it full-matches against module paths): the `unused` modules and every module
+    inside them, and the `containers` alone (None for neither). A pattern rather than a list: peft matches list
+    entries by suffix only, so a listed feed-forward would leave its inner layers targeted."""
+    alternatives = [f"({'|'.join(re.escape(m) for m in unused)})(\\..*)?"] if unused else []
+    alternatives += [re.escape(c) for c in containers]
+    return "|".join(alternatives) or None
 
 
-def peft_config(t, target_modules: tuple[str, ...], unused: tuple[str, ...] = ()):
+def containers(model: torch.nn.Module, target_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Module lists a target suffix also names, which peft refuses to wrap: FLUX.2's `attn.to_out` is its single
+    blocks' output layer and its double blocks' list around `to_out.0`. Excluded, the suffix targets the layers."""
+    return tuple(
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        and any(n == t or n.endswith("." + t) for t in target_modules)
+    )
+
+
+def peft_config(t, target_modules: tuple[str, ...], unused: tuple[str, ...] = (), lists: tuple[str, ...] = ()):
     """The peft config train.adapter names (rank train.lora_rank, alpha train.lora_alpha or the rank), on the
-    modules `target_modules` names except the `unused` ones (Family.unused_modules)."""
+    modules `target_modules` names except the `unused` ones (Family.unused_modules) and the module `lists`
+    (containers)."""
     adapter, targets = adapter_of(t), list(target_modules)
-    common = dict(r=t.lora_rank, target_modules=targets, exclude_modules=exclude_pattern(unused))
+    common = dict(r=t.lora_rank, target_modules=targets, exclude_modules=exclude_pattern(unused, lists))
     if adapter == "lokr":
         from peft import LoKrConfig
 

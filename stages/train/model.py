@@ -13,7 +13,7 @@ import torch
 
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
-from tuneline.stages.train.adapters import peft_config
+from tuneline.stages.train.adapters import containers, peft_config
 from tuneline.stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from tuneline.stages.train.quantize import quantize_base
 from tuneline.stages.train.singlefile_export import save_single_file
@@ -44,7 +44,8 @@ def grad_scaler(dtype: torch.dtype | None) -> torch.amp.GradScaler:
 def lora_config(t: TrainConfig, fam, denoiser: torch.nn.Module):
     """The peft config of train.adapter (stages/train/adapters.py) on the family's targets in `denoiser`, less the
     modules whose output never reaches the loss."""
-    return peft_config(t, fam.lora_target_modules, fam.unused_modules(unwrap(denoiser), fam.denoiser_component))
+    den, targets = unwrap(denoiser), fam.lora_target_modules
+    return peft_config(t, targets, fam.unused_modules(den, fam.denoiser_component), containers(den, targets))
 
 
 def freeze_unused(fam, model: torch.nn.Module, component: str) -> None:

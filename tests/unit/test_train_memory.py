@@ -240,7 +240,7 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
         from tuneline.stages.train.model import lora_config
 
         real.requires_grad_(False)
-        real.add_adapter(lora_config(t, fam.lora_target_modules))
+        real.add_adapter(lora_config(t, fam, real))
     measured = saved_bytes(fam, real, 2, 128)
     total = planned.outside + sum(planned.blocks)
     assert sum(p.numel() for p in real.parameters()) > (3e7 if size == "mid" else 0)

@@ -61,8 +61,16 @@ class Flux2Family(DiffusersFamily):
     takes_control: ClassVar[bool] = True
     multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
     one_control_per_call: ClassVar[bool] = True
-    # Flux2's double blocks name their attention to_q/k/v/to_out.0; single blocks fuse qkv+mlp (to_qkv_mlp_proj).
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Every linear layer of every block, as ai-toolkit and musubi-tuner train FLUX.2: the double blocks' attention
+    # of both streams (image to_q/k/v/to_out.0, text add_q/k/v_proj/to_add_out) and both feed-forwards, and the
+    # single blocks' fused qkv+mlp input (to_qkv_mlp_proj) and output (attn.to_out), where most of the model's
+    # parameters are. The shared modulation layers outside the blocks stay frozen. ComfyUI maps each of them
+    # (lora_layout.py).
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        *("ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"),
+        *("attn.to_qkv_mlp_proj", "attn.to_out"),
+    )
 
     # ---- latents -----------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -44,8 +44,12 @@ def trim(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 class ZImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["z_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
-    # Z-Image's blocks: attention to_q/k/v/to_out.0 in the main layers and both refiners (the modules ComfyUI maps).
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Z-Image's blocks, in the main layers and both refiners: attention to_q/k/v/to_out.0 and the SwiGLU
+    # feed-forward w1-w3, every linear layer ai-toolkit trains there but the modulation (each maps in ComfyUI).
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0"),
+        *("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+    )
     # ZImagePipeline with guidance but pre-encoded prompts needs negative embeds: the renderer encodes "" then,
     # which is what the pipeline itself encodes for a missing negative.
     negative_required: ClassVar[bool] = True
