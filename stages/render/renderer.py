@@ -74,7 +74,7 @@ class Renderer:
 
             load_lora(pipe, fam.facts.name, Path(lora))  # load_lora_weights, or a lokr/loha file merged
         # Rendering only decodes; an empty module rather than None, as some VAEs (Qwen-Image) walk theirs when decoding.
-        if not getattr(fam, "takes_control", False):  # an edit family's pipeline encodes its input image
+        if not fam.takes_control:  # an edit family's pipeline encodes its input image
             pipe.vae.encoder = torch.nn.Module()
         pipe.set_progress_bar_config(disable=True)
         encoders = fam.text_encoders_of(pipe, max_length)
@@ -90,7 +90,7 @@ class Renderer:
         groups = [[i for i, s in enumerate(samples) if bool(s.negative_prompt) == neg] for neg in (False, True)]
         # A pipeline whose input images are shared by every prompt of a call (FLUX.2's references) renders each
         # sample with its own images in a call of its own.
-        shared = samples and samples[0].image is not None and getattr(self.fam, "one_control_per_call", False)
+        shared = samples and samples[0].image is not None and self.fam.one_control_per_call
         size = 1 if shared else MAX_BATCH
         for group in groups:
             for start in range(0, len(group), size):
@@ -118,7 +118,7 @@ class Renderer:
         with torch.no_grad(), amp:
             prompts = [s.prompt for s in batch]
             negatives = [s.negative_prompt for s in batch] if batch[0].negative_prompt else []
-            if not negatives and getattr(self.fam, "negative_required", False):
+            if not negatives and self.fam.negative_required:
                 negatives = [""] * len(batch)  # what such a pipeline encodes itself for a missing negative
             file, key = self.prompt_cache or (None, "")
             encoded = encode_prompts(self.fam, self.enc, prompts + negatives, cache=file, key=key)
@@ -126,13 +126,11 @@ class Renderer:
             neg = batch_of(encoded, negatives, self.device) if negatives else None
             gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
             # Pictures come back as floats first: NaN would silently turn black in the 8-bit conversion.
-            edit = {}
-            if hasattr(self.fam, "control_kwargs"):  # an edit family: its input images (if any) and the size
-                images = [s.image for s in batch] if batch[0].image is not None else None
-                edit = self.fam.control_kwargs(images, width, height)
-            kwargs, pipe = {**self.fam.prompt_kwargs(text, neg), **edit}, self.pipe
-            if hasattr(self.fam, "edit_call"):  # prompts encoded with the input images (Qwen-Image-Edit)
-                pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
+            # An edit family's input images (if any) and size, and its call (prompts encoded with the images).
+            images = [s.image for s in batch] if batch[0].image is not None else None
+            edit = self.fam.control_kwargs(images, width, height)
+            kwargs = {**self.fam.prompt_kwargs(text, neg), **edit}
+            pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
             images = pipe(
                 **kwargs,
                 width=width,

@@ -176,13 +176,12 @@ def save_lora(
         from safetensors.torch import save_file
 
         # A family whose ComfyUI loader reads its own layout writes it itself (Family.comfy_lora_state).
-        own = getattr(fam, "comfy_lora_state", None)
         if adapter != "lora":
             state = adapters.to_lycoris(family, den, layers, t)
-        elif own is not None:
-            state = own(den, layers, adapter_meta["lora_alpha"])
         else:
-            state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
+            state = fam.comfy_lora_state(den, layers, adapter_meta["lora_alpha"])
+            if state is None:
+                state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
         if te_layers:
             state |= textlora.kohya_state(family, te_layers, adapter_meta["lora_alpha"])
         meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}

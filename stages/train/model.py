@@ -65,9 +65,7 @@ def prepare_denoiser(
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     if t.mode == "full":
-        check = getattr(fam, "check_full_finetune", None)  # families too large for DDP refuse before loading
-        if check is not None:
-            check(model_dir)
+        fam.check_full_finetune(model_dir)  # a denoiser too large for DDP is refused before it loads
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
         freeze_unused(fam, den, fam.denoiser_component)
     else:

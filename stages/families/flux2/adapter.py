@@ -88,13 +88,6 @@ class Flux2Family(DiffusersFamily):
         """The cache already holds the pipeline's normalised space (latents.py): no further scale or shift."""
         return 1.0, 0.0
 
-    def check_full_finetune(self, model_dir: Path) -> None:
-        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
-        from tuneline.stages.families.full_limit import check_full_fits
-
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
-
     # ---- training ----------------------------------------------------------------------------
     def denoise(
         self,

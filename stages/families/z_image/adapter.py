@@ -53,6 +53,8 @@ class ZImageFamily(DiffusersFamily):
     # ZImagePipeline with guidance but pre-encoded prompts needs negative embeds: the renderer encodes "" then,
     # which is what the pipeline itself encodes for a missing negative.
     negative_required: ClassVar[bool] = True
+    # Its forward runs the refiner stacks, then the main one (a stack its variant lacks is skipped).
+    BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
     text_layers: ClassVar[tuple[int, ...]] = (-2,)
 
     # ---- tiny flavor -------------------------------------------------------------------------
@@ -113,13 +115,6 @@ class ZImageFamily(DiffusersFamily):
         with the attention mask that marks the real tokens (the pipeline keeps only those)."""
         hidden, mask = qwen_hidden(enc, chat_prompts(enc.tokenizers[0], captions), self.text_layers)
         return {"prompt_embeds": hidden, "prompt_attention_mask": mask}
-
-    def check_full_finetune(self, model_dir: Path) -> None:
-        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
-        from tuneline.stages.families.full_limit import check_full_fits
-
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
 
     # ---- training ----------------------------------------------------------------------------
     def denoise(
