@@ -7,7 +7,7 @@ the tensors they feed. Several prompts render in one pipeline call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,20 +59,19 @@ class Renderer:
         device: torch.device,
         dtype: torch.dtype,
         *,
-        lora: Path | None = None,
+        adapt: Callable[[Any], None] | None = None,
         denoiser: torch.nn.Module | None = None,
         autocast: torch.dtype | None = None,
         max_length: int | None = None,
         prompt_cache: tuple[Path, str] | None = None,
     ) -> Renderer:
-        """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
+        """The pipeline in `model_dir`, changed by `adapt` (validate loads the trained LoRA weights with it:
+        stages/train/export.load_lora, which this layer below the stages does not import), or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
-        if lora is not None:
-            from tuneline.stages.train.export import load_lora
-
-            load_lora(pipe, fam.facts.name, Path(lora))  # load_lora_weights, or a lokr/loha file merged
+        if adapt is not None:
+            adapt(pipe)
         # Rendering only decodes; an empty module rather than None, as some VAEs (Qwen-Image) walk theirs when decoding.
         if not fam.takes_control:  # an edit family's pipeline encodes its input image
             pipe.vae.encoder = torch.nn.Module()
