@@ -171,6 +171,10 @@ class Family(Protocol):
         """The ComfyUI-loadable LoRA file (lora_kohya.safetensors) of a family whose layout is not one of
         stages/train/kohya.py's; None: kohya.to_kohya writes it from the family's lora.py."""
 
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        """train.export_single_file: the whole pipeline's tensors in the original layout (facts.single_file_export
+        says which families have one; the others raise ValueError)."""
+
     def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
         """Write a folder `DiffusionPipeline.from_pretrained(out_dir)` loads: the base components + `denoiser`."""
 

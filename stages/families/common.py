@@ -112,6 +112,12 @@ class DiffusersFamily:
     ) -> dict[str, torch.Tensor] | None:
         return None
 
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        raise ValueError(
+            f"train.export_single_file: family {self.facts.name!r} has no single-file export; set "
+            f"train.export_single_file false"
+        )
+
     # ---- edit families -----------------------------------------------------------------------
     def control_size(self, width: int, height: int) -> tuple[int, int]:
         return width, height

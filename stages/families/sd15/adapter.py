@@ -94,6 +94,11 @@ class SD15Family(DiffusersFamily):
     def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
         return unet_block_stacks(model)
 
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        from tuneline.stages.families.sd15.single_file import ldm_state_dict
+
+        return ldm_state_dict(pipe)
+
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd15"]
     # The tiny flavor's CLIP context: SD1.5's 77, so the sd15 flavor behaves like the real model.
     tiny_text_length: ClassVar[int] = 77

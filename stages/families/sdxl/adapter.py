@@ -29,6 +29,11 @@ class SDXLFamily(DiffusersFamily):
     def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
         return unet_block_stacks(model)
 
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        from tuneline.stages.families.sdxl.single_file import ldm_state_dict
+
+        return ldm_state_dict(pipe)
+
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sdxl"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
 
