@@ -266,6 +266,14 @@ class DiffusersFamily:
         self.check_max_length(toks, length)
         return TextEncoders(tokenizers=toks, encoders=encs, max_length=length)
 
+    def check_pipeline_length(self, max_length: int) -> None:
+        """For a family whose pipeline caps the caption length itself (facts.max_length_limit, not the tokenizer's)."""
+        if max_length > self.facts.max_length_limit:
+            raise ValueError(
+                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
+                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
+            )
+
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
         """The main (last) tokenizer sets the caption length; refuse lengths its encoder cannot embed."""
         limit = tokenizers[-1].model_max_length

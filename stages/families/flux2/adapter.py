@@ -88,6 +88,25 @@ class Flux2Family(DiffusersFamily):
         """The cache already holds the pipeline's normalised space (latents.py): no further scale or shift."""
         return 1.0, 0.0
 
+    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
+        self.check_pipeline_length(max_length)
+
+    def save_tiny(self, out_dir: Path, tok: Any, text_encoder, text_layers: int, guidance: bool, **extra) -> None:
+        """The tiny folder: FLUX.2's tiny transformer (text features `text_layers` x the tiny text width), VAE and
+        scheduler around `tok` and the text encoder `text_encoder()` makes (random weights drawn in this order:
+        transformer, VAE, then the encoder's where it makes one)."""
+        transformer = tiny_transformer(self.facts, text_layers * TINY_TEXT_WIDTH, guidance=guidance)
+        vae = tiny_vae(self.facts)
+        pipe = self.pipeline_class(
+            scheduler=dynamic_shift_scheduler(),
+            vae=vae,
+            text_encoder=text_encoder(),
+            tokenizer=tok,
+            transformer=transformer,
+            **extra,
+        )
+        pipe.save_pretrained(out_dir, safe_serialization=True)
+
     # ---- training ----------------------------------------------------------------------------
     def denoise(
         self,
@@ -215,23 +234,7 @@ class Flux2DevFamily(Flux2Family):
         # The released folder's tokenizer is a Pixtral processor (it needs torchvision); the pipeline only uses its
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
-        transformer = tiny_transformer(self.facts, len(DEV_LAYERS) * TINY_TEXT_WIDTH, guidance=True)
-        scheduler = dynamic_shift_scheduler()
-        pipe = self.pipeline_class(
-            scheduler=scheduler,
-            vae=tiny_vae(self.facts),
-            text_encoder=tiny_mistral3(tok),
-            tokenizer=tok,
-            transformer=transformer,
-        )
-        pipe.save_pretrained(out_dir, safe_serialization=True)
-
-    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
-        if max_length > self.facts.max_length_limit:
-            raise ValueError(
-                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
-            )
+        self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=True)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As Flux2Pipeline._get_mistral_3_small_prompt_embeds: system message + caption through the chat template,

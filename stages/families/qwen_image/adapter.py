@@ -45,6 +45,34 @@ class _FrameEncoder(torch.nn.Module):
         return out
 
 
+def tiny_qwen25vl(tok, width: int, max_positions: int, token_ids: dict[str, int] | None = None):
+    """The tiny flavors' Qwen2.5-VL: 2 text layers `width` wide with `tok`'s special ids, a one-block vision tower;
+    `token_ids` (image_token_id, vision_start_token_id, ...) where the tokenizer has vision tokens (the edit
+    families')."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=width,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=max_positions,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0]
+        ),
+        **(token_ids or {}),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
 class QwenImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["qwen_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_embeds_mask")
@@ -78,34 +106,10 @@ class QwenImageFamily(DiffusersFamily):
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit + DROP)
         width = 32
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tok),
-                hidden_size=width,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=2048,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-                bos_token_id=None,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=width,
-                fullatt_block_indexes=[0],
-            ),
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        text_encoder = tiny_qwen25vl(tok, width, max_positions=2048)
         transformer, vae = self.tiny_denoiser_and_vae(width)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
         pipe = self.pipeline_class(

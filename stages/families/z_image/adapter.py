@@ -13,27 +13,7 @@ from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, chat_prompts, qwen_hidden, tiny_qwen3
-
-
-def tiny_flow_vae(facts: FamilyFacts):
-    """Flux.1's VAE layout (16 channels, scale and shift, no quant convolutions) 16-32 channels wide."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32),
-        layers_per_block=1,
-        latent_channels=facts.latent_channels,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=facts.scaling_factor,
-        shift_factor=facts.shift_factor,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+from tuneline.stages.families.sd3.adapter import flow_vae
 
 
 def trim(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -83,7 +63,7 @@ class ZImageFamily(DiffusersFamily):
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
         pipe = self.pipeline_class(
             scheduler=scheduler,
-            vae=tiny_flow_vae(self.facts),
+            vae=flow_vae(self.facts),  # Flux.1's VAE layout, as SD3's
             text_encoder=tiny_qwen3(tok),
             tokenizer=tok,
             transformer=transformer,
@@ -104,11 +84,7 @@ class ZImageFamily(DiffusersFamily):
         return TextEncoders(tokenizers=[tok], encoders=[te.to(device).eval().requires_grad_(False)], max_length=length)
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
-        if max_length > self.facts.max_length_limit:
-            raise ValueError(
-                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
-            )
+        self.check_pipeline_length(max_length)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As ZImagePipeline._encode_prompt: chat template (thinking on), hidden_states[-2] at max_length tokens,
