@@ -128,12 +128,9 @@ class FluxFamily(DiffusersFamily):
         text: dict[str, torch.Tensor],
         micro: list[MicroCond] | None = None,
     ) -> torch.Tensor:
-        """Velocity prediction for scaled latents (B, 16, H, W), returned in the same shape.
-
-        Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
-        sigma = timesteps / 1000, the noisy latent is (1 - sigma) * x0 + sigma * noise and the training target is
-        noise - x0. Flux's transformer takes sigma itself (it scales by 1000 inside), so this divides by 1000,
-        as FluxPipeline does. Latents are packed 2x2 into tokens here and unpacked on the way out."""
+        """Velocity prediction for scaled latents (B, 16, H, W), returned in the same shape (timesteps as
+        base.Family.denoise says for flow families). Flux's transformer takes sigma itself (it scales by 1000
+        inside), so this divides by 1000, as FluxPipeline does. Latents are packed 2x2 into tokens and unpacked."""
         b, _, h, w = noisy.shape
         dt, dev = noisy.dtype, noisy.device
         embeds = text["prompt_embeds"].to(device=dev, dtype=dt)

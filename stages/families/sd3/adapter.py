@@ -151,11 +151,9 @@ class SD3Family(DiffusersFamily):
         text: dict[str, torch.Tensor],
         micro: list[MicroCond] | None = None,
     ) -> torch.Tensor:
-        """Velocity prediction for scaled latents (B, 16, H, W); patching happens inside the transformer.
-
-        Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
-        sigma = timesteps / 1000, the noisy latent is (1 - sigma) * x0 + sigma * noise and the training target is
-        noise - x0. SD3's transformer takes these timesteps as they are (the pipeline passes sigma * 1000)."""
+        """Velocity prediction for scaled latents (B, 16, H, W); patching happens inside the transformer. Timesteps
+        as base.Family.denoise says for flow families: SD3's transformer takes them as they are (the pipeline passes
+        sigma * 1000)."""
         embeds = text["prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)
         pooled = text["pooled_prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)
         return denoiser(
