@@ -5,8 +5,8 @@ the matrix: for every registered family a base cell (train.mode lora, train.adap
 around it: train.mode full, every other train.adapter choice, train.text_encoder_lora, every model.quantize choice.
 The config decides which cells train; a cell it refuses is a refusal cell.
 
-One torchrun launch per family (2 gloo processes, tests/matrix_worker.py) trains all of that family's cells, with
-the spec the train stage's launcher writes and its torchrun command, over caches from the session's upstream store.
+One torchrun launch (2 gloo processes, tests/matrix_worker.py) trains every cell, with the spec the train stage's
+launcher writes and its torchrun command, over caches from the session's upstream store.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tuneline.stages.common.stage import run_stage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import family_names
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.train import launch
+from tuneline.stages.train import launch as train_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "matrix_worker.py"
@@ -116,23 +116,23 @@ def refusal(cell: Cell, data: Path, workdir: Path) -> str | None:
     return None
 
 
-def launch_family(family: str, store, root: Path) -> dict[str, Path]:
-    """Train every accepted cell of `family` in one torchrun launch; returns cell name -> its output folder."""
+def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
+    """Train the `wanted` cells the config accepts in one torchrun launch (process start-up and imports are paid
+    once, not per family); returns cell id -> its output folder, where the worker left each rank's result."""
     data = store.dataset("matrix", dataset)
-    workdir, plan, outs = root / "work", [], {}
-    for cell in (c for c in cells() if c.family == family and refusal(c, data, root / "work") is None):
-        cfg = config(cell, data, workdir)
+    plan, outs = [], {}
+    for cell in (c for c in wanted if refusal(c, data, root) is None):
+        cfg = config(cell, data, root / cell.family)  # one workdir per family: its cells share the caches
         ctx = store.upstream(cfg)
-        out = root / "cells" / cell.name
-        outs[cell.name] = out
-        plan.append({"name": cell.name, "out": str(out), "spec": _spec(ctx, out / "train")})
+        out = outs[cell.id] = root / "cells" / cell.id
+        plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train")})
         (out / "cell.json").write_text(json.dumps({"model_dir": plan[-1]["spec"]["model_dir"]}), encoding="utf-8")
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
-    cmd = launch.torchrun_command(cfg, root / "plan.json")
-    cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]
+    cmd = train_launch.torchrun_command(cfg, root / "plan.json")
+    cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
     try:
-        launch.run_torchrun(ctx, cmd, cwd=root)
-    except launch.TrainingFailed as err:  # each cell's rank files tell which cells it reached
+        train_launch.run_torchrun(ctx, cmd, cwd=root)
+    except train_launch.TrainingFailed as err:  # each cell's rank files tell which cells it reached
         (root / "launch-error.txt").write_text(str(err), encoding="utf-8")
     return outs
 
@@ -144,7 +144,7 @@ def _spec(ctx, work: Path) -> dict:
     for name, cls in (("latents", LatentsManifest), ("text", TextManifest)):
         path, _ = run_stage(ctx, stage(name), PIPELINE)  # fresh: the store's copies
         upstream[name] = ctx.store.read(path, cls)
-    path = launch.write_spec(ctx, work, upstream, None, models.model_dir(ctx), uuid.uuid4().hex)
+    path = train_launch.write_spec(ctx, work, upstream, None, models.model_dir(ctx), uuid.uuid4().hex)
     spec = json.loads(path.read_text(encoding="utf-8"))
     path.unlink()
     return spec

@@ -10,8 +10,8 @@ Per cell:
 (d) the exports load: the diffusers file (or a full fine-tune's pipeline folder) in the stock diffusers pipeline,
     holding exactly the trained weights; the kohya/LyCORIS file with only stems ComfyUI maps for the family.
 
-A cell the config refuses asserts the refusal names the changed field and a fix. One torchrun launch per family
-trains all its cells (the first cell of a family to run starts it); each cell is its own test item.
+A cell the config refuses asserts the refusal names the changed field and a fix. One torchrun launch
+trains every cell (the first training cell to run starts it); each cell is its own test item.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration import comfy_lora_keys
-from tests.integration.matrix_cells import Cell, cells, dataset, launch_family, refusal
+from tests.integration.matrix_cells import Cell, cells, dataset, launch, refusal
 from tests.matrix_worker import TRAINED
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.train.export import DIFFUSERS_FILE
@@ -39,33 +39,41 @@ ADAPTER_NAME = re.compile(r"\.default(_\d+)?(?=\.|$)")
 
 
 @pytest.fixture(scope="module")
-def launched(upstream_store, tmp_path_factory):
-    done: dict[str, tuple[Path, dict[str, Path]]] = {}
+def launched(request, upstream_store, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """The one launch, training the cells this session selected (`-k sdxl` trains sdxl's only)."""
+    wanted = [i.callspec.params["cell"] for i in request.session.items if i.function is test_cell]
+    root = tmp_path_factory.mktemp("matrix")
+    return root, launch(upstream_store, root, wanted)
 
-    def get(family: str) -> tuple[Path, dict[str, Path]]:
-        if family not in done:
-            root = tmp_path_factory.mktemp(f"matrix-{family}")
-            done[family] = root, launch_family(family, upstream_store, root)
-        return done[family]
+
+@pytest.fixture(scope="module")
+def stock():
+    """Each family's stock diffusers pipeline, loaded once (a cell's LoRA is unloaded after its checks)."""
+    loaded: dict[Path, object] = {}
+
+    def get(fam, model_dir: Path):
+        if model_dir not in loaded:
+            loaded[model_dir] = fam.load_pipeline(model_dir, torch.float32, CPU)
+        return loaded[model_dir]
 
     return get
 
 
 @pytest.mark.parametrize("cell", cells(), ids=lambda c: c.id)
-def test_cell(cell: Cell, launched, upstream_store, tmp_path):
+def test_cell(cell: Cell, launched, stock, upstream_store, tmp_path):
     refused = refusal(cell, upstream_store.dataset("matrix", dataset), tmp_path)
     if refused is not None:
         assert cell.field in refused and re.search(r"\b(set|use)\b", refused), refused
         return
-    root, outs = launched(cell.family)
-    out = outs[cell.name]
+    root, outs = launched
+    out = outs[cell.id]
     ranks = [_result(root, out, r) for r in range(2)]
     _assert_gradients(ranks)
     errors = [f"rank {r}: {res['error']}" for r, res in enumerate(ranks) if "error" in res]
     assert not errors, "the cell stopped:\n" + "\n".join(errors) + "\n" + ranks[0].get("traceback", "")
     assert ranks[0]["replay"] <= REPLAY_TOLERANCE, f"2 processes vs 1-process replay: {ranks[0]['replay']}"
     assert [res["resume"] for res in ranks] == [0.0, 0.0], "resumed from step 1, step 2's weights must be identical"
-    _assert_exports(cell, out)
+    _assert_exports(cell, out, stock)
 
 
 def _result(root: Path, out: Path, rank: int) -> dict:
@@ -89,7 +97,7 @@ def _assert_gradients(ranks: list[dict]) -> None:
     assert not bad, "\n".join(bad)
 
 
-def _assert_exports(cell: Cell, out: Path) -> None:
+def _assert_exports(cell: Cell, out: Path, stock) -> None:
     result = json.loads((out / "train" / "result.json").read_text(encoding="utf-8"))
     files = {e["format"]: out / "train" / e["file"] for e in result["exports"]}
     fam = get_family(cell.family)
@@ -100,10 +108,13 @@ def _assert_exports(cell: Cell, out: Path) -> None:
         _assert_holds(pipe, fam, trained)
         return
     assert "kohya" in files, f"no kohya/LyCORIS file among the exports: {result['exports']}"
-    pipe = fam.load_pipeline(model_dir, torch.float32, CPU)
+    pipe = stock(fam, model_dir)
     if "diffusers" in files:
         pipe.load_lora_weights(files["diffusers"].parent, weight_name=DIFFUSERS_FILE)
-        _assert_holds(pipe, fam, trained)
+        try:
+            _assert_holds(pipe, fam, trained)
+        finally:
+            pipe.unload_lora_weights()
     den = getattr(pipe, fam.denoiser_component)
     mapped = comfy_lora_keys.unet_stems(den)
     encoders = [getattr(pipe, c) for c in fam.facts.text_encoders]
