@@ -127,6 +127,8 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
         out = outs[cell.id] = root / "cells" / cell.id
         plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train")})
         (out / "cell.json").write_text(json.dumps({"model_dir": plan[-1]["spec"]["model_dir"]}), encoding="utf-8")
+    if not plan:
+        return outs
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
     cmd = train_launch.torchrun_command(cfg, root / "plan.json")
     cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
