@@ -1,0 +1,116 @@
+"""The training matrix's worker: started by torchrun (2 gloo processes), it trains every cell of one family through
+the train stage's own worker functions (tuneline.stages.train.worker: setup, fit, finish), one cell after another
+in one process group, and records per rank what tests/integration/test_training_matrix.py asserts:
+
+- grads: per optimizer step, each trainable parameter's gradient as the optimizer is about to see it (after DDP's
+  reduction): "none" (DDP's reducer never got it), "nonfinite", "zero" or "ok";
+- replay: rank 0's largest difference between the 2-process weights after the last step and a 1-process replay of
+  the same global batch (each rank's micro-batches with that rank's draws, the loss scaled by 1 / (ranks x
+  accumulation) as DDP's averaging does);
+- resume: the largest difference between the uninterrupted weights and a run resumed from the step-1 checkpoint;
+- error: the exception that stopped the cell, if any (a DDP error at step 2 is one).
+
+Usage: python -m tuneline.stages.train.procwatch --standalone --nproc_per_node=2 tests/matrix_worker.py PLAN.json
+PLAN: {"cells": [{"name", "spec" (as the train stage's launcher writes it), "out"}]}; writes <out>/rank-<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tuneline.stages.train import collectives, worker
+from tuneline.stages.train.checkpoint import checkpoint_name
+from tuneline.stages.train.loop import Trainer
+from tuneline.stages.train.plan import Position, micro_batches
+
+TRAINED = "trained.safetensors"  # rank 0's trained parameters after the last step, by name
+
+
+class RecordingTrainer(Trainer):
+    """The worker's Trainer, noting every trainable parameter's gradient before each optimizer step."""
+
+    latest: RecordingTrainer | None = None  # the last one built: a cell that fails still reports its gradients
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grad_states: list[dict[str, str]] = []
+        RecordingTrainer.latest = self
+
+    def optimizer_step(self) -> None:
+        self.grad_states.append({n: grad_state(p.grad) for n, p in self.params.items()})
+        super().optimizer_step()
+
+
+def grad_state(g: torch.Tensor | None) -> str:
+    if g is None:
+        return "none"
+    if not torch.isfinite(g).all():
+        return "nonfinite"
+    return "ok" if bool(g.abs().sum() > 0) else "zero"
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n].detach().float() - b[n].detach().float()).abs().max()) for n in a)
+
+
+def replay(spec: dict, world: int) -> dict[str, torch.Tensor]:
+    """One process, no DDP: every rank's micro-batches of every step with that rank's draws, accumulated."""
+    run = worker.setup(spec)
+    t = run.cfg.train
+    cfg = run.cfg.model_copy(update={"train": t.model_copy(update={"grad_accumulation": t.grad_accumulation * world})})
+    trainer = Trainer(cfg, run.family, run.model_dir, run.data, 0, 1, run.device)
+    streams = [micro_batches(run.data.rows.epoch_plans(world), t.batch_size, r, Position()) for r in range(world)]
+    for step in range(t.steps):
+        for rank, stream in enumerate(streams):
+            trainer.rank = rank  # the seeds of this rank's draws (tuneline.stages.train.plan)
+            for m in range(t.grad_accumulation):
+                trainer.micro_step(trainer.prepare(step * t.grad_accumulation + m, next(stream)), sync=True)
+        trainer.optimizer_step()
+    return trainer.params
+
+
+def run_cell(cell: dict) -> dict:
+    spec = cell["spec"]
+    run = worker.setup(spec)
+    trainer = worker.fit(run)
+    got: dict = {"grads": trainer.grad_states}
+    worker.finish(run, trainer)
+    if run.rank == 0:  # what the exports must hold
+        save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, Path(cell["out"]) / TRAINED)
+    first = Path(spec["out_dir"]) / "checkpoints" / checkpoint_name(1)
+    again = worker.fit(worker.setup(spec | {"resume": str(first), "out_dir": str(Path(cell["out"]) / "resumed")}))
+    got["resume"] = max_diff(trainer.params, again.params)
+    if run.rank == 0:
+        got["replay"] = max_diff(trainer.params, replay(spec, run.world))
+    collectives.barrier(run.world)
+    return got
+
+
+def main(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
+    collectives.init(torch.device("cpu"))
+    collectives.init = lambda device: None  # one process group serves every cell (the worker's setup inits it)
+    worker.Trainer = RecordingTrainer
+    rank = torch.distributed.get_rank()
+    for cell in plan["cells"]:
+        Path(cell["out"]).mkdir(parents=True, exist_ok=True)
+        Path(cell["spec"]["out_dir"]).mkdir(parents=True, exist_ok=True)
+        RecordingTrainer.latest = None
+        try:
+            got = run_cell(cell)
+        except Exception as err:  # the cell's failure is its result; the next cell still runs
+            got = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+            got["grads"] = RecordingTrainer.latest.grad_states if RecordingTrainer.latest else []
+            print(f"cell {cell['name']} rank {rank}: {got['error']}", file=sys.stderr, flush=True)
+        (Path(cell["out"]) / f"rank-{rank}.json").write_text(json.dumps(got), encoding="utf-8")
+    collectives.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
