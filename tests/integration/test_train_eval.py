@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tests.tracing import tuneline_trace
@@ -27,6 +29,7 @@ def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tm
     assert evaluator.evaluate()["loss"] != first["loss"]
 
 
+@pytest.mark.ddp(reason="no rank trains a held-out image; rank 0 records the evaluations")
 def test_held_out_images_never_train_and_the_manifest_records_each_evaluation(tmp_path, monkeypatch):
     cfg = small_config(tmp_path, {"steps": 3, "processes": 2, "batch_size": 2, "eval": EVAL})
     build_upstream(cfg)

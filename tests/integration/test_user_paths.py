@@ -55,7 +55,7 @@ def test_relative_workdir_dataset_model_and_resume(demo_run, tmp_path):
     cfg = yaml.safe_load(tuneline("config", "example").stdout)
     cfg["dataset"].update(path="photos", demo=False)
     cfg["model"]["path"] = "base"
-    cfg["train"].update(steps=4, checkpoint_every=2, validate_every=0, processes=2)
+    cfg["train"].update(steps=4, checkpoint_every=2, validate_every=0, processes=1)
     cfg["validate"].update(learning_check=False, steps=2)
     (here / "c.yaml").write_text(yaml.safe_dump(cfg))
     first = tuneline("run", "c.yaml", "--workdir", "runs/w", cwd=here)

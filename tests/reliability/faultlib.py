@@ -42,6 +42,7 @@ def small_config(data_dir: Path, **overrides) -> dict:
     cfg["dataset"].update(path=str(data_dir), demo=True)
     settings = {
         "train.steps": 12,
+        # Two ranks: the kill walk checks that every worker of a DDP training dies with the killed run.
         "train.processes": 2,
         "train.checkpoint_every": 3,
         "validate.learning_check": False,
