@@ -37,14 +37,14 @@ def write_config(path: Path, workdir: Path, **caption) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, prefect_server):
     root = tmp_path_factory.mktemp("captioned")
     wd = root / "w"
     (wd / "photos").mkdir(parents=True)
     for i, rgb in enumerate(COLORS):  # no caption files at all
         Image.new("RGB", (64, 64), rgb).save(wd / "photos" / f"img{i}.png")
     cfg = write_config(root / "config.yaml", wd, trigger="sks")
-    out = tuneline("run", str(cfg), cwd=root)
+    out = tuneline("run", str(cfg), cwd=root, env=prefect_server)
     assert out.returncode == 0, out.stderr[-4000:]
     return {"root": root, "workdir": wd, "config": cfg, "stdout": out.stdout}
 
