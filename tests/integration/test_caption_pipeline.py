@@ -86,10 +86,13 @@ def test_captions_show_and_export(run, tmp_path):
     assert "Traceback" not in refused.stderr and not list((run["workdir"] / "photos").glob("*.txt"))
 
 
-def test_prefect_shows_sample_images_and_captions(run):
+def test_prefect_shows_sample_images_and_captions(run, prefect_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from tests.integration.test_ui_images import _images, _markdown_artifacts
 
-    arts = asyncio.run(_markdown_artifacts())
+    with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):  # the server the run used
+        arts = asyncio.run(_markdown_artifacts())
     keys = [k for k in arts if "caption" in k and "samples" in k]
     assert keys, sorted(arts)
     assert len(_images(arts[keys[0]])) == len(COLORS) and "sks, " in arts[keys[0]]
