@@ -36,7 +36,9 @@ NEEDS_CUDA = {
 }
 DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
 
-from gpu_setup import IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds, trainer_for  # noqa: E402
+from gpu_setup import IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds  # noqa: E402
+
+from tests.trainer import trainer_for  # noqa: E402
 
 
 # ---- ddp_two_process_cuda ---------------------------------------------------------------------------------

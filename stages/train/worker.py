@@ -73,6 +73,41 @@ class Run:
     started_at: float = field(default_factory=time.time)
 
 
+def read_data(cfg, up: dict[str, Path], fam, model_dir: Path, device: torch.device) -> Data:
+    """What training reads, from the upstream versions `up` (stage -> folder): the worker's one way to open the
+    caches, which the in-process trainer of tests and benchmarks (tests/trainer.py) shares."""
+    store = ArtifactStore(Path(cfg.workdir))
+    # Every rank verifies the manifests it reads; a tampered cache fails on all ranks alike.
+    lat = store.read(up["latents"], LatentsManifest)
+    txt = store.read(up["text"], TextManifest)
+    scan_dir = store.version_dir("scan", lat.upstream["scan"])
+    store.read(scan_dir, ScanManifest)
+    every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
+    if "caption" in up:  # the caption stage is on: its captions (trigger included) are the ones trained on
+        captions = captions_by_ref(up["caption"])
+        every = [r.model_copy(update={"caption": captions[r.ref]}) for r in every]
+    records = {r.ref: r for r in every}
+    # The text cache, or live encoders when the text artifact was built with text.enabled false; with
+    # train.text_encoder_lora the encoders being trained (only the artifact's manifest is read).
+    if cfg.train.text_encoder_lora:
+        augment = TagAugment.from_manifest(txt)
+        text = TrainedText(fam, model_dir, device, cfg.train, txt.max_length, augment)
+    else:
+        text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
+    reader = LatentReader(up["latents"], lat)
+    scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
+    return Data(
+        reader=reader,
+        text=text,
+        records=records,
+        scaling=scaling,
+        shift=shift,
+        sized=sized,
+        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
+    )
+
+
 def setup(spec: dict) -> Run:
     cfg = parse_config(spec["config"], "<training spec>")
     cuda = torch.cuda.is_available() and cfg.model.device != "cpu"
@@ -87,38 +122,9 @@ def setup(spec: dict) -> Run:
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(device)
-    store = ArtifactStore(Path(cfg.workdir))
-    up = {k: Path(v) for k, v in spec["upstream"].items()}
-    # Every rank verifies the manifests it reads; a tampered cache fails on all ranks alike.
-    lat = store.read(up["latents"], LatentsManifest)
-    txt = store.read(up["text"], TextManifest)
-    scan_dir = store.version_dir("scan", lat.upstream["scan"])
-    store.read(scan_dir, ScanManifest)
-    every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
-    if "caption" in up:  # the caption stage is on: its captions (trigger included) are the ones trained on
-        captions = captions_by_ref(up["caption"])
-        every = [r.model_copy(update={"caption": captions[r.ref]}) for r in every]
-    records = {r.ref: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
-    # The text cache, or live encoders when the text artifact was built with text.enabled false; with
-    # train.text_encoder_lora the encoders being trained (only the artifact's manifest is read).
-    if cfg.train.text_encoder_lora:
-        augment = TagAugment.from_manifest(txt)
-        text = TrainedText(fam, model_dir, device, cfg.train, txt.max_length, augment)
-    else:
-        text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
-    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
-    reader = LatentReader(up["latents"], lat)
-    scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
-    data = Data(
-        reader=reader,
-        text=text,
-        records=records,
-        scaling=scaling,
-        shift=shift,
-        sized=sized,
-        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
-    )
+    up = {k: Path(v) for k, v in spec["upstream"].items()}
+    data = read_data(cfg, up, fam, model_dir, device)
     return Run(
         cfg=cfg,
         rank=rank,

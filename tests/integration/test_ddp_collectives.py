@@ -152,6 +152,7 @@ def _final(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(next((path / "final").rglob("*.safetensors"))))
 
 
+@pytest.mark.ddp(reason="every collective of a real 2-process training")
 def test_int8_base_trains_on_two_processes_with_one_collective_per_step_and_resumes(tmp_path, monkeypatch):
     """A real 2-process LoRA training on an int8 base, every collective recorded; then the run continued from its
     step-2 checkpoint reaches the same weights."""

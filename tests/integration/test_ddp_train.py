@@ -23,6 +23,8 @@ from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.latents.reader import LatentReader
 
+pytestmark = pytest.mark.ddp(reason="sharding across ranks, and a 2-rank run killed or stopped by SIGTERM resuming")
+
 # 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
 TRAIN = {
     "steps": 12,

@@ -157,11 +157,11 @@ def test_controls_are_cached_at_the_pipelines_input_size(qwen_run):
 def test_eval_loss_feeds_the_controls(qwen_run):
     """The held-out eval loss of a paired dataset denoises with each row's control latents, as training does: the
     same rows evaluated without them give another loss."""
-    from tests.integration.test_train_families import _trainer
+    from tests.trainer import trainer_for
     from tuneline.stages.train.evaluation import Evaluator
 
     ctx, _ = qwen_run
-    trainer = _trainer(ctx.cfg, ctx)
+    trainer = trainer_for(ctx.cfg, ctx)
     held = {bucket: [0, 1] for bucket in trainer.data.reader.shapes}
     evaluator = Evaluator(trainer, held, [500])
     paired = evaluator.evaluate()["loss"]

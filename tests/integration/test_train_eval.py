@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
-from tests.integration.test_train_families import _steps, _trainer
+import pytest
+
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tests.tracing import tuneline_trace
+from tests.trainer import steps, trainer_for
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.train.evaluation import Evaluator
@@ -18,15 +20,16 @@ EVAL = {"fraction": 0.3, "every_steps": 1, "timesteps": [100, 600]}
 def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tmp_path):
     cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "batch_size": 2, "eval": EVAL})
     ctx = build_upstream(cfg)
-    trainer = _trainer(cfg, ctx)
+    trainer = trainer_for(cfg, ctx)
     held = RowPlan(trainer.data.reader, cfg.train, dataset_sources(cfg)).held_rows()
     evaluator = Evaluator(trainer, held, EVAL["timesteps"])
     first, again = evaluator.evaluate(), evaluator.evaluate()
     assert first == again and set(first["per_timestep"]) == {"100", "600"}
-    _steps(trainer, 1)
+    steps(trainer, 1)
     assert evaluator.evaluate()["loss"] != first["loss"]
 
 
+@pytest.mark.ddp(reason="no rank trains a held-out image; rank 0 records the evaluations")
 def test_held_out_images_never_train_and_the_manifest_records_each_evaluation(tmp_path, monkeypatch):
     cfg = small_config(tmp_path, {"steps": 3, "processes": 2, "batch_size": 2, "eval": EVAL})
     build_upstream(cfg)
