@@ -102,7 +102,7 @@ def _in_flows(cfg: PipelineConfig, call):
         with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
             return call()
     except user_errors() as err:
-        fail(str(err))
+        fail(str(err), getattr(err, "exit_code", 1))
     except Exception as err:
         _fail_if_unauthorized(err)
         raise

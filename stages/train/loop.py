@@ -144,7 +144,7 @@ class Trainer:
     ):
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
-        self.autocast = autocast_dtype(self.t.mixed_precision, device)
+        self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
         self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora

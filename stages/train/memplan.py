@@ -120,6 +120,9 @@ class MemoryPlan:
     where: str
     blocks: int
     fixes: list[str] = field(default_factory=list)
+    step_flops: int = 0  # one sample's forward and backward, for the stop grace (tuneline.stages.train.stopping)
+    checkpoint_bytes: int = 0  # trainable weights, optimizer state and EMA
+    grace: int = 0  # seconds a stop may take to finish its step and checkpoint
 
     @property
     def total(self) -> int:
@@ -139,6 +142,9 @@ class MemoryPlan:
             "blocks": self.blocks,
             "max_blocks_to_swap": max_blocks_to_swap(self.blocks),
             "fixes": self.fixes,
+            "step_flops": self.step_flops,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "grace": self.grace,
         }
 
     def text(self) -> str:
@@ -154,6 +160,10 @@ class MemoryPlan:
             )
         lines.append(
             f"  transformer blocks: {self.blocks} (train.blocks_to_swap can be 0..{max_blocks_to_swap(self.blocks)})"
+        )
+        lines.append(
+            f"  a stop may take up to {self.grace} s to finish its step and checkpoint: give the job at least that "
+            f"(Kubernetes terminationGracePeriodSeconds, Slurm --signal; docs/stopping.md)"
         )
         if not self.fits:
             lines.append(
@@ -238,11 +248,24 @@ class Planner:
         return {True: "checkpointed", False: "not checkpointed", "offload": "checkpointed, offloaded"}[c]
 
     def plan(self, free: int | None, where: str) -> MemoryPlan:
+        from tuneline.stages.train.stopping import grace_seconds
+
         s = self.current()
         p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den)))
         if not p.fits:
             p.fixes = self.fixes(s, free)
+        p.step_flops, p.checkpoint_bytes = self.step_figures(s)
+        p.grace = grace_seconds(p.as_json(), self.cfg)
         return p
+
+    def step_figures(self, s: Setting) -> tuple[int, int]:
+        """(FLOPs of one sample's step: 6 per parameter and latent position, 8 when checkpointing recomputes the
+        forward; bytes of a checkpoint). A UNet's lower levels see fewer positions: an over-estimate there."""
+        params = sum(p.numel() for p in self.den.parameters())
+        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        positions = (s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)) ** 2
+        flops = (8 if s.checkpointing else 6) * params * positions
+        return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
 
     def total(self, s: Setting) -> int:
         return sum(b for _, b in self.terms(s))
