@@ -122,6 +122,16 @@ def exchange(losses: torch.Tensor, flags: list[float], rank: int, world: int) ->
     return every[:, :m], every[:, m:]
 
 
+def sum_over_ranks(values: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
+    """`values` summed over every rank, on the CPU; the all-reduce runs on the training device (NCCL serves
+    CUDA tensors only)."""
+    if not active(world):
+        return values
+    on = values.to(device)
+    dist.all_reduce(on)
+    return on.cpu()
+
+
 def everyones(value, world: int) -> list:
     """`value` (picklable) from every rank, in rank order; over the CPU backend."""
     if not active(world):

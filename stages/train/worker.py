@@ -67,7 +67,7 @@ class Run:
     out: Path
     data: Data
     resume: Path | None
-    eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
+    eval_losses: list[dict] = field(default_factory=list)  # held-out evaluations (train.eval), alike on every rank
     launch: str = ""  # the launching node's token; rank 0 names it in the result, so that node publishes
     seen: str = ""  # where this node's local rank 0 tells its launcher whether rank 0's result reached its folder
     stop_mark: Path | None = None  # exists once the launcher has marked a SIGTERM as a stop (stopping.py)
@@ -159,7 +159,7 @@ def fit(run: Run) -> Trainer:
     hooks = Hooks(run, trainer)
     rows = run.data.rows
     held = rows.held_rows()
-    evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
+    evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps, t.batch_size) if held else None
     feed = trainer.feed(micro_batches(rows.epoch_plans(run.world), t.batch_size, run.rank, trainer.position))
     with closing(feed):  # the feed's thread stops with the loop, however it ends
         signals = StopSignals(t.checkpoint_minutes, run.stop_mark)
@@ -168,8 +168,9 @@ def fit(run: Run) -> Trainer:
             trainer.train_step(micro, signals.flags())  # the flags ride the step's loss all-reduce
             hooks.after_step()
             if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
-                run.eval_losses.append(evaluator.evaluate())
-                print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
+                run.eval_losses.append(evaluator.evaluate())  # every rank its share (evaluation.py)
+                if run.rank == 0:
+                    print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
             stop, save = signals.decide(trainer.flags)
             if save and hooks.last_checkpoint != trainer.step:
                 hooks.checkpoint()
