@@ -159,7 +159,8 @@ class Trainer:
         )
         self.opt = build_optimizer(self.param_groups(), self.t)
         self.scaler = grad_scaler(self.autocast)
-        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
+        # On every rank (rank 0 saves it): in-training validation renders the EMA weights on every rank.
+        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema else None
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
         self.sigmas = SigmaSampler.from_train(self.t)

@@ -141,8 +141,28 @@ def install_slow_stop(module) -> None:
     module.save = slow_save
 
 
+def install_render_trace(module) -> None:
+    """Each rank's in-training validation renders: one line per render with its prompts."""
+    cls = module.Hooks
+    if getattr(cls, "_traced", False):
+        return
+    cls._traced = True
+    render = cls.render
+
+    @functools.wraps(render)
+    def traced(self, samples):
+        folder = os.environ.get(TRACE_ENV)
+        if folder:
+            with open(Path(folder) / f"render-rank{self.run.rank}.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": self.trainer.step, "prompts": [s.prompt for s in samples]}) + "\n")
+        return render(self, samples)
+
+    cls.render = traced
+
+
 WRAP = {
     "tuneline.stages.families.common": install_family_wrappers,
+    "tuneline.stages.train.hooks": install_render_trace,
     "tuneline.stages.train.loop": install_trainer_wrapper,
     "tuneline.stages.train.checkpoint": install_slow_stop,
 }
