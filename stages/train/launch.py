@@ -21,7 +21,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
 from tuneline.stages.train.failcause import Causes, first_failure
 from tuneline.stages.train.hooks import CHECKPOINTS
-from tuneline.stages.train.memplan import check_before_training
+from tuneline.stages.train.memcheck import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
 from tuneline.stages.train.stopping import STOP_GRACE_S
 from tuneline.stages.train.worker import ERROR, RESULT

@@ -85,10 +85,10 @@ def setup(spec: dict) -> Run:
         if cuda
         else torch.device("cpu")
     )
+    if cuda:
+        torch.cuda.set_device(device)  # before the process group, which binds to it (collectives.init)
     collectives.init(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(device)
     store = ArtifactStore(Path(cfg.workdir))
     up = {k: Path(v) for k, v in spec["upstream"].items()}
     # Every rank verifies the manifests it reads; a tampered cache fails on all ranks alike.
