@@ -173,7 +173,7 @@ def status(
     workdir: WorkdirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout, logs on stderr")] = False,
 ) -> None:
-    """Per stage: fresh / stale / missing / failed, version, path, reason."""
+    """Per stage: fresh / stale / missing / failed / stopped, version, path, reason."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = load(config, workdir)
     from tuneline.stages.common.stage import StageContext, status as stage_status

@@ -46,7 +46,8 @@ def backend(device: torch.device) -> str:
 def init(device: torch.device) -> None:
     """The process group; on CUDA bound to this rank's GPU (`device_id`: NCCL sets up its communicator there at
     once instead of guessing the device at the first collective). The caller has set the device first."""
-    cuda = {"device_id": device} if device.type == "cuda" else {}
+    # (The CPU-only tests build a CUDA run's group with no GPU there to bind.)
+    cuda = {"device_id": device} if device.type == "cuda" and torch.cuda.is_available() else {}
     dist.init_process_group(backend(device), timeout=TIMEOUT, **cuda)
 
 
