@@ -102,7 +102,7 @@ def _in_flows(cfg: PipelineConfig, call):
         with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
             return call()
     except user_errors() as err:
-        fail(str(err))
+        fail(str(err), getattr(err, "exit_code", 1))
     except Exception as err:
         _fail_if_unauthorized(err)
         raise
@@ -173,7 +173,7 @@ def status(
     workdir: WorkdirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout, logs on stderr")] = False,
 ) -> None:
-    """Per stage: fresh / stale / missing / failed, version, path, reason."""
+    """Per stage: fresh / stale / missing / failed / stopped, version, path, reason."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = load(config, workdir)
     from tuneline.stages.common.stage import StageContext, status as stage_status

@@ -35,9 +35,11 @@ def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
     return FIX_COMMAND.sub(complete, msg)
 
 
-def fail(msg: str) -> None:
+def fail(msg: str, code: int = 1) -> None:
+    """One error line, then exit `code`: 1, or a training's own (3 stopped, 4 out of memory, 5 a rank lost or a
+    CUDA error: docs/stopping.md)."""
     typer.echo(f"error: {with_invocation(msg, _invocation['config'], _invocation['workdir'])}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 def load(config: Path | None, workdir: str | None) -> PipelineConfig:

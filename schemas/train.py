@@ -131,6 +131,11 @@ class TrainConfig(Strict):
         description="recompute activations in backward to save memory; offload: also keep the activations "
         "saved for backward in CPU memory (same numbers as true, less GPU memory, slower)",
     )
+    memory_check: Literal["refuse", "warn", "off"] = Field(
+        "refuse",
+        description="the memory plan before training on a GPU: refuse a run whose planned peak does not fit, "
+        "warn and train anyway, or off (no plan; a stop then gets the least grace, 120 s)",
+    )
     blocks_to_swap: int = Field(
         0,
         ge=0,

@@ -32,6 +32,11 @@ class StageFailed(RuntimeError):
     """A stage could not complete; nothing was published."""
 
 
+class StageStopped(RuntimeError):
+    """A stage stopped on request (SIGTERM, a cancelled run, a preemption) after saving its progress (a training's
+    checkpoint): `status` shows it as stopped with this message, and a rerun continues."""
+
+
 class PublishedElsewhere(Exception):
     """This process took part in the build, another one publishes it (a multi-node training's other nodes)."""
 
@@ -100,7 +105,7 @@ def active(cfg: PipelineConfig, stages: list[StageDef]) -> list[StageDef]:
 @dataclass
 class StageStatus:
     stage: str
-    state: str  # fresh | stale | missing | failed
+    state: str  # fresh | stale | missing | failed | stopped
     version: str | None
     path: str | None
     reason: str
@@ -231,11 +236,7 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
             rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date", _summary(m)))
             continue
         if failure is not None and (parts is None or failure.get("key") in (None, digest(parts))):
-            rows.append(
-                StageStatus(
-                    sd.name, "failed", failure.get("version"), None, f"last attempt failed: {failure.get('error', '?')}"
-                )
-            )
+            rows.append(last_attempt(sd.name, failure))
             continue
         latest = store.latest(sd.name)
         if latest is None:
@@ -243,6 +244,14 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
             continue
         rows.append(StageStatus(sd.name, "stale", latest.name, str(latest), stale_reason(ctx, sd, latest, parts)))
     return rows
+
+
+def last_attempt(stage: str, failure: dict) -> StageStatus:
+    """A stage whose last attempt ended unpublished: stopped (with a checkpoint; a rerun continues) or failed."""
+    error = failure.get("error", "?")
+    if failure.get("state") == "stopped":
+        return StageStatus(stage, "stopped", failure.get("version"), None, error)
+    return StageStatus(stage, "failed", failure.get("version"), None, f"last attempt failed: {error}")
 
 
 def _summary(m: Manifest) -> str:
@@ -326,7 +335,9 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
         ctx.log.info("%s: %s", sd.name, done)
         return done.path, False
     except BaseException as err:
-        if not isinstance(err, KeyboardInterrupt):
+        if isinstance(err, StageStopped):
+            store.record_failure(sd.name, version, str(err), key=key, state="stopped")
+        elif not isinstance(err, KeyboardInterrupt):
             store.record_failure(sd.name, version, f"{type(err).__name__}: {err}", key=key)
         raise
 

@@ -241,7 +241,11 @@ class DiffusersFamily:
         is then never loaded. Its text encoders serve the renderer too (text_encoders_of): loaded once."""
         parts: dict[str, Any] = {self.denoiser_component: denoiser} if denoiser is not None else {}
         pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **parts, **self.pipeline_load_kwargs())
-        pipe = pipe.to(device)
+        # A live denoiser stays where training keeps it: block swap holds some of its weights in CPU memory
+        # (tuneline.stages.train.swap), which moving the whole pipeline would copy onto the GPU.
+        for part in pipe.components.values():
+            if isinstance(part, torch.nn.Module) and part is not denoiser:
+                part.to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -1,19 +1,21 @@
 """What happens between optimizer steps: progress lines, checkpoints, in-training validation.
 
-Only rank 0 writes files.
+Only rank 0 writes files. In-training validation renders on every rank (its share of the prompts).
 """
 
 from __future__ import annotations
 
 import gc
 
+import numpy as np
 import torch
+from PIL import Image
 
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
-from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train import checkpoint as ckpt, collectives
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import eval_weights
 
@@ -58,13 +60,32 @@ class Hooks:
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)
 
     def validate(self) -> None:
-        """Render the validation prompts with the live (or EMA) weights into samples/step-N.png."""
+        """Render the validation prompts with the live (or EMA) weights into samples/step-N.png: every rank its
+        share (prompt i on rank i mod world), padded to equal counts so every rank runs the same forwards; rank 0
+        gathers the images and writes the grid."""
+        tr, cfg = self.trainer, self.run.cfg
+        v = cfg.validate_
+        samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+        world, rank = self.run.world, self.run.rank
+        per_rank = -(-len(samples) // world)
+        mine = samples[rank::world]
+        mine += [samples[-1]] * (per_rank - len(mine))  # padding: rendered, then dropped
+        rendered = [np.asarray(im) for im in self.render(mine)] if mine else []
+        every = collectives.everyones(rendered, world)
         if not self.writer:
             return
+        images = [Image.fromarray(every[i % world][i // world]) for i in range(len(samples))]
+        out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
+        out.parent.mkdir(exist_ok=True)
+        grid(images).save(out)
+        print(f"validation grid {out.relative_to(self.run.out)}", flush=True)
+
+    def render(self, samples: list[Sample]) -> list:
+        """`samples` rendered with the live weights. The pipeline must compute in the live denoiser's dtype, or in
+        autocast when training uses it. It reuses the training denoiser; the VAE decoder and text encoders are
+        loaded for this render only and freed after it, so training itself never holds them (for SD3/Flux they
+        are tens of GB)."""
         tr, cfg = self.trainer, self.run.cfg
-        # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it. It reuses
-        # the training denoiser; the VAE decoder and text encoders are loaded for this render only and freed after
-        # it, so training itself never holds them (for SD3/Flux they are tens of GB).
         dtype = dtypes()[cfg.model.dtype] if tr.autocast else torch.float32
         renderer = Renderer.load(
             tr.fam,
@@ -78,18 +99,13 @@ class Hooks:
         if tr.text is not None:  # train.text_encoder_lora: prompts encoded by the encoders being trained
             renderer.enc = tr.text.enc
         v = cfg.validate_
-        samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()
         try:
             with tr.ema.applied(tr.params) if tr.ema is not None else eval_weights(tr.opt, tr.params):
-                images = renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
+                return renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
         finally:
             tr.denoiser.train()
             del renderer
             gc.collect()
             if tr.device.type == "cuda":
                 torch.cuda.empty_cache()
-        out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
-        out.parent.mkdir(exist_ok=True)
-        grid(images).save(out)
-        print(f"validation grid {out.relative_to(self.run.out)}", flush=True)

@@ -145,7 +145,7 @@ class Trainer:
     ):
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
-        self.autocast = autocast_dtype(self.t.mixed_precision, device)
+        self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
         self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora
@@ -161,7 +161,8 @@ class Trainer:
         )
         self.opt = build_optimizer(self.param_groups(), self.t)
         self.scaler = grad_scaler(self.autocast)
-        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
+        # On every rank (rank 0 saves it): in-training validation renders the EMA weights on every rank.
+        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema else None
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
         self.sigmas = SigmaSampler.from_train(self.t)

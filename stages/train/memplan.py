@@ -12,6 +12,9 @@ plan costs seconds on any machine. Terms:
   of an edit family the forward includes a control image's tokens at the size they are cached at. With checkpointing
   the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward; under
   16-bit autocast float32 activations count at two bytes;
+- with in-training validation on, the VAE decoder and text encoders every rank loads to render, less the
+  activations they replace (tuneline.stages.train.memextra); DDP's gradient buckets are the gradients
+  (gradient_as_bucket_view=True);
 - on CUDA a fixed reserve for the context and the caching allocator.
 """
 
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from tuneline.stages.train.memcheck import render_models_bytes
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
@@ -122,6 +126,9 @@ class MemoryPlan:
     where: str
     blocks: int
     fixes: list[str] = field(default_factory=list)
+    step_flops: int = 0  # one sample's forward and backward, for the stop grace (tuneline.stages.train.stopping)
+    checkpoint_bytes: int = 0  # trainable weights, optimizer state and EMA
+    grace: int = 0  # seconds a stop may take to finish its step and checkpoint
 
     @property
     def total(self) -> int:
@@ -141,6 +148,9 @@ class MemoryPlan:
             "blocks": self.blocks,
             "max_blocks_to_swap": max_blocks_to_swap(self.blocks),
             "fixes": self.fixes,
+            "step_flops": self.step_flops,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "grace": self.grace,
         }
 
     def text(self) -> str:
@@ -156,6 +166,10 @@ class MemoryPlan:
             )
         lines.append(
             f"  transformer blocks: {self.blocks} (train.blocks_to_swap can be 0..{max_blocks_to_swap(self.blocks)})"
+        )
+        lines.append(
+            f"  a stop may take up to {self.grace} s to finish its step and checkpoint: give the job at least that "
+            f"(Kubernetes terminationGracePeriodSeconds, Slurm --signal; docs/stopping.md)"
         )
         if not self.fits:
             lines.append(
@@ -177,6 +191,9 @@ class Planner:
         self.traces: dict[int, Trace] = {}
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         self.controls = planned_controls(cfg, fam)
+        render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
+        on = cfg.train.effective_validate_every()
+        self.render_bytes = render_models_bytes(fam, model_dir, render_dtype) if on else 0
 
     def trace(self, batch: int, edge: int) -> Trace:
         """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
@@ -228,6 +245,8 @@ class Planner:
             ),
             ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
         ]
+        freed = out[-1][1] + out[-2][1]  # a render runs between steps, when the activations are gone
+        out.append(("validation render models beyond the freed activations", max(0, self.render_bytes - freed)))
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -240,11 +259,24 @@ class Planner:
         return {True: "checkpointed", False: "not checkpointed", "offload": "checkpointed, offloaded"}[c]
 
     def plan(self, free: int | None, where: str) -> MemoryPlan:
+        from tuneline.stages.train.stopping import grace_seconds
+
         s = self.current()
         p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
         if not p.fits:
             p.fixes = self.fixes(s, free)
+        p.step_flops, p.checkpoint_bytes = self.step_figures(s)
+        p.grace = grace_seconds(p.as_json(), self.cfg)
         return p
+
+    def step_figures(self, s: Setting) -> tuple[int, int]:
+        """(FLOPs of one sample's step: 6 per parameter and latent position, 8 when checkpointing recomputes the
+        forward; bytes of a checkpoint). A UNet's lower levels see fewer positions: an over-estimate there."""
+        params = sum(p.numel() for p in self.den.parameters())
+        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        positions = (s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)) ** 2
+        flops = (8 if s.checkpointing else 6) * params * positions
+        return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
 
     def total(self, s: Setting) -> int:
         return sum(b for _, b in self.terms(s))
@@ -366,23 +398,3 @@ def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) ->
     else:
         model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), None
     return plan(cfg, model_dir, models.device(cfg), gpu_memory_gib, family)
-
-
-def check_before_training(ctx, model_dir: Path, device: torch.device) -> dict | None:
-    """The train stage's plan, logged before any worker starts; on a GPU a plan that does not fit is refused
-    here, naming the settings that would fit. Returns the plan for the manifest (None when it could not be
-    made: planning never stops a run that would otherwise train)."""
-    try:
-        p = plan(ctx.cfg, model_dir, device)
-    except Exception as err:  # noqa: BLE001 - a planning gap must not block training
-        ctx.log.warning("train: no memory plan (%s: %s)", type(err).__name__, err)
-        return None
-    ctx.log.info("%s", p.text())
-    if not p.fits:
-        fixes = "; ".join(p.fixes) or "none of the planned settings fits: use a GPU with more memory"
-        raise ValueError(
-            f"train: the planned peak of {p.total / GIB:.2f} GiB per process does not fit the "
-            f"{p.free / GIB:.2f} GiB free on {p.where}; settings that would fit: {fixes} "
-            f"(`tuneline plan CONFIG` shows the plan)"
-        )
-    return p.as_json()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tuneline.schemas.checks import HALF, precision_problem
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.train.adapters import containers, peft_config
@@ -19,20 +20,21 @@ from tuneline.stages.train.quantize import quantize_base
 from tuneline.stages.train.singlefile_export import save_single_file
 
 
-def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
+def autocast_dtype(mixed: str, device: torch.device, dtype: str = "float32", mode: str = "lora") -> torch.dtype | None:
     """The autocast dtype, or None for plain float32. CPU always trains in float32: half-precision convolutions
-    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32."""
-    if device.type != "cuda":
-        if mixed in ("bf16", "fp16"):
-            raise ValueError(
-                f"train.mixed_precision {mixed} needs a CUDA device; this run is on {device.type}, "
-                f"where training is float32: set train.mixed_precision to auto or no"
-            )
-        return None
-    if mixed == "no":
+    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32. `auto` computes
+    in a half-precision model.dtype's own type, else bf16 where the GPU has it. Combinations that cannot train
+    are refused naming both fields (tuneline.schemas.checks.precision_problem)."""
+    problem = precision_problem(dtype, mixed, mode, device.type)
+    if problem:
+        raise ValueError(problem)
+    if device.type != "cuda" or mixed == "no":
         return None
     if mixed == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if dtype in HALF:
+            mixed = HALF[dtype]
+        else:
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
 
 
