@@ -46,7 +46,7 @@ def unauthorized_message(err: BaseException) -> str | None:
             return (
                 f"the Prefect server at {PREFECT_API_URL.value() or '(temporary server)'} answered 401 "
                 "Unauthorized: it requires basic auth; set PREFECT_API_AUTH_STRING=user:password to the "
-                "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)"
+                "server's PREFECT_SERVER_API_AUTH_STRING (docs/operations.md: Prefect authentication)"
             )
         seen = seen.__cause__ or seen.__context__
     return None
