@@ -14,7 +14,8 @@ import typer
 
 from tuneline.schemas.config import ConfigError, PipelineConfig, load_config
 
-ConfigArg = Annotated[Path | None, typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
+# metavar without brackets: click adds them for an optional argument (usage read `[[CONFIG]]`).
+ConfigArg = Annotated[Path | None, typer.Argument(metavar="CONFIG", help="YAML config; omitted = the built-in demo")]
 WorkdirOpt = Annotated[str | None, typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
 
 

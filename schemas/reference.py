@@ -129,3 +129,19 @@ def commented_yaml(text: str, width: int = 100) -> str:
             out += [pad + "# " + part for part in textwrap.wrap(note, max(40, width - indent - 2))]
         out.append(line)
     return "\n".join(out) + "\n"
+
+
+def nearest_key(loc: tuple) -> str | None:
+    """For an unknown key at `loc` (pydantic's error location: section names, list indices, the key), the known
+    key of the same section closest to it in spelling; None when nothing is close."""
+    import difflib
+
+    parent = ".".join(str(x) for x in loc[:-1] if not isinstance(x, int)).replace("validate_", "validate")
+    depth = parent.count(".") + 1 if parent else 0
+    known: set[str] = set()
+    for d in field_docs():
+        plain = d.key.replace("[]", "")
+        if (plain.rsplit(".", 1)[0] if "." in plain else "") == parent and plain.count(".") == depth:
+            known.add(plain.rsplit(".", 1)[-1])
+    close = difflib.get_close_matches(str(loc[-1]), sorted(known), n=1, cutoff=0.6)
+    return close[0] if close else None
