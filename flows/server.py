@@ -185,6 +185,12 @@ def api_for_flows() -> str | None:
     if get_current_settings().api.url:
         return None
     if _server is None or _server.proc is None:
+        # The wait is silent otherwise (20 s and more): say what it is and how to skip it.
+        print(
+            "starting a temporary Prefect server (~20 s); set PREFECT_API_URL to use yours", file=sys.stderr, flush=True
+        )
+        started = time.monotonic()
         _server = TemporaryServer()
         _server.start()
+        print(f"temporary Prefect server ready ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     return _server.api_url
