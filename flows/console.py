@@ -63,14 +63,16 @@ class TerminalProgress:
         if not self.console.is_terminal:
             return
         if self.bars is None:
-            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, Progress, TextColumn
 
+            # Styles named outright: Prefect's console has a theme without rich's defaults (`bar.back`, …), and
+            # a style it lacks fails every later print. The step lines already say the time left.
+            plain = "none"
             self.bars = Progress(
-                TextColumn("{task.fields[key]}"),
-                BarColumn(),
-                TaskProgressColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.description}"),
+                TextColumn("{task.fields[key]}", style=plain),
+                BarColumn(style="bright_black", complete_style="green", finished_style="green", pulse_style="green"),
+                TextColumn("{task.percentage:>3.0f}%", style=plain),
+                TextColumn("{task.description}", style=plain),
                 console=self.console,
                 transient=True,
             )

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+import tuneline.flows  # noqa: F401  (its Prefect settings: the ephemeral server read below may start slowly)
+
 pytestmark = pytest.mark.slow
 
 STEP = re.compile(r"step (\d+)/(\d+) loss [\d.]+ lr \S+ \(([\d.]+) steps/s, (\d+s|\d+m\d\ds|\d+h\d\dm) left\)")

@@ -5,12 +5,14 @@ from __future__ import annotations
 from io import StringIO
 
 from rich.console import Console
+from rich.theme import Theme
 
 from tuneline.flows.console import TerminalProgress
 
 
 def test_bars_draw_on_a_terminal_and_go_when_done():
-    term = Console(file=StringIO(), force_terminal=True, width=120)
+    # the console Prefect's log handler prints through: a theme without rich's default styles
+    term = Console(file=StringIO(), force_terminal=True, width=120, theme=Theme(inherit=False))
     bars = TerminalProgress(term)
     bars.update("train-progress", 0.5, "step 500/1000")
     assert bars.bars is not None
