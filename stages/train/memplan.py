@@ -32,9 +32,24 @@ CUDA_RESERVE = int(0.75 * GIB)  # CUDA context, cuBLAS workspace, allocator roun
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def denoiser_class(fam, model_dir: Path):
+    """The denoiser's class as the folder's model_index.json names it, imported alone: the pipeline's module would
+    import every text encoder's too (seconds of `tuneline plan`). The family's pipeline says it where the folder
+    does not."""
+    import json
+
+    import diffusers
+
+    try:
+        entry = json.loads((model_dir / "model_index.json").read_text(encoding="utf-8"))[fam.denoiser_component]
+        return getattr(diffusers, entry[1])
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
+
+
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
     """The denoiser on the meta device, with LoRA adapters when training LoRA."""
-    cls = fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
+    cls = denoiser_class(fam, model_dir)
     config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
     with torch.device("meta"):
         den = cls.from_config(config)
@@ -43,12 +58,25 @@ def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None
     else:
         from tuneline.stages.train.model import lora_config
 
-        den = den.to(dtype).requires_grad_(False)
+        den = quiet_cast(den, dtype).requires_grad_(False)
         den.add_adapter(lora_config(t, fam.lora_target_modules))
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
     return den
+
+
+def quiet_cast(den, dtype: torch.dtype):
+    """`den.to(dtype)` without diffusers' warning about modules to keep in float32 (it names none for these models,
+    and on a plan the cast only sizes the weights)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        return den.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(level)
 
 
 def weight_bytes(name: str, p: torch.nn.Parameter, linears: set[str], quantize: str | None) -> int:
@@ -173,6 +201,7 @@ class Planner:
         self.dtype = dtype if self.t.mode == "lora" else torch.float32
         self.den = build_meta(fam, model_dir, self.t, self.dtype, None)
         self.traces: dict[int, Trace] = {}
+        self.described: dict[str | None, tuple[list[dict], int, int]] = {}  # quantize -> describe(), trainable
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         self.controls = planned_controls(cfg, fam)
 
@@ -185,6 +214,14 @@ class Planner:
         return Trace(
             one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
         )
+
+    def describe(self, quantize: str | None) -> tuple[list[dict], int, int]:
+        """describe() and the trainable count, once per quantization: the fix search asks for them per setting it
+        tries (a hundred and more), and a walk over a large denoiser's parameters costs tens of milliseconds."""
+        if quantize not in self.described:
+            trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+            self.described[quantize] = (*describe(self.den, quantize), trainable)
+        return self.described[quantize]
 
     def current(self) -> Setting:
         t = self.t
@@ -199,8 +236,7 @@ class Planner:
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
         t, full = self.t, self.t.mode == "full"
-        per, outside = describe(self.den, s.quantize)
-        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        per, outside, trainable = self.describe(s.quantize)
         key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
         r = len(per) - s.blocks_to_swap
         window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
@@ -286,7 +322,7 @@ class Planner:
             - {s.edge},
             reverse=True,
         )
-        edge = next((e for e in edges if fits(replace(s, edge=e))), None)
+        edge = largest_fitting(edges, lambda e: fits(replace(s, edge=e)))
         if edge is not None:
             res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)
             out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))
@@ -301,6 +337,19 @@ class Planner:
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
         return out
+
+
+def largest_fitting(edges: list[int], fits) -> int | None:
+    """The first of `edges` (largest first) that fits, by bisection: the peak grows with the edge, and each edge
+    tried costs a traced forward (a second for a large transformer)."""
+    lo, hi, found = 0, len(edges) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(edges[mid]):
+            found, hi = edges[mid], mid - 1
+        else:
+            lo = mid + 1
+    return found
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -344,26 +393,6 @@ def gpu_figures(cfg, model_dir: Path, step) -> dict:
         "measured": torch.cuda.max_memory_allocated(device),
         "ratio": torch.cuda.max_memory_allocated(device) / planned,
     }
-
-
-def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> MemoryPlan:
-    """`tuneline plan`: the config's model (built or converted like the stages do), or a released model's
-    shipped weightless config, planned on this machine's training device or a CUDA card of the given size."""
-    from tuneline.schemas.model import SHIPPED_CONFIGS
-    from tuneline.stages.families import resolve as models
-    from tuneline.stages.families.shipped import shipped_dir
-
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
-        raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
-    if model_config is not None:
-        if model_config not in SHIPPED_CONFIGS:
-            raise ValueError(
-                f"--model-config {model_config}: not a shipped config; use one of {', '.join(sorted(SHIPPED_CONFIGS))}"
-            )
-        model_dir, family = shipped_dir(model_config), model_config
-    else:
-        model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), None
-    return plan(cfg, model_dir, models.device(cfg), gpu_memory_gib, family)
 
 
 def check_before_training(ctx, model_dir: Path, device: torch.device) -> dict | None:
