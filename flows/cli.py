@@ -13,7 +13,7 @@ import typer
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
 from tuneline.flows import cli_ops
 from tuneline.flows.captions_cli import captions_app
-from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_rows, user_errors
+from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_rows, store_errors, user_errors
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
@@ -142,8 +142,8 @@ def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | 
     from tuneline.flows.runs import fresh_summary
 
     try:
-        runs = fresh_summary(cfg, names, user_errors())
-    except user_errors() as err:
+        runs = fresh_summary(cfg, names, store_errors())
+    except store_errors() as err:
         fail(str(err))
         raise  # unreachable
     if runs is not None:
