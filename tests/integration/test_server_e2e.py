@@ -320,6 +320,8 @@ def test_prefects_own_cli_lists_what_we_registered(server, deployed):
         ("flow-run", "ls"): "COMPLETED",
         ("flow", "ls"): "tuneline-train",
         ("work-pool", "ls"): "tuneline",
+        # failed and crashed (killed) runs, as docs/operations.md lists them for a retry
+        ("flow-run", "ls", "--state", "FAILED", "--state", "CRASHED", "-o", "json"): "[",
     }
     for args, needle in expect.items():
         out = prefect_cli(*args, env=server["env"])
