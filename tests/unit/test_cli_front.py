@@ -33,7 +33,10 @@ def test_help_is_whole_and_lists_every_stage():
     # each command's first sentence, whole (wrapped lines joined)
     flat = " ".join(main.stdout.split())
     assert "Run the whole pipeline (or up to --until); stages already fresh are skipped." in flat
-    assert "Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)." in flat
+    assert (
+        "Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the settings that fit)."
+        in flat
+    )
     for command in ("stage", "run", "status", "plan", "config example", "captions show", "remote push"):
         out = tuneline(*command.split(), "--help")
         assert out.returncode == 0 and "[[" not in out.stdout and not _cut(out.stdout), out.stdout
