@@ -24,27 +24,13 @@ from pathlib import Path
 import torch
 
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
+from tuneline.stages.train.metamodel import denoiser_class, largest_fitting, quiet_cast
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
 
 GIB = 1024**3
 CUDA_RESERVE = int(0.75 * GIB)  # CUDA context, cuBLAS workspace, allocator rounding
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def denoiser_class(fam, model_dir: Path):
-    """The denoiser's class as the folder's model_index.json names it, imported alone: the pipeline's module would
-    import every text encoder's too (seconds of `tuneline plan`). The family's pipeline says it where the folder
-    does not."""
-    import json
-
-    import diffusers
-
-    try:
-        entry = json.loads((model_dir / "model_index.json").read_text(encoding="utf-8"))[fam.denoiser_component]
-        return getattr(diffusers, entry[1])
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
 
 
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
@@ -64,19 +50,6 @@ def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None
             if p.requires_grad:
                 p.data = p.data.float()
     return den
-
-
-def quiet_cast(den, dtype: torch.dtype):
-    """`den.to(dtype)` without diffusers' warning about modules to keep in float32 (it names none for these models,
-    and on a plan the cast only sizes the weights)."""
-    from diffusers.utils import logging as diffusers_logging
-
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()
-    try:
-        return den.to(dtype)
-    finally:
-        diffusers_logging.set_verbosity(level)
 
 
 def weight_bytes(name: str, p: torch.nn.Parameter, linears: set[str], quantize: str | None) -> int:
@@ -337,19 +310,6 @@ class Planner:
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
         return out
-
-
-def largest_fitting(edges: list[int], fits) -> int | None:
-    """The first of `edges` (largest first) that fits, by bisection: the peak grows with the edge, and each edge
-    tried costs a traced forward (a second for a large transformer)."""
-    lo, hi, found = 0, len(edges) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(edges[mid]):
-            found, hi = edges[mid], mid - 1
-        else:
-            lo = mid + 1
-    return found
 
 
 def free_memory(device: torch.device) -> int | None:
