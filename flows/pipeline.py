@@ -43,9 +43,11 @@ def pipeline_flow(config: PipelineConfig, force: bool = False, until: str | None
             )
     finally:
         preflight.in_pipeline = False
-    PrefectReporter().table(
+    reporter = PrefectReporter()
+    reporter.table(
         "lineage",
         visibility.lineage_table(ops.lineage_rows(config)),
         "every published version: stage, version, fresh, upstream versions, created",
     )
+    visibility.report_results(reporter, config, runs)
     return runs

@@ -6,6 +6,7 @@ Only rank 0 writes files. In-training validation renders on every rank (its shar
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ class Hooks:
     def __init__(self, run, trainer: Trainer):
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
         self.last_checkpoint = trainer.step  # the step of the newest checkpoint (a resumed run starts at one)
+        self.logged = (trainer.step, time.monotonic())  # the last step line: (step, when)
 
     @property
     def writer(self) -> bool:
@@ -40,7 +42,9 @@ class Hooks:
         if self.writer and (step % LOG_EVERY == 0 or last):
             recent = self.trainer.losses[-LOG_EVERY:]
             lr = self.trainer.opt.param_groups[0]["lr"]
-            print(f"step {step}/{t.steps} loss {sum(recent) / len(recent):.4f} lr {lr:.3g}", flush=True)
+            print(
+                f"step {step}/{t.steps} loss {sum(recent) / len(recent):.4f} lr {lr:.3g} {self.pace(step)}", flush=True
+            )
         # Checkpoint first: a render that crashes (a bad validation setting, a full disk) must not take the step
         # with it, or every rerun would train the same steps again.
         if step % t.effective_checkpoint_every() == 0 or last:
@@ -48,6 +52,14 @@ class Hooks:
         every = t.effective_validate_every()
         if every and (step % every == 0 or last):
             self.validate()
+
+    def pace(self, step: int) -> str:
+        """Steps per second since the last step line (checkpoints and sample renders in between included, as
+        they are part of the wait) and the time left at that pace."""
+        (before, then), now = self.logged, time.monotonic()
+        self.logged = (step, now)
+        rate = (step - before) / max(now - then, 1e-9)
+        return f"({rate:.2f} steps/s, {duration(max(0, self.t.steps - step) / rate)} left)"
 
     def checkpoint(self) -> None:
         self.last_checkpoint = self.trainer.step
@@ -109,3 +121,13 @@ class Hooks:
             gc.collect()
             if tr.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`: a wait as people read it."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -147,7 +147,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark
     # The project root must be importable by the workers even when not installed (tests, dev checkouts).
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    ctx.log.info("train: %s", " ".join(cmd))
+    ctx.log.debug("train: %s", " ".join(cmd))  # our own launcher's command line: for debugging, not news
     # Its own session: a SIGTERM to our process group (a cancelled run, `kill -TERM -PGID`) reaches torchrun once,
     # forwarded below, not twice (a second SIGTERM cuts torchrun's wait for its workers' checkpoint short).
     # SIGKILL needs no forwarding: torchrun and its workers die with this process (procwatch).

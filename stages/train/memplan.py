@@ -28,6 +28,7 @@ import torch
 
 from tuneline.stages.train.memcheck import render_models_bytes
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
+from tuneline.stages.train.metamodel import denoiser_class, largest_fitting, quiet_cast
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
 
@@ -38,7 +39,7 @@ SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
     """The denoiser on the meta device, with LoRA adapters when training LoRA."""
-    cls = fam.denoiser_class
+    cls = denoiser_class(fam, model_dir)
     config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
     with torch.device("meta"):
         den = cls.from_config(config)
@@ -48,7 +49,7 @@ def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None
         den = den.float().requires_grad_(True)
         freeze_unused(fam, den, fam.denoiser_component)
     else:
-        den = den.to(dtype).requires_grad_(False)
+        den = quiet_cast(den, dtype).requires_grad_(False)
         den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:
@@ -189,6 +190,7 @@ class Planner:
         self.dtype = dtype if self.t.mode == "lora" else torch.float32
         self.den = build_meta(fam, model_dir, self.t, self.dtype, None)
         self.traces: dict[int, Trace] = {}
+        self.described: dict[str | None, tuple[list[dict], int, int]] = {}  # quantize -> describe(), trainable
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         self.controls = planned_controls(cfg, fam)
         render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
@@ -205,6 +207,14 @@ class Planner:
             one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
         )
 
+    def describe(self, quantize: str | None) -> tuple[list[dict], int, int]:
+        """describe() and the trainable count, once per quantization: the fix search asks for them per setting it
+        tries (a hundred and more), and a walk over a large denoiser's parameters costs tens of milliseconds."""
+        if quantize not in self.described:
+            trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+            self.described[quantize] = (*describe(self.fam, self.den, quantize), trainable)
+        return self.described[quantize]
+
     def current(self) -> Setting:
         t = self.t
         return Setting(
@@ -218,8 +228,7 @@ class Planner:
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
         t, full = self.t, self.t.mode == "full"
-        per, outside = describe(self.fam, self.den, s.quantize)
-        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        per, outside, trainable = self.describe(s.quantize)
         key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
         r = len(per) - s.blocks_to_swap
         window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
@@ -320,7 +329,7 @@ class Planner:
             - {s.edge},
             reverse=True,
         )
-        edge = next((e for e in edges if fits(replace(s, edge=e))), None)
+        edge = largest_fitting(edges, lambda e: fits(replace(s, edge=e)))
         if edge is not None:
             res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)
             out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))
@@ -380,21 +389,3 @@ def gpu_figures(cfg, model_dir: Path, step) -> dict:
     }
 
 
-def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> MemoryPlan:
-    """`tuneline plan`: the config's model (built or converted like the stages do), or a released model's
-    shipped weightless config, planned on this machine's training device or a CUDA card of the given size."""
-    from tuneline.schemas.model import SHIPPED_CONFIGS
-    from tuneline.stages.families import resolve as models
-    from tuneline.stages.families.shipped import shipped_dir
-
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
-        raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
-    if model_config is not None:
-        if model_config not in SHIPPED_CONFIGS:
-            raise ValueError(
-                f"--model-config {model_config}: not a shipped config; use one of {', '.join(sorted(SHIPPED_CONFIGS))}"
-            )
-        model_dir, family = shipped_dir(model_config), model_config
-    else:
-        model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), None
-    return plan(cfg, model_dir, models.device(cfg), gpu_memory_gib, family)

@@ -251,7 +251,9 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
     inline = np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
     with Image.open(paths["validate"] / "grid.png") as g:
         assert np.array_equal(inline, np.asarray(g.convert("RGB")))
-    assert "| control | image |" in text and "[000-control.png](000-control.png)" in text
+    # labelled rows, each tile inline; no link to a relative path (a browser opens it as a blank page)
+    assert "| control | result | instruction | seed |" in text and "![000-control.png](data:image/png;base64," in text
+    assert "](000-" not in text
 
 
 def test_validate_controls_may_name_a_folder_of_references(flux2_refs_run):
