@@ -59,40 +59,67 @@ def stage_config(cfg: PipelineConfig) -> dict:
     return out
 
 
-# Within a pipeline run, the dataset listing its scan stage used (tuneline.stages.common.lock.active_run): the
-# later stages of that run find the scan they started from even if a file (Thumbs.db) appears meanwhile; the next
-# run decides freshness.
+# Within a pipeline run, the inputs its scan stage used (tuneline.stages.common.lock.active_run): the dataset's
+# listing, the control folders', the masks'. The later stages of that run find the scan they started from even if a
+# file (Thumbs.db) appears in one of them meanwhile; the next run decides freshness.
 _pinned: dict[str, dict] = {}
+CONTROLS_KEY = "scan-controls"
+
+
+def _where(cfg: PipelineConfig) -> str:
+    """The folders the scan reads: a config naming others in the same run is not pinned to these."""
+    roots = [(s.index, str(s.root)) for s in dataset_sources(cfg)]
+    ctl = sorted({str(r) for r, _ in controls.source_roots(cfg).values() if r is not None})
+    return digest([roots, ctl, str(masks.mask_root(cfg))])
 
 
 def stage_inputs(ctx, upstream) -> dict:
-    prints = []
     run = active_run(ctx.workdir)
-    pins = _pinned.setdefault(run, {}) if run else {}
     for stale in [k for k in _pinned if k != run]:
         del _pinned[stale]
+    if run is None:
+        return _inputs(ctx)
+    pins = _pinned.setdefault(run, {})
+    where = _where(ctx.cfg)
+    if where not in pins:
+        pins[where] = _inputs(ctx)
+    return pins[where]
+
+
+def _inputs(ctx) -> dict:
+    prints = []
     for src in dataset_sources(ctx.cfg):
-        pinned = pins.get((src.index, str(src.root)))
-        if pinned is not None:
-            prints.append(pinned)
-            continue
         if not src.root.is_dir():
             return {"dataset": str(src.root), "missing": True}
-        listing = walk(src.root, _source_cfg(ctx.cfg, src))
+        listing = walk(src.root, _source_cfg(ctx.cfg, src), src.field)
         # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
         # and a large folder is walked once per run, not twice.
         ctx.cache[(LISTING_KEY, src.index)] = listing
         prints.append(listing.fingerprint())
-        if run:
-            pins[(src.index, str(src.root))] = prints[-1]
     out = prints[0] if len(prints) == 1 else {"sources": prints}
-    out |= {"controls": c} if (c := controls.fingerprint(ctx.cfg)) else {}
+    out |= {"controls": c} if (c := _controls_print(ctx)) else {}
     return out | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
+
+
+def _controls_print(ctx) -> str | None:
+    """The control folders' fingerprint (those walked kept for build(), as the dataset's listing is)."""
+    if not controls.paired(ctx.cfg):
+        return None
+    try:
+        found = controls.folders(ctx.cfg)
+    except StageFailed as err:
+        return str(err)  # the scan refuses with it; fixing the folder changes the key
+    ctx.cache[CONTROLS_KEY] = found
+    return controls.fingerprint(found)
 
 
 def _listing(ctx, src: Source) -> Listing:
     listing = ctx.cache.pop((LISTING_KEY, src.index), None)
-    return listing if listing is not None and listing.root == src.root else walk(src.root, _source_cfg(ctx.cfg, src))
+    return (
+        listing
+        if listing is not None and listing.root == src.root
+        else walk(src.root, _source_cfg(ctx.cfg, src), src.field)
+    )
 
 
 def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> tuple[list[images.Probe], int]:
@@ -226,7 +253,7 @@ def _all_records(
             f"dataset source(s) {empty} hold no usable image (see rejected.jsonl): add images, or "
             f"remove the folder from dataset.sources / train.eval.path"
         )
-    records, unpaired, unmatched = controls.attach(records, ctx.cfg)
+    records, unpaired, unmatched = controls.attach(records, ctx.cfg, ctx.cache.pop(CONTROLS_KEY, None))
     return records, rejected + unpaired, reopened, rows, unmatched
 
 
