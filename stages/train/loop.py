@@ -339,6 +339,7 @@ class Trainer:
             "grad_accumulation": t.grad_accumulation,
             "mode": t.mode,
             "family": self.fam.facts.name,
+            "made_with": ckpt.made_with(self.cfg),
             "seed": t.seed,
             "optimizer": opt_meta,
             "lr": float(self.opt.param_groups[0]["lr"]),
