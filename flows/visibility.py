@@ -18,6 +18,7 @@ from PIL import Image
 
 from tuneline.flows.reporter import PrefectReporter
 from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common import markdown as md
 from tuneline.stages.common.lineage import Version
 
 FACTS = (
@@ -80,7 +81,7 @@ def summary_markdown(name: str, path: Path, m: dict, built: bool) -> str:
         f"### {name} `{path.name}`",
         "",
         f"- {how}",
-        f"- path: `{path}`",
+        f"- path: {md.text(path)}",
         f"- created: {m.get('created_at')}",
         f"- upstream: {ups}",
     ]
@@ -160,12 +161,12 @@ def _report_validation(rep: PrefectReporter, cfg: PipelineConfig, path: Path, m:
         rep.image("validate-grid-image", url, f"validation grid of {path.name}")
 
     def link(rel: str) -> str:
-        return f"[{rel}]({image_url(cfg, 'validate', path.name, rel) or rel})"
+        return f"[{md.text(rel)}]({image_url(cfg, 'validate', path.name, rel) or rel})"
 
     controls = m.get("controls") or []  # an edit family: each row's control (input) beside its result
     rows = [
-        f"| {link(controls[n]) + ' | ' if controls else ''}{link(i['file'])} | {i['prompt']} | "
-        f"{i['negative_prompt']} | {i['seed']} |"
+        f"| {link(controls[n]) + ' | ' if controls else ''}{link(i['file'])} | {md.text(i['prompt'])} | "
+        f"{md.text(i['negative_prompt'])} | {i['seed']} |"
         for n, i in enumerate(m.get("images", []))
     ]
     head = ["| control | image | prompt | negative | seed |", "|---|---|---|---|---|"] if controls else []
@@ -193,9 +194,8 @@ def caption_markdown(path: Path, count: int = 8) -> str:
     lines = ["| image | caption | source |", "|---|---|---|"]
     for r, f in zip(picked, files):
         thumb = inline_png(f, side=128, max_bytes=20_000) if f is not None else None
-        cell = f"![{r['ref']}]({thumb})" if thumb else f"`{r['ref']}`"
-        text = r["caption"].replace("|", "\\|")
-        lines.append(f"| {cell} | {text} | {r['source']} |")
+        cell = f"![{md.text(r['ref'])}]({thumb})" if thumb else md.text(r["ref"])
+        lines.append(f"| {cell} | {md.text(r['caption'])} | {r['source']} |")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.families import facts
 from tuneline.schemas.scan import ImageRecord, Rejected
 from tuneline.schemas.sources import Source, dataset_sources
+from tuneline.stages.common import markdown as md
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import write_jsonl
@@ -368,20 +369,20 @@ def _report(
     ctx.reporter.table(
         "scan-buckets",
         bk.table(rows, plan),
-        f"{accepted} images in {len(rows)} buckets from {root} ({reopened} files read)",
+        f"{accepted} images in {len(rows)} buckets from {md.text(root)} ({reopened} files read)",
     )
     ctx.log.info(
         "scan: %d accepted, %d rejected, %d buckets, %d files read", accepted, len(rejected), len(rows), reopened
     )
     if rejected:
-        rows = [f"| {r.path} | {r.kind} | {r.reason} |".replace("\n", " ") for r in rejected[:REPORT_ROWS]]
+        rows = [f"| {md.text(r.path)} | {md.text(r.kind)} | {md.text(r.reason)} |" for r in rejected[:REPORT_ROWS]]
         more = (
             [f"\n... and {len(rejected) - REPORT_ROWS} more in rejected.jsonl"] if len(rejected) > REPORT_ROWS else []
         )
         ctx.reporter.markdown(
             "scan-rejected",
             "\n".join(["| file | kind | reason |", "|---|---|---|", *rows, *more]),
-            f"{len(rejected)} files rejected from {root}",
+            f"{len(rejected)} files rejected from {md.text(root)}",
         )
     for r in rejected[:20]:
         ctx.log.warning("scan: rejected %s: %s", r.path, r.reason)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.common import markdown as md
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
@@ -132,10 +133,11 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
     published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
 
     def link(name: str, root: Path = published) -> str:
-        return f"[{name}]({(root / name).as_uri()})"
+        return f"[{md.text(name)}]({(root / name).as_uri()})"
 
     rows = "\n".join(
-        f"| {link(r.file)} | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |" for r in rendered
+        f"| {link(r.file)} | {md.text(r.prompt)} | {md.text(r.negative_prompt)} | {r.seed} | {r.width}x{r.height} |"
+        for r in rendered
     )
     text = (
         f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
