@@ -208,11 +208,17 @@ def _diff(old: Any, new: Any, prefix: str) -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
+def _problem(err: ArtifactError, stage: str) -> str:
+    """What is wrong, without the rebuild hint: a status reason says why, and a refusal quoting it names its one
+    fix itself (a tampered captions.jsonl once read "run `... --force` ...); run `tuneline stage caption` first")."""
+    return str(err).removesuffix(f"; {fix_hint(stage)}")
+
+
 def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | None) -> str:
     try:
         m = ctx.store.read(latest, sd.manifest_cls)
     except ArtifactError as err:
-        return str(err)
+        return _problem(err, sd.name)
     if parts is None:
         ups = ", ".join(sd.upstream)
         return f"upstream ({ups}) is not fresh: rebuild it first"
@@ -242,7 +248,7 @@ def status(ctx: StageContext, stages: list[StageDef], *, reuse: bool = False) ->
             try:
                 m = store.read(fresh_dir, sd.manifest_cls)
             except ArtifactError as err:
-                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), str(err)))
+                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), _problem(err, sd.name)))
                 continue
             # Built from the right versions, but one of them no longer verifies: reading it would fail.
             bad = [r for r in rows if r.stage in sd.upstream and r.state != "fresh"]

@@ -353,7 +353,7 @@ def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) ->
     from tuneline.stages.families import resolve as models
     from tuneline.stages.families.shipped import shipped_dir
 
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib < math.inf:  # nan compares false: refused too
         raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
     if model_config is not None:
         if model_config not in SHIPPED_CONFIGS:
