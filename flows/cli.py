@@ -201,7 +201,7 @@ def status(
     from tuneline.stages.pipeline import PIPELINE
 
     try:
-        rows = stage_status(StageContext(cfg), PIPELINE)
+        rows = stage_status(StageContext(cfg), PIPELINE, reuse=True)
     except user_errors() as err:
         fail(str(err))
     print_rows(

@@ -16,6 +16,7 @@ from pathlib import Path
 from PIL import Image
 
 from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common import markdown as md
 
 PLOT_WIDTH, PLOT_HEIGHT = 60, 10
 THUMB_SIDE, THUMB_BYTES = 768, 150_000  # an artifact is stored in Prefect's database: keep each image small
@@ -55,11 +56,6 @@ def inline_png(file: Path, side: int = THUMB_SIDE, max_bytes: int = THUMB_BYTES)
         img = img.resize((max(1, img.width // 2), max(1, img.height // 2)))
 
 
-def cell(text: str) -> str:
-    """User text (a prompt) as one table cell: a `|` or a line break would end the cell or the table."""
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
 def grid_markdown(cfg: PipelineConfig, path: Path, m: dict) -> str:
     """The grid inline, then one row per image: its tile, prompt (an edit's instruction, beside its control),
     negative prompt and seed."""
@@ -72,7 +68,7 @@ def grid_markdown(cfg: PipelineConfig, path: Path, m: dict) -> str:
     if controls:
         rows = ["| control | result | instruction | seed |", "|---|---|---|---|"]
         rows += [
-            f"| {_tile(cfg, path, controls[n], n)} | {_tile(cfg, path, i['file'], n)} | {cell(i['prompt'])} | "
+            f"| {_tile(cfg, path, controls[n], n)} | {_tile(cfg, path, i['file'], n)} | {md.text(i['prompt'])} | "
             f"{i['seed']} |"
             for n, i in enumerate(m.get("images", []))
         ]
@@ -80,7 +76,7 @@ def grid_markdown(cfg: PipelineConfig, path: Path, m: dict) -> str:
     else:
         rows = ["| image | prompt | negative prompt | seed |", "|---|---|---|---|"]
         rows += [
-            f"| {_tile(cfg, path, i['file'], n)} | {cell(i['prompt'])} | {cell(i['negative_prompt'])} | {i['seed']} |"
+            f"| {_tile(cfg, path, i['file'], n)} | {md.text(i['prompt'])} | {md.text(i['negative_prompt'])} | {i['seed']} |"
             for n, i in enumerate(m.get("images", []))
         ]
     return "\n\n".join([*head, "\n".join(rows)])

@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 from tuneline.flows.reporter import PrefectReporter
-from tuneline.flows.results import cell, grid_markdown, image_url, inline_png, learning_rows, train_loss_markdown
+from tuneline.flows.results import grid_markdown, image_url, inline_png, learning_rows, train_loss_markdown
 from tuneline.schemas.config import PipelineConfig
+from tuneline.stages.common import markdown as md
 from tuneline.stages.common.lineage import Version
 
 FACTS = (
@@ -69,7 +70,7 @@ def summary_markdown(name: str, path: Path, m: dict, built: bool) -> str:
         f"### {name} `{path.name}`",
         "",
         f"- {how}",
-        f"- path: `{path}`",
+        f"- path: {md.text(path)}",
         f"- created: {m.get('created_at')}",
         f"- upstream: {ups}",
     ]
@@ -149,8 +150,8 @@ def caption_markdown(path: Path, count: int = 8) -> str:
     lines = ["| image | caption | source |", "|---|---|---|"]
     for r, f in zip(picked, files):
         thumb = inline_png(f, side=128, max_bytes=20_000) if f is not None else None
-        shown = f"![{r['ref']}]({thumb})" if thumb else f"`{r['ref']}`"
-        lines.append(f"| {shown} | {cell(r['caption'])} | {r['source']} |")
+        shown = f"![{md.text(r['ref'])}]({thumb})" if thumb else md.text(r["ref"])
+        lines.append(f"| {shown} | {md.text(r['caption'])} | {r['source']} |")
     return "\n".join(lines)
 
 

@@ -16,6 +16,9 @@ _SINGLE = family_list(lambda f: f.single_file_export and f.released)
 # Past these no machine holds the run: more processes than any node has cores, a rank wider than any layer.
 MAX_PROCESSES = 1024
 MAX_LORA_RANK = 8192
+# Learning rates no run can want, per optimizer: each step moves a weight by about the learning rate (Lion by
+# exactly that: its update is a sign), so above these training diverges at once.
+MAX_LEARNING_RATE = {"adamw": 0.1, "adamw8bit": 0.1, "adamw_schedulefree": 0.1, "adafactor": 0.1, "lion": 0.03}
 
 
 class EvalConfig(Strict):
@@ -303,6 +306,14 @@ class TrainConfig(Strict):
                 f"estimates the step size and the learning rate multiplies it; set "
                 f"train.learning_rate: 1.0 (train.prodigy_d_coef scales the estimate)"
             )
+        top = MAX_LEARNING_RATE.get(o)  # prodigy: its own range, above
+        for name, lr in (("learning_rate", self.learning_rate), ("text_encoder_lr", self.text_encoder_lr)):
+            if top is not None and lr is not None and lr > top:
+                raise ValueError(
+                    f"train.{name} {lr} with train.optimizer {o}: above {top} every step moves each weight by "
+                    f"about the learning rate and training diverges (typical: 1e-4 for LoRA, 1e-5 to 1e-6 for a "
+                    f"full fine-tune); set train.{name} to at most {top}"
+                )
         if o != "prodigy" and self.prodigy_d_coef != 1.0:
             raise ValueError(f"train.prodigy_d_coef applies to train.optimizer prodigy, not {o}; remove it")
         if o == "adamw_schedulefree" and self.lr_schedule != "constant":

@@ -82,7 +82,7 @@ def pixels(rec: ImageRecord, root: Path, ref: int = 0, size: tuple[int, int] | N
     if file_sha256(path) != sha:
         raise ArtifactError(
             f"control image {path} of {rec.path} changed since the scan (content hash differs): run "
-            f"`tuneline stage scan` again"
+            f"`tuneline run --until latents` (it rescans, then caches the new control)"
         )
     img = load_rgb(path)
     if img.size != (width, height):
@@ -118,7 +118,7 @@ def _check_family(ctx, n: int) -> None:
     if n > 1 and not models.family(ctx.cfg).multiple_references:
         raise ArtifactError(
             f"the scan pairs each image with {n} reference images, but family {ctx.cfg.model.family!r} takes one "
-            f"control image: keep one per image (<control>/<stem>.png) and run `tuneline stage scan` again"
+            f"control image: keep one per image (<control>/<stem>.png) and run `tuneline run --until latents`"
         )
 
 

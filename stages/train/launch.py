@@ -60,6 +60,8 @@ def resume_target(ctx, work: Path) -> Path | None:
     root = work / CHECKPOINTS
     try:
         target = ckpt.resolve(ctx.cfg.train.resume, root, ctx.workdir)
+        if target is not None and ctx.cfg.train.resume not in ("auto", "latest"):  # those are this run's own
+            ckpt.check_made_with(ctx.cfg, target)
     except ckpt.CheckpointError as err:
         raise TrainingFailed(str(err)) from None
     if target is None:

@@ -131,6 +131,9 @@ def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
     )
 
 
+EARLY_STEPS = 10  # a non-finite loss within these steps blames the learning rate first
+
+
 class Trainer:
     def __init__(
         self,
@@ -321,10 +324,13 @@ class Trainer:
         mb = micro[m]
         rows = shard(mb.global_rows, rank, self.t.batch_size)
         paths = self.data.reader.batch(mb.bucket, rows).paths
-        return (
-            f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket "
-            f"{mb.bucket}); the batch's images: {', '.join(paths)}"
-        )
+        where = f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket {mb.bucket})"
+        if self.step < EARLY_STEPS:  # images that passed the scan and the cache's checks rarely do this at once
+            return (
+                f"{where}: this early, the likelier cause is train.learning_rate {self.t.learning_rate} (train.optimizer "
+                f"{self.t.optimizer}): lower it tenfold; if that does not help, the batch's images: {', '.join(paths)}"
+            )
+        return f"{where}; the batch's images: {', '.join(paths)}"
 
     # ---- checkpoints -------------------------------------------------------------------------
     def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -342,6 +348,7 @@ class Trainer:
             "grad_accumulation": t.grad_accumulation,
             "mode": t.mode,
             "family": self.fam.facts.name,
+            "made_with": ckpt.made_with(self.cfg),
             "seed": t.seed,
             "optimizer": opt_meta,
             "lr": float(self.opt.param_groups[0]["lr"]),

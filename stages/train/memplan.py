@@ -387,5 +387,3 @@ def gpu_figures(cfg, model_dir: Path, step) -> dict:
         "measured": torch.cuda.max_memory_allocated(device),
         "ratio": torch.cuda.max_memory_allocated(device) / planned,
     }
-
-

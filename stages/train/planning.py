@@ -7,6 +7,7 @@ card of DEFAULT_GPU_GIB. The memory terms themselves are tuneline.stages.train.m
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) ->
     from tuneline.stages.families.shipped import shipped_dir
     from tuneline.stages.train.memplan import plan
 
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib < math.inf:  # nan compares false: refused too
         raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
     if model_config is not None:
         if model_config not in SHIPPED_CONFIGS:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.common import markdown as md
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
@@ -143,7 +144,8 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
     add the pictures themselves inline)."""
     published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
     rows = "\n".join(
-        f"| `{r.file}` | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |" for r in rendered
+        f"| {md.text(r.file)} | {md.text(r.prompt)} | {md.text(r.negative_prompt)} | {r.seed} | {r.width}x{r.height} |"
+        for r in rendered
     )
     text = (
         f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
