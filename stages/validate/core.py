@@ -149,8 +149,8 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
     )
     text = (
         f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
-        f"Files in `{published}`; grid: `{facts['grid']}`; training loss curve: "
-        f"`{models.artifact_dir(ctx, train) / train.loss_curve}`"
+        f"Files in {md.text(published)}; grid: {md.text(facts['grid'])}; training loss curve: "
+        f"{md.text(models.artifact_dir(ctx, train) / train.loss_curve)}"
     )
     if "class_separation_accuracy" in facts:
         text += (
