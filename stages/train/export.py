@@ -203,6 +203,11 @@ def load_lora(pipe, family: str, final: Path) -> None:
     pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
 
 
+def lora_loader(family: str, final: Path):
+    """Renderer.load's `adapt` for a LoRA run's final/: the pipeline gets its weights through load_lora."""
+    return lambda pipe: load_lora(pipe, family, final)
+
+
 def lora_source(final: Path) -> tuple[Path, str | None]:
     """(folder, weight_name) for load_lora_weights: the diffusers file when written, else the kohya one."""
     if (final / DIFFUSERS_FILE).is_file() or not (final / KOHYA_FILE).is_file():

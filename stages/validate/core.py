@@ -11,7 +11,7 @@ from tuneline.stages.common import markdown as md
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
-from tuneline.stages.train.export import load_lora
+from tuneline.stages.train.export import lora_loader
 from tuneline.stages.validate import edits as edits_mod
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import log_image, render_check, separation, square_class_means
@@ -34,7 +34,7 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_tex
         model_dir,
         dev,
         dtype,
-        adapt=None if lora is None else lambda pipe: load_lora(pipe, cfg.model.family, lora),
+        adapt=None if lora is None else lora_loader(cfg.model.family, lora),
         max_length=length,
         prompt_cache=None if trained_text else cache,
     )

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, load_lora
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, lora_loader
 
 CPU = torch.device("cpu")
 PROMPT, SEED, EDGE, STEPS, GUIDANCE = "make it red", 3, 64, 2, 2.0
@@ -38,7 +38,7 @@ def trained_edit(ctx, family: str, final: Path, image) -> torch.Tensor:
         model_dir,
         CPU,
         torch.float32,
-        adapt=lambda pipe: load_lora(pipe, family, final),
+        adapt=lora_loader(family, final),
         max_length=effective_max_length(ctx.cfg),
     )
     return torch.as_tensor(trained.render([Sample(PROMPT, "", SEED, image)], EDGE, EDGE, STEPS, GUIDANCE, "latent")[0])

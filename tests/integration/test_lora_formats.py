@@ -19,7 +19,7 @@ from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.train import kohya
-from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, ExportInfo, load_lora
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, ExportInfo, lora_loader
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
@@ -253,9 +253,7 @@ def test_validation_reads_a_kohya_only_final(built, tmp_path):
 
     model_dir = built("sd15")
     fam, den, _, _ = _trained("sd15", model_dir, tmp_path / "final", lora_format="kohya")
-    renderer = Renderer.load(
-        fam, model_dir, CPU, torch.float32, adapt=lambda pipe: load_lora(pipe, fam.facts.name, tmp_path / "final")
-    )
+    renderer = Renderer.load(fam, model_dir, CPU, torch.float32, adapt=lora_loader(fam.facts.name, tmp_path / "final"))
     renderer.pipe.fuse_lora()
     unet = renderer.pipe.unet
     got = {
