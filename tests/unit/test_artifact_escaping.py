@@ -94,13 +94,13 @@ def test_validation_tables_show_prompts_as_text(tmp_path):
     work = tmp_path / "artifacts" / "validate" / ".v1.partial"
     train = SimpleNamespace(stage="train", fingerprint="t1", loss_curve="loss.png")
     validate_report(StageContext(cfg, reporter=rep), work, rendered, {"grid": "grid.png"}, train)
-    _check_cells(rep.markdown_texts["validate-images"], TABLE_TAGS | {"a"})  # our file: links, nothing else
+    _check_cells(rep.markdown_texts["validate-images"], TABLE_TAGS)  # file names as text: no link opens from the UI
 
     path = tmp_path / "artifacts" / "validate" / "v1"
     m = {"images": [r.model_dump() for r in rendered]}
-    _report_validation(rep, cfg, path, m)
+    _report_validation(rep, cfg, path, m, "validate-grid")
     page = _check_cells(rep.markdown_texts["validate-grid"], TABLE_TAGS | {"a", "code"})
-    assert page.tags.count("a") == len(HOSTILE)  # our links only: one per rendered image
+    assert page.tags.count("a") == 0  # no ops.report_url: no links at all, and no user text became one
 
 
 def test_scan_rejections_and_summary_show_file_names_as_text(tmp_path):
