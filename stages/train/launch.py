@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere, StageStopped
 from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
-from tuneline.stages.train.failcause import Causes, first_failure
+from tuneline.stages.train.failcause import TRACEBACK, Causes, first_failure
 from tuneline.stages.train.hooks import CHECKPOINTS
 from tuneline.stages.train.memcheck import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
@@ -209,11 +210,21 @@ def stop(ctx, proc: subprocess.Popen, grace: int, mark: Path | None) -> None:
     ctx.log.warning("train: stopping; the workers finish their step and checkpoint (up to %d s)", grace)
     proc.send_signal(signal.SIGTERM)
     # Still read its output: a full pipe would block the workers' prints, and with them the checkpoint.
-    threading.Thread(target=lambda: [ctx.log.info("%s", line.rstrip()) for line in proc.stdout], daemon=True).start()
+    threading.Thread(target=drain, args=(ctx, proc), daemon=True).start()
     try:
         proc.wait(timeout=grace + 10)  # torchrun itself kills its workers after `grace`
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def drain(ctx, proc: subprocess.Popen) -> None:
+    """A stopping torchrun's output into the log; from torchrun's own traceback of the signal on (it reports the
+    stop it was asked for, not a failure) at debug level only."""
+    level = logging.INFO
+    for line in proc.stdout:
+        if TRACEBACK.match(line):
+            level = logging.DEBUG
+        ctx.log.log(level, "%s", line.rstrip())
 
 
 def stop_record(work: Path) -> str | None:

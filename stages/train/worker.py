@@ -277,7 +277,7 @@ def main(argv: list[str]) -> None:
     except Interrupted as err:
         if rank == 0:  # the launcher reads it: the stop's step and checkpoint
             (out / ERROR).write_text(json.dumps({"error": str(err), "stopped": True}), encoding="utf-8")
-        print(f"training {err}", file=sys.stderr, flush=True)
+            print(f"training {err}", file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT)
     except (NonFiniteLoss, CheckpointError, ArtifactError, ReaderError, ValueError) as err:
         # A verdict the user acts on (every rank usually reaches it alike: losses are all-gathered, manifests and

@@ -5,6 +5,7 @@ and never outlives a killed `tuneline`. These tests use no shared server: they w
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,7 +141,7 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
     assert proc.stderr is not None
     for line in proc.stderr:
         err_lines.append(line)
-        if " step " in line or "step 1/" in line:
+        if re.search(r"\bstep \d+/\d+", line):  # a training step's line (not the plan's stop-grace line)
             break
     else:
         raise AssertionError("training never started:\n" + "".join(err_lines[-40:]))

@@ -89,12 +89,19 @@ def install_family_wrappers(module) -> None:
 def install_trainer_wrapper(module) -> None:
     """Before each optimizer step (after the previous step's checkpoint and validation render): per micro-batch,
     the images the step trains on, the models alive and the components loaded so far."""
-    cls = module.Trainer
-    if getattr(cls, "_traced", False):
-        return
-    cls._traced = True
-    step = cls.train_step
+    _wrap_once(module.Trainer, "train_step", _traced_step)
 
+
+def _wrap_once(owner, name: str, make) -> None:
+    """owner.<name> replaced by make(the original), once however often the module is imported."""
+    mark = f"_traced_{name}"
+    if getattr(owner, mark, False):
+        return
+    setattr(owner, mark, True)
+    setattr(owner, name, make(getattr(owner, name)))
+
+
+def _traced_step(step):
     @functools.wraps(step)
     def train_step(self, micro, *args, **kwargs):  # the stop/checkpoint flags pass through
         folder = os.environ.get(TRACE_ENV)
@@ -120,17 +127,17 @@ def install_trainer_wrapper(module) -> None:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step + 1}")
         return step(self, micro, *args, **kwargs)
 
-    cls.train_step = train_step
+    return train_step
 
 
 def install_slow_stop(module) -> None:
     """checkpoint.save sleeps SLOW_STOP_ENV seconds first once the launcher has marked a stop (the mark beside the
     work folder: tuneline.stages.train.stopping)."""
-    if getattr(module, "_traced", False) or not os.environ.get(SLOW_STOP_ENV):
-        return
-    module._traced = True
-    save = module.save
+    if os.environ.get(SLOW_STOP_ENV):
+        _wrap_once(module, "save", _slow_save)
 
+
+def _slow_save(save):
     @functools.wraps(save)
     def slow_save(root, *args, **kwargs):
         work = Path(root).parent
@@ -138,17 +145,15 @@ def install_slow_stop(module) -> None:
             time.sleep(float(os.environ[SLOW_STOP_ENV]))
         return save(root, *args, **kwargs)
 
-    module.save = slow_save
+    return slow_save
 
 
 def install_render_trace(module) -> None:
     """Each rank's in-training validation renders: one line per render with its prompts."""
-    cls = module.Hooks
-    if getattr(cls, "_traced", False):
-        return
-    cls._traced = True
-    render = cls.render
+    _wrap_once(module.Hooks, "render", _traced_render)
 
+
+def _traced_render(render):
     @functools.wraps(render)
     def traced(self, samples):
         folder = os.environ.get(TRACE_ENV)
@@ -157,7 +162,7 @@ def install_render_trace(module) -> None:
                 f.write(json.dumps({"step": self.trainer.step, "prompts": [s.prompt for s in samples]}) + "\n")
         return render(self, samples)
 
-    cls.render = traced
+    return traced
 
 
 WRAP = {
