@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from tuneline.stages.train import collectives, worker
@@ -76,28 +78,40 @@ def replay(spec: dict, world: int) -> dict[str, torch.Tensor]:
 
 
 def run_cell(cell: dict) -> dict:
+    """Train, export, resume and replay one cell. What only rank 0 does (exports, replay) can fail on rank 0 alone:
+    its failure is recorded and rank 0 still meets the others at the barriers they wait at, so the ranks stay in
+    step for the next cell."""
     spec = cell["spec"]
     run = worker.setup(spec)
-    trainer = worker.fit(run)
+    trainer = worker.fit(run)  # its failures (DDP's, a non-finite loss) happen on every rank alike
     got: dict = {"grads": trainer.grad_states}
-    worker.finish(run, trainer)
+    try:
+        worker.finish(run, trainer)  # rank 0 exports, then two barriers
+    except Exception as err:
+        got["error"] = f"exports: {type(err).__name__}: {err}"
+        collectives.barrier(run.world)
+        collectives.barrier(run.world)
     if run.rank == 0:  # what the exports must hold
         save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, Path(cell["out"]) / TRAINED)
     first = Path(spec["out_dir"]) / "checkpoints" / checkpoint_name(1)
     again = worker.fit(worker.setup(spec | {"resume": str(first), "out_dir": str(Path(cell["out"]) / "resumed")}))
     got["resume"] = max_diff(trainer.params, again.params)
     if run.rank == 0:
-        got["replay"] = max_diff(trainer.params, replay(spec, run.world))
+        try:
+            got["replay"] = max_diff(trainer.params, replay(spec, run.world))
+        except Exception as err:
+            got["error"] = f"1-process replay: {type(err).__name__}: {err}"
     collectives.barrier(run.world)
     return got
 
 
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
-    collectives.init(torch.device("cpu"))
+    # The train stage's backend; a rank stuck in a collective ends the launch in minutes, not the stage's 30.
+    dist.init_process_group(collectives.backend(torch.device("cpu")), timeout=timedelta(minutes=5))
     collectives.init = lambda device: None  # one process group serves every cell (the worker's setup inits it)
     worker.Trainer = RecordingTrainer
-    rank = torch.distributed.get_rank()
+    rank = dist.get_rank()
     for cell in plan["cells"]:
         Path(cell["out"]).mkdir(parents=True, exist_ok=True)
         Path(cell["spec"]["out_dir"]).mkdir(parents=True, exist_ok=True)
