@@ -139,13 +139,19 @@ def plan_memory(
             help=f"plan a released model from its shipped weightless config ({', '.join(SHIPPED_CONFIGS)})",
         ),
     ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes", min=1, metavar="N", help="plan N training processes in all (FSDP shards over them)"
+        ),
+    ] = None,
 ) -> None:
     """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
     cfg = load(config, workdir)
     from tuneline.stages.train.memplan import plan_command
 
     try:
-        plan = plan_command(cfg, gpu_memory, model_config)
+        plan = plan_command(cfg, gpu_memory, model_config, processes)
     except user_errors() as err:
         fail(str(err))
     typer.echo(plan.text())

@@ -18,7 +18,7 @@ MAX_PROCESSES = 1024
 MAX_LORA_RANK = 8192
 # Optimizers whose every state tensor is elementwise over its parameter: they step a shard as they step the whole
 # (tests/integration/test_fsdp_train.py trains them under FSDP).
-FSDP_OPTIMIZERS = ("adamw", "lion", "adamw_schedulefree")
+FSDP_OPTIMIZERS = ("adamw", "lion")
 
 
 class EvalConfig(Strict):

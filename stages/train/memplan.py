@@ -12,7 +12,8 @@ plan costs seconds on any machine. Terms:
   of an edit family the forward includes a control image's tokens at the size they are cached at. With checkpointing
   the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward; under
   16-bit autocast float32 activations count at two bytes;
-- on CUDA a fixed reserve for the context and the caching allocator.
+- on CUDA a fixed reserve for the context and the caching allocator;
+- under train.parallelism fsdp, the sharded terms and FSDP's gathered copies (tuneline.stages.train.fsdpplan).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
@@ -98,6 +100,7 @@ class Setting:
     optimizer: str
     batch: int
     edge: int
+    shards: int | None = None  # train.parallelism fsdp over this many processes (None: DDP)
 
 
 def planned_controls(cfg, fam) -> int:
@@ -195,6 +198,7 @@ class Planner:
             t.optimizer,
             t.batch_size,
             largest_edge(self.cfg.buckets, self.alignment),
+            t.processes * t.nodes if t.parallelism == "fsdp" else None,
         )
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
@@ -226,6 +230,9 @@ class Planner:
             ),
             ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
         ]
+        if s.shards:  # tuneline.stages.train.fsdpplan
+            gathered = 2 if self.autocast else torch.finfo(self.dtype).bits // 8
+            out = sharded_terms(out, s.shards, self.den, gathered, t.fsdp_cpu_offload)
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -273,6 +280,14 @@ class Planner:
         swap = next((n for n in range(s.blocks_to_swap + 1, nmax + 1) if fits(replace(s, blocks_to_swap=n))), None)
         if swap is not None:
             out.append(show(f"train.blocks_to_swap: {swap}", replace(s, blocks_to_swap=swap)))
+        shards = shards_that_fit(lambda n: self.total(replace(s, shards=n)), s.shards or 1, free)
+        if shards is not None:
+            out.append(
+                show(
+                    f"train.parallelism: fsdp on {shards} processes (train.processes x train.nodes)",
+                    replace(s, shards=shards),
+                )
+            )
         batch = next((b for b in range(s.batch - 1, 0, -1) if fits(replace(s, batch=b))), None)
         if batch is not None:
             out.append(
@@ -300,7 +315,7 @@ class Planner:
                     + ([f"model.quantize: {quant}"] if quant else [])
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
-        return out
+        return allowed(out, s.shards)
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -346,15 +361,20 @@ def gpu_figures(cfg, model_dir: Path, step) -> dict:
     }
 
 
-def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> MemoryPlan:
+def plan_command(
+    cfg, gpu_memory_gib: float | None, model_config: str | None, processes: int | None = None
+) -> MemoryPlan:
     """`tuneline plan`: the config's model (built or converted like the stages do), or a released model's
-    shipped weightless config, planned on this machine's training device or a CUDA card of the given size."""
+    shipped weightless config, planned on this machine's training device or a CUDA card of the given size;
+    `processes`: as if trained by that many processes in all (train.processes, one node)."""
     from tuneline.schemas.model import SHIPPED_CONFIGS
     from tuneline.stages.families import resolve as models
     from tuneline.stages.families.shipped import shipped_dir
 
     if gpu_memory_gib is not None and gpu_memory_gib <= 0:
         raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
+    if processes is not None:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"processes": processes, "nodes": 1})})
     if model_config is not None:
         if model_config not in SHIPPED_CONFIGS:
             raise ValueError(

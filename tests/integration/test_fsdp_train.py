@@ -36,6 +36,12 @@ TRAIN = {
     "lora_rank": 4,
 }
 CELLS = [(family, mode) for family in ("tiny", "flux") for mode in ("full", "lora")]
+# One factor more per cell, the same in both runs: EMA (every rank averages its shard, final/ gathers it), gradient
+# checkpointing (a block's recompute gathers it again), and the other optimizer FSDP takes.
+EXTRA = {
+    ("tiny", "lora"): {"ema": True, "gradient_checkpointing": True},
+    ("flux", "lora"): {"optimizer": "lion", "learning_rate": 1e-4},
+}
 WORKER = ROOT / "tests" / "fsdp_worker.py"
 
 
@@ -57,7 +63,8 @@ def launched(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp")
     plan = []
     for family, mode in CELLS:
-        cfg = small_config(root / family, TRAIN | {"mode": mode}, model={"family": family, "device": "cpu"})
+        train = TRAIN | {"mode": mode} | EXTRA.get((family, mode), {})
+        cfg = small_config(root / family, train, model={"family": family, "device": "cpu"})
         ctx = build_upstream(cfg)
         out = root / "cells" / f"{family}-{mode}"
         plan.append({"name": out.name, "out": str(out), "spec": _spec(ctx, out / "spec")})
