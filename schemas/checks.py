@@ -22,10 +22,8 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module, never the 
 
 # train.export_single_file: stages/train/singlefile_export.py writes these (their schemas/families.py rows say so).
 SINGLE_FILE_FAMILIES = family_list(lambda f: f.single_file_export)
-# CLIP-conditioned UNet families: their text encoders take a LoRA in the layout ComfyUI maps onto CLIP.
-TEXT_ENCODER_LORA_FAMILIES = family_list(
-    lambda f: f.pipeline in ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
-)
+# train.text_encoder_lora: the families whose rows say their adapters train a text-encoder LoRA.
+TEXT_ENCODER_LORA_FAMILIES = family_list(lambda f: f.text_encoder_lora)
 FLOW_FAMILIES = family_list(lambda f: f.prediction == "flow_matching")
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (docs/design.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
@@ -201,9 +199,9 @@ def _training_mode(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
             f"train.export_single_file: model.family {fam.name} has no single-file export (supported: "
             f"{SINGLE_FILE_FAMILIES}); set train.export_single_file false"
         )
-    if t.text_encoder_lora and fam.name not in TEXT_ENCODER_LORA_FAMILIES.split(", "):
+    if t.text_encoder_lora and not fam.text_encoder_lora:
         problems.append(
-            f"train.text_encoder_lora: model.family {fam.name} has no CLIP text-encoder LoRA (supported: "
+            f"train.text_encoder_lora: model.family {fam.name} has no text-encoder LoRA (supported: "
             f"{TEXT_ENCODER_LORA_FAMILIES}); set train.text_encoder_lora false"
         )
     if t.lora_alpha is not None and t.mode != "lora":

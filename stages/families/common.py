@@ -47,7 +47,14 @@ class DiffusersFamily:
 
     facts: ClassVar[FamilyFacts]
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    # Tensors encode_text returns that the pipeline takes as `<key>=` / `negative_<key>=`.
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = ()
+    negative_required: ClassVar[bool] = False
+    single_file_layouts: ClassVar[dict[str, str]] = {}
+    # Edit-family abilities (base.Family says what each means); a plain text-to-image family has none.
+    takes_control: ClassVar[bool] = False
+    text_sees_control: ClassVar[bool] = False
+    multiple_references: ClassVar[bool] = False
+    one_control_per_call: ClassVar[bool] = False
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
     tiny_seed: ClassVar[int] = 0
 
@@ -81,6 +88,50 @@ class DiffusersFamily:
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         return {}
+
+    @property
+    def denoiser_class(self) -> type:
+        return _first_type(self.pipeline_class._get_signature_types()[self.denoiser_component])
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        return ()
+
+    # A transformer's stacks of repeated blocks, in the order its forward runs them (SD3, FLUX, Qwen-Image).
+    BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
+
+    def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
+        return tuple(n for n in self.BLOCK_STACKS if isinstance(getattr(model, n, None), torch.nn.ModuleList))
+
+    def check_full_finetune(self, model_dir: Path, shards: int = 1) -> None:
+        from tuneline.stages.families.full_limit import check_full_fits
+
+        check_full_fits(self.facts.name, self.denoiser_class, model_dir, self.denoiser_component, shards)
+
+    def comfy_lora_state(
+        self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        raise ValueError(
+            f"train.export_single_file: family {self.facts.name!r} has no single-file export; set "
+            f"train.export_single_file false"
+        )
+
+    # ---- edit families -----------------------------------------------------------------------
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        return width, height
+
+    def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:
+        return {}
+
+    def edit_call(
+        self, pipe: Any, enc: TextEncoders, kwargs: dict[str, Any], prompts: list[str], negatives: list[str]
+    ) -> tuple[Any, dict[str, Any]]:
+        return pipe, kwargs
+
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        return latents
 
     # ---- model folders -----------------------------------------------------------------------
     def ensure_model(
@@ -172,8 +223,7 @@ class DiffusersFamily:
         )
 
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
+        return self.denoiser_class.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
         """The training noise schedule: DDPM for epsilon/v families, flow-matching Euler for the others; built from

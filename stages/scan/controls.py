@@ -169,7 +169,7 @@ def _check_references(kept: list[ImageRecord], cfg: PipelineConfig) -> None:
     from tuneline.stages.families.registry import family_names, get_family
 
     def takes_several(name: str) -> bool:
-        return bool(getattr(get_family(name), "multiple_references", False))
+        return get_family(name).multiple_references
 
     if not takes_several(cfg.model.family):
         raise StageFailed(

@@ -36,7 +36,7 @@ def split_key(key: str) -> tuple[str | None, str]:
 
 
 def sees_control(fam) -> bool:
-    return bool(getattr(fam, "text_sees_control", False))
+    return fam.text_sees_control
 
 
 def paired_captions(ctx, scan: ScanManifest, upstream: dict) -> tuple[list[tuple[str, str]], dict[str, Path]] | None:

@@ -38,7 +38,7 @@ def policy(autocast: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard(
-    denoiser: torch.nn.Module, t: TrainConfig, device: torch.device, autocast: torch.dtype | None
+    denoiser: torch.nn.Module, fam, t: TrainConfig, device: torch.device, autocast: torch.dtype | None
 ) -> dict[str, torch.nn.Parameter]:
     """Shard `denoiser` in place over every process; returns its trainable parameters (now DTensors) by name.
 
@@ -51,7 +51,7 @@ def shard(
         "mp_policy": policy(autocast),
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if t.fsdp_cpu_offload else OffloadPolicy(),
     }
-    blocks = transformer_blocks(den)
+    blocks = transformer_blocks(den, fam.block_stacks(den))  # the family's declared block stacks
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
     fully_shard(den, reshard_after_forward=False, **kw)

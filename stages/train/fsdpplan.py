@@ -22,9 +22,15 @@ MAX_SHARDS = 64
 
 
 def sharded_terms(
-    terms: list[tuple[str, int]], shards: int, den: torch.nn.Module, gathered_bytes: int, offload: bool
+    terms: list[tuple[str, int]],
+    shards: int,
+    den: torch.nn.Module,
+    stacks: tuple[str, ...],
+    gathered_bytes: int,
+    offload: bool,
 ) -> list[tuple[str, int]]:
-    """`terms` (DDP's, per process) under FSDP over `shards` processes for the (meta) denoiser `den`;
+    """`terms` (DDP's, per process) under FSDP over `shards` processes for the (meta) denoiser `den`, whose
+    transformer blocks are in `stacks` (Family.block_stacks);
     `gathered_bytes`: bytes per gathered parameter (2 under 16-bit mixed precision, else as held)."""
     where = "in CPU memory" if offload else f"1/{shards} each"
     out = []
@@ -38,7 +44,7 @@ def sharded_terms(
             "params": sum(p.numel() for p in b.parameters()),
             "trainable": sum(p.numel() for p in b.parameters() if p.requires_grad),
         }
-        for b in transformer_blocks(den)
+        for b in transformer_blocks(den, stacks)
     ]
     largest = max(blocks, key=lambda b: b["params"], default={"params": 0, "trainable": 0})
     root_params = sum(p.numel() for p in den.parameters()) - sum(b["params"] for b in blocks)

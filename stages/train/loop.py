@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tuneline.schemas.scan import ImageRecord
 from tuneline.stages.common.prefetch import ahead
 from tuneline.stages.families.base import MicroCond
+from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.latents import store
 from tuneline.stages.latents.controls import read as read_controls
@@ -112,7 +113,7 @@ def sample_latents(mean: torch.Tensor, std: torch.Tensor | None, dev: torch.Gene
 def control_cond(fam, data, batch) -> dict[str, torch.Tensor]:
     """A paired dataset's conditioning for a family that takes control: the batch's control latents, scaled as the
     targets are (nothing without controls)."""
-    control = read_controls(data.reader, batch) if getattr(fam, "takes_control", False) else None
+    control = read_controls(data.reader, batch) if fam.takes_control else None
     return {} if control is None else {"control_latents": scale_latents(control, data.scaling, data.shift)}
 
 
@@ -146,17 +147,20 @@ class Trainer:
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
-        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
         self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
+        self.denoiser, self.params = prepare_denoiser(
+            fam, model_dir, self.t, base, device, cfg.model.quantize, shards=world if self.sharded else 1
+        )
         if self.sharded:
-            self.params = fsdp.shard(self.denoiser, self.t, device, self.autocast)
+            self.params = fsdp.shard(self.denoiser, fam, self.t, device, self.autocast)
         self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora
         if self.text is not None:
             self.params.update(self.text.params())
         self.names = list(self.params)
         # train.blocks_to_swap (tuneline.stages.train.swap); before the optimizer, EMA and DDP see the weights
+        stacks = self.fam.block_stacks(unwrap(self.denoiser))
         self.swapper = (
-            BlockSwapper(self.denoiser, self.t.blocks_to_swap, device, self.t.mode == "full")
+            BlockSwapper(self.denoiser, stacks, self.t.blocks_to_swap, device, self.t.mode == "full")
             if self.t.blocks_to_swap
             else None
         )

@@ -36,17 +36,18 @@ SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
     """The denoiser on the meta device, with LoRA adapters when training LoRA."""
-    cls = fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
+    cls = fam.denoiser_class
     config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
     with torch.device("meta"):
         den = cls.from_config(config)
+    from tuneline.stages.train.model import freeze_unused, lora_config
+
     if t.mode == "full":
         den = den.float().requires_grad_(True)
+        freeze_unused(fam, den, fam.denoiser_component)
     else:
-        from tuneline.stages.train.model import lora_config
-
         den = den.to(dtype).requires_grad_(False)
-        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -59,12 +60,13 @@ def weight_bytes(name: str, p: torch.nn.Parameter, linears: set[str], quantize: 
     return p.numel() * p.element_size()
 
 
-def describe(den, quantize: str | None) -> tuple[list[dict], int]:
+def describe(fam, den, quantize: str | None) -> tuple[list[dict], int]:
     """(per transformer block: bytes of its frozen weights, of all its weights, its trainable count; bytes of the
     frozen weights outside the blocks)."""
     linears = {n for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}
-    owner = {id(p): i for i, b in enumerate(transformer_blocks(den)) for p in b.parameters()}
-    per = [{"frozen": 0, "weights": 0, "trainable": 0} for _ in range(len(transformer_blocks(den)))]
+    blocks = transformer_blocks(den, fam.block_stacks(den))
+    owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    per = [{"frozen": 0, "weights": 0, "trainable": 0} for _ in blocks]
     outside = 0
     for name, p in den.named_parameters():
         i, size = owner.get(id(p)), weight_bytes(name, p, linears, quantize)
@@ -109,7 +111,7 @@ def planned_controls(cfg, fam) -> int:
     reads the config, not the scan): each adds one control's tokens."""
     from tuneline.stages.scan.controls import paired
 
-    return int(bool(getattr(fam, "takes_control", False)) and paired(cfg))
+    return int(fam.takes_control and paired(cfg))
 
 
 def size(b: int) -> str:
@@ -203,7 +205,7 @@ class Planner:
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
         t, full = self.t, self.t.mode == "full"
-        per, outside = describe(self.den, s.quantize)
+        per, outside = describe(self.fam, self.den, s.quantize)
         trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
         key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
         r = len(per) - s.blocks_to_swap
@@ -232,7 +234,8 @@ class Planner:
         ]
         if s.shards:  # tuneline.stages.train.fsdpplan
             gathered = 2 if self.autocast else torch.finfo(self.dtype).bits // 8
-            out = sharded_terms(out, s.shards, self.den, gathered, t.fsdp_cpu_offload)
+            stacks = self.fam.block_stacks(self.den)
+            out = sharded_terms(out, s.shards, self.den, stacks, gathered, t.fsdp_cpu_offload)
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -246,7 +249,7 @@ class Planner:
 
     def plan(self, free: int | None, where: str) -> MemoryPlan:
         s = self.current()
-        p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den)))
+        p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
         if not p.fits:
             p.fixes = self.fixes(s, free)
         return p
@@ -265,7 +268,7 @@ class Planner:
         def show(change: str, x: Setting) -> str:
             return f"{change}  (planned peak {self.total(x) / GIB:.2f} GiB)"
 
-        out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den)))
+        out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
         full = self.t.mode == "full"
         quant = None if full or s.quantize else ("fp8" if self.cuda else "int8")
         singles = [

@@ -9,6 +9,7 @@ from tuneline.schemas.validate import RenderedImage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
+from tuneline.stages.train.export import load_lora
 from tuneline.stages.validate import edits as edits_mod
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import render_check, separation, square_class_means
@@ -31,7 +32,7 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_tex
         model_dir,
         dev,
         dtype,
-        lora=lora,
+        adapt=None if lora is None else lambda pipe: load_lora(pipe, cfg.model.family, lora),
         max_length=length,
         prompt_cache=None if trained_text else cache,
     )

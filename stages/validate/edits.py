@@ -28,7 +28,7 @@ from tuneline.stages.validate.learning import separation, square_class_means
 
 
 def takes_control(cfg) -> bool:
-    return bool(getattr(models.family(cfg), "takes_control", False))
+    return models.family(cfg).takes_control
 
 
 def _training_pairs(ctx, upstream: dict, n: int) -> list[tuple[Path, str]]:
@@ -88,7 +88,7 @@ def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
                 f"validate.controls image {path} cannot be read ({err}): fix the path or the file"
             ) from None
         several = isinstance(image, list) and len(image) > 1
-        if several and not getattr(models.family(ctx.cfg), "multiple_references", False):
+        if several and not models.family(ctx.cfg).multiple_references:
             raise ValueError(
                 f"validate.controls image {path} is a folder of {len(image)} reference images, but family "
                 f"{ctx.cfg.model.family!r} takes one control image: name one image"

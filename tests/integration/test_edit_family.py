@@ -24,7 +24,7 @@ from tuneline.stages.common.stage import StageContext, run_stage, status
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
 from tuneline.stages.scan.demo import write_demo_for
-from tuneline.stages.train.export import DIFFUSERS_FILE
+from tuneline.stages.train.export import DIFFUSERS_FILE, load_lora
 
 pytestmark = pytest.mark.slow
 FAMILY = "flux_kontext"
@@ -87,7 +87,14 @@ def test_lora_in_stock_kontext_pipeline_renders_as_trained(edit_run, tmp_path):
     control = Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "blue_to_red_square_0.png").convert("RGB")
     fam = get_family(FAMILY)
     length = effective_max_length(ctx.cfg)
-    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
+    trained = Renderer.load(
+        fam,
+        model_dir,
+        CPU,
+        torch.float32,
+        adapt=lambda pipe: load_lora(pipe, fam.facts.name, paths["train"] / "final"),
+        max_length=length,
+    )
     sample = Sample("make it red", "", 3, control)
     want = torch.as_tensor(trained.render([sample], 64, 64, 2, 2.0, output_type="latent")[0])
 

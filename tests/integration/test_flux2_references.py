@@ -19,7 +19,7 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
-from tuneline.stages.train.export import DIFFUSERS_FILE
+from tuneline.stages.train.export import DIFFUSERS_FILE, load_lora
 
 pytestmark = pytest.mark.slow
 FAMILY = "flux2"
@@ -152,7 +152,14 @@ def test_lora_in_stock_flux2_pipeline_renders_as_trained(flux2_run):
     model_dir = fam.ensure_model(None, ctx.workdir / "models")
     control = Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "00-green-to-red.png").convert("RGB")
     length = effective_max_length(ctx.cfg)
-    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
+    trained = Renderer.load(
+        fam,
+        model_dir,
+        CPU,
+        torch.float32,
+        adapt=lambda pipe: load_lora(pipe, fam.facts.name, paths["train"] / "final"),
+        max_length=length,
+    )
     want = torch.as_tensor(trained.render([Sample("make it red", "", 3, control)], 64, 64, 2, 2.0, "latent")[0])
 
     def stock(lora: bool, image) -> torch.Tensor:
@@ -234,7 +241,14 @@ def test_lora_renders_with_several_references_in_the_stock_pipeline(flux2_refs_r
     folder = ctx.cfg.resolve(ctx.cfg.dataset.control) / "00-green-to-red"
     refs = [Image.open(folder / f"ref{j}.png").convert("RGB") for j in range(2)]
     length = effective_max_length(ctx.cfg)
-    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
+    trained = Renderer.load(
+        fam,
+        model_dir,
+        CPU,
+        torch.float32,
+        adapt=lambda pipe: load_lora(pipe, fam.facts.name, paths["train"] / "final"),
+        max_length=length,
+    )
     want = torch.as_tensor(trained.render([Sample("make it red", "", 3, refs)], 64, 64, 2, 2.0, "latent")[0])
     pipe = Flux2Pipeline.from_pretrained(model_dir, dtype=torch.float32)
     pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)

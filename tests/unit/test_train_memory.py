@@ -42,8 +42,9 @@ def train(fam, model_dir, steps=2, swap=0, quantize=None, **train):
     from the weights' storage, independently of the swapper's own bookkeeping)."""
     t = TrainConfig(processes=1, **train)
     den, params = prepare_denoiser(fam, model_dir, t, torch.float32, CPU, quantize)
-    swapper = BlockSwapper(den, swap, CPU, t.mode == "full") if swap else None
-    blocks, resident = transformer_blocks(den), []
+    stacks = fam.block_stacks(den)
+    swapper = BlockSwapper(den, stacks, swap, CPU, t.mode == "full") if swap else None
+    blocks, resident = transformer_blocks(den, stacks), []
 
     def count(module, args):
         resident.append(
@@ -101,8 +102,9 @@ def test_block_swap_same_numbers_and_at_most_blocks_minus_n_resident(models, nam
 def test_a_block_touched_while_swapped_out_fails(models):
     fam, model_dir = models["sd15"]
     den, _ = prepare_denoiser(fam, model_dir, TrainConfig(mode="lora", processes=1), torch.float32, CPU)
-    swapper = BlockSwapper(den, 2, CPU, full=False)
-    last = transformer_blocks(den)[-1]
+    stacks = fam.block_stacks(den)
+    swapper = BlockSwapper(den, stacks, 2, CPU, full=False)
+    last = transformer_blocks(den, stacks)[-1]
     with pytest.raises(RuntimeError):  # a released weight is an empty placeholder: any use fails
         last.attn1.to_q.base_layer(torch.zeros(1, last.attn1.to_q.in_features))
     swapper.start_step = lambda: None  # a wrong schedule: blocks never brought back in
@@ -116,7 +118,7 @@ def test_too_many_blocks_refused_naming_the_field(models):
     fam, model_dir = models["flux"]
     den, _ = prepare_denoiser(fam, model_dir, TrainConfig(mode="lora", processes=1), torch.float32, CPU)
     with pytest.raises(ValueError, match="train.blocks_to_swap 5.*at most 1"):
-        BlockSwapper(den, 5, CPU, full=False)
+        BlockSwapper(den, fam.block_stacks(den), 5, CPU, full=False)
 
 
 def test_offloaded_checkpointing_same_numbers_as_checkpointing(models):
@@ -240,7 +242,7 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
         from tuneline.stages.train.model import lora_config
 
         real.requires_grad_(False)
-        real.add_adapter(lora_config(t, fam.lora_target_modules))
+        real.add_adapter(lora_config(t, fam, real))
     measured = saved_bytes(fam, real, 2, 128)
     total = planned.outside + sum(planned.blocks)
     assert sum(p.numel() for p in real.parameters()) > (3e7 if size == "mid" else 0)

@@ -61,8 +61,16 @@ class Flux2Family(DiffusersFamily):
     takes_control: ClassVar[bool] = True
     multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
     one_control_per_call: ClassVar[bool] = True
-    # Flux2's double blocks name their attention to_q/k/v/to_out.0; single blocks fuse qkv+mlp (to_qkv_mlp_proj).
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Every linear layer of every block, as ai-toolkit and musubi-tuner train FLUX.2: the double blocks' attention
+    # of both streams (image to_q/k/v/to_out.0, text add_q/k/v_proj/to_add_out) and both feed-forwards, and the
+    # single blocks' fused qkv+mlp input (to_qkv_mlp_proj) and output (attn.to_out), where most of the model's
+    # parameters are. The shared modulation layers outside the blocks stay frozen. ComfyUI maps each of them
+    # (lora_layout.py).
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        *("ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"),
+        *("attn.to_qkv_mlp_proj", "attn.to_out"),
+    )
 
     # ---- latents -----------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -79,13 +87,6 @@ class Flux2Family(DiffusersFamily):
     def vae_factors(self, vae: torch.nn.Module) -> tuple[float, float]:
         """The cache already holds the pipeline's normalised space (latents.py): no further scale or shift."""
         return 1.0, 0.0
-
-    def check_full_finetune(self, model_dir: Path) -> None:
-        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
-        from tuneline.stages.families.full_limit import check_full_fits
-
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
 
     # ---- training ----------------------------------------------------------------------------
     def denoise(

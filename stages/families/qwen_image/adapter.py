@@ -62,6 +62,16 @@ class QwenImageFamily(DiffusersFamily):
         "add_v_proj",
         "to_add_out",
     )
+    # The last block's text stream: the transformer keeps only the image tokens after it (norm_out, proj_out), so
+    # its text queries (they only make the text outputs), the text outputs' projection and the text feed-forward
+    # never reach the loss (a backward leaves them without gradient: tests/integration/test_families_pipeline.py).
+    # Its add_k/add_v_proj do: the image queries attend to those keys and values.
+    LAST_BLOCK_UNUSED: ClassVar[tuple[str, ...]] = (
+        "attn.add_q_proj",
+        "attn.norm_added_q",
+        "attn.to_add_out",
+        "txt_mlp",
+    )
     # QwenImagePipeline applies a negative prompt only through true CFG; a negative given means the user wants it.
     true_cfg_scale: float = 4.0
 
@@ -196,6 +206,12 @@ class QwenImageFamily(DiffusersFamily):
             return_dict=False,
         )[0]
         return unpack_latents(out, h, w)
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        if component != self.denoiser_component:
+            return ()
+        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}"
+        return tuple(f"{last}.{m}" for m in self.LAST_BLOCK_UNUSED)
 
     # ---- validation --------------------------------------------------------------------------
     def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:

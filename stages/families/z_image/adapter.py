@@ -44,11 +44,17 @@ def trim(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 class ZImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["z_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
-    # Z-Image's blocks: attention to_q/k/v/to_out.0 in the main layers and both refiners (the modules ComfyUI maps).
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Z-Image's blocks, in the main layers and both refiners: attention to_q/k/v/to_out.0 and the SwiGLU
+    # feed-forward w1-w3, every linear layer ai-toolkit trains there but the modulation (each maps in ComfyUI).
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0"),
+        *("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+    )
     # ZImagePipeline with guidance but pre-encoded prompts needs negative embeds: the renderer encodes "" then,
     # which is what the pipeline itself encodes for a missing negative.
     negative_required: ClassVar[bool] = True
+    # Its forward runs the refiner stacks, then the main one (a stack its variant lacks is skipped).
+    BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
     text_layers: ClassVar[tuple[int, ...]] = (-2,)
 
     # ---- tiny flavor -------------------------------------------------------------------------
@@ -109,13 +115,6 @@ class ZImageFamily(DiffusersFamily):
         with the attention mask that marks the real tokens (the pipeline keeps only those)."""
         hidden, mask = qwen_hidden(enc, chat_prompts(enc.tokenizers[0], captions), self.text_layers)
         return {"prompt_embeds": hidden, "prompt_attention_mask": mask}
-
-    def check_full_finetune(self, model_dir: Path) -> None:
-        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
-        from tuneline.stages.families.full_limit import check_full_fits
-
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
 
     # ---- training ----------------------------------------------------------------------------
     def denoise(
