@@ -143,9 +143,8 @@ class TrainConfig(Strict):
     )
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp",
-        description="ddp: every process holds the whole model, its gradients and optimizer state; fsdp: each "
-        "transformer block and the rest of the denoiser sharded over every process (FSDP2), so each holds "
-        "1/N of them (docs/scale-out-fsdp.md)",
+        description="ddp: every process holds the whole model; fsdp: sharded over the N processes (FSDP2), each "
+        "holds 1/N of the weights, gradients and optimizer state (docs/scale-out-fsdp.md)",
     )
     fsdp_cpu_offload: bool = Field(
         False,

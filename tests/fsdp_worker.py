@@ -29,7 +29,7 @@ from tuneline.stages.train.plan import Position, micro_batches
 
 
 def whole(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: fsdp.full(p) for n, p in trainer.params.items()}  # a collective for sharded parameters
+    return {n: fsdp.full(p).clone() for n, p in trainer.params.items()}  # a collective for sharded parameters
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -79,13 +79,14 @@ def replay(spec: dict, resume: Path | None, save_after: int | None) -> tuple[Tra
 
 def run_cell(cell: dict) -> dict:
     out, spec = Path(cell["out"]), cell["spec"]
+    # The live weights after the last step, taken before finish() puts the EMA's in for final/.
     run, ddp = train(with_train(spec, out / "ddp"))
-    worker.finish(run, ddp)  # final/ as DDP writes it, for the test to compare the FSDP run's with
     ddp_weights = whole(ddp)
+    worker.finish(run, ddp)  # final/ as DDP writes it, for the test to compare the FSDP run's with
     sharded = with_train(spec, out / "fsdp", parallelism="fsdp")
     run, trainer = train(sharded)
-    worker.finish(run, trainer)
     weights = whole(trainer)
+    worker.finish(run, trainer)
     first = out / "fsdp" / "checkpoints" / checkpoint_name(1)
     _, resumed = train(with_train(sharded, out / "resumed") | {"resume": str(first)})
     _, to_one = replay(with_train(spec, out / "to-one"), first, None)

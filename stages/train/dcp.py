@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from tuneline.stages.common.artifacts import fsync_file
 from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.train import collectives
-from tuneline.stages.train.checkpoint import STATE, CheckpointError, checkpoint_name
+from tuneline.stages.train.checkpoint import STATE, check_files, checkpoint_name
 from tuneline.stages.train.plan import Position
 
 FORMAT = "sharded-safetensors"
@@ -73,13 +73,7 @@ def load(path: Path, trainer) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]
     """(state, tensors by group) of a sharded checkpoint, each tensor laid out as `trainer` holds its parameter
     (sharded or whole), after checking every file against state.json."""
     state = json.loads((path / STATE).read_text(encoding="utf-8"))
-    for name, entry in state.get("files", {}).items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size != entry["bytes"] or file_sha256(f) != entry["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} is missing or does not match its recorded size and "
-                f"checksum; delete {path} to resume from an earlier checkpoint"
-            )
+    check_files(path, state)
     reader = HuggingFaceStorageReader(str(path / SHARDS))
     saved = reader.read_metadata().state_dict_metadata
     targets = {key: _target(key, meta, trainer.params) for key, meta in saved.items()}
