@@ -123,3 +123,21 @@ def test_fsdp_refuses_what_cannot_shard(tmp_path, train, model, fields):
     with pytest.raises(ValueError) as err:
         parse_config(data)
     assert all(f in str(err.value) for f in fields), str(err.value)
+
+
+def test_the_train_stage_trains_sharded_and_publishes_what_ddp_does(tmp_path):
+    """The user's path: the train stage (launcher, torchrun, the worker's main) with train.parallelism fsdp."""
+    from diffusers import UNet2DConditionModel
+
+    from tests.integration.test_train_support import train
+
+    cfg = small_config(tmp_path, TRAIN | {"parallelism": "fsdp"})
+    build_upstream(cfg)
+    out = train(cfg)
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["world_size"] == 2 and manifest["config"]["train"]["parallelism"] == "fsdp"
+    state = json.loads((out / "checkpoints" / "step-0000002" / "state.json").read_text(encoding="utf-8"))
+    assert state["format"] == "sharded-safetensors" and state["global_batch"] == 8
+    assert sorted(state["files"]) == [f"shards/shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)]
+    unet = UNet2DConditionModel.from_pretrained(out / "final" / "unet")
+    assert all(p.isfinite().all() for p in unet.parameters())
