@@ -139,6 +139,12 @@ def plan_memory(
             help=f"plan a released model from its shipped weightless config ({', '.join(SHIPPED_CONFIGS)})",
         ),
     ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes", min=1, metavar="N", help="plan N training processes in all (FSDP shards over them)"
+        ),
+    ] = None,
 ) -> None:
     """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the settings that fit).
 
@@ -150,7 +156,7 @@ def plan_memory(
     try:
         if config is None and model_config is not None:
             cfg = model_user_config(model_config, workdir)
-        answer = plan_command(cfg, gpu_memory, model_config)
+        answer = plan_command(cfg, gpu_memory, model_config, processes)
     except user_errors() as err:
         fail(str(err))
     typer.echo(answer.text())

@@ -305,6 +305,12 @@ def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
             f"train.adapter {cfg.train.adapter} cannot train on a model.quantize {q} base (peft applies only "
             f"a LoRA to quantized layers): set train.adapter lora or model.quantize null"
         )
+    if cfg.train.parallelism == "fsdp":
+        out.append(
+            f"model.quantize {q} with train.parallelism fsdp: FSDP shards plain tensors, not torchao's quantized "
+            f"ones; set model.quantize null (FSDP already divides the base by the process count) or "
+            f"train.parallelism ddp"
+        )
     if q == "fp8" and cfg.model.device == "cpu":
         out.append("model.quantize fp8 needs a CUDA GPU with float8 support; with model.device cpu use int8 or null")
     return out

@@ -92,7 +92,13 @@ def load(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: {STATE} is not valid JSON ({err})") from None
-    tensors = {}
+    check_files(path, state)
+    tensors = {name.removesuffix(".safetensors"): load_file(str(path / name)) for name in state.get("files", {})}
+    return state, tensors
+
+
+def check_files(path: Path, state: dict) -> None:
+    """CheckpointError unless every file state.json lists is there with its recorded size and checksum."""
     for name, entry in state.get("files", {}).items():
         f = path / name
         if not f.is_file() or f.stat().st_size != entry["bytes"] or file_sha256(f) != entry["sha256"]:
@@ -100,8 +106,6 @@ def load(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
                 f"checkpoint {path}: {name} is missing or does not match its recorded size and "
                 f"checksum; delete {path} to resume from an earlier checkpoint"
             )
-        tensors[name.removesuffix(".safetensors")] = load_file(str(f))
-    return state, tensors
 
 
 def made_with(cfg) -> dict:

@@ -16,7 +16,7 @@ from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
-from tuneline.stages.train import checkpoint as ckpt, collectives
+from tuneline.stages.train import checkpoint as ckpt, collectives, dcp
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import eval_weights
 
@@ -63,10 +63,13 @@ class Hooks:
 
     def checkpoint(self) -> None:
         self.last_checkpoint = self.trainer.step
+        root = self.run.out / CHECKPOINTS
+        if self.trainer.sharded:  # every rank writes its shards (tuneline.stages.train.dcp)
+            path = dcp.save(root, self.trainer.step, *self.trainer.checkpoint(), rank=self.run.rank)
         if not self.writer:
             return
-        root = self.run.out / CHECKPOINTS
-        path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
+        if not self.trainer.sharded:
+            path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
         ckpt.prune(root, self.t.keep_checkpoints)
         loss_curve(self.trainer.losses, eval_losses=self.run.eval_losses).save(self.run.out / LOSS_PNG)
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)

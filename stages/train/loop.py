@@ -25,7 +25,7 @@ from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
 from tuneline.stages.text.store import TextCache, pair_key
-from tuneline.stages.train import checkpoint as ckpt, collectives
+from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp
 from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
 from tuneline.stages.train.objective import (
@@ -150,7 +150,12 @@ class Trainer:
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
-        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
+        self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
+        self.denoiser, self.params = prepare_denoiser(
+            fam, model_dir, self.t, base, device, cfg.model.quantize, shards=world if self.sharded else 1
+        )
+        if self.sharded:
+            self.params = fsdp.shard(self.denoiser, fam, self.t, device, self.autocast)
         self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora
         if self.text is not None:
             self.params.update(self.text.params())
@@ -164,7 +169,7 @@ class Trainer:
         )
         self.opt = build_optimizer(self.param_groups(), self.t)
         self.scaler = grad_scaler(self.autocast)
-        # On every rank (rank 0 saves it): in-training validation renders the EMA weights on every rank.
+        # On every rank (rank 0 saves it; under FSDP each rank its own shard): in-training validation renders the EMA weights on every rank.
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema else None
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
@@ -177,7 +182,8 @@ class Trainer:
         # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
         # With a text-encoder LoRA, DDP wraps both (its reducer then averages both LoRAs' gradients).
         joint = Joint(self.denoiser, self.text.enc.encoders) if self.text is not None else self.denoiser
-        self.model = collectives.wrap(joint, self.params, device) if collectives.active(world) else self.denoiser
+        wrap = collectives.active(world) and not self.sharded  # FSDP reduces the gradients itself
+        self.model = collectives.wrap(joint, self.params, device) if wrap else self.denoiser
 
     def param_groups(self) -> list:
         """The optimizer's parameters: one group, or with train.text_encoder_lora a second for the text encoders
@@ -360,7 +366,7 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, grad scaler, EMA, step, sampler position, losses."""
-        state, tensors = ckpt.load(path)
+        state, tensors = dcp.load(path, self) if dcp.is_sharded(path) else ckpt.load(path)
         self.check_compatible(path, state, set(tensors.get("trainable", {})))
         with torch.no_grad():
             for n, p in self.params.items():
@@ -370,17 +376,11 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
             self.ema.shadow = {n: v.to(self.device) for n, v in tensors.get("ema", tensors["trainable"]).items()}
-        self.step, self.position, self.losses = state["step"], Position(**state["position"]), list(state["losses"])
+        self.step, self.position, self.losses = state["step"], dcp.position(state, self.t, self.world), state["losses"]
 
     def check_compatible(self, path: Path, state: dict, names: set[str]) -> None:
         t = self.t
-        mine = {
-            "mode": t.mode,
-            "family": self.fam.facts.name,
-            "world_size": self.world,
-            "batch_size": t.batch_size,
-            "grad_accumulation": t.grad_accumulation,
-        }
+        mine = {"mode": t.mode, "family": self.fam.facts.name} | dcp.batch_facts(state, t, self.world)
         differ = [f"{k} {state.get(k)!r} (now {v!r})" for k, v in mine.items() if state.get(k) != v]
         if names != set(self.names):
             differ.append(f"{len(names)} trained tensors that do not match this model's {len(self.names)}")

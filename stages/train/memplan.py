@@ -15,7 +15,8 @@ plan costs seconds on any machine. Terms:
 - with in-training validation on, the VAE decoder and text encoders every rank loads to render, less the
   activations they replace (tuneline.stages.train.memextra); DDP's gradient buckets are the gradients
   (gradient_as_bucket_view=True);
-- on CUDA a fixed reserve for the context and the caching allocator.
+- on CUDA a fixed reserve for the context and the caching allocator;
+- under train.parallelism fsdp, the sharded terms and FSDP's gathered copies (tuneline.stages.train.fsdpplan).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
 from tuneline.stages.train.memcheck import render_models_bytes
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
 from tuneline.stages.train.metamodel import denoiser_class, largest_fitting, quiet_cast
@@ -105,6 +107,7 @@ class Setting:
     optimizer: str
     batch: int
     edge: int
+    shards: int | None = None  # train.parallelism fsdp over this many processes (None: DDP)
 
 
 def planned_controls(cfg, fam) -> int:
@@ -224,6 +227,7 @@ class Planner:
             t.optimizer,
             t.batch_size,
             largest_edge(self.cfg.buckets, self.alignment),
+            t.processes * t.nodes if t.parallelism == "fsdp" else None,
         )
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
@@ -256,6 +260,10 @@ class Planner:
         ]
         freed = out[-1][1] + out[-2][1]  # a render runs between steps, when the activations are gone
         out.append(("validation render models beyond the freed activations", max(0, self.render_bytes - freed)))
+        if s.shards:  # tuneline.stages.train.fsdpplan
+            gathered = 2 if self.autocast else torch.finfo(self.dtype).bits // 8
+            stacks = self.fam.block_stacks(self.den)
+            out = sharded_terms(out, s.shards, self.den, stacks, gathered, t.fsdp_cpu_offload)
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -316,6 +324,14 @@ class Planner:
         swap = next((n for n in range(s.blocks_to_swap + 1, nmax + 1) if fits(replace(s, blocks_to_swap=n))), None)
         if swap is not None:
             out.append(show(f"train.blocks_to_swap: {swap}", replace(s, blocks_to_swap=swap)))
+        shards = shards_that_fit(lambda n: self.total(replace(s, shards=n)), s.shards or 1, free)
+        if shards is not None:
+            out.append(
+                show(
+                    f"train.parallelism: fsdp on {shards} processes (train.processes x train.nodes)",
+                    replace(s, shards=shards),
+                )
+            )
         batch = next((b for b in range(s.batch - 1, 0, -1) if fits(replace(s, batch=b))), None)
         if batch is not None:
             out.append(
@@ -343,7 +359,7 @@ class Planner:
                     + ([f"model.quantize: {quant}"] if quant else [])
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
-        return out
+        return allowed(out, s.shards)
 
 
 def free_memory(device: torch.device) -> int | None:

@@ -58,16 +58,23 @@ def freeze_unused(fam, model: torch.nn.Module, component: str) -> None:
 
 
 def prepare_denoiser(
-    fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype, device: torch.device, quantize: str | None = None
+    fam,
+    model_dir: Path,
+    t: TrainConfig,
+    base_dtype: torch.dtype,
+    device: torch.device,
+    quantize: str | None = None,
+    shards: int = 1,
 ) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
-    """(denoiser ready to train, its trainable parameters by name).
+    """(denoiser ready to train, its trainable parameters by name). `shards`: the processes FSDP will split the
+    model over (1: DDP, every process holds all of it).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
     `base_dtype` to save memory, the adapter weights in float32.
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     if t.mode == "full":
-        fam.check_full_finetune(model_dir)  # a denoiser too large for DDP is refused before it loads
+        fam.check_full_finetune(model_dir, shards)  # a denoiser too large even when split is refused before it loads
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
         freeze_unused(fam, den, fam.denoiser_component)
     else:

@@ -62,9 +62,12 @@ def headline(cfg, family: str, where: str) -> str:
     )
 
 
-def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> PlanAnswer:
+def plan_command(
+    cfg, gpu_memory_gib: float | None, model_config: str | None, processes: int | None = None
+) -> PlanAnswer:
     """`tuneline plan`: the config's model (built or converted as the stages do), or a released model's shipped
-    weightless config, planned on the machine's training device or a CUDA card of the given size."""
+    weightless config, planned on the machine's training device or a CUDA card of the given size; `processes`:
+    as if trained by that many processes in all (train.processes, one node)."""
     import torch
 
     from tuneline.schemas.model import SHIPPED_CONFIGS
@@ -74,6 +77,8 @@ def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) ->
 
     if gpu_memory_gib is not None and not 0 < gpu_memory_gib < math.inf:  # nan compares false: refused too
         raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
+    if processes is not None:
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"processes": processes, "nodes": 1})})
     if model_config is not None:
         if model_config not in SHIPPED_CONFIGS:
             raise ValueError(

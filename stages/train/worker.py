@@ -36,14 +36,13 @@ from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text import TagAugment
 from tuneline.stages.text.live import open_text
 from tuneline.stages.text.store import TextCache
-from tuneline.stages.train import collectives, evaluation, failcause
+from tuneline.stages.train import collectives, evaluation, failcause, fsdp
 from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CheckpointError, checkpoint_name
 from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
-from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.plan import micro_batches
 from tuneline.stages.train.procwatch import worker_guard
 from tuneline.stages.train.rows import RowPlan
@@ -191,14 +190,10 @@ def fit(run: Run) -> Trainer:
 def finish(run: Run, trainer: Trainer) -> None:
     """Rank 0 writes final/ (the EMA weights when kept), the loss table and curve, and the result the launcher
     turns into the manifest; the others wait so nobody exits before it exists."""
+    t = run.cfg.train
+    final = fsdp.final_denoiser(trainer, run.rank)  # a collective under FSDP: the whole weights, on rank 0
     if run.rank == 0:
-        t = run.cfg.train
-        if trainer.ema is not None:
-            trainer.ema.copy_to(trainer.params)
-        with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: its averaged weights
-            exports = save_final(
-                run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run), trainer.text
-            )
+        exports = save_final(run.family, run.model_dir, final, t, run.out / "final", export_info(run), trainer.text)
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))

@@ -18,7 +18,7 @@ import re
 import torch
 
 from tests.integration import comfy_layout, original_layout
-from tuneline.stages.train.singlefile_export import unet_name
+from tuneline.stages.families.sd15.single_file import unet_name
 
 CLIP_LAYER = ("mlp.fc1", "mlp.fc2", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj")
 Z_IMAGE_MODULES = re.compile(
