@@ -256,6 +256,7 @@ def test_a_paired_dataset_plans_the_control_tokens(tmp_path_factory, name):
     its control latents (the 64-pixel target alone saves a quarter of that for Qwen-Image-Edit)."""
     from tuneline.schemas.config import parse_config
     from tuneline.stages.train.memplan import build_meta, planned_controls, trace_activations
+    from tuneline.stages.train.model import freeze_unused
 
     fam = get_family(name)
     model_dir = fam.ensure_model(None, tmp_path_factory.mktemp("edit-models"))
@@ -269,6 +270,7 @@ def test_a_paired_dataset_plans_the_control_tokens(tmp_path_factory, name):
     cls = type(meta)
     torch.manual_seed(0)
     real = cls.from_config(cls.load_config(model_dir, subfolder=fam.denoiser_component))
+    freeze_unused(fam, real, fam.denoiser_component)  # as a full fine-tune trains it (Family.unused_modules)
     measured, alone = saved_bytes(fam, real, 2, 64, controls=1), saved_bytes(fam, real, 2, 64)
     total = planned.outside + sum(planned.blocks)
     assert measured > alone * (3 if name == "qwen_image_edit" else 1)
