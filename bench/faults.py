@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.helpers import PrefectServer  # noqa: E402
 from tests.reliability import (
     faultlib as fl,  # noqa: E402
     killwalk,  # noqa: E402
@@ -39,7 +40,7 @@ def main() -> int:
     kills: list[killwalk.Kill] = []
     problems: list[str] = []
     final: list[str] = []
-    with fl.PrefectServer() as server:
+    with PrefectServer() as server:
         print(f"fault injection: {KILLS} kills per stage, seed {SEED}, work in {tmp}", flush=True)
         walk_no = 0
         while walk_no < 3 and any(_aimed(kills, s) < KILLS for s in fl.STAGES):

@@ -27,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_lora import ANCHORS, lora_figure, missing_text_encoder  # noqa: E402
-from gpu_setup import IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds, trainer_for  # noqa: E402
+from gpu_setup import IMAGES, STEPS, WARMUP, Bench, caches, free, result, step_seconds  # noqa: E402
+
+from tests.trainer import trainer_for  # noqa: E402
 
 FIGURES = (
     "ddp_two_process_cuda",

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from gpu_setup import Bench, caches, free, result, step_seconds, trainer_for
+from gpu_setup import Bench, caches, free, result, step_seconds
+
+from tests.trainer import trainer_for
 
 GB = 1e9 / 2**30  # GiB per GB: the FLUX.2 [klein] figures are published in GB
 

@@ -1,12 +1,12 @@
 """Shared parts of bench/gpu.py: where the figures run (device, tiny or full size), the random-weight full-size
-models from the shipped configs, the caches through the plain stage runner, an in-process Trainer, the step timer."""
+models from the shipped configs, the caches through the plain stage runner, the step timer. The in-process
+Trainer is the tests' (tests/trainer.py): one copy, reading the caches as the training worker does."""
 
 from __future__ import annotations
 
 import json
 import statistics
 import time
-from contextlib import closing
 from pathlib import Path
 
 STEPS, WARMUP = 10, 3  # timed steps after warm-up steps (--tiny: 3 after 1, enough to run the code)
@@ -126,53 +126,16 @@ def caches(cfg):
     return ctx
 
 
-def trainer_for(cfg, ctx, rank: int = 0, world: int = 1):
-    """A Trainer in this process over the context's caches, reading them as the worker does."""
-    import torch
-
-    from tuneline.schemas.latents import LatentsManifest
-    from tuneline.schemas.scan import ImageRecord
-    from tuneline.schemas.sources import dataset_sources
-    from tuneline.schemas.text import TextManifest
-    from tuneline.stages.common.jsonl import read_jsonl
-    from tuneline.stages.families import resolve as models
-    from tuneline.stages.latents.reader import LatentReader
-    from tuneline.stages.text.live import open_text
-    from tuneline.stages.train.loop import Data, Trainer
-    from tuneline.stages.train.rows import RowPlan
-
-    store, dev = ctx.store, torch.device(cfg.model.device if cfg.model.device != "auto" else "cuda")
-    lat_dir, txt_dir = store.latest("latents"), store.latest("text")
-    lat, txt = store.read(lat_dir, LatentsManifest), store.read(txt_dir, TextManifest)
-    scan = store.version_dir("scan", lat.upstream["scan"])
-    records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan / "images.jsonl")}
-    fam, model_dir = models.family(cfg), models.model_dir(ctx)
-    reader = LatentReader(lat_dir, lat)
-    text = open_text(txt, txt_dir, fam, model_dir, dev, models.dtype(cfg, dev))
-    data = Data(
-        reader,
-        text,
-        records,
-        lat.scaling_factor,
-        lat.shift_factor,
-        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
-    )
-    return Trainer(cfg, fam, model_dir, data, rank, world, dev)
-
-
 def step_seconds(b: Bench, trainer) -> float:
     """Median seconds of one step of the real loop after warm-up."""
-    from tuneline.stages.train.plan import micro_batches
+    from tests.trainer import feed
 
-    t = trainer.t
     times = []
-    with closing(
-        trainer.feed(micro_batches(trainer.data.rows.epoch_plans(1), t.batch_size, 0, trainer.position))
-    ) as feed:
+    with feed(trainer) as fed:
         for _ in range(b.warmup + b.steps):
             b.sync()
             start = time.perf_counter()
-            trainer.train_step([next(feed) for _ in range(t.grad_accumulation)])
+            trainer.train_step([next(fed) for _ in range(trainer.t.grad_accumulation)])
             b.sync()
             times.append(time.perf_counter() - start)
     return statistics.median(times[b.warmup :])

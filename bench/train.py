@@ -24,18 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.trainer import trainer_for  # noqa: E402
 from tuneline.schemas.config import parse_config  # noqa: E402
 from tuneline.schemas.demo import DEMO_CONFIG  # noqa: E402
-from tuneline.schemas.latents import LatentsManifest  # noqa: E402
-from tuneline.schemas.scan import ImageRecord  # noqa: E402
-from tuneline.schemas.text import TextManifest  # noqa: E402
-from tuneline.stages.common.jsonl import read_jsonl  # noqa: E402
 from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
-from tuneline.stages.families import resolve as models  # noqa: E402
-from tuneline.stages.latents.reader import LatentReader  # noqa: E402
 from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402
 from tuneline.stages.scan.demo import write_demo_dataset  # noqa: E402
-from tuneline.stages.text.live import open_text  # noqa: E402
 from tuneline.stages.train.loop import Data, Trainer  # noqa: E402
 from tuneline.stages.train.plan import micro_batches  # noqa: E402
 
@@ -44,22 +38,15 @@ ROUNDS = 6
 GOAL = 0.9
 
 
-def caches(workdir: Path):
-    """The demo's scan/latents/text artifacts, built once; returns (ctx, Data)."""
+def caches(workdir: Path) -> StageContext:
+    """The demo's scan/latents/text artifacts, built once."""
     data = copy.deepcopy(DEMO_CONFIG) | {"workdir": str(workdir)}
     cfg = parse_config(data)
     write_demo_dataset(cfg.resolve(cfg.dataset.path))
     ctx = StageContext(cfg)
     for name in ("scan", "latents", "text"):
         run_stage(ctx, stage(name), PIPELINE)
-    lat_dir, txt_dir = ctx.store.latest("latents"), ctx.store.latest("text")
-    lat, txt = ctx.store.read(lat_dir, LatentsManifest), ctx.store.read(txt_dir, TextManifest)
-    records = {
-        r["path"]: ImageRecord.model_validate(r)
-        for r in read_jsonl(ctx.store.version_dir("scan", lat.upstream["scan"]) / "images.jsonl")
-    }
-    text = open_text(txt, txt_dir, models.family(cfg), models.model_dir(ctx), torch.device("cpu"), torch.float32)
-    return ctx, Data(LatentReader(lat_dir, lat), text, records, lat.scaling_factor, lat.shift_factor)
+    return ctx
 
 
 def time_loop(trainer: Trainer, stream, steps: int) -> tuple[float, list[str]]:
@@ -116,10 +103,11 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)  # as a training process runs (train.threads_per_process)
     with tempfile.TemporaryDirectory(prefix="tuneline-bench-train-") as tmp:
-        ctx, data = caches(Path(tmp))
+        ctx = caches(Path(tmp))
         cfg = ctx.cfg
         t = cfg.train
-        trainer = Trainer(cfg, models.family(cfg), models.model_dir(ctx), data, 0, 1, torch.device("cpu"))
+        trainer = trainer_for(cfg, ctx)  # one process, reading the caches as the worker does
+        data = trainer.data
 
         def plan_of(epoch: int):
             return data.reader.plan(t.batch_size, 1, t.seed, epoch)

@@ -13,18 +13,34 @@ import typer
 import tuneline.flows  # noqa: F401  (sets Prefect logging env before prefect is imported)
 from tuneline.flows import cli_ops
 from tuneline.flows.captions_cli import captions_app
-from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_rows, user_errors
+from tuneline.flows.cli_common import ConfigArg, WorkdirOpt, fail, load, print_rows, store_errors, user_errors
 from tuneline.schemas.config import ConfigError, PipelineConfig, example_yaml
 
 # Plain help (rich_markup_mode=None): typer's rich help prints a `<bool>` value placeholder after every flag
 # (`--force <bool>`), which reads as if the flag took a value.
-app = typer.Typer(
-    add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Diffusion fine-tuning as Prefect flows."
-)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 config_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Example config and JSON schema.")
 app.add_typer(config_app, name="config")
 app.add_typer(cli_ops.remote_app, name="remote")
 app.add_typer(captions_app, name="captions")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"tuneline {version('tuneline')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    """Diffusion fine-tuning as Prefect flows: scan -> latents -> text -> train -> validate, each stage a versioned
+    artifact. Without CONFIG, commands use the built-in demo; docs: docs/index.md."""
 
 
 @app.command()
@@ -102,7 +118,7 @@ def _in_flows(cfg: PipelineConfig, call):
         with temporary_settings(updates={PREFECT_API_URL: url}) if url else nullcontext():
             return call()
     except user_errors() as err:
-        fail(str(err))
+        fail(str(err), getattr(err, "exit_code", 1))
     except Exception as err:
         _fail_if_unauthorized(err)
         raise
@@ -126,8 +142,8 @@ def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | 
     from tuneline.flows.runs import fresh_summary
 
     try:
-        runs = fresh_summary(cfg, names, user_errors())
-    except user_errors() as err:
+        runs = fresh_summary(cfg, names, store_errors())
+    except store_errors() as err:
         fail(str(err))
         raise  # unreachable
     if runs is not None:
@@ -137,7 +153,12 @@ def _nothing_to_run(cfg: PipelineConfig, names: list[str]) -> dict[str, dict] | 
 
 @app.command()
 def stage(
-    name: Annotated[str, typer.Argument(help="scan | latents | text | train | validate")],
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME", help="scan | caption (with caption.model set) | latents | text | train | validate"
+        ),
+    ],
     config: ConfigArg = None,
     workdir: WorkdirOpt = None,
     force: Annotated[bool, typer.Option("--force", help="rebuild even if fresh")] = False,
@@ -173,14 +194,14 @@ def status(
     workdir: WorkdirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON on stdout, logs on stderr")] = False,
 ) -> None:
-    """Per stage: fresh / stale / missing / failed, version, path, reason."""
+    """Per stage: fresh / stale / missing / failed / stopped, version, path, reason."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     cfg = load(config, workdir)
     from tuneline.stages.common.stage import StageContext, status as stage_status
     from tuneline.stages.pipeline import PIPELINE
 
     try:
-        rows = stage_status(StageContext(cfg), PIPELINE)
+        rows = stage_status(StageContext(cfg), PIPELINE, reuse=True)
     except user_errors() as err:
         fail(str(err))
     print_rows(
@@ -192,9 +213,16 @@ def status(
 
 
 @config_app.command("example")
-def config_example() -> None:
-    """Print a complete YAML config equivalent to the demo."""
-    sys.stdout.write(example_yaml())
+def config_example(
+    minimal: Annotated[
+        bool, typer.Option("--minimal", help="only the keys a run on your own images needs; the rest default")
+    ] = False,
+) -> None:
+    """Print a complete YAML config equivalent to the demo, each key commented with what it does."""
+    from tuneline.schemas.demo import MINIMAL_YAML
+    from tuneline.schemas.reference import commented_yaml
+
+    sys.stdout.write(MINIMAL_YAML if minimal else commented_yaml(example_yaml()))
 
 
 @config_app.command("schema")
@@ -250,6 +278,20 @@ def worker(
 app.command()(cli_ops.lineage)
 app.command()(cli_ops.gc)
 app.command("plan")(cli_ops.plan_memory)
+
+
+def _whole_short_help(t: typer.Typer) -> None:
+    """Command lists show each command's first sentence whole: click otherwise cuts it to what fits beside the
+    name in 80 columns, ending in "..." (wrapping a long one is better than cutting it)."""
+    for info in t.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback else None) or ""
+        info.short_help = info.short_help or " ".join(doc.split("\n\n")[0].split())
+    for group in t.registered_groups:
+        if group.typer_instance is not None:
+            _whole_short_help(group.typer_instance)
+
+
+_whole_short_help(app)
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ import typer
 
 from tuneline.schemas.config import ConfigError, PipelineConfig, load_config
 
-ConfigArg = Annotated[Path | None, typer.Argument(metavar="[CONFIG]", help="YAML config; omitted = the built-in demo")]
+# metavar without brackets: click adds them for an optional argument (usage read `[[CONFIG]]`).
+ConfigArg = Annotated[Path | None, typer.Argument(metavar="CONFIG", help="YAML config; omitted = the built-in demo")]
 WorkdirOpt = Annotated[str | None, typer.Option("--workdir", metavar="DIR", help="overrides the config's workdir")]
 
 
@@ -35,9 +36,11 @@ def with_invocation(msg: str, config: str | None, workdir: str | None) -> str:
     return FIX_COMMAND.sub(complete, msg)
 
 
-def fail(msg: str) -> None:
+def fail(msg: str, code: int = 1) -> None:
+    """One error line, then exit `code`: 1, or a training's own (3 stopped, 4 out of memory, 5 a rank lost or a
+    CUDA error: docs/stopping.md)."""
     typer.echo(f"error: {with_invocation(msg, _invocation['config'], _invocation['workdir'])}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 def load(config: Path | None, workdir: str | None) -> PipelineConfig:
@@ -55,25 +58,22 @@ def load(config: Path | None, workdir: str | None) -> PipelineConfig:
     return cfg
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
+def store_errors() -> tuple[type[BaseException], ...]:
+    """The user errors of reading the config and the artifact store, without importing the training launcher
+    (and with it torch: seconds of a run that finds nothing to do)."""
     from tuneline.flows.preflight import Refused
     from tuneline.stages.common.artifacts import ArtifactError
     from tuneline.stages.common.lock import StoreLocked
     from tuneline.stages.common.remote import RemoteError
     from tuneline.stages.common.stage import StageFailed
+
+    return (Refused, ConfigError, ArtifactError, StageFailed, StoreLocked, RemoteError, FileNotFoundError, ValueError)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
     from tuneline.stages.train.launch import TrainingFailed
 
-    return (
-        Refused,
-        ConfigError,
-        ArtifactError,
-        StageFailed,
-        TrainingFailed,
-        StoreLocked,
-        RemoteError,
-        FileNotFoundError,
-        ValueError,
-    )
+    return (*store_errors(), TrainingFailed)
 
 
 def print_rows(rows: list, as_json: bool, header: tuple[str, ...], cells) -> None:

@@ -139,14 +139,25 @@ def plan_memory(
             help=f"plan a released model from its shipped weightless config ({', '.join(SHIPPED_CONFIGS)})",
         ),
     ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            "--processes", min=1, metavar="N", help="plan N training processes in all (FSDP shards over them)"
+        ),
+    ] = None,
 ) -> None:
-    """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the fix)."""
-    cfg = load(config, workdir)
-    from tuneline.stages.train.memplan import plan_command
+    """Planned peak GPU memory per training process; exit 0 when it fits, 2 when not (with the settings that fit).
 
+    With --model-config and no CONFIG it plans what a user of that model would run: LoRA, bf16, batch 1, the
+    model's usual resolution; without either, the demo."""
+    from tuneline.stages.train.planning import model_user_config, plan_command
+
+    cfg = load(config, workdir)
     try:
-        plan = plan_command(cfg, gpu_memory, model_config)
+        if config is None and model_config is not None:
+            cfg = model_user_config(model_config, workdir)
+        answer = plan_command(cfg, gpu_memory, model_config, processes)
     except user_errors() as err:
         fail(str(err))
-    typer.echo(plan.text())
-    raise typer.Exit(0 if plan.fits else 2)
+    typer.echo(answer.text())
+    raise typer.Exit(0 if answer.plan.fits else 2)

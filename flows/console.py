@@ -39,10 +39,7 @@ def quiet_console(user_errors: tuple[type[BaseException], ...], hidden_url: str 
 
     ensure_logging_setup()  # Prefect attaches its handlers lazily; the filter needs them now
     quiet = QuietUserErrors(user_errors, hidden_url)
-    loggers = [logging.getLogger()] + [
-        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
-    ]
-    for lg in loggers:
+    for lg in _loggers():
         for h in lg.handlers:
             if (
                 isinstance(h, logging.StreamHandler)
@@ -50,3 +47,70 @@ def quiet_console(user_errors: tuple[type[BaseException], ...], hidden_url: str 
                 and not any(isinstance(f, QuietUserErrors) for f in h.filters)
             ):
                 h.addFilter(quiet)
+
+
+class TerminalProgress:
+    """Progress bars (rich) under the log lines, only when the console is a terminal: a log file or CI output
+    gets the log lines alone (a bar there is a stream of redraws). The bars share the console Prefect's log handler
+    prints through, so each log line is printed above them rather than through them."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.bars = None
+        self.tasks: dict[str, int] = {}
+
+    def update(self, key: str, fraction: float, description: str) -> None:
+        if not self.console.is_terminal:
+            return
+        if self.bars is None:
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            # Styles named outright: Prefect's console has a theme without rich's defaults (`bar.back`, …), and
+            # a style it lacks fails every later print. The step lines already say the time left.
+            plain = "none"
+            self.bars = Progress(
+                TextColumn("{task.fields[key]}", style=plain),
+                BarColumn(style="bright_black", complete_style="green", finished_style="green", pulse_style="green"),
+                TextColumn("{task.percentage:>3.0f}%", style=plain),
+                TextColumn("{task.description}", style=plain),
+                console=self.console,
+                transient=True,
+            )
+            self.bars.start()
+        if key not in self.tasks:
+            self.tasks[key] = self.bars.add_task(description, total=1.0, key=key)
+        self.bars.update(self.tasks[key], completed=fraction, description=description)
+        if fraction >= 1.0:
+            self.bars.remove_task(self.tasks.pop(key))
+        if not self.tasks:
+            self.stop()
+
+    def stop(self) -> None:
+        bars, self.bars = self.bars, None
+        if bars is not None:
+            bars.stop()
+
+
+_terminal: TerminalProgress | None = None
+
+
+def terminal_progress() -> TerminalProgress:
+    """The bars of this process, on the console of Prefect's stderr log handler (a plain stderr console when Prefect
+    attached none)."""
+    global _terminal
+    if _terminal is None:
+        import atexit
+
+        from prefect.logging.handlers import PrefectConsoleHandler
+        from rich.console import Console
+
+        handlers = [h for lg in _loggers() for h in lg.handlers if isinstance(h, PrefectConsoleHandler)]
+        _terminal = TerminalProgress(handlers[0].console if handlers else Console(stderr=True))
+        atexit.register(_terminal.stop)
+    return _terminal
+
+
+def _loggers() -> list[logging.Logger]:
+    return [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]

@@ -15,8 +15,9 @@ from tuneline.stages.pipeline import PIPELINE, STAGE_NAMES
 
 
 def fresh_versions(cfg: PipelineConfig) -> dict[str, str | None]:
-    """Per stage, the published version the current config and inputs map to (None if not fresh)."""
-    return {r.stage: r.version if r.state == "fresh" else None for r in status(StageContext(cfg), PIPELINE)}
+    """Per stage, the published version the next run of the current config reuses (None if not fresh)."""
+    rows = status(StageContext(cfg), PIPELINE, reuse=True)
+    return {r.stage: r.version if r.state == "fresh" else None for r in rows}
 
 
 def lineage_rows(cfg: PipelineConfig) -> list[Version]:

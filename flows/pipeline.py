@@ -12,7 +12,7 @@ from prefect.states import Failed
 
 from tuneline.flows import ops, preflight, visibility
 from tuneline.flows.reporter import PrefectReporter
-from tuneline.flows.stage_flows import STAGE_FLOWS
+from tuneline.flows.stage_flows import STAGE_FLOWS, cancelled_if_stopped
 from tuneline.flows.summary import timed_stage
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lock import run_lease
@@ -36,14 +36,18 @@ def pipeline_flow(config: PipelineConfig, force: bool = False, until: str | None
     # The run's lease on the workdir: `tuneline gc` waits for it, so nothing this run publishes or uses is collected.
     try:
         with run_lease(config.workdir_path(), timeout=config.ops.lock_timeout):
-            runs = {
-                name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force)) for name in names
-            }
+            runs = cancelled_if_stopped(
+                lambda: {
+                    name: timed_stage(lambda name=name: STAGE_FLOWS[name](config=config, force=force)) for name in names
+                }
+            )
     finally:
         preflight.in_pipeline = False
-    PrefectReporter().table(
+    reporter = PrefectReporter()
+    reporter.table(
         "lineage",
         visibility.lineage_table(ops.lineage_rows(config)),
         "every published version: stage, version, fresh, upstream versions, created",
     )
+    visibility.report_results(reporter, config, runs)
     return runs

@@ -9,6 +9,7 @@ makes the same checks at the start of its flow (tuneline.flows.stage_flows), so 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -35,8 +36,11 @@ def missing_paths(cfg: PipelineConfig) -> list[str]:
             field == "dataset.control" and cfg.dataset.demo == "edit"
         ):
             continue
-        if not os.path.lexists(cfg.resolve(value)):
-            out.append(f"{field}: {cfg.resolve(value)}")
+        # normpath: `../photos` beside a workdir not created yet exists, though `tuneline-work/../photos` does not
+        # resolve while `tuneline-work` is missing (the workdir itself is already resolved, so no link is skipped).
+        path = os.path.normpath(cfg.resolve(value))
+        if not os.path.lexists(path):
+            out.append(f"{field}: {path}")
     return out
 
 
@@ -94,7 +98,27 @@ def check_paths(cfg: PipelineConfig) -> None:
             "the config names paths that do not exist: "
             + "; ".join(missing)
             + ": fix them in the config (or copy the files there)"
+            + relative_rule(cfg, missing)
         )
+
+
+def relative_rule(cfg: PipelineConfig, missing: list[str]) -> str:
+    """Why a path that lies in the workdir was looked for there: relative paths in a config resolve against the
+    workdir (so every process of a run, wherever it starts, reads the same files), not against the directory the
+    command runs in, which is where users tend to look. Names the folder it would have meant, when that exists."""
+    workdir = cfg.workdir_path()
+    inside = [m.split(": ", 1) for m in missing if Path(m.split(": ", 1)[1]).is_relative_to(workdir)]
+    if not inside:
+        return ""
+    field, path = inside[0]
+    rel = Path(path).relative_to(workdir)
+    here = Path.cwd() / rel
+    hint = f"; {here} exists: write {field}: {here} (or {os.path.relpath(here, workdir)})" if here.exists() else ""
+    return (
+        f". A relative path in a config is resolved against the workdir ({workdir}), not the directory tuneline "
+        f"runs in, so that every process of a run reads the same files: {field}: {rel} was looked for as "
+        f"{path}{hint}"
+    )
 
 
 def upstream_chain(name: str, cfg: PipelineConfig | None = None) -> list[str]:

@@ -24,6 +24,12 @@ class PrefectReporter(Reporter):
 
         pct = max(0.0, min(100.0, 100.0 * fraction))
         try:
+            from tuneline.flows.console import terminal_progress
+
+            terminal_progress().update(key, pct / 100.0, description)
+        except Exception as err:  # a terminal that cannot draw must not fail a stage either
+            log.debug("progress bar %s not drawn: %s", key, err)
+        try:
             if key not in self._progress:
                 self._progress[key] = create_progress_artifact(pct, key=_key(key), description=description)
             else:

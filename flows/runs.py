@@ -10,9 +10,9 @@ def fresh_summary(
 ) -> dict[str, dict] | None:
     """Every stage fresh and no Prefect server to record a flow run on: the stages' summary without starting
     Prefect (its temporary server is most of a no-op run's time). None = run the pipeline flow."""
-    from prefect.settings import get_current_settings
+    from tuneline.flows.server import server_configured
 
-    if get_current_settings().api.url or cfg.ops.remote:
+    if cfg.ops.remote or server_configured():
         return None  # a server shows every run, even a no-op one; a remote may still need its push
     if cfg.dataset.demo:
         from tuneline.stages.common.lock import store_lock
@@ -46,7 +46,7 @@ def unauthorized_message(err: BaseException) -> str | None:
             return (
                 f"the Prefect server at {PREFECT_API_URL.value() or '(temporary server)'} answered 401 "
                 "Unauthorized: it requires basic auth; set PREFECT_API_AUTH_STRING=user:password to the "
-                "server's PREFECT_SERVER_API_AUTH_STRING (README: Prefect authentication)"
+                "server's PREFECT_SERVER_API_AUTH_STRING (docs/operations.md: Prefect authentication)"
             )
         seen = seen.__cause__ or seen.__context__
     return None

@@ -176,6 +176,50 @@ def ephemeral_api_url() -> str | None:
     return _server.api_url if _server is not None and _server.proc is not None else None
 
 
+# Files in the directory a command runs in that Prefect 3 also reads settings from.
+LOCAL_SETTINGS_FILES = (".env", "prefect.toml", "pyproject.toml")
+
+
+def server_configured() -> bool:
+    """Whether Prefect would talk to a server (PREFECT_API_URL), decided without importing Prefect where no setting
+    can say so: its settings import is most of a no-op `tuneline run`'s second. Wherever one might (the
+    environment, a settings file in this directory, the active profile in Prefect's profile files), Prefect's own
+    settings decide."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    if any(Path(name).is_file() for name in LOCAL_SETTINGS_FILES) or _profile_may_name_a_server():
+        from prefect.settings import get_current_settings
+
+        return bool(get_current_settings().api.url)
+    return False
+
+
+def _profile_may_name_a_server() -> bool:
+    """Whether the active profile sets PREFECT_API_URL in Prefect's own profiles file (its `local` profile does)
+    or the user's (True too when a file cannot be read: Prefect then decides)."""
+    import importlib.util
+    import tomllib
+
+    spec = importlib.util.find_spec("prefect")  # finds the package without importing it
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    files = [
+        Path(spec.origin).parent / "settings" / "profiles.toml" if spec and spec.origin else None,
+        Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser(),
+    ]
+    loaded = []
+    for path in filter(None, files):
+        try:
+            loaded.append(tomllib.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            return True
+    active = os.environ.get("PREFECT_PROFILE") or next(
+        (d["active"] for d in reversed(loaded) if "active" in d), "ephemeral"
+    )
+    return any("PREFECT_API_URL" in d.get("profiles", {}).get(active, {}) for d in loaded)
+
+
 def api_for_flows() -> str | None:
     """Make sure flow runs have an API: the configured server (PREFECT_API_URL, env or profile) is used as is;
     else a temporary one is started (once per process). Returns the temporary server's URL, or None."""
@@ -185,6 +229,12 @@ def api_for_flows() -> str | None:
     if get_current_settings().api.url:
         return None
     if _server is None or _server.proc is None:
+        # The wait is silent otherwise (20 s and more): say what it is and how to skip it.
+        print(
+            "starting a temporary Prefect server (~20 s); set PREFECT_API_URL to use yours", file=sys.stderr, flush=True
+        )
+        started = time.monotonic()
         _server = TemporaryServer()
         _server.start()
+        print(f"temporary Prefect server ready ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     return _server.api_url

@@ -11,14 +11,14 @@ import logging
 from pathlib import Path
 
 from prefect import flow
-from prefect.states import Failed
+from prefect.states import Cancelled, Failed
 
 from tuneline.flows import preflight, visibility
 from tuneline.flows.limits import train_slot
 from tuneline.flows.reporter import PrefectReporter
 from tuneline.schemas.config import PipelineConfig
 from tuneline.stages.common.lock import store_lock
-from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.common.stage import StageContext, StageStopped, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
 
 log = logging.getLogger("tuneline")
@@ -40,7 +40,16 @@ def refusal(name: str, config: PipelineConfig) -> str | None:
 def checked_run(name: str, config: PipelineConfig, force: bool):
     """A refused run fails with its message as the flow run's state, once (no traceback: it is no bug)."""
     refused = refusal(name, config)
-    return Failed(message=refused) if refused else run_one(name, config, force)
+    return Failed(message=refused) if refused else cancelled_if_stopped(lambda: run_one(name, config, force))
+
+
+def cancelled_if_stopped(call):
+    """A stage stopped on request (its checkpoint saved) ends its flow run Cancelled with the stop's message, not
+    Crashed; the caller of the flow still gets the StageStopped (the CLI's exit code 3)."""
+    try:
+        return call()
+    except StageStopped as err:
+        return Cancelled(message=str(err), data=err)
 
 
 def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:

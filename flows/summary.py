@@ -34,9 +34,12 @@ def summary_lines(runs: dict[str, dict]) -> list[str]:
     ]
     lines += rejected_lines(runs)
     train = _manifest(runs.get("train"))
-    if train.get("losses"):
-        # `losses` is averaged down to at most 500 points; the step count is the manifest's own.
-        lines.append(f"final loss: {train['losses'][-1]:.4f} (after {train.get('step', len(train['losses']))} steps)")
+    final = final_loss(Path(runs["train"]["path"])) if runs.get("train") else None
+    if final is not None:
+        lines.append(
+            f"final loss: {final:.4f} (training loss averaged over the last {min(FINAL_WINDOW, train.get('step', 0))}"
+            f" steps, as the last step line; after {train.get('step')} steps)"
+        )
     validate = _manifest(runs.get("validate"))
     figures = [f"{k} {validate[k]}" for k in LEARNING if validate.get(k) is not None]
     if figures:
@@ -46,6 +49,21 @@ def summary_lines(runs: dict[str, dict]) -> list[str]:
     if runs.get("train"):
         lines.append(f"final weights: {Path(runs['train']['path']) / 'final'}")
     return lines
+
+
+# The window the training's step lines average the loss over (tuneline.stages.train.hooks.LOG_EVERY, not imported:
+# that module imports torch, and the summary of a no-op run must stay cheap).
+FINAL_WINDOW = 10
+
+
+def final_loss(train_dir: Path) -> float | None:
+    """The mean training loss of the last FINAL_WINDOW steps (losses.jsonl has every step's), or None."""
+    try:
+        tail = (train_dir / "losses.jsonl").read_text(encoding="utf-8").splitlines()[-FINAL_WINDOW:]
+        values = [json.loads(line)["loss"] for line in tail]
+    except (OSError, ValueError, KeyError):
+        return None
+    return sum(values) / len(values) if values else None
 
 
 def rejected_lines(runs: dict[str, dict]) -> list[str]:

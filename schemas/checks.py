@@ -22,10 +22,8 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module, never the 
 
 # train.export_single_file: stages/train/singlefile_export.py writes these (their schemas/families.py rows say so).
 SINGLE_FILE_FAMILIES = family_list(lambda f: f.single_file_export)
-# CLIP-conditioned UNet families: their text encoders take a LoRA in the layout ComfyUI maps onto CLIP.
-TEXT_ENCODER_LORA_FAMILIES = family_list(
-    lambda f: f.pipeline in ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
-)
+# train.text_encoder_lora: the families whose rows say their adapters train a text-encoder LoRA.
+TEXT_ENCODER_LORA_FAMILIES = family_list(lambda f: f.text_encoder_lora)
 FLOW_FAMILIES = family_list(lambda f: f.prediction == "flow_matching")
 MEGAPIXEL_EDGE = 1024  # resolution_type area: 1.0 = 1024 x 1024 pixels (docs/design.md)
 # An area resolution above this many megapixels is almost surely a pixel edge written with the wrong unit.
@@ -187,23 +185,56 @@ def _rendezvous(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     ]
 
 
+HALF = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def precision_problem(dtype: str, mixed: str, mode: str, device: str) -> str | None:
+    """Why model.dtype x train.mixed_precision cannot train on `device` (cpu | cuda), or None.
+
+    The CPU trains in float32 whatever model.dtype says, without autocast. On CUDA a LoRA's frozen base holds
+    model.dtype; half-precision weights meet float32 latents unless autocast computes in their own dtype (without
+    it step 1 fails: `mat1 and mat2 must have the same dtype`). A full fine-tune keeps float32 masters, so every
+    combination trains. Refused, not converted: computing in a dtype the user did not choose would change what
+    `no` promises (float32 math)."""
+    if device != "cuda":
+        if mixed in HALF.values():
+            return (
+                f"train.mixed_precision {mixed} needs a CUDA device, and this run trains on the CPU in float32; "
+                f"set train.mixed_precision to auto or no, or model.device to cuda/auto"
+            )
+        return None
+    if mode != "lora" or dtype not in HALF:
+        return None
+    if mixed == "no":
+        return (
+            f"model.dtype {dtype} with train.mixed_precision no: on CUDA the LoRA's frozen {dtype} base would "
+            f"meet float32 inputs at step 1; set train.mixed_precision {HALF[dtype]} (or auto) to compute in "
+            f"{dtype} under autocast, or model.dtype float32 to train in float32"
+        )
+    if mixed in HALF.values() and mixed != HALF[dtype]:
+        return (
+            f"model.dtype {dtype} with train.mixed_precision {mixed}: autocast would compute in the other "
+            f"half-precision type than the frozen base holds; set train.mixed_precision {HALF[dtype]} (or auto)"
+        )
+    return None
+
+
 def _training_mode(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     t, problems = cfg.train, []
-    if t.mixed_precision in ("bf16", "fp16") and cfg.model.device == "cpu":
-        # The trainer refuses this too, but only after scan, latents and text have run.
-        problems.append(
-            f"train.mixed_precision {t.mixed_precision} needs a CUDA device and model.device is cpu, "
-            f"where training runs in float32; set train.mixed_precision to auto or no, or model.device "
-            f"to cuda/auto"
-        )
+    # The trainer checks the same with the device it got (model.device auto), but only after scan, latents and
+    # text have run; a config that names its device is refused here, at load.
+    if cfg.model.device != "auto":
+        problem = precision_problem(cfg.model.dtype, t.mixed_precision, t.mode, cfg.model.device)
+        if problem:
+            problems.append(problem)
     if t.export_single_file and not fam.single_file_export:
         problems.append(
             f"train.export_single_file: model.family {fam.name} has no single-file export (supported: "
             f"{SINGLE_FILE_FAMILIES}); set train.export_single_file false"
         )
-    if t.text_encoder_lora and fam.name not in TEXT_ENCODER_LORA_FAMILIES.split(", "):
+    if t.text_encoder_lora and not fam.text_encoder_lora:
         problems.append(
-            f"train.text_encoder_lora: model.family {fam.name} has no CLIP text-encoder LoRA (supported: "
+            f"train.text_encoder_lora: model.family {fam.name} has no text-encoder LoRA (supported: "
             f"{TEXT_ENCODER_LORA_FAMILIES}); set train.text_encoder_lora false"
         )
     if t.lora_alpha is not None and t.mode != "lora":
@@ -273,6 +304,12 @@ def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
         out.append(
             f"train.adapter {cfg.train.adapter} cannot train on a model.quantize {q} base (peft applies only "
             f"a LoRA to quantized layers): set train.adapter lora or model.quantize null"
+        )
+    if cfg.train.parallelism == "fsdp":
+        out.append(
+            f"model.quantize {q} with train.parallelism fsdp: FSDP shards plain tensors, not torchao's quantized "
+            f"ones; set model.quantize null (FSDP already divides the base by the process count) or "
+            f"train.parallelism ddp"
         )
     if q == "fp8" and cfg.model.device == "cpu":
         out.append("model.quantize fp8 needs a CUDA GPU with float8 support; with model.device cpu use int8 or null")

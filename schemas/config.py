@@ -19,6 +19,7 @@ from tuneline.schemas.caption import CaptionConfig
 from tuneline.schemas.latents import LatentsConfig
 from tuneline.schemas.model import ModelConfig
 from tuneline.schemas.ops import OpsConfig
+from tuneline.schemas.reference import nearest_key
 from tuneline.schemas.scan import BucketConfig, DatasetConfig
 from tuneline.schemas.text import TextConfig
 from tuneline.schemas.train import TrainConfig
@@ -121,7 +122,13 @@ def _format_errors(err: ValidationError, source: str) -> str:
         loc = ".".join(str(x) for x in e["loc"]).replace("validate_", "validate")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; `tuneline config schema` lists every key)"
+            near = nearest_key(e["loc"])
+            msg = (
+                f"unknown key: did you mean {loc.rsplit('.', 1)[0] + '.' if '.' in loc else ''}{near}?"
+                if near
+                else "unknown key"
+            )
+            msg += " (`tuneline config example` lists every key with what it does)"
         if not loc:  # a rule across sections: its message names every field itself
             lines += [f"  - {line}" for line in msg.splitlines()]
         else:

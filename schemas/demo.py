@@ -42,3 +42,27 @@ DEMO_CONFIG: dict = {
         "check_steps": 10,
     },
 }
+
+# `tuneline config example --minimal`: the keys a run on a user's own images needs; every other key takes its default.
+MINIMAL_YAML = """\
+# A config for your own images: every key not written here takes its default
+# (`tuneline config example` prints them all, each with what it does).
+dataset:
+  # your images, each with its caption beside it (cat.png + cat.txt). A relative path resolves against
+  # the workdir (./tuneline-work), so ../my-images is the my-images folder where you run tuneline.
+  path: ../my-images
+model:
+  # tiny (built in, random-init: a trial run), sd15, sdxl, sd3, flux, qwen_image, z_image, flux2, flux2_klein, ...
+  family: tiny
+  # your model: a local diffusers folder or a single checkpoint file; null = the family's tiny flavor
+  path: null
+train:
+  mode: lora
+  steps: 300
+  # one training process per GPU (or 1 on a CPU)
+  processes: 1
+validate:
+  # what the validation grid shows: prompts of your subject
+  prompts:
+    - {prompt: a photo of my subject, negative_prompt: "", seed: 0}
+"""

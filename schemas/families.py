@@ -41,6 +41,8 @@ class FamilyFacts:
     shipped_config: str = ""  # its title, e.g. "SD1.5"; empty: none ships
     # train.export_single_file writes the whole model in the original (LDM) layout.
     single_file_export: bool = False
+    # train.text_encoder_lora: the adapter declares the text encoders' LoRA targets (Family.text_encoder_lora_targets).
+    text_encoder_lora: bool = False
     # LoRA file headers: kohya's ss_base_model_version and the SAI model spec's architecture and implementation.
     kohya_base_version: str = ""
     modelspec_arch: str = ""
@@ -72,6 +74,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         checkpoint_marker="cond_stage_model.transformer.",
         checkpoint_components=(("vae", _VAE), ("text_encoder", ("cond_stage_model.",))),
         single_file_export=True,
+        text_encoder_lora=True,
         kohya_base_version="sd_v1",
         modelspec_arch="stable-diffusion-v1",
     ),
@@ -89,6 +92,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         checkpoint_components=(("vae", _VAE), ("text_encoder", ("cond_stage_model.",))),
         shipped_config="SD1.5",
         single_file_export=True,
+        text_encoder_lora=True,
         kohya_base_version="sd_v1",
         modelspec_arch="stable-diffusion-v1",
         modelspec_impl=_SGM,
@@ -114,6 +118,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         ),
         shipped_config="SDXL base 1.0",
         single_file_export=True,
+        text_encoder_lora=True,
         kohya_base_version="sdxl_base_v1-0",
         modelspec_arch="stable-diffusion-xl-v1-base",
         modelspec_impl=_SGM,

@@ -16,6 +16,12 @@ _SINGLE = family_list(lambda f: f.single_file_export and f.released)
 # Past these no machine holds the run: more processes than any node has cores, a rank wider than any layer.
 MAX_PROCESSES = 1024
 MAX_LORA_RANK = 8192
+# Learning rates no run can want, per optimizer: each step moves a weight by about the learning rate (Lion by
+# exactly that: its update is a sign), so above these training diverges at once.
+MAX_LEARNING_RATE = {"adamw": 0.1, "adamw8bit": 0.1, "adamw_schedulefree": 0.1, "adafactor": 0.1, "lion": 0.03}
+# Optimizers whose every state tensor is elementwise over its parameter: they step a shard as they step the whole
+# (tests/integration/test_fsdp_train.py trains them under FSDP).
+FSDP_OPTIMIZERS = ("adamw", "lion")
 
 
 class EvalConfig(Strict):
@@ -136,12 +142,27 @@ class TrainConfig(Strict):
         description="torch.compile each of the denoiser's transformer blocks (and a UNet's resnet blocks) in place: "
         "the same weights and checkpoints, faster steps after a first slower one that compiles",
     )
+    memory_check: Literal["refuse", "warn", "off"] = Field(
+        "refuse",
+        description="the memory plan before training on a GPU: refuse a run whose planned peak does not fit, "
+        "warn and train anyway, or off (no plan; a stop then gets the least grace, 120 s)",
+    )
     blocks_to_swap: int = Field(
         0,
         ge=0,
         description="keep this many of the denoiser's transformer blocks in pinned "
         "CPU memory and bring each to the device just before its forward and backward "
         "(same numbers, less GPU memory, slower); `tuneline plan` prints the largest value",
+    )
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: every process holds the whole model; fsdp: sharded over the N processes (FSDP2), each "
+        "holds 1/N of the weights, gradients and optimizer state (docs/scale-out-fsdp.md)",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description="train.parallelism fsdp: keep the sharded parameters, gradients and optimizer state in CPU "
+        "memory and step there (FSDP's CPUOffloadPolicy); the least GPU memory, slower",
     )
     optimizer: Literal["adamw", "adamw8bit", "prodigy", "adafactor", "adamw_schedulefree", "lion"] = Field(
         "adamw",
@@ -231,7 +252,9 @@ class TrainConfig(Strict):
         description="render the validation prompts every N steps during training "
         "(rank 0; shrinks to fit `steps`); 0 = off",
     )
-    processes: int = Field(2, ge=1, le=MAX_PROCESSES, description="DDP processes per node (torchrun --nproc_per_node)")
+    processes: int = Field(
+        2, ge=1, le=MAX_PROCESSES, description="training processes per node (torchrun --nproc_per_node)"
+    )
     threads_per_process: int = Field(1, ge=1, le=MAX_PROCESSES, description="OMP_NUM_THREADS for each training process")
     nodes: int = Field(1, ge=1, description="torchrun --nnodes; >1 needs rdzv_endpoint")
     node_rank: int = Field(0, ge=0)
@@ -303,6 +326,14 @@ class TrainConfig(Strict):
                 f"estimates the step size and the learning rate multiplies it; set "
                 f"train.learning_rate: 1.0 (train.prodigy_d_coef scales the estimate)"
             )
+        top = MAX_LEARNING_RATE.get(o)  # prodigy: its own range, above
+        for name, lr in (("learning_rate", self.learning_rate), ("text_encoder_lr", self.text_encoder_lr)):
+            if top is not None and lr is not None and lr > top:
+                raise ValueError(
+                    f"train.{name} {lr} with train.optimizer {o}: above {top} every step moves each weight by "
+                    f"about the learning rate and training diverges (typical: 1e-4 for LoRA, 1e-5 to 1e-6 for a "
+                    f"full fine-tune); set train.{name} to at most {top}"
+                )
         if o != "prodigy" and self.prodigy_d_coef != 1.0:
             raise ValueError(f"train.prodigy_d_coef applies to train.optimizer prodigy, not {o}; remove it")
         if o == "adamw_schedulefree" and self.lr_schedule != "constant":
@@ -344,6 +375,45 @@ class TrainConfig(Strict):
                 f"train.compile with train.blocks_to_swap {self.blocks_to_swap}: swapped blocks run eager; set "
                 f"train.compile: false or train.blocks_to_swap: 0"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp(self) -> TrainConfig:
+        if self.fsdp_cpu_offload and self.parallelism != "fsdp":
+            raise ValueError(
+                f"train.fsdp_cpu_offload offloads FSDP's shards; with train.parallelism {self.parallelism} set "
+                f"train.parallelism: fsdp or train.fsdp_cpu_offload: false"
+            )
+        if self.parallelism != "fsdp":
+            return self
+        refused = {
+            "train.blocks_to_swap": (
+                self.blocks_to_swap > 0,
+                "FSDP already frees each block's gathered weights after use; set train.blocks_to_swap: 0 "
+                "(train.fsdp_cpu_offload keeps the shards in CPU memory)",
+            ),
+            "train.text_encoder_lora": (
+                self.text_encoder_lora,
+                "the text encoders are not sharded; set train.text_encoder_lora: false or train.parallelism: ddp",
+            ),
+            "train.validate_every": (
+                self.validate_every > 0,
+                "in-training renders run in one process, which cannot gather the others' shards; set "
+                "train.validate_every: 0 (the validate stage renders final/)",
+            ),
+            "train.eval": (
+                self.eval is not None,
+                "held-out evaluation runs in one process, which cannot gather the others' shards; set train.eval: null",
+            ),
+            f"train.optimizer {self.optimizer}": (
+                self.optimizer not in FSDP_OPTIMIZERS,
+                f"its state is not verified on sharded (DTensor) parameters; use one of "
+                f"{', '.join(FSDP_OPTIMIZERS)}, or train.parallelism: ddp",
+            ),
+        }
+        for field, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{field} with train.parallelism fsdp: {why}")
         return self
 
     # Intervals shrink to fit a small `steps` (docs/design.md: derived values stay valid under edits).

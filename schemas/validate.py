@@ -8,6 +8,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict
 
+# Diffusion schedulers are trained on 1000 timesteps: more sampler steps than that only repeat them, and 1e9
+# steps render for years. Guidance past 100 saturates every pixel.
+MAX_SAMPLER_STEPS = 1000
+MAX_GUIDANCE = 100.0
+MAX_CHECK_SEEDS = 256
+
 
 class ValidationPrompt(Strict):
     prompt: str
@@ -31,8 +37,8 @@ class ValidateConfig(Strict):
     resolution: float | None = Field(None, gt=0, description="null = buckets.resolution")
     resolution_type: Literal["pixel", "area", "pixel_area"] | None = Field(None, description="null = buckets'")
     aspect: float = Field(1.0, ge=1 / 16, le=16, description="width/height of rendered images")
-    steps: int = Field(20, ge=1, description="sampler steps")
-    guidance_scale: float = Field(4.0, ge=0)
+    steps: int = Field(20, ge=1, le=MAX_SAMPLER_STEPS, description="sampler steps")
+    guidance_scale: float = Field(4.0, ge=0, le=MAX_GUIDANCE)
     controls: list[ValidationControl] | None = Field(
         None,
         description="families that take a control image (image editing): the edits rendered, each {image, prompt}; "
@@ -42,10 +48,11 @@ class ValidateConfig(Strict):
         False,
         description="demo only: measure class separation in latent space and whether renders show the prompted color",
     )
-    check_seeds: int = Field(4, ge=1, description="seeds per class for the learning check")
+    check_seeds: int = Field(4, ge=1, le=MAX_CHECK_SEEDS, description="seeds per class for the learning check")
     check_steps: int = Field(
         10,
         ge=1,
+        le=MAX_SAMPLER_STEPS,
         description="sampler steps for the learning check (it compares latent "
         "channel means, which settle in fewer steps than a picture)",
     )

@@ -23,9 +23,22 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def prefect_server():
+    """The session's one Prefect server: the environment (`PREFECT_API_URL` ...) for `tuneline` subprocesses whose
+    test is not about the temporary server a command starts without one (the quick start and the tests of
+    tests/reliability/test_cli_server.py walk that path)."""
+    from tests.helpers import PrefectServer
+
+    # No UI: nothing here opens it, and the server starts faster without building its static files.
+    with PrefectServer(PREFECT_SERVER_UI_ENABLED="false") as server:
+        yield server.env
+
+
+@pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The README's quick start as written, in a fresh clone in a temp directory, with no --workdir: the demo
-    end to end. Every test that inspects the demo's results reads this run's default workdir."""
+    end to end, on the demo's 2 training processes and its own temporary Prefect server, as a new user runs it.
+    Every test that inspects the demo's results reads this run's default workdir."""
     from tests.helpers import fresh_clone, readme_commands, run_readme_command
 
     clone = fresh_clone(tmp_path_factory.mktemp("clone"))

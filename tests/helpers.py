@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 STAGES = ["scan", "latents", "text", "train", "validate"]
@@ -93,3 +98,54 @@ def run_readme_command(command: str, clone: Path, timeout: int = 1800) -> subpro
     return subprocess.run(
         ["bash", "-c", " && ".join(kept)], cwd=clone, capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+class PrefectServer:
+    """One Prefect server for a batch of CLI runs, as a user with a server configures it (`PREFECT_API_URL`): each
+    run then skips starting its own temporary server (~10 s of CPU on 2 cores). The test session's is the
+    `prefect_server` fixture (tests/conftest.py); bench/faults.py starts one per walk. `server_settings` go to
+    the server alone (e.g. PREFECT_SERVER_API_AUTH_STRING)."""
+
+    def __init__(self, **server_settings: str) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="tuneline-prefect-server-"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = os.environ | {
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(self.home / "results"),
+            "PREFECT_API_URL": f"{self.url}/api",
+        }
+        self.server_settings = server_settings
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> PrefectServer:
+        env = {k: v for k, v in self.env.items() if k != "PREFECT_API_URL"} | self.server_settings
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError("prefect server did not become healthy in 300 s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        shutil.rmtree(self.home, ignore_errors=True)

@@ -115,12 +115,16 @@ class ArtifactStore:
         return final
 
     # Failures --------------------------------------------------------------------------------
-    def record_failure(self, stage: str, version: str | None, error: str, key: str | None = None) -> None:
+    def record_failure(
+        self, stage: str, version: str | None, error: str, key: str | None = None, state: str = "failed"
+    ) -> None:
+        """The last attempt's end: `failed`, or `stopped` on request with its progress saved."""
         d = self.stage_dir(stage)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f"{FAILURE}.tmp"
         tmp.write_text(
-            json.dumps({"version": version, "key": key, "error": error, "at": time.time()}), encoding="utf-8"
+            json.dumps({"version": version, "key": key, "error": error, "at": time.time(), "state": state}),
+            encoding="utf-8",
         )
         os.replace(tmp, d / FAILURE)
 

@@ -73,7 +73,7 @@ def plan(store: ArtifactStore, stages: list[str], fresh: dict[str, str | None], 
     return out
 
 
-LAUNCH_FILE = re.compile(r"^(\..+\.partial)\.(spec|seen)-[0-9a-f]+\.json$")
+LAUNCH_FILE = re.compile(r"^(\..+\.partial)\.(spec|seen|stop)-[0-9a-f]+\.json$")
 
 
 def stale_launch_files(stage_dir: Path) -> list[Path]:

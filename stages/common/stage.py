@@ -32,6 +32,11 @@ class StageFailed(RuntimeError):
     """A stage could not complete; nothing was published."""
 
 
+class StageStopped(RuntimeError):
+    """A stage stopped on request (SIGTERM, a cancelled run, a preemption) after saving its progress (a training's
+    checkpoint): `status` shows it as stopped with this message, and a rerun continues."""
+
+
 class PublishedElsewhere(Exception):
     """This process took part in the build, another one publishes it (a multi-node training's other nodes)."""
 
@@ -79,6 +84,10 @@ class StageDef:
     # check(ctx, upstream manifests): the facts this stage relies on match; raise ArtifactError otherwise
     check: Callable[[StageContext, dict[str, Manifest]], None] | None = None
     content_addressed: bool = False
+    # content(ctx): for a content-addressed stage, the content digest its build would publish now, computed without
+    # publishing (None when it cannot tell). Status asks it when the inputs' key is new (a touched file), so a
+    # change that rebuilds nothing leaves every version the next run reuses fresh (and gc keeps them).
+    content: Callable[[StageContext], str | None] | None = None
     # enabled(cfg): whether the stage is part of this config's pipeline (None = always; caption: caption.model set)
     enabled: Callable[[PipelineConfig], bool] | None = None
     # Stages read only when they are on (text reads the caption stage's captions when it runs): then upstream.
@@ -100,7 +109,7 @@ def active(cfg: PipelineConfig, stages: list[StageDef]) -> list[StageDef]:
 @dataclass
 class StageStatus:
     stage: str
-    state: str  # fresh | stale | missing | failed
+    state: str  # fresh | stale | missing | failed | stopped
     version: str | None
     path: str | None
     reason: str
@@ -157,8 +166,27 @@ def key_parts(ctx: StageContext, sd: StageDef, upstream: dict[str, str]) -> dict
     }
 
 
-def expected_versions(ctx: StageContext, stages: list[StageDef]) -> dict[str, tuple[str | None, dict | None]]:
-    """Per stage: (the version the current config + inputs map to, or None if unknown; the key parts)."""
+def content_version(sd: StageDef, code_version: str, content: str | None) -> str:
+    """A content-addressed stage's version: settings that changed no output change no version."""
+    return digest({"stage": sd.name, "code_version": code_version, "content": content})
+
+
+def _predicted(ctx: StageContext, sd: StageDef, parts: dict) -> str | None:
+    """The published version a rebuild of `sd` would republish (None: a rebuild makes something new)."""
+    content = sd.content(ctx) if sd.content is not None else None
+    if content is None:
+        return None
+    version = content_version(sd, parts["code_version"], content)
+    return version if (ctx.store.version_dir(sd.name, version) / "manifest.json").is_file() else None
+
+
+def expected_versions(
+    ctx: StageContext, stages: list[StageDef], relisted: set[str] | None = None
+) -> dict[str, tuple[str | None, dict | None]]:
+    """Per stage: (the version the current config + inputs map to, or None if unknown; the key parts).
+
+    With `relisted` (a set to fill), a content-addressed stage whose inputs' key is new gets the published version
+    its rebuild would republish, and its name goes into the set: what the next run reuses, not what it runs."""
     out: dict[str, tuple[str | None, dict | None]] = {}
     for sd in stages:
         if sd.enabled is not None and not sd.enabled(ctx.cfg):
@@ -170,6 +198,8 @@ def expected_versions(ctx: StageContext, stages: list[StageDef]) -> dict[str, tu
         parts = key_parts(ctx, sd, ups)  # type: ignore[arg-type]
         key = digest(parts)
         version = _read_index(ctx.store, sd.name).get(key) if sd.content_addressed else key
+        if version is None and relisted is not None and (version := _predicted(ctx, sd, parts)):
+            relisted.add(sd.name)
         out[sd.name] = (version, parts)
     return out
 
@@ -183,11 +213,17 @@ def _diff(old: Any, new: Any, prefix: str) -> list[str]:
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
 
+def _problem(err: ArtifactError, stage: str) -> str:
+    """What is wrong, without the rebuild hint: a status reason says why, and a refusal quoting it names its one
+    fix itself (a tampered captions.jsonl once read "run `... --force` ...); run `tuneline stage caption` first")."""
+    return str(err).removesuffix(f"; {fix_hint(stage)}")
+
+
 def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | None) -> str:
     try:
         m = ctx.store.read(latest, sd.manifest_cls)
     except ArtifactError as err:
-        return str(err)
+        return _problem(err, sd.name)
     if parts is None:
         ups = ", ".join(sd.upstream)
         return f"upstream ({ups}) is not fresh: rebuild it first"
@@ -200,10 +236,14 @@ def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | No
     return "; ".join(changes[:6]) or "inputs changed"
 
 
-def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
+def status(ctx: StageContext, stages: list[StageDef], *, reuse: bool = False) -> list[StageStatus]:
+    """Per stage, its state. With `reuse`, fresh means what the next run reuses: a scan whose listing changed
+    (a touched file, a Thumbs.db, a moved folder) but whose rescan republishes a published version is fresh,
+    and so is what was built from it (`tuneline status`, gc). Without it, fresh means a run skips the stage."""
     store = ctx.store
     stages = active(ctx.cfg, stages)
-    exp = expected_versions(ctx, stages)
+    relisted: set[str] = set()
+    exp = expected_versions(ctx, stages, relisted if reuse else None)
     rows: list[StageStatus] = []
     for sd in stages:
         version, parts = exp[sd.name]
@@ -213,7 +253,7 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
             try:
                 m = store.read(fresh_dir, sd.manifest_cls)
             except ArtifactError as err:
-                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), str(err)))
+                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), _problem(err, sd.name)))
                 continue
             # Built from the right versions, but one of them no longer verifies: reading it would fail.
             bad = [r for r in rows if r.stage in sd.upstream and r.state != "fresh"]
@@ -231,18 +271,26 @@ def status(ctx: StageContext, stages: list[StageDef]) -> list[StageStatus]:
             rows.append(StageStatus(sd.name, "fresh", version, str(fresh_dir), "up to date", _summary(m)))
             continue
         if failure is not None and (parts is None or failure.get("key") in (None, digest(parts))):
-            rows.append(
-                StageStatus(
-                    sd.name, "failed", failure.get("version"), None, f"last attempt failed: {failure.get('error', '?')}"
-                )
-            )
+            rows.append(last_attempt(sd.name, failure))
             continue
         latest = store.latest(sd.name)
         if latest is None:
             rows.append(StageStatus(sd.name, "missing", None, None, "never built"))
             continue
         rows.append(StageStatus(sd.name, "stale", latest.name, str(latest), stale_reason(ctx, sd, latest, parts)))
+    reused = ", ".join(f"{r.stage} {r.version}" for r in rows if r.state == "fresh")
+    for r in rows:
+        if r.stage in relisted and r.state == "fresh":
+            r.reason = f"listing changed; the next run rescans and reuses {reused}"
     return rows
+
+
+def last_attempt(stage: str, failure: dict) -> StageStatus:
+    """A stage whose last attempt ended unpublished: stopped (with a checkpoint; a rerun continues) or failed."""
+    error = failure.get("error", "?")
+    if failure.get("state") == "stopped":
+        return StageStatus(stage, "stopped", failure.get("version"), None, error)
+    return StageStatus(stage, "failed", failure.get("version"), None, f"last attempt failed: {error}")
 
 
 def _summary(m: Manifest) -> str:
@@ -303,10 +351,7 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
         work = store.start(sd.name, key)
         facts = sd.build(ctx, work, upstream)
         content = facts.pop("content_digest", None)
-        if sd.content_addressed:  # settings that changed no output change no version
-            version = digest({"stage": sd.name, "code_version": parts["code_version"], "content": content})
-        else:
-            version = key
+        version = content_version(sd, parts["code_version"], content) if sd.content_addressed else key
         manifest = sd.manifest_cls(
             stage=sd.name,
             fingerprint=version,
@@ -326,7 +371,9 @@ def run_stage(ctx: StageContext, sd: StageDef, stages: list[StageDef]) -> tuple[
         ctx.log.info("%s: %s", sd.name, done)
         return done.path, False
     except BaseException as err:
-        if not isinstance(err, KeyboardInterrupt):
+        if isinstance(err, StageStopped):
+            store.record_failure(sd.name, version, str(err), key=key, state="stopped")
+        elif not isinstance(err, KeyboardInterrupt):
             store.record_failure(sd.name, version, f"{type(err).__name__}: {err}", key=key)
         raise
 

@@ -58,7 +58,17 @@ class MicroCond:
 
 
 class Family(Protocol):
+    """Every member is present on every family: optional abilities have their default in
+    common.DiffusersFamily, and generic code reads them as attributes (tests/unit/test_family_protocol.py refuses
+    getattr/hasattr probing of a family)."""
+
     facts: FamilyFacts
+    # The folder layout (from facts) and the denoiser's class (from the pipeline's signature).
+    pipeline_class: type
+    denoiser_component: str
+    text_components: tuple[str, ...]
+    tokenizer_components: tuple[str, ...]
+    denoiser_class: type
 
     # Model folders ---------------------------------------------------------------------------
     def ensure_model(
@@ -80,6 +90,13 @@ class Family(Protocol):
     def identity(self, model_dir: Path, component: str) -> str:
         """Stable hash of a component's config + weights ('vae', 'text', 'denoiser')."""
 
+    def check_folder(self, folder: Path) -> None:
+        """ValueError naming what a diffusers folder of this family lacks."""
+
+    # Released checkpoints split into files (stages/families/split_files.py): component -> the diffusers class
+    # whose single-file converter reads that component's file, where it is not the component's own class.
+    single_file_layouts: dict[str, str]
+
     # Latents ---------------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module: ...
 
@@ -100,7 +117,14 @@ class Family(Protocol):
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """Every tensor the denoiser and the pipeline need for these captions, batch first
-        (e.g. prompt_embeds, pooled_prompt_embeds, attention masks)."""
+        (e.g. prompt_embeds, pooled_prompt_embeds, attention masks). A family whose text encoder sees the control
+        images (text_sees_control) takes them as a third argument, one per caption."""
+
+    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
+        """ValueError when captions of `max_length` tokens exceed what the family's text encoder embeds."""
+
+    # Tensors encode_text returns that the pipeline takes as `<key>=` / `negative_<key>=`.
+    prompt_keys: tuple[str, ...]
 
     # Training --------------------------------------------------------------------------------
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module: ...
@@ -121,16 +145,35 @@ class Family(Protocol):
         take a float tensor in [0, 1000) with sigma = t / 1000, noisy = (1 - sigma) * x0 + sigma * noise and
         target = noise - x0 (the adapter converts to its model's own timestep convention)."""
 
+    # The denoiser's modules a LoRA trains (peft suffixes; stages/families/README.md says why, per family).
     lora_target_modules: tuple[str, ...]
-    # True where the pipeline, given pre-encoded prompts, needs negative embeds too (the renderer then encodes "",
-    # as the pipeline would itself); families without the attribute are False.
-    negative_required: bool
+    # train.text_encoder_lora: the text encoders' modules its LoRA targets (peft suffixes); empty where the family
+    # has none (its schemas/families.py row says text_encoder_lora, which the config check reads).
+    text_encoder_lora_targets: tuple[str, ...]
 
-    # Optional: `comfy_lora_state(denoiser, peft_state, alpha) -> dict[str, Tensor]`, the ComfyUI-loadable LoRA
-    # file (lora_kohya.safetensors) of a family whose layout is not one of stages/train/kohya.py's; families
-    # without it are written by kohya.to_kohya.
-    # Optional: `check_full_finetune(model_dir)`, raising ValueError before a full fine-tune loads a denoiser too
-    # large for DDP (stages/families/full_limit.py); families without it are not checked.
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        """Modules of `model`, the pipeline component `component` (the denoiser's or a text encoder's), whose output
+        never reaches the training loss: e.g. the last block's text stream of a transformer that keeps only the image
+        tokens. No adapter targets them and a full fine-tune keeps them frozen: a trained parameter without a gradient
+        stops DDP at its second step ("Expected to have finished reduction"). Default: none."""
+
+    def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """Paths of the denoiser's stacks of repeated blocks (torch ModuleLists), in call order: what block swap
+        moves between host and GPU one block at a time (stages/train/swap.py), and what sharding splits."""
+
+    def check_full_finetune(self, model_dir: Path, shards: int = 1) -> None:
+        """ValueError before a full fine-tune loads a denoiser whose training state does not fit one GPU when
+        split `shards` ways (DDP: 1, every process holds it all); stages/families/full_limit.py."""
+
+    def comfy_lora_state(
+        self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor] | None:
+        """The ComfyUI-loadable LoRA file (lora_kohya.safetensors) of a family whose layout is not one of
+        stages/train/kohya.py's; None: kohya.to_kohya writes it from the family's lora.py."""
+
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        """train.export_single_file: the whole pipeline's tensors in the original layout (facts.single_file_export
+        says which families have one; the others raise ValueError)."""
 
     def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
         """Write a folder `DiffusionPipeline.from_pretrained(out_dir)` loads: the base components + `denoiser`."""
@@ -146,3 +189,34 @@ class Family(Protocol):
         """Keyword arguments for the pipeline call from pre-encoded prompt and negative prompt (batch 1 each,
         both from encode_text). A None/empty negative is left to the pipeline. Pass an encoded negative (e.g. of
         "") whenever text.max_length differs from the tokenizer's own length, so both have the same length."""
+
+    # True where the pipeline, given pre-encoded prompts, needs negative embeds too (the renderer then encodes "",
+    # as the pipeline would itself).
+    negative_required: bool
+
+    # Edit families (paired datasets: dataset.control) -----------------------------------------
+    # The training loop puts the batch's scaled control latents in `cond["control_latents"]` for `denoise`.
+    takes_control: bool
+    # The text stage caches rows per (instruction, control image) and calls encode_text(enc, captions, images).
+    text_sees_control: bool
+    # Several reference images per target (<control>/<stem>/*.png).
+    multiple_references: bool
+    # The pipeline shares one call's input images between its prompts: each sample renders in a call of its own.
+    one_control_per_call: bool
+
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        """The pixel size the latents stage caches a control of a (width, height) bucket at (default: the
+        bucket's; Qwen-Image-Edit's pipelines encode inputs at about 1 MP whatever the output size)."""
+
+    def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:
+        """The pipeline's input-image arguments for one render call (default: none)."""
+
+    def edit_call(
+        self, pipe: Any, enc: TextEncoders, kwargs: dict[str, Any], prompts: list[str], negatives: list[str]
+    ) -> tuple[Any, dict[str, Any]]:
+        """The pipeline and arguments of one render call (default: unchanged; Qwen-Image-Edit encodes the prompts
+        with the input images)."""
+
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        """The pipeline's output_type="latent" result as (B, C, H, W) cache-space latents (the edit learning check
+        compares them with the cache); default: already in that shape."""

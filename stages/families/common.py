@@ -47,7 +47,14 @@ class DiffusersFamily:
 
     facts: ClassVar[FamilyFacts]
     lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    # Tensors encode_text returns that the pipeline takes as `<key>=` / `negative_<key>=`.
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = ()
+    negative_required: ClassVar[bool] = False
+    single_file_layouts: ClassVar[dict[str, str]] = {}
+    # Edit-family abilities (base.Family says what each means); a plain text-to-image family has none.
+    takes_control: ClassVar[bool] = False
+    text_sees_control: ClassVar[bool] = False
+    multiple_references: ClassVar[bool] = False
+    one_control_per_call: ClassVar[bool] = False
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
     tiny_seed: ClassVar[int] = 0
 
@@ -81,6 +88,50 @@ class DiffusersFamily:
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         return {}
+
+    @property
+    def denoiser_class(self) -> type:
+        return _first_type(self.pipeline_class._get_signature_types()[self.denoiser_component])
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        return ()
+
+    # A transformer's stacks of repeated blocks, in the order its forward runs them (SD3, FLUX, Qwen-Image).
+    BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
+
+    def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
+        return tuple(n for n in self.BLOCK_STACKS if isinstance(getattr(model, n, None), torch.nn.ModuleList))
+
+    def check_full_finetune(self, model_dir: Path, shards: int = 1) -> None:
+        from tuneline.stages.families.full_limit import check_full_fits
+
+        check_full_fits(self.facts.name, self.denoiser_class, model_dir, self.denoiser_component, shards)
+
+    def comfy_lora_state(
+        self, denoiser: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        raise ValueError(
+            f"train.export_single_file: family {self.facts.name!r} has no single-file export; set "
+            f"train.export_single_file false"
+        )
+
+    # ---- edit families -----------------------------------------------------------------------
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        return width, height
+
+    def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:
+        return {}
+
+    def edit_call(
+        self, pipe: Any, enc: TextEncoders, kwargs: dict[str, Any], prompts: list[str], negatives: list[str]
+    ) -> tuple[Any, dict[str, Any]]:
+        return pipe, kwargs
+
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        return latents
 
     # ---- model folders -----------------------------------------------------------------------
     def ensure_model(
@@ -172,8 +223,7 @@ class DiffusersFamily:
         )
 
     def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        return cls.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
+        return self.denoiser_class.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
         """The training noise schedule: DDPM for epsilon/v families, flow-matching Euler for the others; built from
@@ -191,7 +241,11 @@ class DiffusersFamily:
         is then never loaded. Its text encoders serve the renderer too (text_encoders_of): loaded once."""
         parts: dict[str, Any] = {self.denoiser_component: denoiser} if denoiser is not None else {}
         pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **parts, **self.pipeline_load_kwargs())
-        pipe = pipe.to(device)
+        # A live denoiser stays where training keeps it: block swap holds some of its weights in CPU memory
+        # (tuneline.stages.train.swap), which moving the whole pipeline would copy onto the GPU.
+        for part in pipe.components.values():
+            if isinstance(part, torch.nn.Module) and part is not denoiser:
+                part.to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -215,6 +269,14 @@ class DiffusersFamily:
         length = max_length or self.facts.max_length
         self.check_max_length(toks, length)
         return TextEncoders(tokenizers=toks, encoders=encs, max_length=length)
+
+    def check_pipeline_length(self, max_length: int) -> None:
+        """For a family whose pipeline caps the caption length itself (facts.max_length_limit, not the tokenizer's)."""
+        if max_length > self.facts.max_length_limit:
+            raise ValueError(
+                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
+                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
+            )
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
         """The main (last) tokenizer sets the caption length; refuse lengths its encoder cannot embed."""

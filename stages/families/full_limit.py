@@ -25,14 +25,17 @@ def param_count(cls: type, config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_full_fits(family: str, cls: type, model_dir: Path, component: str) -> None:
-    """ValueError when `component` of `model_dir` is too large for a full fine-tune under DDP."""
+def check_full_fits(family: str, cls: type, model_dir: Path, component: str, shards: int = 1) -> None:
+    """ValueError when `component` of `model_dir` is too large for a full fine-tune whose training state is split
+    `shards` ways (DDP: 1, every GPU holds all of it)."""
     config = json.loads((Path(model_dir) / component / "config.json").read_text(encoding="utf-8"))
     n = param_count(cls, config)
-    if n > PARAM_LIMIT:
+    if n > PARAM_LIMIT * shards:
+        per_gpu = n * BYTES_PER_PARAM / shards
+        split = f"split {shards} ways " if shards > 1 else ""
         raise ValueError(
-            f"train.mode full: the {family} {component} has {n / 1e9:.1f}B parameters; a full fine-tune under DDP "
-            f"holds {BYTES_PER_PARAM} bytes per parameter on every GPU ({n * BYTES_PER_PARAM / 1e9:.0f} GB), above "
-            f"the {GPU_BYTES / 1e9:.0f} GB of the largest GPU (limit {PARAM_LIMIT / 1e9:.1f}B parameters); set "
-            f"train.mode lora"
+            f"train.mode full: the {family} {component} has {n / 1e9:.1f}B parameters; a full fine-tune {split}"
+            f"holds {BYTES_PER_PARAM} bytes per parameter ({per_gpu / 1e9:.0f} GB per GPU), above the "
+            f"{GPU_BYTES / 1e9:.0f} GB of the largest GPU (limit {PARAM_LIMIT * shards / 1e9:.1f}B parameters); "
+            f"set train.mode lora"
         )

@@ -189,7 +189,7 @@ def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
     cls = _component_class(out, comp)
     dtype = _dtype(sd)
     model = _load_named(cls, out / comp, sd, dtype)
-    via = getattr(family, "single_file_layouts", {}).get(comp)
+    via = family.single_file_layouts.get(comp)
     if model is None and via is not None:  # another class's converter reads this layout (same module names)
         from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 

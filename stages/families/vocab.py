@@ -75,10 +75,11 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
-def learn_bpe_merges(words: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Plain BPE training until every word is one symbol; ties broken by the pair's text so the result is
-    deterministic. Standard BPE guarantees that applying these merges by rank re-creates each word whole."""
-    seqs = [list(w[:-1]) + [w[-1] + "</w>"] for w in words]
+def learn_bpe_merges(words: tuple[str, ...], end: str = "</w>") -> list[tuple[str, str]]:
+    """Plain BPE training until every word is one symbol (its last character marked by `end`: none for byte-level
+    BPE); ties broken by the pair's text so the result is deterministic. Standard BPE guarantees that applying these
+    merges by rank re-creates each word whole."""
+    seqs = [list(w[:-1]) + [w[-1] + end] for w in words]
     merges: list[tuple[str, str]] = []
     while True:
         pairs = Counter(p for s in seqs for p in zip(s, s[1:]))

@@ -57,8 +57,7 @@ def row_key(rec: ImageRecord, identity: dict, sha256: str | None = None, size: t
 def control_size(fam, width: int, height: int) -> tuple[int, int]:
     """The pixel size a control of a (width, height) bucket is encoded at: the family's control_size, or the
     bucket's."""
-    sized = getattr(fam, "control_size", None)
-    return tuple(sized(width, height)) if sized else (width, height)
+    return tuple(fam.control_size(width, height))
 
 
 def control_shape(fam, width: int, height: int) -> tuple[int, int, int]:
@@ -83,7 +82,7 @@ def pixels(rec: ImageRecord, root: Path, ref: int = 0, size: tuple[int, int] | N
     if file_sha256(path) != sha:
         raise ArtifactError(
             f"control image {path} of {rec.path} changed since the scan (content hash differs): run "
-            f"`tuneline stage scan` again"
+            f"`tuneline run --until latents` (it rescans, then caches the new control)"
         )
     img = load_rgb(path)
     if img.size != (width, height):
@@ -116,10 +115,10 @@ class _Previous:
 def _check_family(ctx, n: int) -> None:
     """Several references per image only for a family that takes them (the scan refuses it, but a scan made
     for another family can be reused)."""
-    if n > 1 and not getattr(models.family(ctx.cfg), "multiple_references", False):
+    if n > 1 and not models.family(ctx.cfg).multiple_references:
         raise ArtifactError(
             f"the scan pairs each image with {n} reference images, but family {ctx.cfg.model.family!r} takes one "
-            f"control image: keep one per image (<control>/<stem>.png) and run `tuneline stage scan` again"
+            f"control image: keep one per image (<control>/<stem>.png) and run `tuneline run --until latents`"
         )
 
 

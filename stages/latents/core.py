@@ -109,6 +109,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     encoder = Encoder(vae, dev, lc.dtype, lc.flip)
     results = write_buckets(ctx, settings, jobs, encoder, len(records))
     facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae_facts_of(fam, vae), vae_dtype)
+    log_rows(ctx, facts)
     paired = write_controls(ctx, work, results, jobs, records, encoder, identity, scan)
     return facts | {"masked": write_masks(ctx, work, results, records, scan)} | paired
 
@@ -144,13 +145,7 @@ def build_sharded(ctx, work: Path, upstream: dict) -> dict:
     for key in ("encoded", "reused"):
         facts[key] += sum(r[key] for r in reports)
     facts["resumed"] = max(0, facts["count"] - facts["encoded"] - facts["reused"])
-    ctx.log.info(
-        "latents: %d shards; in all %d rows encoded, %d copied from the previous version, %d resumed",
-        len(reports),
-        facts["encoded"],
-        facts["reused"],
-        facts["resumed"],
-    )
+    log_rows(ctx, facts, f" by {len(reports)} shards")
     lc = ctx.cfg.latents
     identity = row_identity(models.identity(ctx, "vae"), p.vae_dtype, lc.dtype, lc.flip)
     all_records = scan_records(models.artifact_dir(ctx, scan))
@@ -179,6 +174,20 @@ def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, tot
     finally:
         progress.close()
     return results
+
+
+def log_rows(ctx, facts: dict, by: str = "") -> None:
+    """The build's row counts, once: a sharded build counts its rows as the shards made them (the parent adopts
+    them as resumed), so it logs after correcting them."""
+    ctx.log.info(
+        "latents: %d rows%s (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
+        facts["count"],
+        by,
+        facts["encoded"],
+        facts["reused"],
+        facts["resumed"],
+        facts["rejected"],
+    )
 
 
 def manifest_facts(
@@ -210,14 +219,6 @@ def manifest_facts(
         if r.index
     ]
     counts = {k: sum(getattr(r, k) for r in results) for k in ("encoded", "reused", "resumed")}
-    ctx.log.info(
-        "latents: %d rows (%d encoded, %d copied from the previous version, %d resumed), %d rejected",
-        len(index),
-        counts["encoded"],
-        counts["reused"],
-        counts["resumed"],
-        len(rejected),
-    )
     return {
         "family": fam.facts.name,
         "vae_identity": models.identity(ctx, "vae"),

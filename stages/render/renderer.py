@@ -7,7 +7,7 @@ the tensors they feed. Several prompts render in one pipeline call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,22 +59,21 @@ class Renderer:
         device: torch.device,
         dtype: torch.dtype,
         *,
-        lora: Path | None = None,
+        adapt: Callable[[Any], None] | None = None,
         denoiser: torch.nn.Module | None = None,
         autocast: torch.dtype | None = None,
         max_length: int | None = None,
         prompt_cache: tuple[Path, str] | None = None,
     ) -> Renderer:
-        """The pipeline in `model_dir`, plus LoRA weights from `lora`, or with a live `denoiser` (in training)
+        """The pipeline in `model_dir`, changed by `adapt` (validate loads the trained LoRA weights with it:
+        stages/train/export.load_lora, which this layer below the stages does not import), or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
         `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
-        if lora is not None:
-            from tuneline.stages.train.export import load_lora
-
-            load_lora(pipe, fam.facts.name, Path(lora))  # load_lora_weights, or a lokr/loha file merged
+        if adapt is not None:
+            adapt(pipe)
         # Rendering only decodes; an empty module rather than None, as some VAEs (Qwen-Image) walk theirs when decoding.
-        if not getattr(fam, "takes_control", False):  # an edit family's pipeline encodes its input image
+        if not fam.takes_control:  # an edit family's pipeline encodes its input image
             pipe.vae.encoder = torch.nn.Module()
         pipe.set_progress_bar_config(disable=True)
         encoders = fam.text_encoders_of(pipe, max_length)
@@ -90,7 +89,7 @@ class Renderer:
         groups = [[i for i, s in enumerate(samples) if bool(s.negative_prompt) == neg] for neg in (False, True)]
         # A pipeline whose input images are shared by every prompt of a call (FLUX.2's references) renders each
         # sample with its own images in a call of its own.
-        shared = samples and samples[0].image is not None and getattr(self.fam, "one_control_per_call", False)
+        shared = samples and samples[0].image is not None and self.fam.one_control_per_call
         size = 1 if shared else MAX_BATCH
         for group in groups:
             for start in range(0, len(group), size):
@@ -118,7 +117,7 @@ class Renderer:
         with torch.no_grad(), amp:
             prompts = [s.prompt for s in batch]
             negatives = [s.negative_prompt for s in batch] if batch[0].negative_prompt else []
-            if not negatives and getattr(self.fam, "negative_required", False):
+            if not negatives and self.fam.negative_required:
                 negatives = [""] * len(batch)  # what such a pipeline encodes itself for a missing negative
             file, key = self.prompt_cache or (None, "")
             encoded = encode_prompts(self.fam, self.enc, prompts + negatives, cache=file, key=key)
@@ -126,13 +125,11 @@ class Renderer:
             neg = batch_of(encoded, negatives, self.device) if negatives else None
             gens = [torch.Generator(device=self.device).manual_seed(s.seed) for s in batch]
             # Pictures come back as floats first: NaN would silently turn black in the 8-bit conversion.
-            edit = {}
-            if hasattr(self.fam, "control_kwargs"):  # an edit family: its input images (if any) and the size
-                images = [s.image for s in batch] if batch[0].image is not None else None
-                edit = self.fam.control_kwargs(images, width, height)
-            kwargs, pipe = {**self.fam.prompt_kwargs(text, neg), **edit}, self.pipe
-            if hasattr(self.fam, "edit_call"):  # prompts encoded with the input images (Qwen-Image-Edit)
-                pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
+            # An edit family's input images (if any) and size, and its call (prompts encoded with the images).
+            images = [s.image for s in batch] if batch[0].image is not None else None
+            edit = self.fam.control_kwargs(images, width, height)
+            kwargs = {**self.fam.prompt_kwargs(text, neg), **edit}
+            pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
             images = pipe(
                 **kwargs,
                 width=width,

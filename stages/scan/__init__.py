@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tuneline.schemas.scan import ScanManifest
 from tuneline.stages.common.stage import StageDef
-from tuneline.stages.scan.core import CODE_VERSION, build, stage_config, stage_inputs
+from tuneline.stages.scan.core import CODE_VERSION, build, content, stage_config, stage_inputs
 
 STAGE = StageDef(
     name="scan",
@@ -18,6 +18,7 @@ STAGE = StageDef(
     inputs=stage_inputs,
     build=build,
     content_addressed=True,
+    content=content,
 )
 
 __all__ = ["STAGE"]

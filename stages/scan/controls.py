@@ -13,6 +13,8 @@ image's size first, as FLUX.1 Kontext training resizes its input to the target's
 
 from __future__ import annotations
 
+import posixpath
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
@@ -21,6 +23,7 @@ from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan.images import probe_file
+from tuneline.stages.scan.listing import Listing, walk
 
 FIELDS = ("control_path", "control_sha256", "control_size_bytes", "control_width", "control_height")
 
@@ -48,12 +51,26 @@ def paired(cfg: PipelineConfig) -> bool:
     return any(root is not None for root, _ in source_roots(cfg).values())
 
 
-def _is_image(p: Path) -> bool:
-    return p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+@dataclass
+class Folder:
+    """A control folder as the scan walked it (stages/scan/listing.py: symlinks followed only inside it)."""
+
+    root: Path
+    listing: Listing
+    files: dict[str, list[Path]] = field(default_factory=dict)  # by path without extension ('/' separated)
+    refs: dict[str, list[Path]] = field(default_factory=dict)  # a folder's images in name order, by folder path
+    bad: dict[str, Rejected] = field(default_factory=dict)  # entries refused while walking, by path
+
+    def problem(self, stem: str) -> Rejected | None:
+        """Why the control of the image `stem` cannot be used (a symlink out of the folder, a loop), if so."""
+        for rel, bad in self.bad.items():
+            if posixpath.splitext(rel)[0] == stem or rel == stem or rel.startswith(stem + "/"):
+                return bad
+        return None
 
 
-def _index(cfg: PipelineConfig, root: Path, field: str) -> dict[str, list[Path]]:
-    """Control files by path without extension, relative to the control folder ('/' separated)."""
+def folder(cfg: PipelineConfig, root: Path, field: str) -> Folder:
+    """Walk a control folder: its images by stem, reference folders, and entries refused."""
     if not root.is_dir():
         raise StageFailed(
             f"{field} {root} is not a folder: point it at your control (input) images, one per "
@@ -65,23 +82,29 @@ def _index(cfg: PipelineConfig, root: Path, field: str) -> dict[str, list[Path]]
             f"{field} {root} is inside the dataset folder {inside[0]}: its images would be trained as "
             f"targets; move the control images to a folder beside it"
         )
-    out: dict[str, list[Path]] = {}
-    for p in sorted(root.rglob("*")):
-        if _is_image(p):
-            out.setdefault(p.relative_to(root).with_suffix("").as_posix(), []).append(p)
+    walk_cfg = cfg.dataset.model_copy(update={"extensions": list(IMAGE_EXTENSIONS), "recursive": True})
+    out = Folder(root, walk(root, walk_cfg, field))
+    for e in out.listing.images:
+        out.files.setdefault(posixpath.splitext(e.rel)[0], []).append(Path(e.path))
+        if "/" in e.rel:
+            out.refs.setdefault(posixpath.dirname(e.rel), []).append(Path(e.path))
+    out.bad = {r.path: r for r in out.listing.problems if r.kind != "unsupported"}
     return out
 
 
-def fingerprint(cfg: PipelineConfig) -> str | None:
-    """The control folders' listings (name, size, mtime): an edited control makes the scan stale."""
-    roots = sorted({str(r) for r, _ in source_roots(cfg).values() if r is not None and r.is_dir()})
-    if not roots:
+def folders(cfg: PipelineConfig, walked: dict[str, Folder] | None = None) -> dict[str, Folder]:
+    """Every control folder of the config by path (`walked`: those already walked in this process)."""
+    walked = walked or {}
+    roots = sorted({str(r): f for r, f in source_roots(cfg).values() if r is not None}.items())
+    return {key: walked.get(key) or folder(cfg, Path(key), f) for key, f in roots}
+
+
+def fingerprint(found: dict[str, Folder]) -> str | None:
+    """The control folders' listings (name, size, mtime; entries refused): an edited control makes the scan
+    stale."""
+    prints = [f.listing.fingerprint() for f in found.values()]
+    if not prints:
         return None
-    prints = []
-    for root in map(Path, roots):
-        files = sorted(p for p in root.rglob("*") if p.is_file())
-        prints.append([(p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
-    # One folder: the print it had before sources could name their own, so a rescan keeps its version.
     return digest(prints[0] if len(prints) == 1 else prints)
 
 
@@ -105,14 +128,8 @@ def _probe(path: Path, root: Path) -> ControlFile | str:
     )
 
 
-def _folder_files(folder: Path) -> list[Path]:
-    """A references folder's images, in name order (none when it is no folder)."""
-    return [p for p in sorted(folder.iterdir(), key=lambda p: p.name) if _is_image(p)] if folder.is_dir() else []
-
-
-def _references(folder: Path, root: Path) -> dict | str:
+def _references(files: list[Path], folder: Path, root: Path) -> dict | str:
     """The control fields of a folder of several references (name order), or why it cannot be used."""
-    files = _folder_files(folder)
     if not files:
         return f"control folder {folder} holds no image: add the references, or remove the folder"
     refs = [_probe(p, root) for p in files]
@@ -140,14 +157,17 @@ def _fields(f: ControlFile) -> dict:
     }
 
 
-def _pair(r: ImageRecord, found: list[Path] | None, root: Path) -> dict | Rejected:
-    def reject(reason: str) -> Rejected:
-        return Rejected(path=r.ref, kind="control", reason=reason)
+def _pair(r: ImageRecord, ctl: Folder) -> dict | Rejected:
+    def reject(reason: str, kind: str = "control") -> Rejected:
+        return Rejected(path=r.ref, kind=kind, reason=reason)
 
-    stem = Path(r.path).with_suffix("").as_posix()
+    root, stem = ctl.root, Path(r.path).with_suffix("").as_posix()
+    if (bad := ctl.problem(stem)) is not None:  # nothing outside the control folder is read
+        return reject(f"its control {root / bad.path}: {bad.reason}", bad.kind)
+    found = ctl.files.get(stem)
     if not found:
-        if (root / stem).is_dir():
-            got = _references(root / stem, root)
+        if stem in ctl.refs or (root / stem).is_dir():
+            got = _references(ctl.refs.get(stem, []), root / stem, root)
             return reject(got) if isinstance(got, str) else got
         return reject(
             f"no control image {root / stem}.* (nor a folder {root / stem}/ of references) for this image "
@@ -169,7 +189,7 @@ def _check_references(kept: list[ImageRecord], cfg: PipelineConfig) -> None:
     from tuneline.stages.families.registry import family_names, get_family
 
     def takes_several(name: str) -> bool:
-        return bool(getattr(get_family(name), "multiple_references", False))
+        return get_family(name).multiple_references
 
     if not takes_several(cfg.model.family):
         raise StageFailed(
@@ -186,12 +206,15 @@ def _check_references(kept: list[ImageRecord], cfg: PipelineConfig) -> None:
         )
 
 
-def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageRecord], list[Rejected], list[str]]:
-    """(records with their control, images rejected for want of one, controls no image pairs with)."""
+def attach(
+    records: list[ImageRecord], cfg: PipelineConfig, walked: dict[str, Folder] | None = None
+) -> tuple[list[ImageRecord], list[Rejected], list[str]]:
+    """(records with their control, images rejected for want of one, controls no image pairs with); `walked`: the
+    control folders the scan's inputs were fingerprinted from, so the scan pairs what it fingerprinted."""
     if not paired(cfg):
         return records, [], []
     roots = source_roots(cfg)
-    indexes = {str(root): _index(cfg, root, field) for root, field in roots.values() if root is not None}
+    found = folders(cfg, walked)
     kept, rejected, probed, used, named = [], [], {}, {}, set()
     for r in records:
         root, _ = roots[r.source]
@@ -204,11 +227,11 @@ def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageR
                 f"dataset.control), or remove the folder from dataset.sources",
             )
         else:
-            index = indexes[str(root)]
-            files = index.get(stem) or _folder_files(root / stem)
+            ctl = found[str(root)]
+            files = ctl.files.get(stem) or ctl.refs.get(stem, [])
             used.setdefault(str(root), set()).update(p.relative_to(root).as_posix() for p in files)
             if (str(root), stem) not in probed:  # one probe per control, not per resolution
-                probed[str(root), stem] = _pair(r, index.get(stem), root)
+                probed[str(root), stem] = _pair(r, ctl)
             got = probed[str(root), stem]
         if isinstance(got, Rejected):
             if r.ref not in named:  # once, not once per resolution
@@ -217,14 +240,12 @@ def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageR
             continue
         kept.append(r.model_copy(update=got))
     _check_references(kept, cfg)
-    return kept, rejected, _unmatched(indexes, used)
+    return kept, rejected, _unmatched(found, used)
 
 
-def _unmatched(indexes: dict[str, dict[str, list[Path]]], used: dict[str, set[str]]) -> list[str]:
+def _unmatched(found: dict[str, Folder], used: dict[str, set[str]]) -> list[str]:
     """Control files no image pairs with, relative to their folder."""
     out = set()
-    for key, index in indexes.items():
-        root = Path(key)
-        names = (p.relative_to(root).as_posix() for paths in index.values() for p in paths)
-        out.update(n for n in names if n not in used.get(key, ()))
+    for key, ctl in found.items():
+        out.update(e.rel for e in ctl.listing.images if e.rel not in used.get(key, ()))
     return sorted(out)

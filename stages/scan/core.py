@@ -13,15 +13,17 @@ from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.families import facts
 from tuneline.schemas.scan import ImageRecord, Rejected
 from tuneline.schemas.sources import Source, dataset_sources
+from tuneline.stages.common import markdown as md
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
-from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
+from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan import buckets as bk, controls, images, masks
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
+from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
 
 CODE_VERSION = code_version("scan")  # stages/code_versions.json
 LISTING_KEY = "scan-listing"
@@ -58,65 +60,67 @@ def stage_config(cfg: PipelineConfig) -> dict:
     return out
 
 
-# Within a pipeline run, the dataset listing its scan stage used (tuneline.stages.common.lock.active_run): the
-# later stages of that run find the scan they started from even if a file (Thumbs.db) appears meanwhile; the next
-# run decides freshness.
+# Within a pipeline run, the inputs its scan stage used (tuneline.stages.common.lock.active_run): the dataset's
+# listing, the control folders', the masks'. The later stages of that run find the scan they started from even if a
+# file (Thumbs.db) appears in one of them meanwhile; the next run decides freshness.
 _pinned: dict[str, dict] = {}
+CONTROLS_KEY = "scan-controls"
+
+
+def _where(cfg: PipelineConfig) -> str:
+    """The folders the scan reads: a config naming others in the same run is not pinned to these."""
+    roots = [(s.index, str(s.root)) for s in dataset_sources(cfg)]
+    ctl = sorted({str(r) for r, _ in controls.source_roots(cfg).values() if r is not None})
+    return digest([roots, ctl, str(masks.mask_root(cfg))])
 
 
 def stage_inputs(ctx, upstream) -> dict:
-    prints = []
     run = active_run(ctx.workdir)
-    pins = _pinned.setdefault(run, {}) if run else {}
     for stale in [k for k in _pinned if k != run]:
         del _pinned[stale]
+    if run is None:
+        return _inputs(ctx)
+    pins = _pinned.setdefault(run, {})
+    where = _where(ctx.cfg)
+    if where not in pins:
+        pins[where] = _inputs(ctx)
+    return pins[where]
+
+
+def _inputs(ctx) -> dict:
+    prints = []
     for src in dataset_sources(ctx.cfg):
-        pinned = pins.get((src.index, str(src.root)))
-        if pinned is not None:
-            prints.append(pinned)
-            continue
         if not src.root.is_dir():
             return {"dataset": str(src.root), "missing": True}
-        listing = walk(src.root, _source_cfg(ctx.cfg, src))
+        listing = walk(src.root, _source_cfg(ctx.cfg, src), src.field)
         # build() scans this very listing: the recorded input fingerprint then describes the files scanned,
         # and a large folder is walked once per run, not twice.
         ctx.cache[(LISTING_KEY, src.index)] = listing
         prints.append(listing.fingerprint())
-        if run:
-            pins[(src.index, str(src.root))] = prints[-1]
     out = prints[0] if len(prints) == 1 else {"sources": prints}
-    out |= {"controls": c} if (c := controls.fingerprint(ctx.cfg)) else {}
+    out |= {"controls": c} if (c := _controls_print(ctx)) else {}
     return out | ({"masks": m} if (m := masks.fingerprint(ctx.cfg)) else {})
+
+
+def _controls_print(ctx) -> str | None:
+    """The control folders' fingerprint (those walked kept for build(), as the dataset's listing is)."""
+    if not controls.paired(ctx.cfg):
+        return None
+    try:
+        found = controls.folders(ctx.cfg)
+    except StageFailed as err:
+        return str(err)  # the scan refuses with it; fixing the folder changes the key
+    ctx.cache[CONTROLS_KEY] = found
+    return controls.fingerprint(found)
 
 
 def _listing(ctx, src: Source) -> Listing:
     listing = ctx.cache.pop((LISTING_KEY, src.index), None)
-    return listing if listing is not None and listing.root == src.root else walk(src.root, _source_cfg(ctx.cfg, src))
-
-
-def _cache_path(ctx, root: Path) -> Path:
-    # Lives beside the versions, not in one: a rescan that finds identical content publishes nothing new,
-    # yet its fresh mtimes must still be remembered or every later scan would reread those files.
-    return ctx.store.stage_dir("scan") / f".probes-{digest([str(root), CODE_VERSION])}.jsonl"
-
-
-def load_probe_cache(ctx, root: Path) -> dict[str, images.Probe]:
-    """Probes from the last scan of this folder by this code; anything unreadable means a cold scan."""
-    path = _cache_path(ctx, root)
-    if not path.is_file():
-        return {}
-    try:
-        return {row["path"]: images.Probe(**row) for row in read_jsonl(path)}
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        ctx.log.warning("scan: ignoring the probe cache %s (%s); every file is read", path, err)
-        return {}
-
-
-def save_probe_cache(ctx, root: Path, probes: list[images.Probe]) -> None:
-    path = _cache_path(ctx, root)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    write_jsonl(tmp, [p.as_json() for p in probes])
-    os.replace(tmp, path)  # atomic: a killed scan leaves the previous cache, never half of one
+    return (
+        listing
+        if listing is not None and listing.root == src.root
+        else walk(src.root, _source_cfg(ctx.cfg, src), src.field)
+    )
 
 
 def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> tuple[list[images.Probe], int]:
@@ -204,12 +208,13 @@ def policies(cfg: PipelineConfig) -> list[tuple[float | None, SizePolicy]]:
     return [(r, dataclasses.replace(base, resolution=r)) for r in cfg.buckets.all_resolutions()]
 
 
-def _records(ctx, src: Source) -> tuple[list[ImageRecord], list[Rejected], int]:
+def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[Rejected], int]:
     """One folder's records (and rejections), each named by `src.index` when the dataset has several."""
     cfg = ctx.cfg
     listing = _listing(ctx, src)
-    probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src.root))
-    save_probe_cache(ctx, src.root, probes)
+    probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src))
+    if save:
+        save_probe_cache(ctx, src.root, probes)
     captions = Captions(listing, _source_cfg(cfg, src))
     records, rejected, seen = [], [*listing.problems, *captions.problems], set()
     for resolution, policy in policies(cfg):
@@ -231,10 +236,12 @@ def _records(ctx, src: Source) -> tuple[list[ImageRecord], list[Rejected], int]:
     return records, rejected + misfits, reopened
 
 
-def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Rejected], int, list[dict], list[str]]:
+def _all_records(
+    ctx, sources: list[Source], *, save: bool
+) -> tuple[list[ImageRecord], list[Rejected], int, list[dict], list[str]]:
     records, rejected, reopened, rows = [], [], 0, []
     for src in sources:
-        got, bad, n = _records(ctx, src)
+        got, bad, n = _records(ctx, src, save=save)
         records += got
         rejected += bad
         reopened += n
@@ -247,7 +254,7 @@ def _all_records(ctx, sources: list[Source]) -> tuple[list[ImageRecord], list[Re
             f"dataset source(s) {empty} hold no usable image (see rejected.jsonl): add images, or "
             f"remove the folder from dataset.sources / train.eval.path"
         )
-    records, unpaired, unmatched = controls.attach(records, ctx.cfg)
+    records, unpaired, unmatched = controls.attach(records, ctx.cfg, ctx.cache.pop(CONTROLS_KEY, None))
     return records, rejected + unpaired, reopened, rows, unmatched
 
 
@@ -258,6 +265,63 @@ def _no_batch(root: Path, work: Path, rejected: list[Rejected], err: bk.NoBatchE
         f"scan of dataset.path {root}: {err}. Rejected: {kinds or 'none'}. {examples} "
         f"(every reason: {work / 'rejected.jsonl'})"
     )
+
+
+@dataclasses.dataclass
+class Scanned:
+    """What a scan of the current dataset publishes, computed before anything is written."""
+
+    records: list[ImageRecord]
+    rejected: list[Rejected]
+    reopened: int
+    sources: list[dict]
+    unmatched: list[str]
+    groups: list[list[str]]
+    plan: dict
+    rows: list
+
+
+class NoBatch(Exception):
+    def __init__(self, rejected: list[Rejected], err: bk.NoBatchError):
+        super().__init__(str(err))
+        self.rejected, self.err = rejected, err
+
+
+def scanned(ctx, sources: list[Source], *, save: bool = True) -> Scanned:
+    """Records, rejections and the bucket plan; `save` remembers the probes for the next scan."""
+    cfg = ctx.cfg
+    records, rejected, reopened, source_rows, unmatched = _all_records(ctx, sources, save=save)
+    groups = bk.duplicate_groups(records)
+    if cfg.dataset.duplicates == "reject":
+        records, dups = bk.reject_duplicates(records, groups)
+        rejected += dups
+    batch = cfg.train.global_batch()
+    try:
+        plan = bk.bucket_plan({b: len(rs) for b, rs in bk.by_bucket(records).items()}, batch, cfg.buckets.small_bucket)
+    except bk.NoBatchError as err:
+        raise NoBatch(sorted(rejected, key=lambda r: r.path), err) from None
+    records, dropped, rows = bk.apply_plan(records, plan, batch)
+    rejected = sorted(rejected + dropped, key=lambda r: r.path)
+    return Scanned(records, rejected, reopened, source_rows, unmatched, groups, plan, rows)
+
+
+def content_digest(records: list[ImageRecord]) -> str:
+    """What later stages consume, and nothing else: records (paths relative to the root, sizes, content hashes,
+    buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection leaves the version
+    as it was; the republished manifest then names the new root."""
+    return digest({"records": [controls.consumed(r) for r in records]})
+
+
+def content(ctx) -> str | None:
+    """The content digest a scan would publish now, writing nothing: files whose size and mtime the last scan
+    recorded are not reopened, so a touched file costs one hash. None when the scan would fail."""
+    sources = dataset_sources(ctx.cfg)
+    if any(not src.root.is_dir() for src in sources):
+        return None
+    try:
+        return content_digest(scanned(ctx, sources, save=False).records)
+    except (StageFailed, NoBatch):
+        return None
 
 
 def build(ctx, work: Path, upstream: dict) -> dict:
@@ -271,23 +335,15 @@ def build(ctx, work: Path, upstream: dict) -> dict:
                 f"{src.field} {src.root} is not a folder: point it at your images (relative paths "
                 f"resolve against the workdir){demo}"
             )
-    records, rejected, reopened, source_rows, unmatched = _all_records(ctx, sources)
-    groups = bk.duplicate_groups(records)
-    if cfg.dataset.duplicates == "reject":
-        records, dups = bk.reject_duplicates(records, groups)
-        rejected += dups
-    batch = cfg.train.global_batch()
-    write_jsonl(work / "rejected.jsonl", sorted(rejected, key=lambda r: r.path))
     try:
-        plan = bk.bucket_plan({b: len(rs) for b, rs in bk.by_bucket(records).items()}, batch, cfg.buckets.small_bucket)
-    except bk.NoBatchError as err:
-        raise _no_batch(root, work, rejected, err) from None
-    records, dropped, rows = bk.apply_plan(records, plan, batch)
-    rejected = sorted(rejected + dropped, key=lambda r: r.path)
+        got = scanned(ctx, sources)
+    except NoBatch as err:
+        write_jsonl(work / "rejected.jsonl", err.rejected)
+        raise _no_batch(root, work, err.rejected, err.err) from None
+    records, rejected, unmatched = got.records, got.rejected, got.unmatched
     write_jsonl(work / "images.jsonl", records)
     write_jsonl(work / "rejected.jsonl", rejected)
-    _report(ctx, root, rows, plan, rejected, reopened, len(records), groups)
-    consumed = [controls.consumed(r) for r in records]
+    _report(ctx, root, got.rows, got.plan, rejected, got.reopened, len(records), got.groups)
     if unmatched:
         ctx.log.warning("scan: %d control images pair with no image, e.g. %s", len(unmatched), unmatched[0])
     return {
@@ -295,18 +351,15 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         "dataset_root": str(root),
         "accepted": len(records),
         "rejected": len(rejected),
-        "buckets": rows,
-        "duplicates": groups,
+        "buckets": got.rows,
+        "duplicates": got.groups,
         "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
         "conversions": bk.conversions(records),
-        "reopened": reopened,
-        "sources": source_rows if sources[0].index is not None else [],
+        "reopened": got.reopened,
+        "sources": got.sources if sources[0].index is not None else [],
         "control_root": str(controls.control_root(cfg)) if cfg.dataset.control else None,
         "unmatched_controls": unmatched,
-        # What later stages consume, and nothing else: records (paths relative to the root, sizes, content
-        # hashes, buckets, crops, captions). A moved folder, a stray non-image file or a reworded rejection
-        # leaves the version as it was; the republished manifest then names the new root.
-        "content_digest": digest({"records": consumed}),
+        "content_digest": content_digest(records),
     }
 
 
@@ -316,20 +369,20 @@ def _report(
     ctx.reporter.table(
         "scan-buckets",
         bk.table(rows, plan),
-        f"{accepted} images in {len(rows)} buckets from {root} ({reopened} files read)",
+        f"{accepted} images in {len(rows)} buckets from {md.text(root)} ({reopened} files read)",
     )
     ctx.log.info(
         "scan: %d accepted, %d rejected, %d buckets, %d files read", accepted, len(rejected), len(rows), reopened
     )
     if rejected:
-        rows = [f"| {r.path} | {r.kind} | {r.reason} |".replace("\n", " ") for r in rejected[:REPORT_ROWS]]
+        rows = [f"| {md.text(r.path)} | {md.text(r.kind)} | {md.text(r.reason)} |" for r in rejected[:REPORT_ROWS]]
         more = (
             [f"\n... and {len(rejected) - REPORT_ROWS} more in rejected.jsonl"] if len(rejected) > REPORT_ROWS else []
         )
         ctx.reporter.markdown(
             "scan-rejected",
             "\n".join(["| file | kind | reason |", "|---|---|---|", *rows, *more]),
-            f"{len(rejected)} files rejected from {root}",
+            f"{len(rejected)} files rejected from {md.text(root)}",
         )
     for r in rejected[:20]:
         ctx.log.warning("scan: rejected %s: %s", r.path, r.reason)

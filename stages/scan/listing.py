@@ -2,7 +2,8 @@
 
 Hidden names (starting with '.') are skipped: tool state such as the demo marker or `.ipynb_checkpoints`.
 Symlinks are followed only while they stay inside the dataset root, so a dataset cannot make the scan read
-(and a later stage encode) files from elsewhere on the machine.
+(and a later stage encode) files from elsewhere on the machine. Control folders (dataset.control) are walked the
+same way.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def _valid_name(rel: str) -> bool:
 
 
 class _Walker:
-    def __init__(self, root: Path, cfg: DatasetConfig):
+    def __init__(self, root: Path, cfg: DatasetConfig, field: str):
         self.root = root
+        self.field = field
         self.real_root = root.resolve()
         self.cfg = cfg
         self.image_exts = {e.lower() for e in cfg.extensions}
@@ -105,8 +107,8 @@ class _Walker:
                 self.reject(
                     rel,
                     "symlink",
-                    f"symlink to {target}, outside dataset.path {self.root}: refusing to "
-                    f"read it; copy the file into the dataset or remove the link",
+                    f"symlink to {target}, outside {self.field} {self.root}: refusing to "
+                    f"read it; copy the file into the folder or remove the link",
                 )
                 return
             if not target.exists():
@@ -144,8 +146,9 @@ class _Walker:
             )
 
 
-def walk(root: Path, cfg: DatasetConfig) -> Listing:
-    """Every image, caption and metadata file under `root` (sizes and mtimes from stat only)."""
-    w = _Walker(Path(root), cfg)
+def walk(root: Path, cfg: DatasetConfig, field: str = "dataset.path") -> Listing:
+    """Every image, caption and metadata file under `root` (sizes and mtimes from stat only); `field` names the
+    folder in rejections."""
+    w = _Walker(Path(root), cfg, field)
     w.walk(w.root, "")
     return w.listing

@@ -36,7 +36,7 @@ def split_key(key: str) -> tuple[str | None, str]:
 
 
 def sees_control(fam) -> bool:
-    return bool(getattr(fam, "text_sees_control", False))
+    return fam.text_sees_control
 
 
 def paired_captions(ctx, scan: ScanManifest, upstream: dict) -> tuple[list[tuple[str, str]], dict[str, Path]] | None:
@@ -85,14 +85,14 @@ def load_control(path: Path, sha256: str):
         if digest([hashlib.sha256(p.read_bytes()).hexdigest() for p in files], length=64) != sha256:
             raise ValueError(
                 f"control folder {path} changed since the scan (its references' sha256 differ from the scan's "
-                f"record): run `tuneline stage scan`, then `tuneline stage text`"
+                f"record): run `tuneline run --until text` (it rescans, then encodes the new pairs)"
             )
         return [load_rgb(p) for p in files]
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != sha256:
         raise ValueError(
             f"control image {path} changed since the scan (its sha256 differs from the scan's record): run "
-            f"`tuneline stage scan`, then `tuneline stage text`"
+            f"`tuneline run --until text` (it rescans, then encodes the new pairs)"
         )
     return load_rgb(Path(path))
 

@@ -1,4 +1,4 @@
-"""Train stage: DDP training (torchrun; gloo on CPU, NCCL on CUDA) reading only the caches."""
+"""Train stage: DDP or FSDP training (torchrun; gloo on CPU, NCCL on CUDA) reading only the caches."""
 
 from __future__ import annotations
 
@@ -27,12 +27,15 @@ NOT_FINGERPRINTED = {
     "validate_every",
     "blocks_to_swap",
     "compile",  # the same steps as eager up to float reordering; leaving it out keeps existing runs' fingerprints
+    "fsdp_cpu_offload",
 }
 
 
 def _config(cfg) -> dict:
     # World size sets the global batch, so `processes` and `nodes` are fingerprinted.
     train = cfg.train.model_dump(mode="json", exclude=NOT_FINGERPRINTED)
+    if train["parallelism"] == "ddp":  # the default hashes as before FSDP existed: DDP runs stay fresh
+        del train["parallelism"]
     if train.get("eval") and train["eval"]["path"]:
         train["eval"]["path"] = True  # the folder's content is the scan's; its location changes nothing
     settings = training_settings(cfg)

@@ -24,6 +24,8 @@ the trained weights (at strength 1).
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from tuneline.stages.train import kohya
@@ -52,28 +54,43 @@ def alpha_of(t) -> float:
     return float(t.lora_alpha or t.lora_rank)
 
 
-def peft_config(t, target_modules: tuple[str, ...]):
-    """The peft config train.adapter names (rank train.lora_rank, alpha train.lora_alpha or the rank)."""
+def exclude_pattern(unused: tuple[str, ...], containers: tuple[str, ...] = ()) -> str | None:
+    """peft's exclude_modules (a regex it full-matches against module paths): the `unused` modules and every module
+    inside them, and the `containers` alone (None for neither). A pattern rather than a list: peft matches list
+    entries by suffix only, so a listed feed-forward would leave its inner layers targeted."""
+    alternatives = [f"({'|'.join(re.escape(m) for m in unused)})(\\..*)?"] if unused else []
+    alternatives += [re.escape(c) for c in containers]
+    return "|".join(alternatives) or None
+
+
+def containers(model: torch.nn.Module, target_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Module lists a target suffix also names, which peft refuses to wrap: FLUX.2's `attn.to_out` is its single
+    blocks' output layer and its double blocks' list around `to_out.0`. Excluded, the suffix targets the layers."""
+    return tuple(
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        and any(n == t or n.endswith("." + t) for t in target_modules)
+    )
+
+
+def peft_config(t, target_modules: tuple[str, ...], unused: tuple[str, ...] = (), lists: tuple[str, ...] = ()):
+    """The peft config train.adapter names (rank train.lora_rank, alpha train.lora_alpha or the rank), on the
+    modules `target_modules` names except the `unused` ones (Family.unused_modules) and the module `lists`
+    (containers)."""
     adapter, targets = adapter_of(t), list(target_modules)
+    common = dict(r=t.lora_rank, target_modules=targets, exclude_modules=exclude_pattern(unused, lists))
     if adapter == "lokr":
         from peft import LoKrConfig
 
-        return LoKrConfig(
-            r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True, decompose_factor=t.lokr_factor
-        )
+        return LoKrConfig(**common, alpha=alpha_of(t), init_weights=True, decompose_factor=t.lokr_factor)
     if adapter == "loha":
         from peft import LoHaConfig
 
-        return LoHaConfig(r=t.lora_rank, alpha=alpha_of(t), target_modules=targets, init_weights=True)
+        return LoHaConfig(**common, alpha=alpha_of(t), init_weights=True)
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=t.lora_rank,
-        lora_alpha=alpha_of(t),
-        init_lora_weights=True,
-        target_modules=targets,
-        use_dora=adapter == "dora",
-    )
+    return LoraConfig(**common, lora_alpha=alpha_of(t), init_lora_weights=True, use_dora=adapter == "dora")
 
 
 def not_exported(t) -> list[dict]:

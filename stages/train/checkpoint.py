@@ -5,7 +5,8 @@
       ema.safetensors         their moving average (train.ema)
       optimizer.safetensors   optimizer state tensors as "<param name>/<key>"
       state.json              written last: step, sampler position, schedule, losses, optimizer groups, grad-scaler
-                              state, and every file above with its size and sha256
+                              state, what it was made with (`made_with`: family, mode, adapter, optimizer, dtypes),
+                              and every file above with its size and sha256
 
 Nothing is ever unpickled: tensors come from safetensors, everything else from JSON. A checkpoint is built in
 a hidden sibling and renamed into place, so a directory named step-N is complete.
@@ -91,7 +92,13 @@ def load(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
         state = json.loads(state_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint {path}: {STATE} is not valid JSON ({err})") from None
-    tensors = {}
+    check_files(path, state)
+    tensors = {name.removesuffix(".safetensors"): load_file(str(path / name)) for name in state.get("files", {})}
+    return state, tensors
+
+
+def check_files(path: Path, state: dict) -> None:
+    """CheckpointError unless every file state.json lists is there with its recorded size and checksum."""
     for name, entry in state.get("files", {}).items():
         f = path / name
         if not f.is_file() or f.stat().st_size != entry["bytes"] or file_sha256(f) != entry["sha256"]:
@@ -99,8 +106,44 @@ def load(path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
                 f"checkpoint {path}: {name} is missing or does not match its recorded size and "
                 f"checksum; delete {path} to resume from an earlier checkpoint"
             )
-        tensors[name.removesuffix(".safetensors")] = load_file(str(f))
-    return state, tensors
+
+
+def made_with(cfg) -> dict:
+    """What a checkpoint was made with that a resume must match, by config field: another optimizer would load
+    foreign state (AdamW's moments into Lion), another adapter, mode or dtype other tensors."""
+    t = cfg.train
+    return {
+        "model.family": cfg.model.family,
+        "train.mode": t.mode,
+        "train.adapter": t.adapter if t.mode == "lora" else None,
+        "train.optimizer": t.optimizer,
+        "model.dtype": cfg.model.dtype,
+        "train.mixed_precision": t.mixed_precision,
+    }
+
+
+def check_made_with(cfg, path: Path) -> None:
+    """Refuse, before any training process starts, a checkpoint made with other settings than the config's
+    (naming each, both values and the fix). A checkpoint older than the `made_with` record is refused too: what
+    it was made with cannot be confirmed, and a resume is exact or refused."""
+    try:
+        made = json.loads((path / STATE).read_text(encoding="utf-8")).get("made_with")
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"checkpoint {path}: {STATE} cannot be read ({err})") from None
+    if not isinstance(made, dict):
+        raise CheckpointError(
+            f"train.resume: checkpoint {path} does not record the optimizer, adapter and dtypes it was made with "
+            f"(it predates that record), so it cannot be confirmed to continue this config exactly: set "
+            f"train.resume to null to start from the base model"
+        )
+    differ = [(k, made.get(k), v) for k, v in made_with(cfg).items() if made.get(k) != v]
+    if differ:
+        what = "; ".join(f"{k} {was} (the config says {now})" for k, was, now in differ)
+        fix = ", ".join(f"{k}: {was}" for k, was, _ in differ if was is not None)
+        raise CheckpointError(
+            f"train.resume: checkpoint {path} was made with {what}: set {fix} to continue it, or set "
+            f"train.resume to null to start from the base model"
+        )
 
 
 def resolve(resume: str | None, root: Path, workdir: Path) -> Path | None:

@@ -44,7 +44,11 @@ def backend(device: torch.device) -> str:
 
 
 def init(device: torch.device) -> None:
-    dist.init_process_group(backend(device), timeout=TIMEOUT)
+    """The process group; on CUDA bound to this rank's GPU (`device_id`: NCCL sets up its communicator there at
+    once instead of guessing the device at the first collective). The caller has set the device first."""
+    # (The CPU-only tests build a CUDA run's group with no GPU there to bind.)
+    cuda = {"device_id": device} if device.type == "cuda" and torch.cuda.is_available() else {}
+    dist.init_process_group(backend(device), timeout=TIMEOUT, **cuda)
 
 
 def active(world: int) -> bool:
@@ -73,7 +77,15 @@ def wrap(module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device:
         if "forward_sync_buffers" in inspect.signature(DDP).parameters
         else {"broadcast_buffers": False}
     )  # the older name (torch before 2.13)
-    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None, init_sync=False, **no_buffer_sync)
+    # gradient_as_bucket_view: each gradient is a view into DDP's reduction bucket, so the buckets cost no memory
+    # beyond the gradients the memory plan counts (without it, another 4 bytes per trainable parameter).
+    return DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        init_sync=False,
+        gradient_as_bucket_view=True,
+        **no_buffer_sync,
+    )
 
 
 BROADCAST_BUCKET_BYTES = 256 * 2**20  # a full fine-tune's weights go in pieces: one flat copy at a time
@@ -120,6 +132,16 @@ def exchange(losses: torch.Tensor, flags: list[float], rank: int, world: int) ->
         dist.all_reduce(every)
     every = every.cpu()
     return every[:, :m], every[:, m:]
+
+
+def sum_over_ranks(values: torch.Tensor, device: torch.device, world: int) -> torch.Tensor:
+    """`values` summed over every rank, on the CPU; the all-reduce runs on the training device (NCCL serves
+    CUDA tensors only)."""
+    if not active(world):
+        return values
+    on = values.to(device)
+    dist.all_reduce(on)
+    return on.cpu()
 
 
 def everyones(value, world: int) -> list:

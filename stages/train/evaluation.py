@@ -2,6 +2,10 @@
 
 The noise is seeded by the image and the timestep, so two evaluations of the same weights give the same number
 and curves compare across runs. A paired dataset's rows are denoised with their control latents, as in training.
+
+Every rank evaluates its share: the held-out rows in batches of train.batch_size per bucket, the batches dealt out
+round-robin, each sample's loss summed, and the sums all-reduced, so the number is the one a single process gets.
+The forwards run on the unwrapped denoiser (no DDP hook, no collective), so ranks may run different counts.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import numpy as np
 import torch
 
 from tuneline.stages.text.store import pair_key
+from tuneline.stages.train import collectives
 from tuneline.stages.train.loop import Trainer, control_cond, micro_cond
 from tuneline.stages.train.objective import scale_latents
 from tuneline.stages.train.optimizers import eval_weights
@@ -38,50 +43,52 @@ def _noised(x0: torch.Tensor, noise: torch.Tensor, t: int, prediction: str, sche
 class Evaluator:
     """Mean squared error of the held-out images at each of `timesteps`, on the cached latent means."""
 
-    def __init__(self, trainer: Trainer, held: Rows, timesteps: list[int]):
-        self.trainer, self.held, self.timesteps = trainer, held, timesteps
+    def __init__(self, trainer: Trainer, held: Rows, timesteps: list[int], batch_size: int = 1):
+        self.trainer, self.timesteps = trainer, timesteps
+        batches = [
+            (bucket, rows[i : i + batch_size])
+            for bucket, rows in sorted(held.items())
+            for i in range(0, len(rows), batch_size)
+        ]
+        self.share = batches[trainer.rank :: trainer.world]  # this rank's batches
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        tr, data = self.trainer, self.trainer.data
+        tr = self.trainer
         model, was_training = tr.denoiser, tr.denoiser.training
         model.eval()  # dropout off: the same weights must give the same number
-        sums = dict.fromkeys(self.timesteps, 0.0)
-        n = 0
-        # schedule-free: the averaged weights it exports (tuneline.stages.train.optimizers.eval_weights)
-        with eval_weights(tr.opt, tr.params):
-            n = self._sum(tr, data, model, was_training, sums)
-        per_t = {str(t): round(s / n, 6) for t, s in sums.items()}
-        return {"step": tr.step, "loss": round(sum(s / n for s in sums.values()) / len(sums), 6), "per_timestep": per_t}
-
-    def _sum(self, tr, data, model, was_training, sums) -> int:
-        n = 0
+        sums = torch.zeros(len(self.timesteps) + 1, dtype=torch.float64)  # per timestep, then the sample count
         try:
-            for bucket, rows in self.held.items():
-                for row in rows:
-                    batch = data.reader.batch(bucket, np.array([row]))
-                    x0 = scale_latents(data.reader.gather(batch)[0].float(), data.scaling, data.shift)
-                    path = batch.paths[0]
-                    caption = data.records[path].caption
-                    if getattr(data.text, "paired", False):  # rows per (instruction, control image)
-                        caption = pair_key(caption, data.records[path].control_sha256)
-                    cond = {
-                        k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
-                        for k, v in (data.text.get([caption], [0]) | control_cond(tr.fam, data, batch)).items()
-                    }
-                    for t in self.timesteps:
-                        noisy, ts, target = _noised(
-                            x0, _noise(path, t, tuple(x0.shape)), t, tr.fam.facts.prediction, tr.noise_scheduler
-                        )
-                        pred = tr.fam.denoise(
-                            model,
-                            noisy.to(tr.device),
-                            ts.to(tr.device),
-                            cond,
-                            micro=[micro_cond(data.record(path, bucket))],
-                        )
-                        sums[t] += float(((pred.float() - target.to(tr.device).float()) ** 2).mean())
-                    n += 1
+            # schedule-free: the averaged weights it exports (tuneline.stages.train.optimizers.eval_weights)
+            with eval_weights(tr.opt, tr.params):
+                for bucket, rows in self.share:
+                    sums += self._batch(bucket, rows)
         finally:
             model.train(was_training)
-        return n
+        sums = collectives.sum_over_ranks(sums, tr.device, tr.world).tolist()
+        n = sums[-1]
+        per_t = {str(t): round(s / n, 6) for t, s in zip(self.timesteps, sums)}
+        loss = round(sum(s / n for s in sums[:-1]) / len(self.timesteps), 6)
+        return {"step": tr.step, "loss": loss, "per_timestep": per_t}
+
+    def _batch(self, bucket: str, rows: np.ndarray) -> torch.Tensor:
+        """(per timestep the sum of the batch's per-sample losses, the batch's size)."""
+        tr, data = self.trainer, self.trainer.data
+        batch = data.reader.batch(bucket, rows)
+        x0 = scale_latents(data.reader.gather(batch)[0].float(), data.scaling, data.shift)
+        captions = [data.records[p].caption for p in batch.paths]
+        if getattr(data.text, "paired", False):  # rows per (instruction, control image)
+            captions = [pair_key(c, data.records[p].control_sha256) for c, p in zip(captions, batch.paths)]
+        cond = {
+            k: v.to(tr.device, torch.float32 if v.is_floating_point() else v.dtype)
+            for k, v in (data.text.get(captions, [0] * len(captions)) | control_cond(tr.fam, data, batch)).items()
+        }
+        micro = [micro_cond(data.record(p, bucket)) for p in batch.paths]
+        out = []
+        for t in self.timesteps:
+            noise = torch.stack([_noise(p, t, tuple(x0.shape[1:])) for p in batch.paths])
+            noisy, ts, target = _noised(x0, noise, t, tr.fam.facts.prediction, tr.noise_scheduler)
+            pred = tr.fam.denoise(tr.denoiser, noisy.to(tr.device), ts.to(tr.device), cond, micro=micro)
+            err = (pred.float() - target.to(tr.device).float()) ** 2
+            out.append(float(err.reshape(len(rows), -1).mean(dim=1).double().sum()))
+        return torch.tensor(out + [len(rows)], dtype=torch.float64)

@@ -160,11 +160,10 @@ def save_lora(
     te_layers = text.layers() if text is not None else {}
     if fmt in ("diffusers", "both"):
         te_kwargs = {}
-        if text is not None:
-            te_meta = textlora.lora_config(t).to_dict()
+        for name, state in te_layers.items():
+            te_meta = text.configs[name].to_dict()
             te_meta["target_modules"] = sorted(te_meta["target_modules"])
-            for name, state in te_layers.items():
-                te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
+            te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
         getattr(diffusers, pipe_name).save_lora_weights(
             out,
             weight_name=DIFFUSERS_FILE,
@@ -177,13 +176,12 @@ def save_lora(
         from safetensors.torch import save_file
 
         # A family whose ComfyUI loader reads its own layout writes it itself (Family.comfy_lora_state).
-        own = getattr(fam, "comfy_lora_state", None)
         if adapter != "lora":
             state = adapters.to_lycoris(family, den, layers, t)
-        elif own is not None:
-            state = own(den, layers, adapter_meta["lora_alpha"])
         else:
-            state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
+            state = fam.comfy_lora_state(den, layers, adapter_meta["lora_alpha"])
+            if state is None:
+                state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
         if te_layers:
             state |= textlora.kohya_state(family, te_layers, adapter_meta["lora_alpha"])
         meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
@@ -203,6 +201,11 @@ def load_lora(pipe, family: str, final: Path) -> None:
                 adapters.apply_file(family, den, {k: f.get_tensor(k) for k in f.keys()})
                 return
     pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
+
+
+def lora_loader(family: str, final: Path):
+    """Renderer.load's `adapt` for a LoRA run's final/: the pipeline gets its weights through load_lora."""
+    return lambda pipe: load_lora(pipe, family, final)
 
 
 def lora_source(final: Path) -> tuple[Path, str | None]:

@@ -1,19 +1,22 @@
 """What happens between optimizer steps: progress lines, checkpoints, in-training validation.
 
-Only rank 0 writes files.
+Only rank 0 writes files. In-training validation renders on every rank (its share of the prompts).
 """
 
 from __future__ import annotations
 
 import gc
+import time
 
+import numpy as np
 import torch
+from PIL import Image
 
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
-from tuneline.stages.train import checkpoint as ckpt
+from tuneline.stages.train import checkpoint as ckpt, collectives, dcp
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import eval_weights
 
@@ -27,6 +30,7 @@ class Hooks:
     def __init__(self, run, trainer: Trainer):
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
         self.last_checkpoint = trainer.step  # the step of the newest checkpoint (a resumed run starts at one)
+        self.logged = (trainer.step, time.monotonic())  # the last step line: (step, when)
 
     @property
     def writer(self) -> bool:
@@ -38,7 +42,9 @@ class Hooks:
         if self.writer and (step % LOG_EVERY == 0 or last):
             recent = self.trainer.losses[-LOG_EVERY:]
             lr = self.trainer.opt.param_groups[0]["lr"]
-            print(f"step {step}/{t.steps} loss {sum(recent) / len(recent):.4f} lr {lr:.3g}", flush=True)
+            print(
+                f"step {step}/{t.steps} loss {sum(recent) / len(recent):.4f} lr {lr:.3g} {self.pace(step)}", flush=True
+            )
         # Checkpoint first: a render that crashes (a bad validation setting, a full disk) must not take the step
         # with it, or every rerun would train the same steps again.
         if step % t.effective_checkpoint_every() == 0 or last:
@@ -47,24 +53,54 @@ class Hooks:
         if every and (step % every == 0 or last):
             self.validate()
 
+    def pace(self, step: int) -> str:
+        """Steps per second since the last step line (checkpoints and sample renders in between included, as
+        they are part of the wait) and the time left at that pace."""
+        (before, then), now = self.logged, time.monotonic()
+        self.logged = (step, now)
+        rate = (step - before) / max(now - then, 1e-9)
+        return f"({rate:.2f} steps/s, {duration(max(0, self.t.steps - step) / rate)} left)"
+
     def checkpoint(self) -> None:
         self.last_checkpoint = self.trainer.step
+        root = self.run.out / CHECKPOINTS
+        if self.trainer.sharded:  # every rank writes its shards (tuneline.stages.train.dcp)
+            path = dcp.save(root, self.trainer.step, *self.trainer.checkpoint(), rank=self.run.rank)
         if not self.writer:
             return
-        root = self.run.out / CHECKPOINTS
-        path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
+        if not self.trainer.sharded:
+            path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
         ckpt.prune(root, self.t.keep_checkpoints)
         loss_curve(self.trainer.losses, eval_losses=self.run.eval_losses).save(self.run.out / LOSS_PNG)
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)
 
     def validate(self) -> None:
-        """Render the validation prompts with the live (or EMA) weights into samples/step-N.png."""
+        """Render the validation prompts with the live (or EMA) weights into samples/step-N.png: every rank its
+        share (prompt i on rank i mod world), padded to equal counts so every rank runs the same forwards; rank 0
+        gathers the images and writes the grid."""
+        tr, cfg = self.trainer, self.run.cfg
+        v = cfg.validate_
+        samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+        world, rank = self.run.world, self.run.rank
+        per_rank = -(-len(samples) // world)
+        mine = samples[rank::world]
+        mine += [samples[-1]] * (per_rank - len(mine))  # padding: rendered, then dropped
+        rendered = [np.asarray(im) for im in self.render(mine)] if mine else []
+        every = collectives.everyones(rendered, world)
         if not self.writer:
             return
+        images = [Image.fromarray(every[i % world][i // world]) for i in range(len(samples))]
+        out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
+        out.parent.mkdir(exist_ok=True)
+        grid(images).save(out)
+        print(f"validation grid {out.relative_to(self.run.out)}", flush=True)
+
+    def render(self, samples: list[Sample]) -> list:
+        """`samples` rendered with the live weights. The pipeline must compute in the live denoiser's dtype, or in
+        autocast when training uses it. It reuses the training denoiser; the VAE decoder and text encoders are
+        loaded for this render only and freed after it, so training itself never holds them (for SD3/Flux they
+        are tens of GB)."""
         tr, cfg = self.trainer, self.run.cfg
-        # The pipeline must compute in the live denoiser's dtype, or in autocast when training uses it. It reuses
-        # the training denoiser; the VAE decoder and text encoders are loaded for this render only and freed after
-        # it, so training itself never holds them (for SD3/Flux they are tens of GB).
         dtype = dtypes()[cfg.model.dtype] if tr.autocast else torch.float32
         renderer = Renderer.load(
             tr.fam,
@@ -78,18 +114,23 @@ class Hooks:
         if tr.text is not None:  # train.text_encoder_lora: prompts encoded by the encoders being trained
             renderer.enc = tr.text.enc
         v = cfg.validate_
-        samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         tr.denoiser.eval()
         try:
             with tr.ema.applied(tr.params) if tr.ema is not None else eval_weights(tr.opt, tr.params):
-                images = renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
+                return renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
         finally:
             tr.denoiser.train()
             del renderer
             gc.collect()
             if tr.device.type == "cuda":
                 torch.cuda.empty_cache()
-        out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
-        out.parent.mkdir(exist_ok=True)
-        grid(images).save(out)
-        print(f"validation grid {out.relative_to(self.run.out)}", flush=True)
+
+
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`: a wait as people read it."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

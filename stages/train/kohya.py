@@ -44,9 +44,11 @@ def layout(family: str) -> str:
 
 
 def target(family: str, path: str, den: torch.nn.Module) -> Target | None:
-    """Where the diffusers module `path` of denoiser `den` lands in the kohya layout, or None if nowhere."""
-    layout(family)
-    return _lora_part(family).kohya_target(path, den)
+    """Where the diffusers module `path` of denoiser `den` lands in the kohya layout, or None if nowhere (also for a
+    family without one: ComfyUI addresses Z-Image and FLUX.2 by their diffusers names, so their LyCORIS files
+    keep the `lycoris_<path>` names, stages/train/adapters.py)."""
+    part = _lora_part(family)
+    return part.kohya_target(path, den) if part is not None else None
 
 
 def adapter_modules(peft_state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -66,6 +68,7 @@ def to_kohya(
 ) -> dict[str, torch.Tensor]:
     """The kohya state dict for these adapter weights (scale alpha / rank, as peft applies it). Raises naming every
     trained module that has no place in the layout, so a file never silently drops part of the training."""
+    layout(family)
     mods = adapter_modules(peft_state)
     modules = dict(den.named_modules())
     targets = {p: target(family, p, den) for p in mods}

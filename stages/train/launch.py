@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,22 +17,41 @@ from pathlib import Path
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
-from tuneline.stages.common.stage import PublishedElsewhere
+from tuneline.stages.common.stage import PublishedElsewhere, StageStopped
 from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
-from tuneline.stages.train.failcause import Causes
+from tuneline.stages.train.failcause import TRACEBACK, Causes, first_failure
 from tuneline.stages.train.hooks import CHECKPOINTS
-from tuneline.stages.train.memplan import check_before_training
+from tuneline.stages.train.memcheck import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
+from tuneline.stages.train.stopping import STOP_GRACE_S
 from tuneline.stages.train.worker import ERROR, RESULT
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
-STOP_GRACE_S = 120  # how long a stopped training may take to write its checkpoint
 FOLLOW_TIMEOUT_S = 600  # how long a node without global rank 0 waits for that node to publish
 
 
 class TrainingFailed(RuntimeError):
-    pass
+    exit_code = 1  # the `tuneline` command's exit code (docs/stopping.md)
+
+
+class TrainingOutOfMemory(TrainingFailed):
+    exit_code = 4
+
+
+class RankLost(TrainingFailed):
+    """A rank was killed, lost its node, or hit a CUDA error."""
+
+    exit_code = 5
+
+
+class TrainingStopped(TrainingFailed, StageStopped):
+    """Stopped on request after writing a checkpoint: `status` shows `stopped`, the rerun continues from it."""
+
+    exit_code = 3
+
+
+FAILED_AS = {"oom": TrainingOutOfMemory, "cuda": RankLost, "lost": RankLost}
 
 
 def resume_target(ctx, work: Path) -> Path | None:
@@ -40,6 +61,8 @@ def resume_target(ctx, work: Path) -> Path | None:
     root = work / CHECKPOINTS
     try:
         target = ckpt.resolve(ctx.cfg.train.resume, root, ctx.workdir)
+        if target is not None and ctx.cfg.train.resume not in ("auto", "latest"):  # those are this run's own
+            ckpt.check_made_with(ctx.cfg, target)
     except ckpt.CheckpointError as err:
         raise TrainingFailed(str(err)) from None
     if target is None:
@@ -77,6 +100,7 @@ def write_spec(ctx, work: Path, upstream: dict, resume: Path | None, model_dir: 
         "resume": str(resume) if resume else None,
         "launch": token,
         "seen": str(beside(work, "seen", token)),
+        "stop": str(beside(work, "stop", token)),  # the launcher's mark: this SIGTERM is a stop (stopping.py)
         # For the LoRA files' metadata: this run's version (the directory it is published under) and the base.
         "export": {
             "train_version": work.name.removeprefix(".").removesuffix(".partial"),
@@ -94,9 +118,17 @@ def beside(work: Path, kind: str, token: str) -> Path:
     return work.parent / f"{work.name}.{kind}-{token}.json"
 
 
-def torchrun_command(cfg, spec: Path) -> list[str]:
+def torchrun_command(cfg, spec: Path, grace: int = STOP_GRACE_S) -> list[str]:
+    """torchrun waits `grace` seconds for its workers after forwarding a stop (its default, 30 s, would cut a
+    long step or checkpoint short and fall back to the last periodic checkpoint)."""
     t = cfg.train
-    cmd = [sys.executable, "-m", "tuneline.stages.train.procwatch", f"--nproc_per_node={t.processes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tuneline.stages.train.procwatch",
+        f"--nproc_per_node={t.processes}",
+        f"--shutdown-timeout={grace}",
+    ]
     if t.nodes > 1:
         cmd += [
             f"--nnodes={t.nodes}",
@@ -110,7 +142,7 @@ def torchrun_command(cfg, spec: Path) -> list[str]:
     return cmd + ["-m", "tuneline.stages.train.worker", str(spec)]
 
 
-def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
+def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark: Path | None = None) -> None:
     env = dict(os.environ)
     env[PARENT_ENV] = str(os.getpid())
     env["OMP_NUM_THREADS"] = str(ctx.cfg.train.threads_per_process)
@@ -118,7 +150,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
     # The project root must be importable by the workers even when not installed (tests, dev checkouts).
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    ctx.log.info("train: %s", " ".join(cmd))
+    ctx.log.debug("train: %s", " ".join(cmd))  # our own launcher's command line: for debugging, not news
     # Its own session: a SIGTERM to our process group (a cancelled run, `kill -TERM -PGID`) reaches torchrun once,
     # forwarded below, not twice (a second SIGTERM cuts torchrun's wait for its workers' checkpoint short).
     # SIGKILL needs no forwarding: torchrun and its workers die with this process (procwatch).
@@ -145,24 +177,68 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path) -> None:
             report_progress(ctx, line)
         rc = proc.wait()
     except BaseException:
-        # torchrun forwards SIGTERM to its workers, which finish the step, checkpoint and exit (tuneline.stages.train.stopping).
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(ctx, proc, grace, mark)
+        stopped = stop_record(cwd)
+        if stopped:
+            raise TrainingStopped(stopped) from None
         raise
     finally:
         restore()
     if rc != 0:
-        raise TrainingFailed(failure_message(cwd, rc, tail, causes.explain()))
+        raise failed(cwd, rc, tail, causes)
+
+
+def failed(work: Path, rc: int, tail: list[str], causes: Causes) -> TrainingFailed:
+    """The error of a torchrun that exited with `rc`: a stop that reached the workers and not us (a scheduler
+    signalling every process), the rank that failed first (tuneline.stages.train.failcause), or the output."""
+    stopped = stop_record(work)
+    if stopped:
+        return TrainingStopped(stopped)
+    failure = first_failure(work, causes)
+    if failure is not None:
+        return FAILED_AS.get(failure.kind, TrainingFailed)(with_checkpoint(work, failure.message))
+    explained = causes.explain()
+    cls = TrainingOutOfMemory if any(h.startswith("out of memory") for h in causes.hints) else TrainingFailed
+    return cls(failure_message(work, rc, tail, explained))
+
+
+def stop(ctx, proc: subprocess.Popen, grace: int, mark: Path | None) -> None:
+    """A stop (SIGTERM, Ctrl-C, a cancelled flow run): marked as one, then forwarded to torchrun, whose workers
+    finish the step, checkpoint and exit (tuneline.stages.train.stopping) within `grace` seconds."""
+    if mark is not None:
+        mark.write_text("{}", encoding="utf-8")
+    ctx.log.warning("train: stopping; the workers finish their step and checkpoint (up to %d s)", grace)
+    proc.send_signal(signal.SIGTERM)
+    # Still read its output: a full pipe would block the workers' prints, and with them the checkpoint.
+    threading.Thread(target=drain, args=(ctx, proc), daemon=True).start()
+    try:
+        proc.wait(timeout=grace + 10)  # torchrun itself kills its workers after `grace`
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def drain(ctx, proc: subprocess.Popen) -> None:
+    """A stopping torchrun's output into the log; from torchrun's own traceback of the signal on (it reports the
+    stop it was asked for, not a failure) at debug level only."""
+    level = logging.INFO
+    for line in proc.stdout:
+        if TRACEBACK.match(line):
+            level = logging.DEBUG
+        ctx.log.log(level, "%s", line.rstrip())
+
+
+def stop_record(work: Path) -> str | None:
+    """The reason rank 0 left when it stopped on request after a checkpoint, or None."""
+    try:
+        data = json.loads((work / ERROR).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data.get("error") if data.get("stopped") else None
 
 
 def raise_on_sigterm():
     """Outside Prefect (which turns SIGTERM into an exception itself) SIGTERM would end this process at once and
     take torchrun with it: raise instead, so the forwarding above lets the workers checkpoint. Returns the undo."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
         return lambda: None
 
@@ -195,16 +271,19 @@ def failure_message(work: Path, rc: int, tail: list[str], cause: str | None = No
         if cause:
             return f"training failed (exit code {rc}): {cause}. The full output is in the stage log"
         return f"training exited with code {rc}; last output:\n" + "\n".join(tail[-12:])
+    return with_checkpoint(work, msg)
+
+
+def with_checkpoint(work: Path, msg: str) -> str:
+    """`msg` and where training can continue from."""
     found = ckpt.listed(work / CHECKPOINTS)
     if found:
-        msg += (
+        return msg + (
             f". Training stopped; the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): fix the "
             f"cause, then set train.resume to that path to continue from it (latest finds it only while every "
             f"fingerprinted train setting stays the same)"
         )
-    else:
-        msg += ". Training stopped before its first checkpoint"
-    return msg
+    return msg + ". Training stopped before its first checkpoint"
 
 
 def gpu_problem(processes: int, device: str, gpus: int) -> str | None:
@@ -227,25 +306,27 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     token = uuid.uuid4().hex  # names this launch: global rank 0 writes it into the result
     # Left by an earlier attempt (another node of this attempt cannot have written yet: no rank runs before every
     # node has joined the rendezvous).
-    for name in (RESULT, ERROR):
-        (work / name).unlink(missing_ok=True)
+    for f in [work / RESULT, work / ERROR, *work.glob("error-rank*.json")]:
+        f.unlink(missing_ok=True)
     if ctx.cfg.train.nodes == 1:  # alone on this folder: files of killed launches before it are stale
         for f in stale_launch_files(work.parent):
             f.unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
     memory_plan = check_before_training(ctx, model_dir, dev)  # refuses in seconds what would run out of memory
+    grace = (memory_plan or {}).get("grace") or STOP_GRACE_S
+    ctx.log.info("train: a stop may take up to %d s to finish its step and checkpoint (docs/stopping.md)", grace)
     spec = write_spec(ctx, work, upstream, resume, model_dir, token)
-    seen = beside(work, "seen", token)
+    seen, mark = beside(work, "seen", token), beside(work, "stop", token)
     try:
         with in_use(work):
-            run_torchrun(ctx, torchrun_command(ctx.cfg, spec), cwd=work)
+            run_torchrun(ctx, torchrun_command(ctx.cfg, spec, grace), cwd=work, grace=grace, mark=mark)
         # Written by this node's local rank 0 after rank 0's result existed: read before another node can consume
         # the result, so it tells a shared workdir from a node's own even when the result is already gone.
         result_here = seen.is_file() and json.loads(seen.read_text(encoding="utf-8")).get("result_here", False)
     finally:
-        spec.unlink(missing_ok=True)
-        seen.unlink(missing_ok=True)
+        for f in (spec, seen, mark):
+            f.unlink(missing_ok=True)
     result_path = work / RESULT
     result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
     if result is None or result.get("launch") != token:

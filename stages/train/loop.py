@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tuneline.schemas.scan import ImageRecord
 from tuneline.stages.common.prefetch import ahead
 from tuneline.stages.families.base import MicroCond
+from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.latents import store
 from tuneline.stages.latents.controls import read as read_controls
@@ -24,7 +25,7 @@ from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
 from tuneline.stages.text.store import TextCache, pair_key
-from tuneline.stages.train import checkpoint as ckpt, collectives
+from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp
 from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
 from tuneline.stages.train.objective import (
@@ -112,7 +113,7 @@ def sample_latents(mean: torch.Tensor, std: torch.Tensor | None, dev: torch.Gene
 def control_cond(fam, data, batch) -> dict[str, torch.Tensor]:
     """A paired dataset's conditioning for a family that takes control: the batch's control latents, scaled as the
     targets are (nothing without controls)."""
-    control = read_controls(data.reader, batch) if getattr(fam, "takes_control", False) else None
+    control = read_controls(data.reader, batch) if fam.takes_control else None
     return {} if control is None else {"control_latents": scale_latents(control, data.scaling, data.shift)}
 
 
@@ -130,6 +131,9 @@ def micro_cond(rec: ImageRecord, flipped: bool = False) -> MicroCond:
     )
 
 
+EARLY_STEPS = 10  # a non-finite loss within these steps blames the learning rate first
+
+
 class Trainer:
     def __init__(
         self,
@@ -144,22 +148,29 @@ class Trainer:
     ):
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
-        self.autocast = autocast_dtype(self.t.mixed_precision, device)
+        self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
-        self.denoiser, self.params = prepare_denoiser(fam, model_dir, self.t, base, device, cfg.model.quantize)
+        self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
+        self.denoiser, self.params = prepare_denoiser(
+            fam, model_dir, self.t, base, device, cfg.model.quantize, shards=world if self.sharded else 1
+        )
+        if self.sharded:
+            self.params = fsdp.shard(self.denoiser, fam, self.t, device, self.autocast)
         self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora
         if self.text is not None:
             self.params.update(self.text.params())
         self.names = list(self.params)
         # train.blocks_to_swap (tuneline.stages.train.swap); before the optimizer, EMA and DDP see the weights
+        stacks = self.fam.block_stacks(unwrap(self.denoiser))
         self.swapper = (
-            BlockSwapper(self.denoiser, self.t.blocks_to_swap, device, self.t.mode == "full")
+            BlockSwapper(self.denoiser, stacks, self.t.blocks_to_swap, device, self.t.mode == "full")
             if self.t.blocks_to_swap
             else None
         )
         self.opt = build_optimizer(self.param_groups(), self.t)
         self.scaler = grad_scaler(self.autocast)
-        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema and rank == 0 else None  # only rank 0 saves
+        # On every rank (rank 0 saves it; under FSDP each rank its own shard): in-training validation renders the EMA weights on every rank.
+        self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema else None
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
         self.sigmas = SigmaSampler.from_train(self.t)
@@ -171,7 +182,8 @@ class Trainer:
         # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
         # With a text-encoder LoRA, DDP wraps both (its reducer then averages both LoRAs' gradients).
         joint = Joint(self.denoiser, self.text.enc.encoders) if self.text is not None else self.denoiser
-        self.model = collectives.wrap(joint, self.params, device) if collectives.active(world) else self.denoiser
+        wrap = collectives.active(world) and not self.sharded  # FSDP reduces the gradients itself
+        self.model = collectives.wrap(joint, self.params, device) if wrap else self.denoiser
 
     def param_groups(self) -> list:
         """The optimizer's parameters: one group, or with train.text_encoder_lora a second for the text encoders
@@ -318,10 +330,13 @@ class Trainer:
         mb = micro[m]
         rows = shard(mb.global_rows, rank, self.t.batch_size)
         paths = self.data.reader.batch(mb.bucket, rows).paths
-        return (
-            f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket "
-            f"{mb.bucket}); the batch's images: {', '.join(paths)}"
-        )
+        where = f"loss is {losses[rank, m].item()} at step {self.step + 1} (rank {rank}, micro-batch {m}, bucket {mb.bucket})"
+        if self.step < EARLY_STEPS:  # images that passed the scan and the cache's checks rarely do this at once
+            return (
+                f"{where}: this early, the likelier cause is train.learning_rate {self.t.learning_rate} (train.optimizer "
+                f"{self.t.optimizer}): lower it tenfold; if that does not help, the batch's images: {', '.join(paths)}"
+            )
+        return f"{where}; the batch's images: {', '.join(paths)}"
 
     # ---- checkpoints -------------------------------------------------------------------------
     def checkpoint(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -339,6 +354,7 @@ class Trainer:
             "grad_accumulation": t.grad_accumulation,
             "mode": t.mode,
             "family": self.fam.facts.name,
+            "made_with": ckpt.made_with(self.cfg),
             "seed": t.seed,
             "optimizer": opt_meta,
             "lr": float(self.opt.param_groups[0]["lr"]),
@@ -350,7 +366,7 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         """Continue from a checkpoint: weights, optimizer, grad scaler, EMA, step, sampler position, losses."""
-        state, tensors = ckpt.load(path)
+        state, tensors = dcp.load(path, self) if dcp.is_sharded(path) else ckpt.load(path)
         self.check_compatible(path, state, set(tensors.get("trainable", {})))
         with torch.no_grad():
             for n, p in self.params.items():
@@ -360,17 +376,11 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None:
             self.ema.shadow = {n: v.to(self.device) for n, v in tensors.get("ema", tensors["trainable"]).items()}
-        self.step, self.position, self.losses = state["step"], Position(**state["position"]), list(state["losses"])
+        self.step, self.position, self.losses = state["step"], dcp.position(state, self.t, self.world), state["losses"]
 
     def check_compatible(self, path: Path, state: dict, names: set[str]) -> None:
         t = self.t
-        mine = {
-            "mode": t.mode,
-            "family": self.fam.facts.name,
-            "world_size": self.world,
-            "batch_size": t.batch_size,
-            "grad_accumulation": t.grad_accumulation,
-        }
+        mine = {"mode": t.mode, "family": self.fam.facts.name} | dcp.batch_facts(state, t, self.world)
         differ = [f"{k} {state.get(k)!r} (now {v!r})" for k, v in mine.items() if state.get(k) != v]
         if names != set(self.names):
             differ.append(f"{len(names)} trained tensors that do not match this model's {len(self.names)}")

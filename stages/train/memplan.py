@@ -12,7 +12,11 @@ plan costs seconds on any machine. Terms:
   of an edit family the forward includes a control image's tokens at the size they are cached at. With checkpointing
   the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward; under
   16-bit autocast float32 activations count at two bytes;
-- on CUDA a fixed reserve for the context and the caching allocator.
+- with in-training validation on, the VAE decoder and text encoders every rank loads to render, less the
+  activations they replace (tuneline.stages.train.memextra); DDP's gradient buckets are the gradients
+  (gradient_as_bucket_view=True);
+- on CUDA a fixed reserve for the context and the caching allocator;
+- under train.parallelism fsdp, the sharded terms and FSDP's gathered copies (tuneline.stages.train.fsdpplan).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from pathlib import Path
 
 import torch
 
+from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
+from tuneline.stages.train.memcheck import render_models_bytes
 from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
+from tuneline.stages.train.metamodel import denoiser_class, largest_fitting, quiet_cast
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
 
@@ -34,17 +41,18 @@ SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
     """The denoiser on the meta device, with LoRA adapters when training LoRA."""
-    cls = fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
+    cls = denoiser_class(fam, model_dir)
     config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
     with torch.device("meta"):
         den = cls.from_config(config)
+    from tuneline.stages.train.model import freeze_unused, lora_config
+
     if t.mode == "full":
         den = den.float().requires_grad_(True)
+        freeze_unused(fam, den, fam.denoiser_component)
     else:
-        from tuneline.stages.train.model import lora_config
-
-        den = den.to(dtype).requires_grad_(False)
-        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        den = quiet_cast(den, dtype).requires_grad_(False)
+        den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -57,12 +65,13 @@ def weight_bytes(name: str, p: torch.nn.Parameter, linears: set[str], quantize: 
     return p.numel() * p.element_size()
 
 
-def describe(den, quantize: str | None) -> tuple[list[dict], int]:
+def describe(fam, den, quantize: str | None) -> tuple[list[dict], int]:
     """(per transformer block: bytes of its frozen weights, of all its weights, its trainable count; bytes of the
     frozen weights outside the blocks)."""
     linears = {n for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}
-    owner = {id(p): i for i, b in enumerate(transformer_blocks(den)) for p in b.parameters()}
-    per = [{"frozen": 0, "weights": 0, "trainable": 0} for _ in range(len(transformer_blocks(den)))]
+    blocks = transformer_blocks(den, fam.block_stacks(den))
+    owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+    per = [{"frozen": 0, "weights": 0, "trainable": 0} for _ in blocks]
     outside = 0
     for name, p in den.named_parameters():
         i, size = owner.get(id(p)), weight_bytes(name, p, linears, quantize)
@@ -98,6 +107,7 @@ class Setting:
     optimizer: str
     batch: int
     edge: int
+    shards: int | None = None  # train.parallelism fsdp over this many processes (None: DDP)
 
 
 def planned_controls(cfg, fam) -> int:
@@ -106,7 +116,7 @@ def planned_controls(cfg, fam) -> int:
     reads the config, not the scan): each adds one control's tokens."""
     from tuneline.stages.scan.controls import paired
 
-    return int(bool(getattr(fam, "takes_control", False)) and paired(cfg))
+    return int(fam.takes_control and paired(cfg))
 
 
 def size(b: int) -> str:
@@ -120,6 +130,9 @@ class MemoryPlan:
     where: str
     blocks: int
     fixes: list[str] = field(default_factory=list)
+    step_flops: int = 0  # one sample's forward and backward, for the stop grace (tuneline.stages.train.stopping)
+    checkpoint_bytes: int = 0  # trainable weights, optimizer state and EMA
+    grace: int = 0  # seconds a stop may take to finish its step and checkpoint
 
     @property
     def total(self) -> int:
@@ -139,6 +152,9 @@ class MemoryPlan:
             "blocks": self.blocks,
             "max_blocks_to_swap": max_blocks_to_swap(self.blocks),
             "fixes": self.fixes,
+            "step_flops": self.step_flops,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "grace": self.grace,
         }
 
     def text(self) -> str:
@@ -154,6 +170,10 @@ class MemoryPlan:
             )
         lines.append(
             f"  transformer blocks: {self.blocks} (train.blocks_to_swap can be 0..{max_blocks_to_swap(self.blocks)})"
+        )
+        lines.append(
+            f"  a stop may take up to {self.grace} s to finish its step and checkpoint: give the job at least that "
+            f"(Kubernetes terminationGracePeriodSeconds, Slurm --signal; docs/stopping.md)"
         )
         if not self.fits:
             lines.append(
@@ -173,8 +193,12 @@ class Planner:
         self.dtype = dtype if self.t.mode == "lora" else torch.float32
         self.den = build_meta(fam, model_dir, self.t, self.dtype, None)
         self.traces: dict[int, Trace] = {}
+        self.described: dict[str | None, tuple[list[dict], int, int]] = {}  # quantize -> describe(), trainable
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         self.controls = planned_controls(cfg, fam)
+        render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
+        on = cfg.train.effective_validate_every()
+        self.render_bytes = render_models_bytes(fam, model_dir, render_dtype) if on else 0
 
     def trace(self, batch: int, edge: int) -> Trace:
         """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
@@ -186,6 +210,14 @@ class Planner:
             one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
         )
 
+    def describe(self, quantize: str | None) -> tuple[list[dict], int, int]:
+        """describe() and the trainable count, once per quantization: the fix search asks for them per setting it
+        tries (a hundred and more), and a walk over a large denoiser's parameters costs tens of milliseconds."""
+        if quantize not in self.described:
+            trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+            self.described[quantize] = (*describe(self.fam, self.den, quantize), trainable)
+        return self.described[quantize]
+
     def current(self) -> Setting:
         t = self.t
         return Setting(
@@ -195,12 +227,12 @@ class Planner:
             t.optimizer,
             t.batch_size,
             largest_edge(self.cfg.buckets, self.alignment),
+            t.processes * t.nodes if t.parallelism == "fsdp" else None,
         )
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
         t, full = self.t, self.t.mode == "full"
-        per, outside = describe(self.den, s.quantize)
-        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        per, outside, trainable = self.describe(s.quantize)
         key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
         r = len(per) - s.blocks_to_swap
         window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
@@ -226,6 +258,12 @@ class Planner:
             ),
             ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
         ]
+        freed = out[-1][1] + out[-2][1]  # a render runs between steps, when the activations are gone
+        out.append(("validation render models beyond the freed activations", max(0, self.render_bytes - freed)))
+        if s.shards:  # tuneline.stages.train.fsdpplan
+            gathered = 2 if self.autocast else torch.finfo(self.dtype).bits // 8
+            stacks = self.fam.block_stacks(self.den)
+            out = sharded_terms(out, s.shards, self.den, stacks, gathered, t.fsdp_cpu_offload)
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -238,11 +276,24 @@ class Planner:
         return {True: "checkpointed", False: "not checkpointed", "offload": "checkpointed, offloaded"}[c]
 
     def plan(self, free: int | None, where: str) -> MemoryPlan:
+        from tuneline.stages.train.stopping import grace_seconds
+
         s = self.current()
-        p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den)))
+        p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
         if not p.fits:
             p.fixes = self.fixes(s, free)
+        p.step_flops, p.checkpoint_bytes = self.step_figures(s)
+        p.grace = grace_seconds(p.as_json(), self.cfg)
         return p
+
+    def step_figures(self, s: Setting) -> tuple[int, int]:
+        """(FLOPs of one sample's step: 6 per parameter and latent position, 8 when checkpointing recomputes the
+        forward; bytes of a checkpoint). A UNet's lower levels see fewer positions: an over-estimate there."""
+        params = sum(p.numel() for p in self.den.parameters())
+        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        positions = (s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)) ** 2
+        flops = (8 if s.checkpointing else 6) * params * positions
+        return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
 
     def total(self, s: Setting) -> int:
         return sum(b for _, b in self.terms(s))
@@ -258,7 +309,7 @@ class Planner:
         def show(change: str, x: Setting) -> str:
             return f"{change}  (planned peak {self.total(x) / GIB:.2f} GiB)"
 
-        out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den)))
+        out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
         full = self.t.mode == "full"
         quant = None if full or s.quantize else ("fp8" if self.cuda else "int8")
         singles = [
@@ -273,6 +324,14 @@ class Planner:
         swap = next((n for n in range(s.blocks_to_swap + 1, nmax + 1) if fits(replace(s, blocks_to_swap=n))), None)
         if swap is not None:
             out.append(show(f"train.blocks_to_swap: {swap}", replace(s, blocks_to_swap=swap)))
+        shards = shards_that_fit(lambda n: self.total(replace(s, shards=n)), s.shards or 1, free)
+        if shards is not None:
+            out.append(
+                show(
+                    f"train.parallelism: fsdp on {shards} processes (train.processes x train.nodes)",
+                    replace(s, shards=shards),
+                )
+            )
         batch = next((b for b in range(s.batch - 1, 0, -1) if fits(replace(s, batch=b))), None)
         if batch is not None:
             out.append(
@@ -286,7 +345,7 @@ class Planner:
             - {s.edge},
             reverse=True,
         )
-        edge = next((e for e in edges if fits(replace(s, edge=e))), None)
+        edge = largest_fitting(edges, lambda e: fits(replace(s, edge=e)))
         if edge is not None:
             res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)
             out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))
@@ -300,7 +359,7 @@ class Planner:
                     + ([f"model.quantize: {quant}"] if quant else [])
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
-        return out
+        return allowed(out, s.shards)
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -344,43 +403,3 @@ def gpu_figures(cfg, model_dir: Path, step) -> dict:
         "measured": torch.cuda.max_memory_allocated(device),
         "ratio": torch.cuda.max_memory_allocated(device) / planned,
     }
-
-
-def plan_command(cfg, gpu_memory_gib: float | None, model_config: str | None) -> MemoryPlan:
-    """`tuneline plan`: the config's model (built or converted like the stages do), or a released model's
-    shipped weightless config, planned on this machine's training device or a CUDA card of the given size."""
-    from tuneline.schemas.model import SHIPPED_CONFIGS
-    from tuneline.stages.families import resolve as models
-    from tuneline.stages.families.shipped import shipped_dir
-
-    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
-        raise ValueError(f"--gpu-memory {gpu_memory_gib}: give the card's memory in GiB, e.g. --gpu-memory 24")
-    if model_config is not None:
-        if model_config not in SHIPPED_CONFIGS:
-            raise ValueError(
-                f"--model-config {model_config}: not a shipped config; use one of {', '.join(sorted(SHIPPED_CONFIGS))}"
-            )
-        model_dir, family = shipped_dir(model_config), model_config
-    else:
-        model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), None
-    return plan(cfg, model_dir, models.device(cfg), gpu_memory_gib, family)
-
-
-def check_before_training(ctx, model_dir: Path, device: torch.device) -> dict | None:
-    """The train stage's plan, logged before any worker starts; on a GPU a plan that does not fit is refused
-    here, naming the settings that would fit. Returns the plan for the manifest (None when it could not be
-    made: planning never stops a run that would otherwise train)."""
-    try:
-        p = plan(ctx.cfg, model_dir, device)
-    except Exception as err:  # noqa: BLE001 - a planning gap must not block training
-        ctx.log.warning("train: no memory plan (%s: %s)", type(err).__name__, err)
-        return None
-    ctx.log.info("%s", p.text())
-    if not p.fits:
-        fixes = "; ".join(p.fixes) or "none of the planned settings fits: use a GPU with more memory"
-        raise ValueError(
-            f"train: the planned peak of {p.total / GIB:.2f} GiB per process does not fit the "
-            f"{p.free / GIB:.2f} GiB free on {p.where}; settings that would fit: {fixes} "
-            f"(`tuneline plan CONFIG` shows the plan)"
-        )
-    return p.as_json()

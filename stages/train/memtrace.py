@@ -26,7 +26,7 @@ def text_inputs(fam, den, batch: int) -> dict[str, torch.Tensor]:
     width = c.get("cross_attention_dim") or c.get("joint_attention_dim") or c.get("cap_feat_dim")
     length = fam.facts.max_length + (77 if c.get("pooled_projection_dim") and "caption_projection_dim" in c else 0)
     out = {"prompt_embeds": torch.zeros(batch, length, width, device="meta")}
-    for key in getattr(fam, "prompt_keys", ()):  # a family whose cache holds a token mask: every token real
+    for key in fam.prompt_keys:  # a family whose cache holds a token mask: every token real
         if "mask" in key:
             out[key] = torch.ones(batch, length, dtype=torch.long, device="meta")
     pooled = c.get("pooled_projection_dim")
@@ -76,7 +76,7 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype, contr
     latents stage caches them)."""
     from tuneline.stages.families.base import MicroCond
 
-    blocks = transformer_blocks(den)
+    blocks = transformer_blocks(den, fam.block_stacks(den))
     params = {p.untyped_storage()._cdata for p in den.parameters()}
     seen: set[int] = set()
     tr = Trace(blocks=[0] * len(blocks), inputs=[0] * len(blocks))

@@ -11,29 +11,31 @@ from pathlib import Path
 
 import torch
 
+from tuneline.schemas.checks import HALF, precision_problem
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
-from tuneline.stages.train.adapters import peft_config
+from tuneline.stages.train.adapters import containers, peft_config
 from tuneline.stages.train.compile import compile_blocks
 from tuneline.stages.train.export import ExportInfo, checkpoint_metadata, exports, save_lora
 from tuneline.stages.train.quantize import quantize_base
 from tuneline.stages.train.singlefile_export import save_single_file
 
 
-def autocast_dtype(mixed: str, device: torch.device) -> torch.dtype | None:
+def autocast_dtype(mixed: str, device: torch.device, dtype: str = "float32", mode: str = "lora") -> torch.dtype | None:
     """The autocast dtype, or None for plain float32. CPU always trains in float32: half-precision convolutions
-    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32."""
-    if device.type != "cuda":
-        if mixed in ("bf16", "fp16"):
-            raise ValueError(
-                f"train.mixed_precision {mixed} needs a CUDA device; this run is on {device.type}, "
-                f"where training is float32: set train.mixed_precision to auto or no"
-            )
-        return None
-    if mixed == "no":
+    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32. `auto` computes
+    in a half-precision model.dtype's own type, else bf16 where the GPU has it. Combinations that cannot train
+    are refused naming both fields (tuneline.schemas.checks.precision_problem)."""
+    problem = precision_problem(dtype, mixed, mode, device.type)
+    if problem:
+        raise ValueError(problem)
+    if device.type != "cuda" or mixed == "no":
         return None
     if mixed == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if dtype in HALF:
+            mixed = HALF[dtype]
+        else:
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
 
 
@@ -42,30 +44,45 @@ def grad_scaler(dtype: torch.dtype | None) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 
 
-def lora_config(t: TrainConfig, target_modules: tuple[str, ...]):
-    """The peft config of train.adapter (stages/train/adapters.py)."""
-    return peft_config(t, target_modules)
+def lora_config(t: TrainConfig, fam, denoiser: torch.nn.Module):
+    """The peft config of train.adapter (stages/train/adapters.py) on the family's targets in `denoiser`, less the
+    modules whose output never reaches the loss."""
+    den, targets = unwrap(denoiser), fam.lora_target_modules
+    return peft_config(t, targets, fam.unused_modules(den, fam.denoiser_component), containers(den, targets))
+
+
+def freeze_unused(fam, model: torch.nn.Module, component: str) -> None:
+    """A full fine-tune keeps the modules whose output never reaches the loss frozen (Family.unused_modules): a
+    trained parameter without a gradient stops DDP at its second step."""
+    for name in fam.unused_modules(model, component):
+        model.get_submodule(name).requires_grad_(False)
 
 
 def prepare_denoiser(
-    fam, model_dir: Path, t: TrainConfig, base_dtype: torch.dtype, device: torch.device, quantize: str | None = None
+    fam,
+    model_dir: Path,
+    t: TrainConfig,
+    base_dtype: torch.dtype,
+    device: torch.device,
+    quantize: str | None = None,
+    shards: int = 1,
 ) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
-    """(denoiser ready to train, its trainable parameters by name).
+    """(denoiser ready to train, its trainable parameters by name). `shards`: the processes FSDP will split the
+    model over (1: DDP, every process holds all of it).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
     `base_dtype` to save memory, the adapter weights in float32.
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     if t.mode == "full":
-        check = getattr(fam, "check_full_finetune", None)  # families too large for DDP refuse before loading
-        if check is not None:
-            check(model_dir)
+        fam.check_full_finetune(model_dir, shards)  # a denoiser too large even when split is refused before it loads
         den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
+        freeze_unused(fam, den, fam.denoiser_component)
     else:
         den = fam.load_denoiser(model_dir, base_dtype, device).requires_grad_(False)
         if quantize:
             quantize_base(den, quantize, device)
-        den.add_adapter(lora_config(t, fam.lora_target_modules))
+        den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -122,7 +139,7 @@ def save_final(
         k: v.detach().to("cpu", torch.float32).contiguous()
         for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()
     }
-    meta = lora_config(t, fam.lora_target_modules).to_dict()
+    meta = lora_config(t, fam, denoiser).to_dict()
     meta["target_modules"] = sorted(meta["target_modules"])
     save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info, text)
     return exports(out.parent, out, t.mode)

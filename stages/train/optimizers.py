@@ -20,6 +20,7 @@ import importlib
 from contextlib import contextmanager
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tuneline.stages.train import checkpoint as ckpt
@@ -121,7 +122,8 @@ def state_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[st
     """Like checkpoint.optimizer_tensors, with quantized state split into plain tensors `<name>/<key>.<part>`."""
     tensors, meta = ckpt.optimizer_tensors(opt, names)
     parts: dict[str, list] = {}
-    for flat in [k for k, v in tensors.items() if is_traceable_wrapper_subclass(v)]:
+    # a sharded parameter's state (DTensor) stays whole: the sharded checkpoint (stages/train/dcp.py) reads it back
+    for flat in [k for k, v in tensors.items() if is_traceable_wrapper_subclass(v) and not isinstance(v, DTensor)]:
         value = tensors.pop(flat)
         inner, attrs = value.__tensor_flatten__()
         for part in inner:

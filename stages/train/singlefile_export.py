@@ -1,16 +1,8 @@
-"""A full fine-tune as ONE .safetensors in the original (LDM) layout A1111, Forge and ComfyUI's checkpoint loaders
-read and model sites distribute: `model.diffusion_model.*` (UNet), `first_stage_model.*` (VAE),
-`cond_stage_model.transformer.*` (SD1.x's CLIP text encoder); SDXL's encoders as
-`conditioner.embedders.0.transformer.*` (CLIP) and `conditioner.embedders.1.model.*` (OpenCLIP names).
-
-The names are the original Stable Diffusion modules': UNet levels flattened into `input_blocks` / `middle_block` /
-`output_blocks` (each a (resnet, attention) or a down/upsampler), resnets' `in_layers`/`emb_layers`/`out_layers`,
-the VAE's `down`/`up` levels (the decoder's numbered from the bottom) and its attention as 1x1 convolutions.
-"""
+"""A full fine-tune as ONE .safetensors in the family's original layout (SD1.x/SDXL: the LDM layout A1111, Forge and
+ComfyUI's checkpoint loaders read; Family.single_file_state names the tensors, in the family's folder)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -18,189 +10,13 @@ import torch
 # Families it writes: schemas/checks.py (SINGLE_FILE_FAMILIES) refuses train.export_single_file for the others.
 SINGLE_FILE = "model.safetensors"
 
-_RESNET = {
-    "norm1": "in_layers.0",
-    "conv1": "in_layers.2",
-    "time_emb_proj": "emb_layers.1",
-    "norm2": "out_layers.0",
-    "conv2": "out_layers.3",
-    "conv_shortcut": "skip_connection",
-}
-
-
-def _resnet(rest: str) -> str:
-    head, _, tail = rest.partition(".")
-    return f"{_RESNET.get(head, head)}.{tail}"
-
-
-def unet_name(key: str, per: int) -> str | None:
-    """diffusers UNet2DConditionModel key -> original UNet key (without `model.diffusion_model.`)."""
-    fixed = {
-        "time_embedding.linear_1": "time_embed.0",
-        "time_embedding.linear_2": "time_embed.2",
-        "conv_in": "input_blocks.0.0",
-        "conv_norm_out": "out.0",
-        "conv_out": "out.2",
-        "add_embedding.linear_1": "label_emb.0.0",
-        "add_embedding.linear_2": "label_emb.0.2",
-    }
-    mod, _, param = key.rpartition(".")
-    if mod in fixed:
-        return f"{fixed[mod]}.{param}"
-    m = re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", key)
-    if m:
-        idx = 1 + int(m[1]) * (per + 1) + int(m[3])
-        return f"input_blocks.{idx}.0.{_resnet(m[4])}" if m[2] == "resnets" else f"input_blocks.{idx}.1.{m[4]}"
-    m = re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.+)", key)
-    if m:
-        return f"input_blocks.{(int(m[1]) + 1) * (per + 1)}.0.op.{m[2]}"
-    m = re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)", key)
-    if m:
-        if m[1] == "attentions":
-            return f"middle_block.1.{m[3]}"
-        return f"middle_block.{2 * int(m[2])}.{_resnet(m[3])}"
-    m = re.fullmatch(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", key)
-    if m:
-        idx = int(m[1]) * (per + 1) + int(m[3])
-        return f"output_blocks.{idx}.0.{_resnet(m[4])}" if m[2] == "resnets" else f"output_blocks.{idx}.1.{m[4]}"
-    return None
-
-
-def _upsampler(key: str, per: int, has_attention: set[int]) -> str | None:
-    m = re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.+)", key)
-    if not m:
-        return None
-    i = int(m[1])
-    # The upsampler follows the level's last (resnet[, attention]) layer in the same output block.
-    return f"output_blocks.{i * (per + 1) + per}.{2 if i in has_attention else 1}.conv.{m[2]}"
-
-
-_VAE_ATTN = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
-
-
-def vae_name(key: str, levels: int) -> str | None:
-    """diffusers AutoencoderKL key -> original VAE key (without `first_stage_model.`)."""
-    m = re.fullmatch(r"(encoder|decoder)\.(.+)", key)
-    if not m:
-        return key if key.startswith(("quant_conv.", "post_quant_conv.")) else None
-    side, rest = m[1], m[2]
-    rest = rest.replace("conv_norm_out.", "norm_out.")
-    r = re.fullmatch(r"(down|up)_blocks\.(\d+)\.(resnets|downsamplers|upsamplers)\.(\d+)\.(.+)", rest)
-    if r:
-        level = int(r[2]) if r[1] == "down" else levels - 1 - int(r[2])  # the decoder counts from the bottom
-        if r[3] == "resnets":
-            return f"{side}.{r[1]}.{level}.block.{r[4]}.{r[5].replace('conv_shortcut', 'nin_shortcut')}"
-        return f"{side}.{r[1]}.{level}.{'downsample' if r[1] == 'down' else 'upsample'}.{r[5]}"
-    r = re.fullmatch(r"mid_block\.resnets\.(\d+)\.(.+)", rest)
-    if r:
-        return f"{side}.mid.block_{int(r[1]) + 1}.{r[2]}"
-    r = re.fullmatch(r"mid_block\.attentions\.0\.(.+)\.(weight|bias)", rest)
-    if r and r[1] in _VAE_ATTN:
-        return f"{side}.mid.attn_1.{_VAE_ATTN[r[1]]}.{r[2]}"
-    if rest.split(".")[0] in ("conv_in", "conv_out", "norm_out"):
-        return f"{side}.{rest}"
-    return None
-
-
-def _clip(te: torch.nn.Module, prefix: str) -> dict:
-    """HF CLIP text encoder -> the original's `<prefix>text_model.*` (HF's own names under the wrapper)."""
-    return {
-        f"{prefix}text_model.{k.removeprefix('text_model.')}": v
-        for k, v in te.state_dict().items()
-        if not k.endswith("position_ids")
-    }
-
-
-_OPEN_CLIP = {
-    "embeddings.token_embedding.weight": "token_embedding.weight",
-    "embeddings.position_embedding.weight": "positional_embedding",
-    "final_layer_norm.weight": "ln_final.weight",
-    "final_layer_norm.bias": "ln_final.bias",
-}
-_OPEN_CLIP_LAYER = {
-    "layer_norm1": "ln_1",
-    "layer_norm2": "ln_2",
-    "mlp.fc1": "mlp.c_fc",
-    "mlp.fc2": "mlp.c_proj",
-    "self_attn.out_proj": "attn.out_proj",
-}
-
-
-def _open_clip(te: torch.nn.Module, prefix: str) -> tuple[dict, list[str]]:
-    """HF CLIPTextModelWithProjection -> OpenCLIP's names (SDXL's second encoder): q, k, v fused into
-    `attn.in_proj_*`, the projection as a matrix applied from the right (HF's weight transposed)."""
-    out, lost, qkv = {}, [], {}
-    for k, v in te.state_dict().items():
-        k = k.removeprefix("text_model.")
-        if k.endswith("position_ids"):
-            continue
-        if k in _OPEN_CLIP:
-            out[prefix + _OPEN_CLIP[k]] = v
-            continue
-        if k == "text_projection.weight":
-            out[prefix + "text_projection"] = v.T.contiguous()
-            continue
-        m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)\.(weight|bias)", k)
-        if not m:
-            lost.append(k)
-            continue
-        block = f"{prefix}transformer.resblocks.{m[1]}"
-        if m[2] in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            qkv.setdefault((block, m[3]), {})[m[2][-6]] = v
-        elif m[2] in _OPEN_CLIP_LAYER:
-            out[f"{block}.{_OPEN_CLIP_LAYER[m[2]]}.{m[3]}"] = v
-        else:
-            lost.append(k)
-    for (block, kind), parts in qkv.items():
-        out[f"{block}.attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-    return out, [f"text_encoder_2.{k}" for k in lost]
-
-
-def ldm_state_dict(pipe) -> dict:
-    """The original-layout state dict of a SD1.x or SDXL pipeline (UNet, VAE, text encoders). Raises naming any
-    weight it cannot place, so the file never silently lacks part of the model."""
-    unet, vae = pipe.unet, pipe.vae
-    per = unet.config.layers_per_block
-    if not isinstance(per, int):
-        raise ValueError(
-            "train.export_single_file: the UNet's layers_per_block varies per level; the original "
-            "layout needs one value (set train.export_single_file false)"
-        )
-    has_attention = {i for i, t in enumerate(unet.config.up_block_types) if "CrossAttn" in t}
-    out, lost = {}, []
-    for k, v in unet.state_dict().items():
-        name = unet_name(k, per) or _upsampler(k, per, has_attention)
-        (lost.append(f"unet.{k}") if name is None else out.__setitem__(f"model.diffusion_model.{name}", v))
-    levels = len(vae.config.block_out_channels)
-    for k, v in vae.state_dict().items():
-        name = vae_name(k, levels)
-        if name is None:
-            lost.append(f"vae.{k}")
-            continue
-        if ".mid.attn_1." in name and name.endswith(".weight") and v.ndim == 2:
-            v = v[:, :, None, None]  # the original VAE's attention projections are 1x1 convolutions
-        out[f"first_stage_model.{name}"] = v
-    if getattr(pipe, "text_encoder_2", None) is None:
-        out.update(_clip(pipe.text_encoder, "cond_stage_model.transformer."))
-    else:  # SDXL (sgm): both encoders under `conditioner.embedders`
-        out.update(_clip(pipe.text_encoder, "conditioner.embedders.0.transformer."))
-        second, missed = _open_clip(pipe.text_encoder_2, "conditioner.embedders.1.model.")
-        out.update(second)
-        lost += missed
-    if lost:
-        raise ValueError(
-            f"train.export_single_file: no original-layout name for {lost[:8]}"
-            f"{' …' if len(lost) > 8 else ''}; set train.export_single_file false"
-        )
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
-
 
 def save_single_file(fam, final: Path, meta: dict[str, str]) -> Path:
     """Write `final/model.safetensors` from the pipeline folder `final/` (weights as saved, e.g. float32)."""
     from safetensors.torch import save_file
 
     pipe = fam.load_pipeline(final, torch.float32, torch.device("cpu"))
-    state = ldm_state_dict(pipe)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in fam.single_file_state(pipe).items()}
     path = final / SINGLE_FILE
     save_file(state, str(path), metadata={"format": "pt", **meta})
     return path

@@ -21,28 +21,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tuneline.stages.families.common import unwrap
 
-# Z-Image's forward runs its block stacks in this order (a stack its variant lacks is None).
-ZIMAGE_STACKS = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
 
-
-def transformer_blocks(denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-    """The denoiser's transformer blocks in the order its forward runs them: a transformer's
-    `transformer_blocks` then `single_transformer_blocks` (SD3, Flux, Qwen-Image), its refiner stacks then its
-    main stack (Z-Image), or a UNet's `BasicTransformerBlock`s down, mid, up
-    (module registration puts up before mid, so it is walked explicitly)."""
+def transformer_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The denoiser's transformer blocks in the order its forward runs them: the blocks of each of the family's
+    block stacks (Family.block_stacks) in turn."""
     den = unwrap(denoiser)
-    lists = [
-        getattr(den, n)
-        for n in ("transformer_blocks", "single_transformer_blocks", *ZIMAGE_STACKS)
-        if isinstance(getattr(den, n, None), torch.nn.ModuleList)
-    ]
-    if lists:
-        return [b for blocks in lists for b in blocks]
-    from diffusers.models.attention import BasicTransformerBlock
-
-    parts = [getattr(den, n, None) for n in ("down_blocks", "mid_block", "up_blocks")]
-    roots = [p for p in parts if p is not None] if any(p is not None for p in parts) else [den]
-    return [m for root in roots for m in root.modules() if isinstance(m, BasicTransformerBlock)]
+    return [b for path in stacks for b in den.get_submodule(path)]
 
 
 def max_blocks_to_swap(blocks: int) -> int:
@@ -83,8 +67,10 @@ class _Arrive(torch.autograd.Function):
 
 
 class BlockSwapper:
-    def __init__(self, denoiser: torch.nn.Module, blocks_to_swap: int, device: torch.device, full: bool):
-        self.blocks = transformer_blocks(denoiser)
+    def __init__(
+        self, denoiser: torch.nn.Module, stacks: tuple[str, ...], blocks_to_swap: int, device: torch.device, full: bool
+    ):
+        self.blocks = transformer_blocks(denoiser, stacks)
         b, n = len(self.blocks), blocks_to_swap
         if not 0 < n <= max_blocks_to_swap(b):
             raise ValueError(

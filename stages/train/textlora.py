@@ -3,8 +3,9 @@ beside the denoiser's.
 
 The captions are then encoded live, with gradients, by the encoders being trained: the text artifact's cache
 (encoded by the frozen encoders) is not read, only its manifest (max length, caption variants), so caption
-dropout and tag-shuffle variants draw the same strings the cache would hold. The targets are CLIP's attention
-projections, as diffusers' own SD/SDXL LoRA scripts train them; the files carry them as `text_encoder.` /
+dropout and tag-shuffle variants draw the same strings the cache would hold. The targets are the family's
+(Family.text_encoder_lora_targets: CLIP's attention projections, as diffusers' own SD/SDXL LoRA scripts train them),
+less the layers whose output the family never reads (Family.unused_modules); the files carry them as `text_encoder.` /
 `text_encoder_2.` keys (diffusers' load_lora_weights) and as kohya's `lora_te_` / `lora_te1_` / `lora_te2_`
 modules (the names ComfyUI maps onto CLIP: `lora_te_text_model_encoder_layers_0_self_attn_q_proj`).
 """
@@ -18,17 +19,18 @@ import torch
 
 from tuneline.stages.families.base import Family
 from tuneline.stages.text import TagAugment
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
-# (diffusers pipeline component, kohya prefix) per encoder, in the family's order; the family's lora.py names
-# them (TEXT_ENCODER_KOHYA).
+from tuneline.stages.train.adapters import exclude_pattern
 
 
-def lora_config(t):
+def lora_config(t, targets: tuple[str, ...], unused: tuple[str, ...]):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=t.lora_rank, lora_alpha=t.lora_alpha or t.lora_rank, init_lora_weights="gaussian", target_modules=TARGETS
+        r=t.lora_rank,
+        lora_alpha=t.lora_alpha or t.lora_rank,
+        init_lora_weights="gaussian",
+        target_modules=list(targets),
+        exclude_modules=exclude_pattern(unused),
     )
 
 
@@ -42,8 +44,10 @@ class TrainedText:
         self.enc = fam.load_text_encoders(Path(model_dir), torch.float32, device, max_length=max_length)
         self.components = list(fam.text_components)
         torch.manual_seed(t.seed + 1)  # the same LoRA init on every rank, independent of the denoiser's
-        for te in self.enc.encoders:
-            te.add_adapter(lora_config(t))
+        self.configs = {}  # component -> its peft config (the diffusers file's adapter metadata)
+        for comp, te in zip(self.components, self.enc.encoders):
+            self.configs[comp] = lora_config(t, fam.text_encoder_lora_targets, fam.unused_modules(te, comp))
+            te.add_adapter(self.configs[comp])
         self._lock = threading.Lock()
 
     def params(self) -> dict[str, torch.nn.Parameter]:

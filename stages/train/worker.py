@@ -36,22 +36,22 @@ from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text import TagAugment
 from tuneline.stages.text.live import open_text
 from tuneline.stages.text.store import TextCache
-from tuneline.stages.train import collectives, evaluation
+from tuneline.stages.train import collectives, evaluation, failcause, fsdp
 from tuneline.stages.train.adapters import not_exported
-from tuneline.stages.train.checkpoint import CheckpointError
+from tuneline.stages.train.checkpoint import CheckpointError, checkpoint_name
 from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
-from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.plan import micro_batches
 from tuneline.stages.train.procwatch import worker_guard
 from tuneline.stages.train.rows import RowPlan
-from tuneline.stages.train.stopping import Interrupted, StopSignals
+from tuneline.stages.train.stopping import Interrupted, StopSignals, stop_reason
 from tuneline.stages.train.textlora import TrainedText
 
 RESULT = "result.json"
-ERROR = "error.json"  # rank 0's one-line explanation of a failure the user can act on
+ERROR = "error.json"  # rank 0's stop: the step and checkpoint a rerun continues from
+STOPPED_EXIT = 3
 MANIFEST_POINTS = 500
 
 
@@ -66,11 +66,47 @@ class Run:
     out: Path
     data: Data
     resume: Path | None
-    eval_losses: list[dict] = field(default_factory=list)  # rank 0's held-out evaluations (train.eval)
+    eval_losses: list[dict] = field(default_factory=list)  # held-out evaluations (train.eval), alike on every rank
     launch: str = ""  # the launching node's token; rank 0 names it in the result, so that node publishes
     seen: str = ""  # where this node's local rank 0 tells its launcher whether rank 0's result reached its folder
+    stop_mark: Path | None = None  # exists once the launcher has marked a SIGTERM as a stop (stopping.py)
     export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
     started_at: float = field(default_factory=time.time)
+
+
+def read_data(cfg, up: dict[str, Path], fam, model_dir: Path, device: torch.device) -> Data:
+    """What training reads, from the upstream versions `up` (stage -> folder): the worker's one way to open the
+    caches, which the in-process trainer of tests and benchmarks (tests/trainer.py) shares."""
+    store = ArtifactStore(Path(cfg.workdir))
+    # Every rank verifies the manifests it reads; a tampered cache fails on all ranks alike.
+    lat = store.read(up["latents"], LatentsManifest)
+    txt = store.read(up["text"], TextManifest)
+    scan_dir = store.version_dir("scan", lat.upstream["scan"])
+    store.read(scan_dir, ScanManifest)
+    every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
+    if "caption" in up:  # the caption stage is on: its captions (trigger included) are the ones trained on
+        captions = captions_by_ref(up["caption"])
+        every = [r.model_copy(update={"caption": captions[r.ref]}) for r in every]
+    records = {r.ref: r for r in every}
+    # The text cache, or live encoders when the text artifact was built with text.enabled false; with
+    # train.text_encoder_lora the encoders being trained (only the artifact's manifest is read).
+    if cfg.train.text_encoder_lora:
+        augment = TagAugment.from_manifest(txt)
+        text = TrainedText(fam, model_dir, device, cfg.train, txt.max_length, augment)
+    else:
+        text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
+    reader = LatentReader(up["latents"], lat)
+    scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
+    return Data(
+        reader=reader,
+        text=text,
+        records=records,
+        scaling=scaling,
+        shift=shift,
+        sized=sized,
+        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
+    )
 
 
 def setup(spec: dict) -> Run:
@@ -83,42 +119,13 @@ def setup(spec: dict) -> Run:
         if cuda
         else torch.device("cpu")
     )
+    if cuda:
+        torch.cuda.set_device(device)  # before the process group, which binds to it (collectives.init)
     collectives.init(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(device)
-    store = ArtifactStore(Path(cfg.workdir))
-    up = {k: Path(v) for k, v in spec["upstream"].items()}
-    # Every rank verifies the manifests it reads; a tampered cache fails on all ranks alike.
-    lat = store.read(up["latents"], LatentsManifest)
-    txt = store.read(up["text"], TextManifest)
-    scan_dir = store.version_dir("scan", lat.upstream["scan"])
-    store.read(scan_dir, ScanManifest)
-    every = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
-    if "caption" in up:  # the caption stage is on: its captions (trigger included) are the ones trained on
-        captions = captions_by_ref(up["caption"])
-        every = [r.model_copy(update={"caption": captions[r.ref]}) for r in every]
-    records = {r.ref: r for r in every}
     fam, model_dir = get_family(cfg.model.family), Path(spec["model_dir"])
-    # The text cache, or live encoders when the text artifact was built with text.enabled false; with
-    # train.text_encoder_lora the encoders being trained (only the artifact's manifest is read).
-    if cfg.train.text_encoder_lora:
-        augment = TagAugment.from_manifest(txt)
-        text = TrainedText(fam, model_dir, device, cfg.train, txt.max_length, augment)
-    else:
-        text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
-    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
-    reader = LatentReader(up["latents"], lat)
-    scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
-    data = Data(
-        reader=reader,
-        text=text,
-        records=records,
-        scaling=scaling,
-        shift=shift,
-        sized=sized,
-        rows=RowPlan(reader, cfg.train, dataset_sources(cfg)),
-    )
+    up = {k: Path(v) for k, v in spec["upstream"].items()}
+    data = read_data(cfg, up, fam, model_dir, device)
     return Run(
         cfg=cfg,
         rank=rank,
@@ -131,6 +138,7 @@ def setup(spec: dict) -> Run:
         resume=Path(spec["resume"]) if spec.get("resume") else None,
         launch=spec.get("launch", ""),
         seen=spec.get("seen", ""),
+        stop_mark=Path(spec["stop"]) if spec.get("stop") else None,
         export=spec.get("export", {}),
     )
 
@@ -156,42 +164,36 @@ def fit(run: Run) -> Trainer:
     hooks = Hooks(run, trainer)
     rows = run.data.rows
     held = rows.held_rows()
-    evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps) if held and run.rank == 0 else None
+    evaluator = evaluation.Evaluator(trainer, held, t.eval.timesteps, t.batch_size) if held else None
     feed = trainer.feed(micro_batches(rows.epoch_plans(run.world), t.batch_size, run.rank, trainer.position))
     with closing(feed):  # the feed's thread stops with the loop, however it ends
-        signals = StopSignals(t.checkpoint_minutes)
+        signals = StopSignals(t.checkpoint_minutes, run.stop_mark)
         while trainer.step < t.steps:
             micro = [next(feed) for _ in range(t.grad_accumulation)]
             trainer.train_step(micro, signals.flags())  # the flags ride the step's loss all-reduce
             hooks.after_step()
             if evaluator and (trainer.step % t.effective_eval_every() == 0 or trainer.step == t.steps):
-                run.eval_losses.append(evaluator.evaluate())
-                print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
+                run.eval_losses.append(evaluator.evaluate())  # every rank its share (evaluation.py)
+                if run.rank == 0:
+                    print(f"step {trainer.step}/{t.steps} eval loss {run.eval_losses[-1]['loss']:.4f}", flush=True)
             stop, save = signals.decide(trainer.flags)
             if save and hooks.last_checkpoint != trainer.step:
                 hooks.checkpoint()
             if hooks.last_checkpoint == trainer.step:
                 signals.checkpointed()
             if stop:
-                raise Interrupted(
-                    f"training was stopped (SIGTERM) at step {trainer.step} of {t.steps} after "
-                    f"writing checkpoint step-{trainer.step:07d}; run the stage again to continue "
-                    f"from it (train.resume: auto)"
-                )
+                collectives.barrier(run.world)  # every rank leaves once rank 0's checkpoint is written
+                raise Interrupted(stop_reason(trainer.step, t.steps, checkpoint_name(trainer.step)))
     return trainer
 
 
 def finish(run: Run, trainer: Trainer) -> None:
     """Rank 0 writes final/ (the EMA weights when kept), the loss table and curve, and the result the launcher
     turns into the manifest; the others wait so nobody exits before it exists."""
+    t = run.cfg.train
+    final = fsdp.final_denoiser(trainer, run.rank)  # a collective under FSDP: the whole weights, on rank 0
     if run.rank == 0:
-        t = run.cfg.train
-        if trainer.ema is not None:
-            trainer.ema.copy_to(trainer.params)
-        with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: its averaged weights
-            exports = save_final(
-                run.family, run.model_dir, trainer.denoiser, t, run.out / "final", export_info(run), trainer.text
-            )
+        exports = save_final(run.family, run.model_dir, final, t, run.out / "final", export_info(run), trainer.text)
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
@@ -263,16 +265,24 @@ def downsample(values: list[float], points: int) -> list[float]:
 def main(argv: list[str]) -> None:
     worker_guard()
     spec = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    rank, out = int(os.environ.get("RANK", "0")), Path(spec["out_dir"])
     try:
         run = setup(spec)
         finish(run, fit(run))
-    except (NonFiniteLoss, CheckpointError, ArtifactError, ReaderError, ValueError, Interrupted) as err:
-        # Every rank reaches the same verdict (losses are all-gathered, manifests and checkpoints read alike);
-        # rank 0 reports it so the stage's error names the cause instead of torchrun's exit code.
-        if int(os.environ.get("RANK", "0")) == 0:
-            (Path(spec["out_dir"]) / ERROR).write_text(json.dumps({"error": str(err)}), encoding="utf-8")
+    except Interrupted as err:
+        if rank == 0:  # the launcher reads it: the stop's step and checkpoint
+            (out / ERROR).write_text(json.dumps({"error": str(err), "stopped": True}), encoding="utf-8")
+            print(f"training {err}", file=sys.stderr, flush=True)
+        sys.exit(STOPPED_EXIT)
+    except (NonFiniteLoss, CheckpointError, ArtifactError, ReaderError, ValueError) as err:
+        # A verdict the user acts on (every rank usually reaches it alike: losses are all-gathered, manifests and
+        # checkpoints read alike): its message, without a traceback.
+        failcause.record(out, rank, err, str(err))
         print(f"training stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception as err:
+        failcause.record(out, rank, err)  # the launcher names the rank that failed first (failcause.py)
+        raise
     finally:
         collectives.close()
         gc.freeze()  # the exit's last garbage collection would walk every object torch and diffusers made

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
 from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.common import markdown as md
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
+from tuneline.stages.train.export import lora_loader
 from tuneline.stages.validate import edits as edits_mod
 from tuneline.stages.validate.colors import color_accuracy
-from tuneline.stages.validate.learning import render_check, separation, square_class_means
+from tuneline.stages.validate.learning import log_image, render_check, separation, square_class_means
 
 
 def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_text: bool = False) -> Renderer:
@@ -31,7 +34,7 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_tex
         model_dir,
         dev,
         dtype,
-        lora=lora,
+        adapt=None if lora is None else lora_loader(cfg.model.family, lora),
         max_length=length,
         prompt_cache=None if trained_text else cache,
     )
@@ -49,11 +52,14 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
     v = ctx.cfg.validate_
     width, height = render_size_for(ctx.cfg)
     samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+    ctx.log.info("validate: rendering %d prompts at %dx%d, %d steps", len(samples), width, height, v.steps)
+    started = time.monotonic()
     images = renderer.render(samples, width, height, v.steps, v.guidance_scale)
     rendered = []
     for i, (s, img) in enumerate(zip(samples, images)):
         name = f"{i:03d}-seed{s.seed}.png"
         img.save(work / name)
+        log_image(ctx, i, len(samples), name, s, started)
         rendered.append(
             RenderedImage(
                 file=name,
@@ -77,6 +83,11 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
     width, height, means = got
     facts = {}
     for prefix, renderer in (("", trained), ("untrained_", None)):
+        ctx.log.info(
+            "learning check: rendering %d samples with the %s model",
+            len(DEMO_COLORS) * cfg.validate_.check_seeds,
+            "untrained" if prefix else "trained",
+        )
         renderer = renderer or load_renderer(ctx, models.model_dir(ctx))
         colors, latents = render_check(renderer, cfg, (width, height))
         acc = separation(latents, colors, means)
@@ -104,6 +115,7 @@ def check_learning(ctx, trained: Renderer, upstream: dict) -> dict:
 
 def build(ctx, work: Path, upstream: dict) -> dict:
     v = ctx.cfg.validate_
+    ctx.log.info("validate: loading the trained %s pipeline", upstream["train"].mode)
     renderer = trained_renderer(ctx, upstream)
     ctx.reporter.progress("validate-progress", 0.1, "pipeline loaded")
     edits = edits_mod.edit_samples(ctx, upstream, render_size_for(ctx.cfg))
@@ -127,20 +139,18 @@ def build(ctx, work: Path, upstream: dict) -> dict:
 
 
 def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -> None:
-    """Markdown table linking every file at the path the artifact is about to be published under, and the
-    training loss curve in the train artifact."""
+    """Markdown table of every file with its prompt and seed, under the path the artifact is about to be published
+    under. File names, not links: a browser opens neither a relative link nor a file:// one from the UI (the flows
+    add the pictures themselves inline)."""
     published = work.parent / work.name.removeprefix(".").removesuffix(".partial")
-
-    def link(name: str, root: Path = published) -> str:
-        return f"[{name}]({(root / name).as_uri()})"
-
     rows = "\n".join(
-        f"| {link(r.file)} | {r.prompt} | {r.negative_prompt} | {r.seed} | {r.width}x{r.height} |" for r in rendered
+        f"| {md.text(r.file)} | {md.text(r.prompt)} | {md.text(r.negative_prompt)} | {r.seed} | {r.width}x{r.height} |"
+        for r in rendered
     )
     text = (
         f"| file | prompt | negative | seed | size |\n|---|---|---|---|---|\n{rows}\n\n"
-        f"Grid: {link(facts['grid'])} · training loss curve: "
-        f"{link(train.loss_curve, models.artifact_dir(ctx, train))}"
+        f"Files in {md.text(published)}; grid: {md.text(facts['grid'])}; training loss curve: "
+        f"{md.text(models.artifact_dir(ctx, train) / train.loss_curve)}"
     )
     if "class_separation_accuracy" in facts:
         text += (

@@ -12,6 +12,7 @@ class separation, stages/validate/learning.py), for the trained and the untraine
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -24,11 +25,11 @@ from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.scan.images import load_rgb
-from tuneline.stages.validate.learning import separation, square_class_means
+from tuneline.stages.validate.learning import log_image, separation, square_class_means
 
 
 def takes_control(cfg) -> bool:
-    return bool(getattr(models.family(cfg), "takes_control", False))
+    return models.family(cfg).takes_control
 
 
 def _training_pairs(ctx, upstream: dict, n: int) -> list[tuple[Path, str]]:
@@ -88,7 +89,7 @@ def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
                 f"validate.controls image {path} cannot be read ({err}): fix the path or the file"
             ) from None
         several = isinstance(image, list) and len(image) > 1
-        if several and not getattr(models.family(ctx.cfg), "multiple_references", False):
+        if several and not models.family(ctx.cfg).multiple_references:
             raise ValueError(
                 f"validate.controls image {path} is a folder of {len(image)} reference images, but family "
                 f"{ctx.cfg.model.family!r} takes one control image: name one image"
@@ -101,11 +102,14 @@ def render_edits(ctx, renderer: Renderer, work: Path, samples: list[Sample]) -> 
     """Render the edits; (rendered images, their control files). grid.png: control | result per row."""
     v = ctx.cfg.validate_
     width, height = render_size_for(ctx.cfg)
+    ctx.log.info("validate: rendering %d edits at %dx%d, %d steps", len(samples), width, height, v.steps)
+    started = time.monotonic()
     images = renderer.render(samples, width, height, v.steps, v.guidance_scale)
     rendered, controls, cells = [], [], []
     for i, (s, img) in enumerate(zip(samples, images)):
         name, control = f"{i:03d}-seed{s.seed}.png", f"{i:03d}-control.png"
         img.save(work / name)
+        log_image(ctx, i, len(samples), name, s, started)
         strip = control_strip(s.image)  # several references: side by side, squeezed into the grid's cell
         strip.save(work / control)
         cells += [strip if strip.size == img.size else strip.resize(img.size, Image.Resampling.BICUBIC), img]

@@ -8,6 +8,7 @@ the pixel-space check (colors.py).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -101,3 +102,17 @@ def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.nda
     dist = ((centers.reshape(len(names), -1)[None] - latents.flatten(1).numpy()[:, None]) ** 2).sum(axis=2)
     hits = sum(names[int(n)] == c for n, c in zip(dist.argmin(axis=1), colors))
     return hits / max(1, len(colors))
+
+
+def log_image(ctx, i: int, total: int, name: str, s: Sample, started: float) -> None:
+    """One line per rendered validation image, for the prompts and the edits alike (a batch's images are logged as
+    the batch finishes)."""
+    ctx.log.info(
+        "validate: image %d/%d %s %r (seed %d), %.1f s",
+        i + 1,
+        total,
+        name,
+        s.prompt,
+        s.seed,
+        time.monotonic() - started,
+    )

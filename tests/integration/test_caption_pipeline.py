@@ -37,14 +37,14 @@ def write_config(path: Path, workdir: Path, **caption) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, prefect_server):
     root = tmp_path_factory.mktemp("captioned")
     wd = root / "w"
     (wd / "photos").mkdir(parents=True)
     for i, rgb in enumerate(COLORS):  # no caption files at all
         Image.new("RGB", (64, 64), rgb).save(wd / "photos" / f"img{i}.png")
     cfg = write_config(root / "config.yaml", wd, trigger="sks")
-    out = tuneline("run", str(cfg), cwd=root)
+    out = tuneline("run", str(cfg), cwd=root, env=prefect_server)
     assert out.returncode == 0, out.stderr[-4000:]
     return {"root": root, "workdir": wd, "config": cfg, "stdout": out.stdout}
 
@@ -86,10 +86,13 @@ def test_captions_show_and_export(run, tmp_path):
     assert "Traceback" not in refused.stderr and not list((run["workdir"] / "photos").glob("*.txt"))
 
 
-def test_prefect_shows_sample_images_and_captions(run):
+def test_prefect_shows_sample_images_and_captions(run, prefect_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from tests.integration.test_ui_images import _images, _markdown_artifacts
 
-    arts = asyncio.run(_markdown_artifacts())
+    with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):  # the server the run used
+        arts = asyncio.run(_markdown_artifacts())
     keys = [k for k in arts if "caption" in k and "samples" in k]
     assert keys, sorted(arts)
     assert len(_images(arts[keys[0]])) == len(COLORS) and "sks, " in arts[keys[0]]

@@ -9,21 +9,17 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from tests.integration.test_train_support import small_config
+from tests.trainer import trainer_for
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.schemas.sources import dataset_sources
-from tuneline.schemas.text import TextManifest
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.families import resolve as models
 from tuneline.stages.latents.reader import LatentReader
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.text.live import open_text
-from tuneline.stages.train.loop import Data, Trainer
 from tuneline.stages.train.plan import MicroBatch, Position
 from tuneline.stages.train.rows import RowPlan
 
@@ -99,27 +95,17 @@ def test_repeats_are_exact_per_epoch_and_eval_images_never_train(built):
 
 
 def test_regularization_loss_is_weighted_by_its_source(built):
-    cfg, ctx, paths = built
-    lat, txt = ctx.store.read(paths["latents"], LatentsManifest), ctx.store.read(paths["text"], TextManifest)
-    records = {r.ref: r for r in (ImageRecord.model_validate(x) for x in read_jsonl(paths["scan"] / "images.jsonl"))}
-    fam, model_dir = models.family(cfg), models.model_dir(ctx)
-    reader = LatentReader(paths["latents"], lat)
-    bucket, refs = next(iter(reader.paths.items()))
-    reg = np.array([i for i, r in enumerate(refs) if r.startswith("1//")][:1])
+    cfg, ctx, _ = built
     losses = []
     for weight in (1.0, 0.5):
         srcs = [
             s if s.role != "regularization" else dataclasses.replace(s, loss_weight=weight)
             for s in dataset_sources(cfg)
         ]
-        data = Data(
-            reader,
-            open_text(txt, paths["text"], fam, model_dir, torch.device("cpu"), torch.float32),
-            records,
-            lat.scaling_factor,
-            lat.shift_factor,
-            rows=RowPlan(reader, cfg.train, srcs),
-        )
-        trainer = Trainer(cfg, fam, model_dir, data, 0, 1, torch.device("cpu"))
+        trainer = trainer_for(cfg, ctx)
+        reader = trainer.data.reader
+        bucket, refs = next(iter(reader.paths.items()))
+        reg = np.array([i for i, r in enumerate(refs) if r.startswith("1//")][:1])
+        trainer.data.rows = RowPlan(reader, cfg.train, srcs)
         losses.append(float(trainer.micro_step(trainer.prepare(0, MicroBatch(bucket, reg, reg, Position())), True)))
     assert losses[1] == pytest.approx(0.5 * losses[0], rel=1e-5) and losses[0] > 0

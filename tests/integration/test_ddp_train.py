@@ -18,10 +18,13 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
+from tests.reliability.test_cli_server import _env, _flow_run_states
 from tests.tracing import tuneline_trace
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.latents.reader import LatentReader
+
+pytestmark = pytest.mark.ddp(reason="sharding across ranks, and a 2-rank run killed or stopped by SIGTERM resuming")
 
 # 2 processes x batch 4 x accumulation 2: a global step takes 16 of a bucket's 24 images.
 TRAIN = {
@@ -137,16 +140,21 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
     assert [p.name for p in sorted((resumed / "checkpoints").iterdir())] == ["step-0000008", "step-0000012"]
 
 
-def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, tmp_path):
-    """SIGTERM to `tuneline stage train`'s process group (what a cancelled run or `kill` sends): the workers finish
-    their step, agree on it, checkpoint and stop; nothing is published; the rerun (train.resume: auto) continues
-    from that checkpoint to the uninterrupted run's weights."""
+def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resumes(reference, tmp_path):
+    """SIGTERM to `tuneline stage train`'s process group (what a cancelled run, `kill` or a preemption sends) while
+    the step plus its checkpoint takes longer than torchrun's default 30 s grace (a large checkpoint on a slow disk,
+    stood in for by the tracing hook's SLOW_STOP_ENV): the workers finish their step, agree on it, checkpoint and
+    stop; nothing is published; the stop reads as one in the console's last line, the exit code (3), `tuneline
+    status` and the Prefect state; the rerun (train.resume: auto) continues from that checkpoint to the
+    uninterrupted run's weights."""
     _, ref_path, _ = reference
     cfg = small_config(tmp_path, TRAIN)
     build_upstream(cfg)
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg.dump()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    home = tmp_path / "prefect"
+    env = _env(home, TUNELINE_TEST_TRACE=str(tmp_path), TUNELINE_TEST_SLOW_STOP_S="35")
+    env["PYTHONPATH"] = os.pathsep.join([str(tuneline_trace.HERE), env["PYTHONPATH"]])
     with open(tmp_path / "cli.log", "w") as log:
         cli = subprocess.Popen(
             [sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)],
@@ -162,7 +170,7 @@ def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, t
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.05)
         os.killpg(cli.pid, signal.SIGTERM)
-        assert cli.wait(timeout=240) != 0
+        rc = cli.wait(timeout=300)
     text = (tmp_path / "cli.log").read_text()
     assert not [p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith(".")], (
         f"a stopped training published a version:\n{text[-3000:]}"
@@ -170,7 +178,21 @@ def test_sigterm_checkpoints_and_the_rerun_reaches_the_same_weights(reference, t
     partial = next(tmp_path.glob("artifacts/train/.*.partial"))
     assert not _workers_of(partial), "training workers outlived the stopped stage"
     stopped_at = max(int(p.name.removeprefix("step-")) for p in (partial / "checkpoints").glob("step-*"))
-    assert 4 <= stopped_at < TRAIN["steps"], f"no checkpoint on stop (newest: step {stopped_at}):\n{text[-3000:]}"
+    assert 4 < stopped_at < TRAIN["steps"], f"no checkpoint on stop (newest: step {stopped_at}):\n{text[-3000:]}"
+    reason = f"stopped at step {stopped_at} of {TRAIN['steps']} (checkpoint step-{stopped_at:07d}); rerun to continue"
+    assert rc == 3, text[-3000:]
+    assert text.strip().splitlines()[-1] == f"error: {reason}", text[-3000:]
+    status = subprocess.run(
+        [sys.executable, "-m", "tuneline.flows.cli", "status", str(cfg_file), "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    row = next(r for r in json.loads(status.stdout) if r["stage"] == "train")
+    assert (row["state"], row["reason"]) == ("stopped", reason)
+    assert _flow_run_states(env) == ["CANCELLED"]
 
     resumed = train(small_config(tmp_path, TRAIN))
     manifest = json.loads((resumed / "manifest.json").read_text())

@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.integration.stock_edit import StockEdit, trained_edit, validated_edit_grid
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.latents import LatentsManifest
@@ -24,7 +25,6 @@ from tuneline.stages.common.stage import StageContext, run_stage, status
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
 from tuneline.stages.scan.demo import write_demo_for
-from tuneline.stages.train.export import DIFFUSERS_FILE
 
 pytestmark = pytest.mark.slow
 FAMILY = "flux_kontext"
@@ -57,20 +57,14 @@ def test_pairs_are_cached_and_validated_as_edits(edit_run):
     ctx, paths = edit_run
     scan = json.loads((paths["scan"] / "manifest.json").read_text())
     assert scan["accepted"] == 48 and scan["unmatched_controls"] == [] and scan["rejected"] == 0
-    lat = ctx.store.read(paths["latents"], LatentsManifest)
-    assert lat.controls == lat.count == 48 and lat.controls_encoded == 48
-    val = ctx.store.read(paths["validate"], ValidateManifest)
     # The first two training pairs' controls with their instructions, each beside its result.
-    assert [i.prompt for i in val.images] == ["make it green", "make it green"]
-    assert val.controls == ["000-control.png", "001-control.png"]
-    with Image.open(paths["validate"] / "grid.png") as g:
-        assert g.size == (2 * 64, 2 * 64)
-        left = np.asarray(g.convert("RGB"))[:64, :64]
+    left = validated_edit_grid(ctx, paths, 48, ["make it green", "make it green"])[:64, :64]
     with Image.open(paths["validate"] / "000-control.png") as c:
         assert np.array_equal(left, np.asarray(c.convert("RGB")))
     # The control is the first training pair's (in record order: a blue circle to be made green).
     with Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "blue_to_green_circle_0.png") as c:
         assert np.array_equal(left, np.asarray(c.convert("RGB")))
+    val = ctx.store.read(paths["validate"], ValidateManifest)
     assert val.edit_color_accuracy is not None and val.untrained_edit_color_accuracy is not None
 
 
@@ -79,38 +73,11 @@ def test_lora_in_stock_kontext_pipeline_renders_as_trained(edit_run, tmp_path):
     renders it in validation (the same latents), unlike the base model."""
     from diffusers import FluxKontextPipeline
 
-    from tuneline.stages.render.renderer import Renderer, Sample
-    from tuneline.stages.text import effective_max_length
-
     ctx, paths = edit_run
-    model_dir = get_family(FAMILY).ensure_model(None, ctx.workdir / "models")
     control = Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "blue_to_red_square_0.png").convert("RGB")
-    fam = get_family(FAMILY)
-    length = effective_max_length(ctx.cfg)
-    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
-    sample = Sample("make it red", "", 3, control)
-    want = torch.as_tensor(trained.render([sample], 64, 64, 2, 2.0, output_type="latent")[0])
-
-    def stock(lora: bool) -> torch.Tensor:
-        pipe = FluxKontextPipeline.from_pretrained(model_dir, torch_dtype=torch.float32)
-        if lora:
-            pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe(
-            prompt="make it red",
-            image=control,
-            width=64,
-            height=64,
-            max_area=64 * 64,
-            _auto_resize=False,
-            num_inference_steps=2,
-            guidance_scale=2.0,
-            max_sequence_length=length,
-            generator=torch.Generator().manual_seed(3),
-            output_type="latent",
-        ).images[0]
-
-    got, base = stock(True), stock(False)
+    want = trained_edit(ctx, FAMILY, paths["train"] / "final", control)
+    stock = StockEdit(ctx, FAMILY, FluxKontextPipeline, paths["train"] / "final", max_area=64 * 64, _auto_resize=False)
+    got, base = stock.render(stock.load(), control), stock.render(stock.load(lora=False), control)
     assert not torch.allclose(base, want, atol=1e-4), "the LoRA must change the edit"
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 

@@ -163,22 +163,76 @@ def _timesteps(fam, b: int) -> torch.Tensor:
     return torch.tensor([10, 900][:b])
 
 
+def _not_learning(trainable: dict[str, torch.nn.Parameter], loss) -> list[str]:
+    """The trainable parameters DDP would stop on: without a gradient at the first backward (its reducer waits for
+    every one), or without a finite non-zero one at the second. An SGD step between: an adapter starts with one
+    factor at zero, which leaves the other factor's first gradient zero."""
+    opt = torch.optim.SGD(list(trainable.values()), lr=0.1)
+    loss().backward()
+    bad = [n for n, p in trainable.items() if p.grad is None]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss().backward()
+    bad += [n for n, p in trainable.items() if p.grad is None or not (torch.isfinite(p.grad).all() and p.grad.any())]
+    return sorted(set(bad))
+
+
+def _conditioning(fam, text: dict[str, torch.Tensor], noisy: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The text tensors, plus control latents for a family that takes them (as the training loop adds them)."""
+    if not fam.takes_control:
+        return text
+    control = torch.randn(noisy.shape, generator=torch.Generator().manual_seed(1))
+    return {**text, "control_latents": control}
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_denoise_forward_backward(name, built, encoders):
+def test_denoise_forward_backward(name, mode, built, encoders):
+    """Every parameter the train stage would train (its own prepare_denoiser: the family's LoRA targets, or every
+    weight of a full fine-tune) learns from the loss, so 2-process DDP does not stop at step 2."""
+    from tuneline.schemas.train import TrainConfig
+    from tuneline.stages.train.model import prepare_denoiser
+
     fam = get_family(name)
-    den = fam.load_denoiser(built(name), torch.float32, CPU)
-    den.train()
-    text = fam.encode_text(encoders(name), ["a red square", "a green circle"])
+    t = TrainConfig(mode=mode, lora_rank=2)
+    den, trainable = prepare_denoiser(fam, built(name), t, torch.float32, CPU)
     noisy = torch.randn(2, fam.facts.latent_channels, 6, 4, generator=torch.Generator().manual_seed(0))
-    out = fam.denoise(den, noisy, _timesteps(fam, 2), text)
-    assert out.shape == noisy.shape
-    out.float().pow(2).mean().backward()
-    grads = [p.grad for p in den.parameters() if p.grad is not None]
-    assert grads and any(g.abs().sum() > 0 for g in grads)
+    text = _conditioning(fam, fam.encode_text(encoders(name), ["a red square", "a green circle"]), noisy)
+
+    def loss():
+        out = fam.denoise(den, noisy, _timesteps(fam, 2), text)
+        assert out.shape == noisy.shape
+        return out.float().pow(2).mean()
+
+    assert _not_learning(trainable, loss) == [], f"{name} {mode}: parameters the loss never reaches"
     with torch.no_grad():
         swapped = {k: v.flip(0) for k, v in text.items()}
+        plain = fam.denoise(den, noisy, _timesteps(fam, 2), text)
         other = fam.denoise(den, noisy, _timesteps(fam, 2), swapped)
-    assert not torch.allclose(out.detach(), other), "the prediction must depend on the text"
+    assert not torch.allclose(plain, other), "the prediction must depend on the text"
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if get_family(n).text_encoder_lora_targets])
+def test_text_encoder_lora_forward_backward(name, built):
+    """train.text_encoder_lora: every LoRA weight on the text encoders (and the denoiser's) learns from the loss
+    through live encoding, as the train stage's step runs it."""
+    from tuneline.schemas.train import TrainConfig
+    from tuneline.stages.text import TagAugment
+    from tuneline.stages.train.model import prepare_denoiser
+    from tuneline.stages.train.textlora import TrainedText
+
+    fam = get_family(name)
+    t = TrainConfig(mode="lora", lora_rank=2, text_encoder_lora=True)
+    den, trainable = prepare_denoiser(fam, built(name), t, torch.float32, CPU)
+    text = TrainedText(fam, built(name), CPU, t, fam.facts.max_length, TagAugment())
+    assert fam.facts.text_encoder_lora
+    noisy = torch.randn(2, fam.facts.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+
+    def loss():
+        cond = text.encode(text.strings(["a red square", "a green circle"]))
+        return fam.denoise(den, noisy, _timesteps(fam, 2), cond).float().pow(2).mean()
+
+    assert _not_learning({**trainable, **text.params()}, loss) == [], f"{name}: parameters the loss never reaches"
 
 
 @pytest.mark.parametrize("name", PARITY)
@@ -199,7 +253,7 @@ def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, t
     enc = encoders(name)
     text, negative = fam.encode_text(enc, ["a red square"]), fam.encode_text(enc, ["blurry"])
     # with guidance and no negative, a family that needs one gets "" encoded, as the renderer does
-    no_negative = fam.encode_text(enc, [""]) if getattr(fam, "negative_required", False) else None
+    no_negative = fam.encode_text(enc, [""]) if fam.negative_required else None
     gen = torch.Generator().manual_seed(0)
     # 2 steps: a scheduler with shift_terminal (Qwen-Image) stretches its sigmas by the last one, 0/0 at 1 step.
     images = pipe(

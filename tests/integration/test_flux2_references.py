@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.integration.stock_edit import StockEdit, trained_edit, validated_edit_grid
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.latents import LatentsManifest
@@ -19,7 +20,6 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
-from tuneline.stages.train.export import DIFFUSERS_FILE
 
 pytestmark = pytest.mark.slow
 FAMILY = "flux2"
@@ -75,15 +75,8 @@ def flux2_run(tmp_path_factory):
 
 def test_references_are_cached_trained_and_validated(flux2_run):
     ctx, paths = flux2_run
-    lat = ctx.store.read(paths["latents"], LatentsManifest)
-    assert lat.controls == lat.count == 6 and lat.controls_encoded == 6
-    val = ctx.store.read(paths["validate"], ValidateManifest)
     # The first two training pairs' references with their instructions, each beside its result.
-    assert [i.prompt for i in val.images] == ["make it red", "make it green"]
-    assert val.controls == ["000-control.png", "001-control.png"]
-    with Image.open(paths["validate"] / "grid.png") as g:
-        assert g.size == (2 * 64, 2 * 64)
-        left = np.asarray(g.convert("RGB"))[64:, :64]
+    left = validated_edit_grid(ctx, paths, 6, ["make it red", "make it green"])[64:, :64]
     with Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "01-blue-to-green.png") as c:
         assert np.array_equal(left, np.asarray(c.convert("RGB")))
 
@@ -144,38 +137,16 @@ def test_lora_in_stock_flux2_pipeline_renders_as_trained(flux2_run):
     reference changes the render."""
     from diffusers import Flux2Pipeline
 
-    from tuneline.stages.render.renderer import Renderer, Sample
-    from tuneline.stages.text import effective_max_length
-
     ctx, paths = flux2_run
-    fam = get_family(FAMILY)
-    model_dir = fam.ensure_model(None, ctx.workdir / "models")
     control = Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "00-green-to-red.png").convert("RGB")
-    length = effective_max_length(ctx.cfg)
-    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
-    want = torch.as_tensor(trained.render([Sample("make it red", "", 3, control)], 64, 64, 2, 2.0, "latent")[0])
-
-    def stock(lora: bool, image) -> torch.Tensor:
-        pipe = Flux2Pipeline.from_pretrained(model_dir, dtype=torch.float32)
-        if lora:
-            pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe(
-            prompt="make it red",
-            image=image,
-            width=64,
-            height=64,
-            num_inference_steps=2,
-            guidance_scale=2.0,
-            max_sequence_length=length,
-            generator=torch.Generator().manual_seed(3),
-            output_type="latent",
-        ).images[0]
-
-    got = stock(True, [control])
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(stock(False, [control]), want, atol=1e-4), "the LoRA must change the edit"
-    assert not torch.allclose(stock(True, None), want, atol=1e-4), "the reference must change the edit"
+    want = trained_edit(ctx, FAMILY, paths["train"] / "final", control)
+    stock = StockEdit(ctx, FAMILY, Flux2Pipeline, paths["train"] / "final")
+    pipe = stock.load()
+    torch.testing.assert_close(stock.render(pipe, [control]), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(stock.render(stock.load(lora=False), [control]), want, atol=1e-4), (
+        "the LoRA must change the edit"
+    )
+    assert not torch.allclose(stock.render(pipe, None), want, atol=1e-4), "the reference must change the edit"
 
 
 @pytest.fixture(scope="session")
@@ -225,36 +196,16 @@ def test_lora_renders_with_several_references_in_the_stock_pipeline(flux2_refs_r
     second reference changes the render."""
     from diffusers import Flux2Pipeline
 
-    from tuneline.stages.render.renderer import Renderer, Sample
-    from tuneline.stages.text import effective_max_length
-
     _, ctx, paths = flux2_refs_run
-    fam = get_family(FAMILY)
-    model_dir = fam.ensure_model(None, ctx.workdir / "models")
     folder = ctx.cfg.resolve(ctx.cfg.dataset.control) / "00-green-to-red"
     refs = [Image.open(folder / f"ref{j}.png").convert("RGB") for j in range(2)]
-    length = effective_max_length(ctx.cfg)
-    trained = Renderer.load(fam, model_dir, CPU, torch.float32, lora=paths["train"] / "final", max_length=length)
-    want = torch.as_tensor(trained.render([Sample("make it red", "", 3, refs)], 64, 64, 2, 2.0, "latent")[0])
-    pipe = Flux2Pipeline.from_pretrained(model_dir, dtype=torch.float32)
-    pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
-    pipe.set_progress_bar_config(disable=True)
-
-    def stock(image) -> torch.Tensor:
-        return pipe(
-            prompt="make it red",
-            image=image,
-            width=64,
-            height=64,
-            num_inference_steps=2,
-            guidance_scale=2.0,
-            max_sequence_length=length,
-            generator=torch.Generator().manual_seed(3),
-            output_type="latent",
-        ).images[0]
-
-    torch.testing.assert_close(stock(refs), want, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(stock(refs[:1]), want, atol=1e-4), "the second reference must change the edit"
+    want = trained_edit(ctx, FAMILY, paths["train"] / "final", refs)
+    stock = StockEdit(ctx, FAMILY, Flux2Pipeline, paths["train"] / "final")
+    pipe = stock.load()
+    torch.testing.assert_close(stock.render(pipe, refs), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(stock.render(pipe, refs[:1]), want, atol=1e-4), (
+        "the second reference must change the edit"
+    )
 
 
 def test_an_edited_reference_is_the_one_encoded_again(flux2_refs_run, tmp_path):
@@ -300,7 +251,9 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
     inline = np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
     with Image.open(paths["validate"] / "grid.png") as g:
         assert np.array_equal(inline, np.asarray(g.convert("RGB")))
-    assert "| control | image |" in text and "[000-control.png](000-control.png)" in text
+    # labelled rows, each tile inline; no link to a relative path (a browser opens it as a blank page)
+    assert "| control | result | instruction | seed |" in text and "![000-control.png](data:image/png;base64," in text
+    assert "](000-" not in text
 
 
 def test_validate_controls_may_name_a_folder_of_references(flux2_refs_run):

@@ -22,6 +22,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.ddp(reason="the ddp_two_process_cuda figure runs two gloo ranks")
 def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
     proc = _bench("--tiny", "--work", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

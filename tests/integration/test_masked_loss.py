@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tests.integration.test_train_families import _steps, _trainer
 from tests.integration.test_train_support import build_upstream, small_config
+from tests.trainer import steps, trainer_for
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.latents.masks import mask_file
 from tuneline.stages.scan.demo import write_demo_dataset
@@ -45,9 +45,9 @@ def test_a_zero_mask_leaves_the_weights_unchanged_and_a_full_one_trains(tmp_path
         bucket = manifest["buckets"][0]
         planes = np.load(mask_file(lat, bucket["array"]))
         assert planes.shape == (bucket["count"], *bucket["shape"][1:]) and np.all(planes == value / 255)
-        trainer = _trainer(cfg, ctx)
+        trainer = trainer_for(cfg, ctx)
         before = _params(trainer)
-        _steps(trainer, 2)
+        steps(trainer, 2)
         moved = any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
         assert moved == changes
 

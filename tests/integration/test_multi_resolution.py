@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.integration.test_train_families import _trainer
 from tests.integration.test_train_support import build_upstream, small_config
+from tests.trainer import trainer_for
 from tuneline.schemas.config import ConfigError
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.train.plan import micro_batches
@@ -27,7 +27,7 @@ def test_both_resolutions_are_cached_and_trained(tmp_path):
     lat = json.loads((ctx.store.latest("latents") / "manifest.json").read_text())
     assert lat["count"] == len(records)
     assert {min(b["width"], b["height"]) for b in lat["buckets"]} == {32, 64}
-    trainer = _trainer(cfg, ctx)
+    trainer = trainer_for(cfg, ctx)
     reader, t = trainer.data.reader, cfg.train
     epoch = reader.plan(t.batch_size, 1, t.seed, 0)
     stream = micro_batches(lambda e: reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0)

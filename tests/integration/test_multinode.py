@@ -24,7 +24,7 @@ from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.pipeline import PIPELINE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ddp(reason="two nodes of two ranks: multi-node rendezvous and resume")]
 # 2 nodes x 2 processes x batch 2: world 4, a global batch of 8 of a bucket's 24 images.
 TRAIN = {
     "steps": 6,

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.integration import comfy_lora_keys
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.train import TrainConfig
 from tuneline.schemas.train_manifest import TrainManifest
@@ -157,61 +158,20 @@ def test_lora_file_in_stock_pipeline_renders_as_trained(family, models, tmp_path
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def _z_image_comfy_keys(cfg) -> set[str]:
-    """comfy/utils.py z_image_to_diffusers' LoRA-mappable modules, under comfy/lora.py's `diffusion_model.`."""
-    blocks = [f"layers.{i}" for i in range(cfg.n_layers)]
-    blocks += [f"{r}.{i}" for r in ("context_refiner", "noise_refiner") for i in range(cfg.n_refiner_layers)]
-    subs = (
-        "attention.to_q",
-        "attention.to_k",
-        "attention.to_v",
-        "attention.to_out.0",
-        "feed_forward.w1",
-        "feed_forward.w2",
-        "feed_forward.w3",
-        "adaLN_modulation.0",
-    )
-    return {f"diffusion_model.{b}.{s}" for b in blocks for s in subs}
-
-
-def _flux2_comfy_keys(cfg) -> set[str]:
-    """comfy/utils.py flux_to_diffusers' modules (ComfyUI's Flux2 is a Flux), under comfy/lora.py's `transformer.`."""
-    double = (
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_out.0",
-        "attn.to_add_out",
-        "ff.linear_in",
-        "ff.linear_out",
-        "ff_context.linear_in",
-        "ff_context.linear_out",
-    )
-    keys = {f"transformer.transformer_blocks.{i}.{s}" for i in range(cfg.num_layers) for s in double}
-    return keys | {
-        f"transformer.single_transformer_blocks.{i}.attn.{s}"
-        for i in range(cfg.num_single_layers)
-        for s in ("to_qkv_mlp_proj", "to_out")
-    }
-
-
-COMFY_KEYS = {"z_image": _z_image_comfy_keys, "flux2_klein": _flux2_comfy_keys, "flux2": _flux2_comfy_keys}
+# The stem form each family's file uses (of those ComfyUI maps: tests/integration/comfy_lora_keys.py).
+COMFY_PREFIX = {"z_image": "diffusion_model.", "flux2_klein": "transformer.", "flux2": "transformer."}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_comfy_file_uses_only_mapped_keys(family, models, tmp_path):
     """Every key is `<prefix><diffusers path>.{lora_down,lora_up}.weight|alpha` for a path ComfyUI maps for the
-    model (rebuilt here from the tiny model's config as comfy/utils.py builds it), every trained module is there,
+    model (ComfyUI's key map for the model: tests/integration/comfy_lora_keys.py), every trained module is there,
     and each pair's alpha/rank * up @ down is the trained update."""
     model_dir = models(family)
     fam, den = _trained_lora(family, model_dir, tmp_path / "final")
-    mapped = COMFY_KEYS[family](unwrap(den).config)
-    prefix = next(iter(mapped)).split(".")[0] + "."
+    mapped, prefix = comfy_lora_keys.unet_stems(unwrap(den)), COMFY_PREFIX[family]
     state = load_file(tmp_path / "final" / KOHYA_FILE)
-    stems = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in state}
+    stems = comfy_lora_keys.stems(state)
     assert stems and stems <= mapped, sorted(stems - mapped)
     modules = dict(unwrap(den).named_modules())
     trained = {p for p, m in modules.items() if hasattr(m, "lora_A")}

@@ -80,7 +80,8 @@ def test_ops_section_never_changes_a_stage_version():
 
 
 def test_loss_plot_and_cache_text():
-    from tuneline.flows.visibility import cache_description, loss_markdown, loss_plot
+    from tuneline.flows.results import loss_markdown, loss_plot
+    from tuneline.flows.visibility import cache_description
 
     plot = loss_plot([1.0 - i / 100 for i in range(100)], width=20, height=5).splitlines()
     assert len(plot) == 7 and plot[0].startswith("   0.9800 |*") and plot[4].startswith("   0.0300 |")

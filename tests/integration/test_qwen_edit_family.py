@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
-from safetensors import safe_open
 
+from tests.integration.stock_edit import assert_qwen_edit_renders_as_validated, stock_qwen_edit_forward
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG, RGB
 from tuneline.schemas.latents import LatentsManifest
@@ -27,7 +27,6 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
-from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 
 pytestmark = pytest.mark.slow
 FAMILY = "qwen_image_edit"
@@ -123,38 +122,8 @@ def test_lora_in_stock_edit_pipeline_renders_as_trained(qwen_run):
     the stock pipeline renders the validation edit as the trained model rendered it (the same pixels)."""
     from diffusers import QwenImageEditPipeline
 
-    from tuneline.stages.families.qwen_image_edit.vocab import load_processor
-
     ctx, paths = qwen_run
-    model_dir = get_family(FAMILY).ensure_model(None, ctx.workdir / "models")
-    pipe = QwenImageEditPipeline.from_pretrained(model_dir, processor=load_processor(model_dir / "processor"))
-    pipe.set_progress_bar_config(disable=True)
-    gen = torch.Generator().manual_seed(0)
-    probe = {"hidden_states": torch.randn(1, 4, 64, generator=gen), "timestep": torch.tensor([0.5])}
-    probe |= {"encoder_hidden_states": torch.randn(1, 5, 32, generator=gen), "img_shapes": [[(1, 2, 2)]]}
-    with torch.no_grad():
-        base = pipe.transformer(**probe, return_dict=False)[0]
-        pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
-        assert not torch.allclose(pipe.transformer(**probe, return_dict=False)[0], base), "the LoRA must change it"
-    [image] = ctx.store.read(paths["validate"], ValidateManifest).images
-    out = pipe(
-        prompt=image.prompt,
-        image=_control(ctx, 0),
-        width=64,
-        height=64,
-        num_inference_steps=ctx.cfg.validate_.steps,
-        generator=[torch.Generator().manual_seed(image.seed)],
-        output_type="np",
-    )
-    got = np.asarray(pipe.numpy_to_pil(out.images)[0], dtype=np.int16)
-    with Image.open(paths["validate"] / image.file) as v:
-        want = np.asarray(v.convert("RGB"), dtype=np.int16)
-    assert np.abs(got - want).max() <= 1  # 8-bit rounding of the same floats
-    # The ComfyUI (kohya) file in Qwen-Image's layout: lora_unet_ + the diffusers module path.
-    with safe_open(str(paths["train"] / "final" / KOHYA_FILE), framework="pt") as f:
-        keys, meta = set(f.keys()), f.metadata()
-    assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in keys
-    assert meta["ss_base_model_version"] == "qwen_image_edit"
+    assert_qwen_edit_renders_as_validated(ctx, paths, FAMILY, QwenImageEditPipeline, _control(ctx, 0))
 
 
 def test_controls_are_cached_at_the_pipelines_input_size(qwen_run):
@@ -188,11 +157,11 @@ def test_controls_are_cached_at_the_pipelines_input_size(qwen_run):
 def test_eval_loss_feeds_the_controls(qwen_run):
     """The held-out eval loss of a paired dataset denoises with each row's control latents, as training does: the
     same rows evaluated without them give another loss."""
-    from tests.integration.test_train_families import _trainer
+    from tests.trainer import trainer_for
     from tuneline.stages.train.evaluation import Evaluator
 
     ctx, _ = qwen_run
-    trainer = _trainer(ctx.cfg, ctx)
+    trainer = trainer_for(ctx.cfg, ctx)
     held = {bucket: [0, 1] for bucket in trainer.data.reader.shapes}
     evaluator = Evaluator(trainer, held, [500])
     paired = evaluator.evaluate()["loss"]
@@ -253,15 +222,10 @@ def test_conditioning_matches_the_stock_pipeline(qwen_run):
     torch.testing.assert_close(image_latents, pack_latents(control))
     text = fam.encode_text(enc, prompts[1:], images[1:])
     t = torch.tensor([700.0])
+    ref = stock_qwen_edit_forward(
+        pipe, latents, image_latents, text, t, [(1, 64 // 16, 32 // 16), (1, 80 // 16, 48 // 16)]
+    )
     with torch.no_grad():
-        ref = pipe.transformer(
-            hidden_states=torch.cat([latents, image_latents], dim=1),
-            timestep=t / 1000,
-            encoder_hidden_states=text["prompt_embeds"],
-            encoder_hidden_states_mask=text["prompt_embeds_mask"],
-            img_shapes=[[(1, 64 // 16, 32 // 16), (1, 80 // 16, 48 // 16)]],
-            return_dict=False,
-        )[0][:, : latents.shape[1]]
         noisy = unpack_latents(latents, 8, 4)
         got = fam.denoise(pipe.transformer, noisy, t, text | {"control_latents": control})
         plain = fam.denoise(pipe.transformer, noisy, t, text)

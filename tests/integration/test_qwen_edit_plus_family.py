@@ -10,12 +10,11 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
 
+from tests.integration.stock_edit import assert_qwen_edit_renders_as_validated, stock_qwen_edit_forward
 from tests.integration.test_qwen_edit_family import _config, _shape
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.text import TextManifest
@@ -23,7 +22,6 @@ from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
-from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 
 pytestmark = pytest.mark.slow
 FAMILY = "qwen_image_edit_plus"
@@ -93,15 +91,9 @@ def test_conditioning_matches_the_stock_plus_pipeline(plus_run):
         control = torch.stack([(pipe.vae.encode(x).latent_dist.mode()[:, :, 0] - mean) / std for x in shown], 1)
     torch.testing.assert_close(image_latents, torch.cat([pack_latents(c) for c in control.unbind(1)], 1))
     text, t = fam.encode_text(enc, ["make it red"], [[wide, wide]]), torch.tensor([700.0])
+    shapes = [(1, 64 // 16, 32 // 16), (1, 48 // 16, 80 // 16), (1, 48 // 16, 80 // 16)]
+    ref = stock_qwen_edit_forward(pipe, latents, image_latents, text, t, shapes)
     with torch.no_grad():
-        ref = pipe.transformer(
-            hidden_states=torch.cat([latents, image_latents], dim=1),
-            timestep=t / 1000,
-            encoder_hidden_states=text["prompt_embeds"],
-            encoder_hidden_states_mask=text["prompt_embeds_mask"],
-            img_shapes=[[(1, 64 // 16, 32 // 16), (1, 48 // 16, 80 // 16), (1, 48 // 16, 80 // 16)]],
-            return_dict=False,
-        )[0][:, : latents.shape[1]]
         noisy = unpack_latents(latents, 8, 4)
         got = fam.denoise(pipe.transformer, noisy, t, text | {"control_latents": control})
         first = fam.denoise(pipe.transformer, noisy, t, text | {"control_latents": control[:, 0]})
@@ -144,38 +136,11 @@ def test_lora_in_stock_plus_pipeline_renders_as_trained(plus_run):
     references renders that edit as the validate stage did."""
     from diffusers import QwenImageEditPlusPipeline
 
-    from tuneline.stages.families.qwen_image_edit.vocab import load_processor
-
     ctx, paths = plus_run
     val = ctx.store.read(paths["validate"], ValidateManifest)
     [image] = val.images
     assert image.prompt == "make it blue" and val.controls == ["000-control.png"]
     with Image.open(paths["validate"] / "grid.png") as g:
         assert g.size == (2 * 64, 64)
-    model_dir = get_family(FAMILY).ensure_model(None, ctx.workdir / "models")
-    pipe = QwenImageEditPlusPipeline.from_pretrained(model_dir, processor=load_processor(model_dir / "processor"))
-    pipe.set_progress_bar_config(disable=True)
-    gen = torch.Generator().manual_seed(0)
-    probe = {"hidden_states": torch.randn(1, 4, 64, generator=gen), "timestep": torch.tensor([0.5])}
-    probe |= {"encoder_hidden_states": torch.randn(1, 5, 32, generator=gen), "img_shapes": [[(1, 2, 2)]]}
-    with torch.no_grad():
-        base = pipe.transformer(**probe, return_dict=False)[0]
-        pipe.load_lora_weights(paths["train"] / "final", weight_name=DIFFUSERS_FILE)
-        assert not torch.allclose(pipe.transformer(**probe, return_dict=False)[0], base), "the LoRA must change it"
-    out = pipe(
-        prompt=image.prompt,
-        image=_refs(ctx, 0, 64),  # as validation hands them: each resized to the render size
-        width=64,
-        height=64,
-        num_inference_steps=ctx.cfg.validate_.steps,
-        generator=[torch.Generator().manual_seed(image.seed)],
-        output_type="np",
-    )
-    got = np.asarray(pipe.numpy_to_pil(out.images)[0], dtype=np.int16)
-    with Image.open(paths["validate"] / image.file) as v:
-        want = np.asarray(v.convert("RGB"), dtype=np.int16)
-    assert np.abs(got - want).max() <= 1  # 8-bit rounding of the same floats
-    with safe_open(str(paths["train"] / "final" / KOHYA_FILE), framework="pt") as f:
-        keys, meta = set(f.keys()), f.metadata()
-    assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in keys
-    assert meta["ss_base_model_version"] == "qwen_image_edit_plus"
+    # the references as validation hands them: each resized to the render size
+    assert_qwen_edit_renders_as_validated(ctx, paths, FAMILY, QwenImageEditPlusPipeline, _refs(ctx, 0, 64))

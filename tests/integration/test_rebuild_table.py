@@ -1,4 +1,4 @@
-"""When is a stage rebuilt: one row per change a user makes, and the stages that must be built again (the README's
+"""When is a stage rebuilt: one row per change a user makes, and the stages that must be built again (docs/artifacts.md's
 table). A workdir is built once; each row changes a copy, reruns the scan as a scheduled run would, and reads
 which stages are no longer fresh. Moved folders, stray files, touched files, settings that change no record and
 the same weights in another folder rebuild nothing."""

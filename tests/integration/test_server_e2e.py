@@ -199,7 +199,7 @@ def _check_failed_then_retry(client, run_id, log: Path, expect: str, fix, env: d
     assert run.state.is_failed(), f"expected a failure, got {run.state}"
     assert expect in (run.state.message or ""), run.state.message
     fix()
-    out = prefect_cli("flow-run", "retry", str(run_id), env=env)  # as the README tells users
+    out = prefect_cli("flow-run", "retry", str(run_id), env=env)  # as docs/operations.md tells users
     assert out.returncode == 0, out.stdout + out.stderr
     again = _wait(client, run_id, log)
     assert again.state.is_completed(), f"retry ended {again.state}:\n{log.read_text()[-4000:]}"
@@ -314,12 +314,14 @@ def test_failed_scan_run_retried_after_the_dataset_appears(server, deployed, cli
 
 
 def test_prefects_own_cli_lists_what_we_registered(server, deployed):
-    """The commands the README points users to, against our server and pinned dependency set."""
+    """The commands docs/operations.md points users to, against our server and pinned dependency set."""
     expect = {
         ("deployment", "ls"): "tuneline-pipeline",
         ("flow-run", "ls"): "COMPLETED",
         ("flow", "ls"): "tuneline-train",
         ("work-pool", "ls"): "tuneline",
+        # failed and crashed (killed) runs, as docs/operations.md lists them for a retry
+        ("flow-run", "ls", "--state", "FAILED", "--state", "CRASHED", "-o", "json"): "[",
     }
     for args, needle in expect.items():
         out = prefect_cli(*args, env=server["env"])

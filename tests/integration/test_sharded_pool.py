@@ -1,6 +1,6 @@
-"""A sharded latents stage on a Prefect work pool: a real `prefect server`, `tuneline deploy`, two one-slot process
-workers; `tuneline stage latents` (holding no worker slot) runs each shard as a flow run of `tuneline-shard` and
-publishes one version listing both shards."""
+"""A sharded latents stage on a Prefect work pool: a real `prefect server` (the session's), `tuneline deploy`, two
+one-slot process workers; `tuneline stage latents` (holding no worker slot) runs each shard as a flow run of
+`tuneline-shard` and publishes one version listing both shards."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 
 from tests.helpers import tuneline
 from tests.integration.test_latents_stage import tiny_model_dir, write_images
-from tests.integration.test_server_e2e import _free_port, _stop, _wait_healthy
+from tests.integration.test_server_e2e import _stop
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
@@ -23,34 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("shard-server")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = dict(
-        os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_SERVER_UI_ENABLED="false"
-    )
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        _wait_healthy(url, proc, home / "server.log")
-        yield {
-            "url": url,
-            "env": {
-                "PREFECT_API_URL": url,
-                "PREFECT_WORKER_QUERY_SECONDS": "1",
-                "PREFECT_HOME": str(tmp_path_factory.mktemp("shard-client")),
-            },
-        }
-    finally:
-        _stop(proc)
-        log.close()
+def server(prefect_server):
+    """The session's Prefect server; the workers poll it every second (a worker setting) so shards start at once."""
+    return {"url": prefect_server["PREFECT_API_URL"], "env": prefect_server | {"PREFECT_WORKER_QUERY_SECONDS": "1"}}
 
 
 def test_shards_run_as_flow_runs_on_two_workers_and_publish_one_version(server, tmp_path, tmp_path_factory):

@@ -14,8 +14,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from tuneline.schemas.config import parse_config
 from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.sd15.single_file import _clip, _upsampler, unet_name, vae_name
+from tuneline.stages.families.sdxl.single_file import _open_clip
 from tuneline.stages.families.shipped import SIGNATURES, misfits, resolve_config, shipped_dir
-from tuneline.stages.train.singlefile_export import _clip, _open_clip, _upsampler, unet_name, vae_name
 
 # Published sizes: SD1.5 UNet 859,520,964; SDXL UNet 2,567,463,684; the KL VAE 83,653,863; CLIP ViT-L/14 text
 # 123,060,480; OpenCLIP ViT-bigG/14 text with projection 694,659,840.
@@ -162,7 +163,7 @@ def test_real_size_sd15_file_converts_offline_with_the_shipped_config(tmp_path):
     folder and keeps the file's weights (about 30 s on 2 cores)."""
     import types
 
-    from tuneline.stages.train.singlefile_export import ldm_state_dict
+    from tuneline.stages.families.sd15.single_file import ldm_state_dict
 
     parts = _meta_parts("sd15")
     gen = torch.Generator().manual_seed(0)

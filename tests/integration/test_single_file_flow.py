@@ -24,7 +24,7 @@ def _transformer_file(family: str, tmp_path, shift: float = 0.0, vae: bool = Fal
     moved by `shift` under "first_stage_model."; the tiny folder; the state dicts written)."""
     from diffusers import AutoencoderKL
 
-    from tuneline.stages.train.singlefile_export import vae_name
+    from tuneline.stages.families.sd15.single_file import vae_name
 
     fam = get_family(family)
     folder = fam.ensure_model(None, tmp_path / "models")

@@ -11,7 +11,6 @@ from safetensors.torch import save_file
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.train.singlefile_export import ldm_state_dict
 
 CPU = torch.device("cpu")
 
@@ -26,7 +25,7 @@ def _single_file(family: str, tmp_path, shift: float = 0.0):
         for p in pipe.unet.parameters():
             p.add_(shift)
     path = tmp_path / f"{family}-checkpoint.safetensors"
-    save_file(ldm_state_dict(pipe), str(path))
+    save_file(fam.single_file_state(pipe), str(path))
     return path, folder, pipe
 
 

@@ -106,7 +106,7 @@ def _vae_file(fam, vae) -> dict[str, torch.Tensor]:
     sd = vae.state_dict()
     if fam.facts.name == "qwen_image":
         return {k: v.to(torch.bfloat16) for k, v in sd.items()}
-    from tuneline.stages.train.singlefile_export import vae_name
+    from tuneline.stages.families.sd15.single_file import vae_name
 
     levels = len(vae.config.block_out_channels)
     out = {vae_name(k, levels): v.to(torch.bfloat16) for k, v in sd.items()}

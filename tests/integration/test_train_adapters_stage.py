@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from tests.integration.test_train_support import build_upstream, small_config, train
 from tuneline.stages.train.export import KOHYA_FILE
 
+pytestmark = pytest.mark.ddp(reason="a LoKr and schedule-free AdamW under DDP, resumed across ranks")
+
 LOKR = {
     "mode": "lora",
     "adapter": "lokr",

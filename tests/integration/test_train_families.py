@@ -1,4 +1,4 @@
-"""The training loop on every other family's tiny flavor, in-process: LoRA on SDXL (micro-conditioning), SD3 and
+"""The training loop on every other family's tiny flavor, in-process (tests/trainer.py): LoRA on SDXL (micro-conditioning), SD3 and
 Flux (flow matching, transformer LoRA), saved as `final/` LoRA weights that stock diffusers' load_lora_weights
 takes, and a checkpoint that restores the exact state."""
 
@@ -8,17 +8,10 @@ import pytest
 import torch
 
 from tests.integration.test_train_support import build_upstream, small_config
-from tuneline.schemas.latents import LatentsManifest
-from tuneline.schemas.scan import ImageRecord
-from tuneline.schemas.text import TextManifest
-from tuneline.stages.common.jsonl import read_jsonl
+from tests.trainer import steps, trainer_for
 from tuneline.stages.families import resolve as models
-from tuneline.stages.latents.reader import LatentReader
-from tuneline.stages.text.live import open_text
 from tuneline.stages.train import checkpoint as ckpt
-from tuneline.stages.train.loop import Data, Trainer
 from tuneline.stages.train.model import save_final
-from tuneline.stages.train.plan import micro_batches
 
 CPU = torch.device("cpu")
 TRAIN = {
@@ -33,49 +26,21 @@ TRAIN = {
 }
 
 
-def _trainer(cfg, ctx) -> Trainer:
-    store = ctx.store
-    lat_dir, txt_dir = store.latest("latents"), store.latest("text")
-    lat, txt = store.read(lat_dir, LatentsManifest), store.read(txt_dir, TextManifest)
-    scan = store.version_dir("scan", lat.upstream["scan"])
-    records = {r["path"]: ImageRecord.model_validate(r) for r in read_jsonl(scan / "images.jsonl")}
-    fam, model_dir = models.family(cfg), models.model_dir(ctx)
-    data = Data(
-        LatentReader(lat_dir, lat),
-        open_text(txt, txt_dir, fam, model_dir, CPU, torch.float32),
-        records,
-        lat.scaling_factor,
-        lat.shift_factor,
-    )
-    return Trainer(cfg, fam, model_dir, data, 0, 1, CPU)
-
-
-def _steps(trainer: Trainer, n: int) -> None:
-    t = trainer.t
-    stream = micro_batches(
-        lambda e: trainer.data.reader.plan(t.batch_size, 1, t.seed, e), t.batch_size, 0, trainer.position
-    )
-    feed = trainer.feed(stream)
-    for _ in range(n):
-        trainer.train_step([next(feed)])
-    feed.close()
-
-
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
     from diffusers import DiffusionPipeline
 
     cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"})
     ctx = build_upstream(cfg)
-    trainer = _trainer(cfg, ctx)
-    _steps(trainer, 1)
+    trainer = trainer_for(cfg, ctx)
+    steps(trainer, 1)
     saved = ckpt.save(tmp_path / "ckpt", trainer.step, *trainer.checkpoint())
-    _steps(trainer, 1)
+    steps(trainer, 1)
     assert all(torch.isfinite(torch.tensor(trainer.losses)))
 
-    again = _trainer(cfg, ctx)  # restored at step 1, then the same second step: the same adapter weights
+    again = trainer_for(cfg, ctx)  # restored at step 1, then the same second step: the same adapter weights
     again.restore(saved)
-    _steps(again, 1)
+    steps(again, 1)
     for name, p in trainer.params.items():
         torch.testing.assert_close(again.params[name], p, msg=name)
 
@@ -119,8 +84,8 @@ def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
             {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift, "sigmoid_scale": 2.0},
             model={"family": family, "device": "cpu"},
         )
-        trainer = _trainer(run, ctx)
-        _steps(trainer, 1)
+        trainer = trainer_for(run, ctx)
+        steps(trainer, 1)
         losses[(sampling, shift)] = trainer.losses[0]
     assert all(torch.isfinite(torch.tensor(list(losses.values())))), losses
     assert len({round(v, 6) for v in losses.values()}) == len(losses), f"samplers did not change the draw: {losses}"
@@ -132,16 +97,16 @@ def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path):
     train = {**TRAIN, "steps": 3}
     cfg = small_config(tmp_path, train, model={"device": "cpu"})
     ctx = build_upstream(cfg)
-    plain = _trainer(cfg, ctx)
-    _steps(plain, 3)
+    plain = trainer_for(cfg, ctx)
+    steps(plain, 3)
     quant_cfg = small_config(tmp_path, train, model={"device": "cpu", "quantize": "int8"})
-    quant = _trainer(quant_cfg, ctx)
+    quant = trainer_for(quant_cfg, ctx)
     # int8 covers linear layers; the tiny family's LoRA also wraps convolutions, which stay float
     wrapped = [m for m in quant.denoiser.modules() if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
     assert wrapped and all("Int8" in type(m.base_layer.weight).__name__ for m in wrapped), {
         type(m.base_layer.weight).__name__ for m in wrapped
     }
-    _steps(quant, 3)
+    steps(quant, 3)
     assert all(n.startswith("lora") or "lora_" in n for n in quant.params), "only the LoRA trains"
     torch.testing.assert_close(torch.tensor(quant.losses), torch.tensor(plain.losses), rtol=0.05, atol=1e-3)
 
@@ -153,11 +118,11 @@ def test_latents_sampled_in_the_feed_are_the_ones_the_step_would_draw(tmp_path, 
 
     cfg = small_config(tmp_path, TRAIN, model={"family": "sdxl", "device": "cpu"})
     ctx = build_upstream(cfg)
-    in_feed = _trainer(cfg, ctx)
-    _steps(in_feed, 2)
+    in_feed = trainer_for(cfg, ctx)
+    steps(in_feed, 2)
     monkeypatch.setattr(loop, "samples_in_feed", lambda device: False)
-    in_step = _trainer(cfg, ctx)
-    _steps(in_step, 2)
+    in_step = trainer_for(cfg, ctx)
+    steps(in_step, 2)
     assert in_feed.losses == in_step.losses and len(in_feed.losses) == 2
     for name, p in in_feed.params.items():
         assert torch.equal(in_step.params[name], p), name

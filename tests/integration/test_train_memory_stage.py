@@ -3,10 +3,14 @@ and 8-bit AdamW trains the same losses as without swap, and the manifest records
 
 from __future__ import annotations
 
+import pytest
+
 from tests.integration.test_train_support import build_upstream, small_config
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
+
+pytestmark = pytest.mark.ddp(reason="block swap and offloaded checkpointing under DDP's gradient hooks")
 
 OPTIONS = {
     "mode": "lora",

@@ -145,7 +145,8 @@ def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_check
             "processes": 1,
             "batch_size": 4,
             "checkpoint_every": 1,
-            "learning_rate": 1e12,
+            "learning_rate": 0.1,  # the largest AdamW's bound lets through: in the first steps, the likelier cause
+            "weight_decay": 1e4,  # decoupled decay multiplies every weight by 1 - 1e3 at the first step
             "max_grad_norm": None,
         },
     )
@@ -154,6 +155,7 @@ def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_check
         train(cfg)
     msg = str(err.value)
     assert "loss is" in msg and ".png" in msg and "last good checkpoint" in msg
+    assert "the likelier cause is train.learning_rate 0.1 (train.optimizer adamw): lower it tenfold" in msg
     step = int(msg.split(" at step ")[1].split()[0])
     partial = next(tmp_path.glob("artifacts/train/.*.partial"))
     kept = sorted(p.name for p in (partial / "checkpoints").iterdir())

@@ -31,10 +31,12 @@ class RecordingReporter(Reporter):
 
 
 def small_config(workdir: Path, train: dict, **sections: dict) -> PipelineConfig:
-    """The demo config in `workdir` with `train` keys overridden and the learning check off (unless asked)."""
+    """The demo config in `workdir` with `train` keys overridden and the learning check off (unless asked).
+    One training process unless `train` asks for more: the demo's two gloo processes are for tests about
+    distribution, which say so with the `ddp` marker (tests/README.md)."""
     data = copy.deepcopy(DEMO_CONFIG)
     data["workdir"] = str(workdir)
-    data["train"] = {**data["train"], **train}
+    data["train"] = {**data["train"], "processes": 1, **train}
     data["validate"] = {**data["validate"], "learning_check": False}
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}

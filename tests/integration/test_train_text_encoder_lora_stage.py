@@ -22,6 +22,10 @@ from tuneline.stages.train.textlora import TrainedText
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red square", "a blue circle", ""]
+# A text-encoder LoRA once crashed on its first 2-process run (a module whose output the loss never sees gets no
+# gradient, and DDP stops): this capability is proven with the process count users run.
+pytestmark = pytest.mark.ddp(reason="text-encoder LoRA under DDP: every trainable parameter gets a gradient")
+
 TE = {
     "mode": "lora",
     "text_encoder_lora": True,

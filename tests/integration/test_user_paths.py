@@ -44,7 +44,7 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "status" in out.stdout, out.stderr
 
 
-def test_relative_workdir_dataset_model_and_resume(demo_run, tmp_path):
+def test_relative_workdir_dataset_model_and_resume(demo_run, tmp_path, prefect_server):
     """A relative --workdir resolves against where the command runs; dataset.path, model.path and train.resume
     against the workdir, in every process of the run (torchrun workers run in the partial train directory)."""
     here = tmp_path / "project"
@@ -55,10 +55,10 @@ def test_relative_workdir_dataset_model_and_resume(demo_run, tmp_path):
     cfg = yaml.safe_load(tuneline("config", "example").stdout)
     cfg["dataset"].update(path="photos", demo=False)
     cfg["model"]["path"] = "base"
-    cfg["train"].update(steps=4, checkpoint_every=2, validate_every=0, processes=2)
+    cfg["train"].update(steps=4, checkpoint_every=2, validate_every=0, processes=1)
     cfg["validate"].update(learning_check=False, steps=2)
     (here / "c.yaml").write_text(yaml.safe_dump(cfg))
-    first = tuneline("run", "c.yaml", "--workdir", "runs/w", cwd=here)
+    first = tuneline("run", "c.yaml", "--workdir", "runs/w", cwd=here, env=prefect_server)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = {
         r["stage"]: r
@@ -73,7 +73,7 @@ def test_relative_workdir_dataset_model_and_resume(demo_run, tmp_path):
     assert checkpoint.name.endswith("4")
     cfg["train"].update(steps=6, resume=f"artifacts/train/{train.name}/checkpoints/{checkpoint.name}")
     (here / "c.yaml").write_text(yaml.safe_dump(cfg))
-    second = tuneline("stage", "train", "c.yaml", "--workdir", "runs/w", cwd=here)
+    second = tuneline("stage", "train", "c.yaml", "--workdir", "runs/w", cwd=here, env=prefect_server)
     assert second.returncode == 0, second.stderr[-3000:]
     manifest = json.loads((Path(second.stdout.strip().splitlines()[-1]) / "manifest.json").read_text())
     assert manifest["resumed_from"] == str(checkpoint)

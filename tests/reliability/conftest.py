@@ -1,4 +1,4 @@
-"""Session fixtures of the reliability suite: one Prefect server for every CLI run, the kill walk, and one
+"""Session fixtures of the reliability suite: the session's Prefect server for every CLI run, the kill walk, and one
 prepared workdir (every stage published) that destructive tests copy with shutil.copytree."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ def rel_tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def prefect_env():
-    """Environment for `tuneline` subprocesses: a shared Prefect server instead of one temporary server per run."""
-    with fl.PrefectServer() as server:
-        yield server.env
+def prefect_env(prefect_server):
+    """Environment for `tuneline` subprocesses: the session's Prefect server instead of one temporary server per
+    run (tests/conftest.py)."""
+    return prefect_server
 
 
 @pytest.fixture(scope="session")

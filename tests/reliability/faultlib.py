@@ -11,11 +11,8 @@ import fcntl
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -42,6 +39,7 @@ def small_config(data_dir: Path, **overrides) -> dict:
     cfg["dataset"].update(path=str(data_dir), demo=True)
     settings = {
         "train.steps": 12,
+        # Two ranks: the kill walk checks that every worker of a DDP training dies with the killed run.
         "train.processes": 2,
         "train.checkpoint_every": 3,
         "validate.learning_check": False,
@@ -68,54 +66,6 @@ def tuneline(*args: str, env: dict | None = None, timeout: float = 900) -> subpr
     return subprocess.run(
         cli_args(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env or os.environ.copy()
     )
-
-
-class PrefectServer:
-    """One Prefect server for a batch of CLI runs: each run then skips starting its own temporary server
-    (~10 s of CPU on 2 cores), which is what makes dozens of killed runs affordable."""
-
-    def __init__(self) -> None:
-        self.home = Path(tempfile.mkdtemp(prefix="tuneline-rel-prefect-"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.env = os.environ | {
-            "PREFECT_HOME": str(self.home),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(self.home / "results"),
-            "PREFECT_API_URL": f"http://127.0.0.1:{self.port}/api",
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> PrefectServer:
-        env = dict(self.env)
-        env.pop("PREFECT_API_URL")
-        self.proc = subprocess.Popen(
-            [PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError("prefect server did not become healthy in 120 s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        shutil.rmtree(self.home, ignore_errors=True)
 
 
 # What a killed run must leave behind -------------------------------------------------------------------------

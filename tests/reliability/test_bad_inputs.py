@@ -155,7 +155,7 @@ def test_symlink_target_outside_the_root_is_never_read(corpus_run):
 
 @pytest.mark.parametrize("name", ["cmyk.jpg", "deep16.png", "palette.png"])
 def test_unusual_mode_is_converted_with_the_conversion_recorded(corpus_run, name):
-    """The README promises these are accepted: converted, recorded, and cached."""
+    """docs/reliability.md promises these are accepted: converted, recorded, and cached."""
     rec = corpus_run["images"].get(name)
     assert rec is not None, f"{name} was not accepted: {_reason(corpus_run, name)}"
     assert rec["conversion"], f"{name} (mode {rec['mode']}) accepted without a recorded conversion"

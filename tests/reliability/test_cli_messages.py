@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, tuneline
+from tests.helpers import ROOT, PrefectServer, tuneline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -56,25 +53,7 @@ def test_a_user_error_inside_a_flow_is_printed_once_without_traceback(tmp_path):
     assert "Starting temporary server" not in out.stderr and "View at" not in out.stderr, out.stderr[-3000:]
 
 
-class _AuthServer:
-    def __init__(self, home: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = _plain_env(home, PREFECT_SERVER_API_AUTH_STRING="admin:secret")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 300
-        while self.status("/api/health") != 200:
-            assert time.monotonic() < deadline, "the Prefect server did not start"
-            time.sleep(0.5)
-
+class _AuthServer(PrefectServer):
     def status(self, route: str, method: str = "GET") -> int | None:
         try:
             with urllib.request.urlopen(urllib.request.Request(self.url + route, method=method), timeout=5) as r:
@@ -84,16 +63,11 @@ class _AuthServer:
         except OSError:
             return None
 
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, 9)
-        self.proc.wait()
-
 
 @pytest.fixture(scope="module")
 def auth_server():
-    server = _AuthServer(Path(tempfile.mkdtemp(prefix="tuneline-auth-")))
-    yield server
-    server.stop()
+    with _AuthServer(PREFECT_SERVER_API_AUTH_STRING="admin:secret") as server:
+        yield server
 
 
 def test_a_401_is_one_line_naming_the_setting(auth_server, tmp_path):
@@ -109,10 +83,10 @@ def test_a_401_is_one_line_naming_the_setting(auth_server, tmp_path):
     assert len(lines) == 1 and "401" in lines[0] and "PREFECT_API_AUTH_STRING" in lines[0], out.stderr[-3000:]
 
 
-def test_readme_names_every_api_route_open_without_credentials(auth_server):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Prefect authentication") :]
-    section = section[: section.index("\n## ")]
+def test_docs_name_every_api_route_open_without_credentials(auth_server):
+    docs = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    section = docs[docs.index("## Prefect authentication") :]
+    section = section.split("\n## ", 1)[0]
     candidates = [
         "/api/health",
         "/api/ready",
@@ -134,7 +108,7 @@ def test_readme_names_every_api_route_open_without_credentials(auth_server):
             if code not in (401, 404, 405):
                 assert f"`{method} {route}`" in section, (
                     f"{method} {route} answers {code} without credentials "
-                    f"but the README's auth section does not name it"
+                    f"but the auth section of docs/operations.md does not name it"
                 )
 
 

@@ -9,7 +9,10 @@ import pytest
 from tests.reliability import faultlib as fl
 from tests.reliability.conftest import KILLS_PER_STAGE
 
-pytestmark = pytest.mark.timeout(2400)  # the session fixtures (kill walk, prepared workdir) run inside the first test
+pytestmark = [
+    pytest.mark.timeout(2400),  # the session fixtures (kill walk, prepared workdir) run inside the first test
+    pytest.mark.ddp(reason="killed 2-rank trainings: every worker dies with the run, the rerun resumes"),
+]
 
 
 @pytest.mark.parametrize("stage", fl.STAGES)

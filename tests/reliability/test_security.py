@@ -215,6 +215,6 @@ def test_captions_and_metadata_cannot_reach_outside_the_dataset_root(tmp_path):
 
 # Server auth -----------------------------------------------------------------------------------------------
 def test_prefect_server_auth_is_documented():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "PREFECT_SERVER_API_AUTH_STRING" in readme, "the server's side of basic auth is not documented"
-    assert "PREFECT_API_AUTH_STRING=" in readme, "clients' side of basic auth is not documented"
+    docs = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    assert "PREFECT_SERVER_API_AUTH_STRING" in docs, "the server's side of basic auth is not documented"
+    assert "PREFECT_API_AUTH_STRING=" in docs, "clients' side of basic auth is not documented"

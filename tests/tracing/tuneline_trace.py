@@ -13,9 +13,15 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 TRACE_ENV = "TUNELINE_TEST_TRACE"  # a directory: each rank appends one line per micro-batch it trains
+# Test only: seconds a checkpoint written after a stop takes in addition to its own writing, standing in for a
+# large model's checkpoint on a slow disk (the stop grace test needs step + checkpoint > torchrun's default 30 s).
+SLOW_STOP_ENV = "TUNELINE_TEST_SLOW_STOP_S"
+# Test only: "RANK:STEP": that rank raises at that step, as a rank-local failure (a bad read, a CUDA error) would.
+FAIL_RANK_ENV = "TUNELINE_TEST_FAIL_RANK"
 HERE = Path(__file__).resolve().parent
 LOADED: list[str] = []  # components this process loaded from model folders, in order
 _depth = [0]
@@ -83,12 +89,19 @@ def install_family_wrappers(module) -> None:
 def install_trainer_wrapper(module) -> None:
     """Before each optimizer step (after the previous step's checkpoint and validation render): per micro-batch,
     the images the step trains on, the models alive and the components loaded so far."""
-    cls = module.Trainer
-    if getattr(cls, "_traced", False):
-        return
-    cls._traced = True
-    step = cls.train_step
+    _wrap_once(module.Trainer, "train_step", _traced_step)
 
+
+def _wrap_once(owner, name: str, make) -> None:
+    """owner.<name> replaced by make(the original), once however often the module is imported."""
+    mark = f"_traced_{name}"
+    if getattr(owner, mark, False):
+        return
+    setattr(owner, mark, True)
+    setattr(owner, name, make(getattr(owner, name)))
+
+
+def _traced_step(step):
     @functools.wraps(step)
     def train_step(self, micro, *args, **kwargs):  # the stop/checkpoint flags pass through
         folder = os.environ.get(TRACE_ENV)
@@ -109,14 +122,54 @@ def install_trainer_wrapper(module) -> None:
                         )
                         + "\n"
                     )
+        fail = os.environ.get(FAIL_RANK_ENV, "").split(":")
+        if fail != [""] and (self.rank, self.step + 1) == (int(fail[0]), int(fail[1])):
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step + 1}")
         return step(self, micro, *args, **kwargs)
 
-    cls.train_step = train_step
+    return train_step
+
+
+def install_slow_stop(module) -> None:
+    """checkpoint.save sleeps SLOW_STOP_ENV seconds first once the launcher has marked a stop (the mark beside the
+    work folder: tuneline.stages.train.stopping)."""
+    if os.environ.get(SLOW_STOP_ENV):
+        _wrap_once(module, "save", _slow_save)
+
+
+def _slow_save(save):
+    @functools.wraps(save)
+    def slow_save(root, *args, **kwargs):
+        work = Path(root).parent
+        if list(work.parent.glob(f"{work.name}.stop-*.json")):
+            time.sleep(float(os.environ[SLOW_STOP_ENV]))
+        return save(root, *args, **kwargs)
+
+    return slow_save
+
+
+def install_render_trace(module) -> None:
+    """Each rank's in-training validation renders: one line per render with its prompts."""
+    _wrap_once(module.Hooks, "render", _traced_render)
+
+
+def _traced_render(render):
+    @functools.wraps(render)
+    def traced(self, samples):
+        folder = os.environ.get(TRACE_ENV)
+        if folder:
+            with open(Path(folder) / f"render-rank{self.run.rank}.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": self.trainer.step, "prompts": [s.prompt for s in samples]}) + "\n")
+        return render(self, samples)
+
+    return traced
 
 
 WRAP = {
     "tuneline.stages.families.common": install_family_wrappers,
+    "tuneline.stages.train.hooks": install_render_trace,
     "tuneline.stages.train.loop": install_trainer_wrapper,
+    "tuneline.stages.train.checkpoint": install_slow_stop,
 }
 
 

@@ -25,7 +25,8 @@ def test_weights_ship_in_the_package_and_are_small():
     assert DEMO_VAE_FILE.is_file() and DEMO_VAE_FILE.stat().st_size <= 2 * 1024 * 1024
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     rel = DEMO_VAE_FILE.relative_to(ROOT / "stages" / "families" / "tiny")
-    assert any(rel.match(p) for p in package_data["tuneline.stages.families.tiny"]), package_data
+    patterns = package_data.get("tuneline.stages.families.tiny", []) + package_data["*"]
+    assert any(rel.match(p) for p in patterns), package_data
 
 
 def test_scaling_factor_agrees_between_file_vae_config_and_facts():

@@ -242,3 +242,13 @@ def test_per_channel_statistics_normalise_as_the_pipeline_does():
     torch.testing.assert_close(scale_latents(z, *latent_affine(m)), want)
     old = SimpleNamespace(scaling_factor=0.5, shift_factor=0.1)
     torch.testing.assert_close(scale_latents(z, *latent_affine(old)), (z - 0.1) * 0.5)
+
+
+@pytest.mark.parametrize("name", ["z_image", "flux2", "flux2_klein"])
+def test_pipeline_caps_the_caption_length(name):
+    """Families whose pipeline caps captions itself (not the tokenizer) refuse one token more, naming the limit."""
+    fam = get_family(name)
+    limit = fam.facts.max_length_limit
+    fam.check_max_length([], limit)
+    with pytest.raises(ValueError, match=rf"text.max_length {limit + 1} exceeds the {limit} tokens family '{name}'"):
+        fam.check_max_length([], limit + 1)

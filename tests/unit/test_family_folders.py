@@ -88,3 +88,49 @@ def test_family_sources_are_recorded():
             f"stages/families/{name}/ changed since it was recorded: run `python -m tuneline.stages.common.codeident "
             f"--bump {name}` if its outputs change (only {name}'s versions become stale), else `--record {name}`"
         )
+
+
+def _family_expr(node) -> bool:
+    """A family object: `fam`/`family`, `<x>.fam`/`<x>.family`, or a call `get_family(...)` / `<x>.family(...)`."""
+    import ast
+
+    if isinstance(node, ast.Name):
+        return node.id in ("fam", "family")
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("fam", "family")
+    if isinstance(node, ast.Call):
+        f = node.func
+        return (isinstance(f, ast.Name) and f.id == "get_family") or (
+            isinstance(f, ast.Attribute) and f.attr == "family"
+        )
+    return False
+
+
+def test_generic_code_reads_family_hooks_as_attributes():
+    """Optional family abilities are members of the Family protocol with their default in one base class: code
+    reads them, it never probes a family with getattr/hasattr (a probe silently falls back on a misspelt hook)."""
+    import ast
+
+    probes = []
+    for f in sorted(p for d in ("stages", "flows", "bench", "schemas") for p in (ROOT / d).rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and node.args
+                and _family_expr(node.args[0])
+            ):
+                probes.append(f"{f.relative_to(ROOT).as_posix()}:{node.lineno}")
+    assert probes == [], "family hooks probed with getattr/hasattr (declare them in stages/families/base.py)"
+
+
+def test_every_family_has_every_protocol_member():
+    from tuneline.stages.families.base import Family
+    from tuneline.stages.families.registry import family_names, get_family
+
+    members = {n for n in vars(Family).get("__annotations__", {})}
+    members |= {n for n, v in vars(Family).items() if callable(v) and not n.startswith("_")}
+    assert {"unused_modules", "takes_control", "check_full_finetune", "comfy_lora_state"} <= members
+    missing = {n: sorted(m for m in members if not hasattr(get_family(n), m)) for n in family_names()}
+    assert not any(missing.values()), missing

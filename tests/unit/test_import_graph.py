@@ -8,9 +8,10 @@
     stages             the pipeline's definition
     flows              Prefect flows and the CLI
 
-A module imports its own package and the layers below it. A stage (or stages.render) imports a sibling stage only to
-read that stage's artifact, through the modules in ARTIFACT_READERS. Absolute and relative imports both count;
-imports under `if TYPE_CHECKING:` (annotations only) do not. Private zarr modules are never imported.
+A module imports its own package and the layers below it. A stage imports a sibling stage only to read that stage's
+artifact, through the modules in ARTIFACT_READERS (stages.render, below the stages, imports none). Absolute and
+relative imports both count, at module level and inside functions; imports under `if TYPE_CHECKING:` (annotations
+only) do not. Private zarr modules are never imported.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def problem(importer: str, imported: str) -> str | None:
     (la, pa), (lb, pb) = layer(importer), layer(imported)
     if pa == pb or RANK[lb] < RANK[la] and lb != "stage":
         return None
-    if lb == "stage" and RANK[la] >= RANK["render"] and imported in ARTIFACT_READERS:
+    if lb == "stage" and RANK[la] >= RANK["stage"] and imported in ARTIFACT_READERS:
         return None
     if lb == "stage" and RANK[la] > RANK["stage"]:
         return None  # the pipeline and flows use the stages
@@ -151,12 +152,15 @@ def test_the_checker_catches_each_kind_of_wrong_import(tmp_path):
     assert problem("tuneline.stages.train.hooks", "tuneline.stages.validate.core")  # sibling stage, not a reader
     assert problem("tuneline.stages.families.base", "tuneline.stages.render.renderer")  # upward
     assert problem("tuneline.stages.render.renderer", "tuneline.stages.validate.core")  # not a reader
+    assert problem("tuneline.stages.render.renderer", "tuneline.stages.train.export")  # a reader, but render is below
     assert not problem("tuneline.stages.train.loop", "tuneline.stages.latents.reader")  # reads latents' artifact
     assert not problem("tuneline.stages.validate.core", "tuneline.stages.render.renderer")
     assert not problem("tuneline.flows.cli", "tuneline.stages.scan.demo")
     relative = tmp_path / "stages" / "common"
     relative.mkdir(parents=True)
-    (relative / "x.py").write_text("from ..families import base\nfrom . import sizing\n")
+    (relative / "x.py").write_text(
+        "from ..families import base\nfrom . import sizing\n\n\ndef f():\n    from tuneline.stages.train import export\n"
+    )
     global ROOT
     real, ROOT = ROOT, tmp_path
     try:
@@ -164,3 +168,4 @@ def test_the_checker_catches_each_kind_of_wrong_import(tmp_path):
     finally:
         ROOT = real
     assert ("tuneline.stages.families", 1) in found and ("tuneline.stages.common", 2) in found
+    assert ("tuneline.stages.train", 6) in found  # inside a function

@@ -96,5 +96,9 @@ def test_full_fine_tune_of_flux2_dev_refused_naming_the_limit(tmp_path):
     shutil.copytree(FAMILIES_DIR / "configs" / "flux2", tmp_path / "dev")
     with pytest.raises(ValueError, match=r"32\.2B parameters.*141 GB.*train.mode lora"):
         get_family("flux2").check_full_finetune(tmp_path / "dev")
+    get_family("flux2").check_full_finetune(tmp_path / "dev", shards=4)  # 129 GB per GPU when split 4 ways
+    shutil.copytree(FAMILIES_DIR / "configs" / "qwen_image", tmp_path / "qwen")
+    with pytest.raises(ValueError, match=r"qwen_image transformer has 20\.4B parameters"):
+        get_family("qwen_image").check_full_finetune(tmp_path / "qwen")  # every family is checked, not only three
     shutil.copytree(FAMILIES_DIR / "configs" / "z_image", tmp_path / "z")
     get_family("z_image").check_full_finetune(tmp_path / "z")  # 6.2B: 98 GB per GPU, fits the largest GPU

@@ -69,7 +69,7 @@ def test_publish_skip_and_staleness(env):
     assert run_stage(c, a, [a, b])[1] is False and run_stage(c, b, [a, b])[1] is False
     assert calls == ["a", "b"]
     # a downstream-only change leaves upstream fresh
-    rows = {r.stage: r for r in status(ctx(learning_rate=0.5), [a, b])}
+    rows = {r.stage: r for r in status(ctx(learning_rate=0.05), [a, b])}
     assert rows["a"].state == "fresh" and rows["b"].state == "stale"
     assert "lr" in rows["b"].reason
     # an upstream change makes everything downstream stale

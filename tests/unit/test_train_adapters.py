@@ -1,6 +1,7 @@
 """train.adapter lokr/loha/dora: the exported LyCORIS-layout file, read with ComfyUI's formulas
 (comfy/weight_adapter/lokr.py, loha.py, lora.py + base.weight_decompose), gives each module exactly the update
-peft applies (its merged weight minus the base), for a UNet (sd15) and a transformer (flux) family; refusals."""
+peft applies (its merged weight minus the base), for a UNet (sd15) and transformer families with a kohya layout
+(flux) and without one (z_image, flux2: ComfyUI maps their diffusers names); refusals."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from tuneline.stages.train.export import KOHYA_FILE
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
+FAMILIES = ("sd15", "flux", "z_image", "flux2")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     cache = tmp_path_factory.mktemp("models")
-    return {name: (get_family(name), get_family(name).ensure_model(None, cache)) for name in ("sd15", "flux")}
+    return {name: (get_family(name), get_family(name).ensure_model(None, cache)) for name in FAMILIES}
 
 
 def comfy_delta(f: dict[str, torch.Tensor], base: torch.Tensor) -> torch.Tensor:
@@ -64,7 +66,7 @@ def trained_deltas(den) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("family", ["sd15", "flux"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "adapter,extra", [("lokr", {}), ("lokr", {"lokr_factor": 4, "lora_rank": 2}), ("loha", {}), ("dora", {})]
 )
@@ -91,6 +93,8 @@ def test_exported_file_recomputes_the_trained_delta(models, tmp_path, family, ad
     assert suffixes & {"lokr": {"lokr_w1", "lokr_w1_a"}, "loha": {"hada_w1_a"}, "dora": {"dora_scale"}}[adapter]
     if family == "flux":  # fused q/k/v keep their diffusers names, as ComfyUI maps SimpleTuner's LyCORIS files
         assert any(s.startswith("lycoris_") for s in stems) and any(s.startswith("lora_unet_") for s in stems)
+    if family in ("z_image", "flux2"):  # the SimpleTuner LyCORIS names ComfyUI maps for Lumina2 and Flux models
+        assert all(s.startswith("lycoris_") for s in stems), sorted(stems)[:4]
     for name, path in by_stem.items():
         base, delta = deltas[path]
         keys = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}

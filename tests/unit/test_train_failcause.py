@@ -1,6 +1,7 @@
 """A training worker that dies of an exception it did not record: the stage's error names that exception (and
-what to change for out of memory and a full disk), not torchrun's closing summary. Real torchrun, real worker
-processes; the worker script raises what a full disk or an exhausted allocator raises."""
+what to change for out of memory and a full disk) and carries the exit code of its kind, not torchrun's closing
+summary. Real torchrun, real worker processes; the worker script raises what a full disk or an exhausted
+allocator raises."""
 
 from __future__ import annotations
 
@@ -25,15 +26,15 @@ raise OverflowError("Python int too large to convert to C long")
 
 
 @pytest.mark.parametrize(
-    "kind,expect",
+    "kind,expect,exit_code",
     [
-        ("disk", ["No space left on device", "tuneline gc"]),
-        ("oom", ["MemoryError", "train.batch_size"]),
-        ("overflow", ["OverflowError", "too large"]),
-        ("killed", ["SIGKILL", "out-of-memory killer"]),
+        ("disk", ["No space left on device", "tuneline gc"], 1),
+        ("oom", ["MemoryError", "train.batch_size", "`tuneline plan`"], 4),
+        ("overflow", ["OverflowError", "too large"], 1),
+        ("killed", ["rank 0 was killed by SIGKILL", "out-of-memory killer"], 5),
     ],
 )
-def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect):
+def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect, exit_code):
     (tmp_path / "w.py").write_text(SCRIPT, encoding="utf-8")
     ctx = StageContext(load_config(None, str(tmp_path / "work")))
     cmd = [
@@ -51,3 +52,4 @@ def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect):
     for text in expect:
         assert text in msg, msg
     assert "error_file" not in msg and "<N/A>" not in msg, msg
+    assert err.value.exit_code == exit_code  # the `tuneline` command's (docs/stopping.md)

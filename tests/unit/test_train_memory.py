@@ -42,8 +42,9 @@ def train(fam, model_dir, steps=2, swap=0, quantize=None, **train):
     from the weights' storage, independently of the swapper's own bookkeeping)."""
     t = TrainConfig(processes=1, **train)
     den, params = prepare_denoiser(fam, model_dir, t, torch.float32, CPU, quantize)
-    swapper = BlockSwapper(den, swap, CPU, t.mode == "full") if swap else None
-    blocks, resident = transformer_blocks(den), []
+    stacks = fam.block_stacks(den)
+    swapper = BlockSwapper(den, stacks, swap, CPU, t.mode == "full") if swap else None
+    blocks, resident = transformer_blocks(den, stacks), []
 
     def count(module, args):
         resident.append(
@@ -101,8 +102,9 @@ def test_block_swap_same_numbers_and_at_most_blocks_minus_n_resident(models, nam
 def test_a_block_touched_while_swapped_out_fails(models):
     fam, model_dir = models["sd15"]
     den, _ = prepare_denoiser(fam, model_dir, TrainConfig(mode="lora", processes=1), torch.float32, CPU)
-    swapper = BlockSwapper(den, 2, CPU, full=False)
-    last = transformer_blocks(den)[-1]
+    stacks = fam.block_stacks(den)
+    swapper = BlockSwapper(den, stacks, 2, CPU, full=False)
+    last = transformer_blocks(den, stacks)[-1]
     with pytest.raises(RuntimeError):  # a released weight is an empty placeholder: any use fails
         last.attn1.to_q.base_layer(torch.zeros(1, last.attn1.to_q.in_features))
     swapper.start_step = lambda: None  # a wrong schedule: blocks never brought back in
@@ -116,7 +118,7 @@ def test_too_many_blocks_refused_naming_the_field(models):
     fam, model_dir = models["flux"]
     den, _ = prepare_denoiser(fam, model_dir, TrainConfig(mode="lora", processes=1), torch.float32, CPU)
     with pytest.raises(ValueError, match="train.blocks_to_swap 5.*at most 1"):
-        BlockSwapper(den, 5, CPU, full=False)
+        BlockSwapper(den, fam.block_stacks(den), 5, CPU, full=False)
 
 
 def test_offloaded_checkpointing_same_numbers_as_checkpointing(models):
@@ -240,7 +242,7 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
         from tuneline.stages.train.model import lora_config
 
         real.requires_grad_(False)
-        real.add_adapter(lora_config(t, fam.lora_target_modules))
+        real.add_adapter(lora_config(t, fam, real))
     measured = saved_bytes(fam, real, 2, 128)
     total = planned.outside + sum(planned.blocks)
     assert sum(p.numel() for p in real.parameters()) > (3e7 if size == "mid" else 0)
@@ -254,6 +256,7 @@ def test_a_paired_dataset_plans_the_control_tokens(tmp_path_factory, name):
     its control latents (the 64-pixel target alone saves a quarter of that for Qwen-Image-Edit)."""
     from tuneline.schemas.config import parse_config
     from tuneline.stages.train.memplan import build_meta, planned_controls, trace_activations
+    from tuneline.stages.train.model import freeze_unused
 
     fam = get_family(name)
     model_dir = fam.ensure_model(None, tmp_path_factory.mktemp("edit-models"))
@@ -267,6 +270,7 @@ def test_a_paired_dataset_plans_the_control_tokens(tmp_path_factory, name):
     cls = type(meta)
     torch.manual_seed(0)
     real = cls.from_config(cls.load_config(model_dir, subfolder=fam.denoiser_component))
+    freeze_unused(fam, real, fam.denoiser_component)  # as a full fine-tune trains it (Family.unused_modules)
     measured, alone = saved_bytes(fam, real, 2, 64, controls=1), saved_bytes(fam, real, 2, 64)
     total = planned.outside + sum(planned.blocks)
     assert measured > alone * (3 if name == "qwen_image_edit" else 1)

@@ -124,7 +124,7 @@ def test_inline_png_is_a_capped_data_uri(tmp_path):
     import io
     import random
 
-    from tuneline.flows.visibility import inline_png
+    from tuneline.flows.results import inline_png
 
     noisy = Image.frombytes("RGB", (1024, 1024), random.Random(0).randbytes(1024 * 1024 * 3))  # incompressible
     noisy.save(tmp_path / "big.png")

@@ -42,6 +42,13 @@ def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype)
 
 class FluxFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["flux"]
+    # The double blocks' attention of both streams and both feed-forwards, as diffusers' FLUX LoRA script trains
+    # them, and the single blocks' whole input layer (BFL's linear1 = q, k, v and the mlp input): each maps to the
+    # original layout's names (lora.py). Not "proj_out": the suffix would also take the model's final projection.
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        *("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"),
+    )
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
     # Distilled guidance fed to guidance-embedding models while training (1.0 is the usual fine-tuning choice).
     train_guidance: float = 1.0
@@ -121,12 +128,9 @@ class FluxFamily(DiffusersFamily):
         text: dict[str, torch.Tensor],
         micro: list[MicroCond] | None = None,
     ) -> torch.Tensor:
-        """Velocity prediction for scaled latents (B, 16, H, W), returned in the same shape.
-
-        Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
-        sigma = timesteps / 1000, the noisy latent is (1 - sigma) * x0 + sigma * noise and the training target is
-        noise - x0. Flux's transformer takes sigma itself (it scales by 1000 inside), so this divides by 1000,
-        as FluxPipeline does. Latents are packed 2x2 into tokens here and unpacked on the way out."""
+        """Velocity prediction for scaled latents (B, 16, H, W), returned in the same shape (timesteps as
+        base.Family.denoise says for flow families). Flux's transformer takes sigma itself (it scales by 1000
+        inside), so this divides by 1000, as FluxPipeline does. Latents are packed 2x2 into tokens and unpacked."""
         b, _, h, w = noisy.shape
         dt, dev = noisy.dtype, noisy.device
         embeds = text["prompt_embeds"].to(device=dev, dtype=dt)

@@ -61,8 +61,16 @@ class Flux2Family(DiffusersFamily):
     takes_control: ClassVar[bool] = True
     multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
     one_control_per_call: ClassVar[bool] = True
-    # Flux2's double blocks name their attention to_q/k/v/to_out.0; single blocks fuse qkv+mlp (to_qkv_mlp_proj).
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Every linear layer of every block, as ai-toolkit and musubi-tuner train FLUX.2: the double blocks' attention
+    # of both streams (image to_q/k/v/to_out.0, text add_q/k/v_proj/to_add_out) and both feed-forwards, and the
+    # single blocks' fused qkv+mlp input (to_qkv_mlp_proj) and output (attn.to_out), where most of the model's
+    # parameters are. The shared modulation layers outside the blocks stay frozen. ComfyUI maps each of them
+    # (lora_layout.py).
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        *("ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"),
+        *("attn.to_qkv_mlp_proj", "attn.to_out"),
+    )
 
     # ---- latents -----------------------------------------------------------------------------
     def load_vae(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -80,12 +88,24 @@ class Flux2Family(DiffusersFamily):
         """The cache already holds the pipeline's normalised space (latents.py): no further scale or shift."""
         return 1.0, 0.0
 
-    def check_full_finetune(self, model_dir: Path) -> None:
-        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
-        from tuneline.stages.families.full_limit import check_full_fits
+    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
+        self.check_pipeline_length(max_length)
 
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
+    def save_tiny(self, out_dir: Path, tok: Any, text_encoder, text_layers: int, guidance: bool, **extra) -> None:
+        """The tiny folder: FLUX.2's tiny transformer (text features `text_layers` x the tiny text width), VAE and
+        scheduler around `tok` and the text encoder `text_encoder()` makes (random weights drawn in this order:
+        transformer, VAE, then the encoder's where it makes one)."""
+        transformer = tiny_transformer(self.facts, text_layers * TINY_TEXT_WIDTH, guidance=guidance)
+        vae = tiny_vae(self.facts)
+        pipe = self.pipeline_class(
+            scheduler=dynamic_shift_scheduler(),
+            vae=vae,
+            text_encoder=text_encoder(),
+            tokenizer=tok,
+            transformer=transformer,
+            **extra,
+        )
+        pipe.save_pretrained(out_dir, safe_serialization=True)
 
     # ---- training ----------------------------------------------------------------------------
     def denoise(
@@ -214,23 +234,7 @@ class Flux2DevFamily(Flux2Family):
         # The released folder's tokenizer is a Pixtral processor (it needs torchvision); the pipeline only uses its
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
-        transformer = tiny_transformer(self.facts, len(DEV_LAYERS) * TINY_TEXT_WIDTH, guidance=True)
-        scheduler = dynamic_shift_scheduler()
-        pipe = self.pipeline_class(
-            scheduler=scheduler,
-            vae=tiny_vae(self.facts),
-            text_encoder=tiny_mistral3(tok),
-            tokenizer=tok,
-            transformer=transformer,
-        )
-        pipe.save_pretrained(out_dir, safe_serialization=True)
-
-    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
-        if max_length > self.facts.max_length_limit:
-            raise ValueError(
-                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
-            )
+        self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=True)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As Flux2Pipeline._get_mistral_3_small_prompt_embeds: system message + caption through the chat template,

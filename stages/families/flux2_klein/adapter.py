@@ -5,15 +5,14 @@ negative prompt."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import TextEncoders
-from tuneline.stages.families.common import dynamic_shift_scheduler
-from tuneline.stages.families.flux2.adapter import Flux2Family, tiny_transformer, tiny_vae
-from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, chat_prompts, qwen_hidden, tiny_qwen3
+from tuneline.stages.families.flux2.adapter import Flux2Family
+from tuneline.stages.families.qwen import chat_prompts, qwen_hidden, tiny_qwen3
 
 KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
 
@@ -27,24 +26,7 @@ class Flux2KleinFamily(Flux2Family):
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit)
         # 28 Qwen3 layers (as the released 4B) so the pipeline's hidden-state layers 9, 18, 27 exist; 32 wide.
         te = tiny_qwen3(tok, layers=28, causal_lm=True)
-        transformer = tiny_transformer(self.facts, len(KLEIN_LAYERS) * TINY_TEXT_WIDTH, guidance=False)
-        scheduler = dynamic_shift_scheduler()
-        pipe = self.pipeline_class(
-            scheduler=scheduler,
-            vae=tiny_vae(self.facts),
-            text_encoder=te,
-            tokenizer=tok,
-            transformer=transformer,
-            is_distilled=False,
-        )
-        pipe.save_pretrained(out_dir, safe_serialization=True)
-
-    def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
-        if max_length > self.facts.max_length_limit:
-            raise ValueError(
-                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
-            )
+        self.save_tiny(out_dir, tok, lambda: te, len(KLEIN_LAYERS), guidance=False, is_distilled=False)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As Flux2KleinPipeline._get_qwen3_prompt_embeds: chat template (thinking off), hidden states 9/18/27 side

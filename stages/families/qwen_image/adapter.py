@@ -45,6 +45,34 @@ class _FrameEncoder(torch.nn.Module):
         return out
 
 
+def tiny_qwen25vl(tok, width: int, max_positions: int, token_ids: dict[str, int] | None = None):
+    """The tiny flavors' Qwen2.5-VL: 2 text layers `width` wide with `tok`'s special ids, a one-block vision tower;
+    `token_ids` (image_token_id, vision_start_token_id, ...) where the tokenizer has vision tokens (the edit
+    families')."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=width,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=max_positions,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0]
+        ),
+        **(token_ids or {}),
+    )
+    return Qwen2_5_VLForConditionalGeneration(config)
+
+
 class QwenImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["qwen_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "prompt_embeds_mask")
@@ -62,40 +90,26 @@ class QwenImageFamily(DiffusersFamily):
         "add_v_proj",
         "to_add_out",
     )
+    # The last block's text stream: the transformer keeps only the image tokens after it (norm_out, proj_out), so
+    # its text queries (they only make the text outputs), the text outputs' projection and the text feed-forward
+    # never reach the loss (a backward leaves them without gradient: tests/integration/test_families_pipeline.py).
+    # Its add_k/add_v_proj do: the image queries attend to those keys and values.
+    LAST_BLOCK_UNUSED: ClassVar[tuple[str, ...]] = (
+        "attn.add_q_proj",
+        "attn.norm_added_q",
+        "attn.to_add_out",
+        "txt_mlp",
+    )
     # QwenImagePipeline applies a negative prompt only through true CFG; a negative given means the user wants it.
     true_cfg_scale: float = 4.0
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         tok = build_qwen_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit + DROP)
         width = 32
-        config = Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=len(tok),
-                hidden_size=width,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=2048,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-                bos_token_id=None,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=width,
-                fullatt_block_indexes=[0],
-            ),
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        text_encoder = tiny_qwen25vl(tok, width, max_positions=2048)
         transformer, vae = self.tiny_denoiser_and_vae(width)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
         pipe = self.pipeline_class(
@@ -196,6 +210,12 @@ class QwenImageFamily(DiffusersFamily):
             return_dict=False,
         )[0]
         return unpack_latents(out, h, w)
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        if component != self.denoiser_component:
+            return ()
+        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}"
+        return tuple(f"{last}.{m}" for m in self.LAST_BLOCK_UNUSED)
 
     # ---- validation --------------------------------------------------------------------------
     def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:

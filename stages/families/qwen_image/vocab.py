@@ -6,10 +6,9 @@ splits the template into exactly as many, which build_qwen_tokenizer asserts, so
 from __future__ import annotations
 
 import re
-from collections import Counter
 from pathlib import Path
 
-from tuneline.stages.families.vocab import WORDS, _merge, bytes_to_unicode
+from tuneline.stages.families.vocab import WORDS, bytes_to_unicode, learn_bpe_merges
 
 TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -20,31 +19,16 @@ DROP = 34
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def _merges(words: list[str]) -> list[tuple[str, str]]:
-    """BPE training until every word is one symbol (ties broken by text: deterministic)."""
-    seqs, merges = [list(w) for w in words if len(w) > 1], []
-    while True:
-        pairs = Counter(p for s in seqs for p in zip(s, s[1:]))
-        if not pairs:
-            return merges
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        seqs = [_merge(s, best) for s in seqs]
-
-
-def build_qwen_tokenizer(folder: Path, model_max_length: int):
+def byte_bpe_tokenizer(folder: Path, words: list[str], model_max_length: int, specials: list[str]):
+    """A Qwen2 byte-level BPE tokenizer whose merges make each of `words` one token, Qwen's chat specials and
+    `specials` added; its tokenizer.json written to `folder` (the caller saves the rest once it checks it)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import Qwen2TokenizerFast
 
     byte = bytes_to_unicode()
-    enc = {c: "".join(byte[b] for b in c.encode()) for c in set("".join(WORDS) + TEMPLATE)}
-    plain = sorted(set(re.findall(r"[A-Za-z]+", TEMPLATE.replace("{}", ""))) | set(WORDS))
-    words = [w for p in plain for w in (p, " " + p)]
-    words = ["".join(enc.get(ch, ch) for ch in w) for w in words]
-    merges = _merges(words)
-    vocab_list = list(byte.values()) + ["".join(m) for m in merges]
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(vocab_list))}
+    merges = learn_bpe_merges(tuple("".join(byte[b] for b in w.encode()) for w in words), end="")
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(list(byte.values()) + ["".join(m) for m in merges]))}
     tk = Tokenizer(BPE(vocab, merges))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
@@ -55,10 +39,16 @@ def build_qwen_tokenizer(folder: Path, model_max_length: int):
         unk_token=None,
         bos_token=None,
         eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        pad_token=SPECIALS[0],
         model_max_length=model_max_length,
     )
-    tok.add_special_tokens({"additional_special_tokens": list(SPECIALS[1:])})
+    tok.add_special_tokens({"additional_special_tokens": [*SPECIALS[1:], *specials]})
+    return tok
+
+
+def build_qwen_tokenizer(folder: Path, model_max_length: int):
+    plain = sorted(set(re.findall(r"[A-Za-z]+", TEMPLATE.replace("{}", ""))) | set(WORDS))
+    tok = byte_bpe_tokenizer(folder, [w for p in plain for w in (p, " " + p)], model_max_length, [])
     prefix = TEMPLATE.split("{}")[0]
     assert len(tok(prefix).input_ids) == DROP, "the template prefix must be the 34 tokens the pipeline drops"
     tok.save_pretrained(str(folder))

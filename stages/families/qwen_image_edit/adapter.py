@@ -23,7 +23,13 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import module_device
-from tuneline.stages.families.qwen_image.adapter import SCHEDULER, QwenImageFamily, pack_latents, unpack_latents
+from tuneline.stages.families.qwen_image.adapter import (
+    SCHEDULER,
+    QwenImageFamily,
+    pack_latents,
+    tiny_qwen25vl,
+    unpack_latents,
+)
 from tuneline.stages.families.qwen_image_edit.vocab import (
     EDIT_DROP,
     EDIT_TEMPLATE,
@@ -223,33 +229,10 @@ class QwenImageEditFamily(QwenImageFamily):
 
 
 def tiny_text_encoder(tok, width: int):
-    """Qwen-Image's tiny Qwen2.5-VL with its vision tower, its special token ids those of `tok`."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+    """Qwen-Image's tiny Qwen2.5-VL, its vision token ids those of `tok`."""
     ids = dict(zip(("vision_start", "vision_end", "image", "video"), tok.convert_tokens_to_ids(list(VISION))))
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tok),
-            hidden_size=width,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-            bos_token_id=None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        ),
-        vision_config=dict(
-            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width, fullatt_block_indexes=[0]
-        ),
-        image_token_id=ids["image"],
-        video_token_id=ids["video"],
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"],
-    )
-    return Qwen2_5_VLForConditionalGeneration(config)
+    names = {f"{k}_token_id": v for k, v in ids.items()}
+    return tiny_qwen25vl(tok, width, max_positions=4096, token_ids=names)
 
 
 def text_to_image(pipe: Any) -> Any:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tuneline.stages.families.qwen_image.vocab import DROP, SPECIALS, TEMPLATE, _merges
-from tuneline.stages.families.vocab import WORDS, bytes_to_unicode
+from tuneline.stages.families.qwen_image.vocab import DROP, TEMPLATE, byte_bpe_tokenizer
+from tuneline.stages.families.vocab import WORDS
 
 # QwenImageEditPipeline.prompt_template_encode and prompt_template_encode_start_idx.
 EDIT_TEMPLATE = (
@@ -32,32 +32,11 @@ TINY_PIXELS = (56 * 56, 112 * 112)
 
 
 def build_edit_tokenizer(folder: Path, model_max_length: int):
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers import Qwen2TokenizerFast
-
-    byte = bytes_to_unicode()
     text = TEMPLATE + EDIT_TEMPLATE
-    enc = {c: "".join(byte[b] for b in c.encode()) for c in set("".join(WORDS) + text)}
     plain = re.sub(r"<\|[a-z_]+\|>", " ", text.replace("{}", ""))
     words = sorted(set(re.findall(r"[A-Za-z]+", plain)) | set(WORDS))
     words = [w for p in words for w in (p, " " + p)] + list(JOINED)
-    merges = _merges(["".join(enc.get(ch, ch) for ch in w) for w in words])
-    vocab = {t: i for i, t in enumerate(dict.fromkeys(list(byte.values()) + ["".join(m) for m in merges]))}
-    tk = Tokenizer(BPE(vocab, merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tk.decoder = decoders.ByteLevel()
-    folder.mkdir(parents=True, exist_ok=True)
-    tk.save(str(folder / "tokenizer.json"))
-    tok = Qwen2TokenizerFast(
-        tokenizer_file=str(folder / "tokenizer.json"),
-        unk_token=None,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token=SPECIALS[0],
-        model_max_length=model_max_length,
-    )
-    tok.add_special_tokens({"additional_special_tokens": [*SPECIALS[1:], *VISION]})
+    tok = byte_bpe_tokenizer(folder, words, model_max_length, list(VISION))
     assert len(tok(TEMPLATE.split("{}")[0]).input_ids) == DROP, "Qwen-Image's template prefix must be 34 tokens"
     assert len(tok(EDIT_TEMPLATE.split(VISION[0])[0]).input_ids) == EDIT_DROP, "the edit prefix must be 64 tokens"
     tok.save_pretrained(str(folder))

@@ -70,7 +70,35 @@ def tiny_unet(**extra: Any):
     return UNet2DConditionModel(**{**cfg, **extra})
 
 
+def unet_block_stacks(unet: torch.nn.Module) -> tuple[str, ...]:
+    """The UNet's lists of transformer blocks (inside each attention's Transformer2DModel) in the order its forward
+    runs them: down, mid, up (module registration puts up before mid, so the parts are walked explicitly)."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    out = []
+    for part in ("down_blocks", "mid_block", "up_blocks"):
+        for name, m in unet.get_submodule(part).named_modules(prefix=part):
+            if isinstance(m, torch.nn.ModuleList) and m and all(isinstance(b, BasicTransformerBlock) for b in m):
+                out.append(name)
+    return tuple(out)
+
+
+# train.text_encoder_lora: CLIP's attention projections, as diffusers' SD/SDXL LoRA scripts train them; the files
+# carry them in the layout ComfyUI maps onto CLIP (lora_te_text_model_encoder_layers_0_self_attn_q_proj).
+CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
 class SD15Family(DiffusersFamily):
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = CLIP_LORA_TARGETS
+
+    def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
+        return unet_block_stacks(model)
+
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        from tuneline.stages.families.sd15.single_file import ldm_state_dict
+
+        return ldm_state_dict(pipe)
+
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd15"]
     # The tiny flavor's CLIP context: SD1.5's 77, so the sd15 flavor behaves like the real model.
     tiny_text_length: ClassVar[int] = 77

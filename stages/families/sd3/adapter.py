@@ -59,6 +59,17 @@ class SD3Family(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd3"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
 
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        """The last block is context_pre_only: its text outputs are dropped, so its text queries (add_q_proj and
+        their norm, which only make the text outputs) get a zero gradient; its text keys and values feed the image
+        tokens' attention."""
+        if component != self.denoiser_component:
+            return ()
+        last = len(model.transformer_blocks) - 1
+        attn = model.transformer_blocks[last].attn
+        names = ("add_q_proj",) + (("norm_added_q",) if attn.norm_added_q is not None else ())
+        return tuple(f"transformer_blocks.{last}.attn.{n}" for n in names)
+
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -140,11 +151,9 @@ class SD3Family(DiffusersFamily):
         text: dict[str, torch.Tensor],
         micro: list[MicroCond] | None = None,
     ) -> torch.Tensor:
-        """Velocity prediction for scaled latents (B, 16, H, W); patching happens inside the transformer.
-
-        Flow-matching convention shared with the other flow families: `timesteps` is a float tensor in [0, 1000) with
-        sigma = timesteps / 1000, the noisy latent is (1 - sigma) * x0 + sigma * noise and the training target is
-        noise - x0. SD3's transformer takes these timesteps as they are (the pipeline passes sigma * 1000)."""
+        """Velocity prediction for scaled latents (B, 16, H, W); patching happens inside the transformer. Timesteps
+        as base.Family.denoise says for flow families: SD3's transformer takes them as they are (the pipeline passes
+        sigma * 1000)."""
         embeds = text["prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)
         pooled = text["pooled_prompt_embeds"].to(device=noisy.device, dtype=noisy.dtype)
         return denoiser(

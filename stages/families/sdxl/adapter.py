@@ -11,19 +11,45 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize
-from tuneline.stages.families.sd15.adapter import tiny_clip_config, tiny_unet, tiny_vae
+from tuneline.stages.families.sd15.adapter import (
+    CLIP_LORA_TARGETS,
+    tiny_clip_config,
+    tiny_unet,
+    tiny_vae,
+    unet_block_stacks,
+)
 from tuneline.stages.families.vocab import build_clip_tokenizer
 
 TIME_EMBED_DIM = 8  # tiny flavor's addition_time_embed_dim (SDXL: 256)
 
 
 class SDXLFamily(DiffusersFamily):
+    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = CLIP_LORA_TARGETS
+
+    def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
+        return unet_block_stacks(model)
+
+    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
+        from tuneline.stages.families.sdxl.single_file import ldm_state_dict
+
+        return ldm_state_dict(pipe)
+
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sdxl"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
 
     def pipeline_load_kwargs(self) -> dict[str, Any]:
         # The invisible watermark package is optional and absent here; renders need no watermark.
         return {"add_watermarker": False}
+
+    def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
+        """Text encoder 1 is read at its penultimate hidden states and its pooled output is not used, so its last
+        layer and final layer norm never reach the loss (text encoder 2's last layer makes the pooled embedding)."""
+        if component != self.text_components[0]:
+            return ()
+        names = [n for n, _ in model.named_modules()]
+        layers = next(n for n in names if n.endswith("encoder.layers"))
+        norm = next(n for n in names if n.endswith("final_layer_norm"))
+        return (f"{layers}.{len(model.get_submodule(layers)) - 1}", norm)
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:

@@ -13,27 +13,7 @@ from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
 from tuneline.stages.families.common import DiffusersFamily
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, chat_prompts, qwen_hidden, tiny_qwen3
-
-
-def tiny_flow_vae(facts: FamilyFacts):
-    """Flux.1's VAE layout (16 channels, scale and shift, no quant convolutions) 16-32 channels wide."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32),
-        layers_per_block=1,
-        latent_channels=facts.latent_channels,
-        norm_num_groups=8,
-        sample_size=64,
-        scaling_factor=facts.scaling_factor,
-        shift_factor=facts.shift_factor,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+from tuneline.stages.families.sd3.adapter import flow_vae
 
 
 def trim(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -44,11 +24,17 @@ def trim(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 class ZImageFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["z_image"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds",)
-    # Z-Image's blocks: attention to_q/k/v/to_out.0 in the main layers and both refiners (the modules ComfyUI maps).
-    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Z-Image's blocks, in the main layers and both refiners: attention to_q/k/v/to_out.0 and the SwiGLU
+    # feed-forward w1-w3, every linear layer ai-toolkit trains there but the modulation (each maps in ComfyUI).
+    lora_target_modules: tuple[str, ...] = (
+        *("to_q", "to_k", "to_v", "to_out.0"),
+        *("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+    )
     # ZImagePipeline with guidance but pre-encoded prompts needs negative embeds: the renderer encodes "" then,
     # which is what the pipeline itself encodes for a missing negative.
     negative_required: ClassVar[bool] = True
+    # Its forward runs the refiner stacks, then the main one (a stack its variant lacks is skipped).
+    BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
     text_layers: ClassVar[tuple[int, ...]] = (-2,)
 
     # ---- tiny flavor -------------------------------------------------------------------------
@@ -77,7 +63,7 @@ class ZImageFamily(DiffusersFamily):
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
         pipe = self.pipeline_class(
             scheduler=scheduler,
-            vae=tiny_flow_vae(self.facts),
+            vae=flow_vae(self.facts),  # Flux.1's VAE layout, as SD3's
             text_encoder=tiny_qwen3(tok),
             tokenizer=tok,
             transformer=transformer,
@@ -98,24 +84,13 @@ class ZImageFamily(DiffusersFamily):
         return TextEncoders(tokenizers=[tok], encoders=[te.to(device).eval().requires_grad_(False)], max_length=length)
 
     def check_max_length(self, tokenizers: list[Any], max_length: int) -> None:
-        if max_length > self.facts.max_length_limit:
-            raise ValueError(
-                f"text.max_length {max_length} exceeds the {self.facts.max_length_limit} tokens family "
-                f"{self.facts.name!r}'s pipeline encodes; lower it or leave it automatic"
-            )
+        self.check_pipeline_length(max_length)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As ZImagePipeline._encode_prompt: chat template (thinking on), hidden_states[-2] at max_length tokens,
         with the attention mask that marks the real tokens (the pipeline keeps only those)."""
         hidden, mask = qwen_hidden(enc, chat_prompts(enc.tokenizers[0], captions), self.text_layers)
         return {"prompt_embeds": hidden, "prompt_attention_mask": mask}
-
-    def check_full_finetune(self, model_dir: Path) -> None:
-        """Refuse a full fine-tune whose denoiser cannot fit DDP (stages/families/full_limit.py)."""
-        from tuneline.stages.families.full_limit import check_full_fits
-
-        cls = self.pipeline_class._get_signature_types()[self.denoiser_component][0]
-        check_full_fits(self.facts.name, cls, model_dir, self.denoiser_component)
 
     # ---- training ----------------------------------------------------------------------------
     def denoise(

@@ -1,0 +1,105 @@
+"""train.parallelism fsdp: the denoiser sharded over every process with FSDP2 (`fully_shard`).
+
+Each transformer block is one FSDP unit, then the root takes what no block holds (embeddings, norms, a UNet's
+convolutions). A unit's parameters are all-gathered just before its forward and freed after it, so a process
+holds 1/N of the weights, gradients and optimizer state plus one or two gathered blocks at a time.
+
+`reshard_after_forward` follows torchtitan's pattern: blocks free their gathered weights after the forward (the
+backward gathers them again), except the last block, whose backward starts right after its forward and would
+gather it again at once; the root's parameters stay gathered through the step for the same reason.
+
+Precision: the shards stay float32 master weights; on CUDA `MixedPrecisionPolicy` gathers them in the autocast
+dtype of train.mixed_precision and reduces gradients in float32. CPU trains in float32 throughout, as DDP does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from tuneline.schemas.train import TrainConfig
+from tuneline.stages.families.common import unwrap
+from tuneline.stages.train.optimizers import eval_weights
+from tuneline.stages.train.swap import transformer_blocks
+
+
+def wanted(t: TrainConfig) -> bool:
+    """Whether this run shards: train.parallelism fsdp inside a process group (torchrun always makes one, also for
+    one process, so a checkpoint of N processes resumes in one the same way it resumes in M)."""
+    return t.parallelism == "fsdp" and dist.is_available() and dist.is_initialized()
+
+
+def policy(autocast: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Gather parameters in the autocast dtype (none: as stored), reduce gradients in float32."""
+    return MixedPrecisionPolicy(param_dtype=autocast, reduce_dtype=torch.float32)
+
+
+def shard(
+    denoiser: torch.nn.Module, fam, t: TrainConfig, device: torch.device, autocast: torch.dtype | None
+) -> dict[str, torch.nn.Parameter]:
+    """Shard `denoiser` in place over every process; returns its trainable parameters (now DTensors) by name.
+
+    fully_shard replaces each parameter by a sharded one, so anything holding the old ones (the optimizer, EMA)
+    must be built from the returned dict."""
+    den = unwrap(denoiser)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kw = {
+        "mesh": mesh,
+        "mp_policy": policy(autocast),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if t.fsdp_cpu_offload else OffloadPolicy(),
+    }
+    blocks = transformer_blocks(den, fam.block_stacks(den))  # the family's declared block stacks
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+    fully_shard(den, reshard_after_forward=False, **kw)
+    return {n: p for n, p in den.named_parameters() if p.requires_grad}
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU (a collective for a sharded one: every rank must call it)."""
+    value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return value.detach().to("cpu")
+
+
+def gathered(denoiser: torch.nn.Module, rank: int) -> torch.nn.Module | None:
+    """On rank 0 a plain copy of the sharded `denoiser` with its whole weights on the CPU, for the exports
+    (diffusers folders, LoRA and single files are then written exactly as under DDP); None on other ranks.
+
+    A collective: every rank gathers each tensor in turn, rank 0 keeps it. The copy is built on the meta device
+    from the denoiser's own config and adapters and takes the gathered tensors as they are, so rank 0 holds one
+    CPU copy of the weights, never two."""
+    den = unwrap(denoiser)
+    weights = {n: full(p) for n, p in den.named_parameters()}
+    if rank != 0:
+        return None
+    with torch.device("meta"):
+        copy = type(den).from_config(den.config)
+    for name, config in getattr(den, "peft_config", {}).items():
+        copy.add_adapter(config, adapter_name=name)
+    buffers = {n: b.detach().to("cpu") for n, b in den.named_buffers()}  # never sharded: each rank holds them
+    persistent = set(copy.state_dict())
+    copy.load_state_dict({k: v for k, v in (weights | buffers).items() if k in persistent}, assign=True)
+    for name, buf in buffers.items():  # non-persistent buffers are in no state dict
+        if name not in persistent:
+            owner, _, leaf = name.rpartition(".")
+            copy.get_submodule(owner).register_buffer(leaf, buf, persistent=False)
+    left = [n for n, p in [*copy.named_parameters(), *copy.named_buffers()] if p.is_meta]
+    assert not left, f"the gathered denoiser misses {left[:5]}"
+    return copy.train(den.training)
+
+
+def final_denoiser(trainer, rank: int) -> torch.nn.Module | None:
+    """The denoiser final/ is written from (on rank 0): the EMA weights when kept, schedule-free AdamW's averaged
+    weights, and under FSDP a whole copy gathered from the shards (every rank must call it)."""
+    if trainer.ema is not None:
+        trainer.ema.copy_to(trainer.params)
+    with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: switches to its average
+        pass
+    return gathered(trainer.denoiser, rank) if trainer.sharded else trainer.denoiser

@@ -1,0 +1,152 @@
+"""The training matrix's cells and its per-family launch (tests/integration/test_training_matrix.py asserts on them).
+
+Cells come from the registry and the config schema, so a family or a choice added later joins without editing
+the matrix: for every registered family a base cell (train.mode lora, train.adapter lora) and one factor at a time
+around it: train.mode full, every other train.adapter choice, train.text_encoder_lora, every model.quantize choice.
+The config decides which cells train; a cell it refuses is a refusal cell.
+
+One torchrun launch (2 gloo processes, tests/matrix_worker.py) trains every cell, with the spec the train stage's
+launcher writes and its torchrun command, over caches from the session's upstream store.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from pydantic import ValidationError
+
+from tuneline.schemas.config import PipelineConfig, parse_config
+from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.model import ModelConfig
+from tuneline.schemas.text import TextManifest
+from tuneline.schemas.train import TrainConfig
+from tuneline.stages.common.stage import run_stage
+from tuneline.stages.families import resolve as models
+from tuneline.stages.families.registry import family_names
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.train import launch as train_launch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "matrix_worker.py"
+STEPS, ACCUMULATION, PROCESSES = 2, 2, 2
+IMAGES = 8  # 2 steps x 2 micro-batches x 2 ranks x batch 1
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: str
+    name: str
+    section: str  # the config section the factor changes ("" for the base cell)
+    change: dict
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}-{self.name}"
+
+    @property
+    def field(self) -> str:
+        """The changed field as a config message names it, e.g. train.text_encoder_lora."""
+        return f"{self.section}.{next(iter(self.change))}" if self.change else ""
+
+
+def factors() -> list[tuple[str, str, dict]]:
+    """(name, section, change) around the base cell, from the schema's own choices."""
+    out: list[tuple[str, str, dict]] = [("lora", "", {})]
+    out += [(mode, "train", {"mode": mode}) for mode in typing.get_args(TrainConfig.model_fields["mode"].annotation)]
+    out += [(a, "train", {"adapter": a}) for a in typing.get_args(TrainConfig.model_fields["adapter"].annotation)]
+    out += [("text_encoder_lora", "train", {"text_encoder_lora": True})]
+    quantize = ModelConfig.model_fields["quantize"].annotation
+    out += [(q, "model", {"quantize": q}) for arg in typing.get_args(quantize) for q in typing.get_args(arg)]
+    base = {"mode": "lora", "adapter": "lora"}
+    return [f for f in out if not f[1] or f[2].items() - base.items()]  # the base's own choices are the base cell
+
+
+def cells() -> list[Cell]:
+    return [Cell(fam, name, section, change) for fam in family_names() for name, section, change in factors()]
+
+
+def dataset(folder: Path) -> None:
+    """IMAGES small captioned images (distinct colors), the smallest bucket every family aligns to."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(IMAGES):
+        pixels = np.clip(rng.normal(40 + 25 * i, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.png")
+        (folder / f"{i}.txt").write_text(f"a photo, shade {i}", encoding="utf-8")
+
+
+def config(cell: Cell, data: Path, workdir: Path) -> PipelineConfig:
+    """The cell's config; raises the config's own refusal (ValidationError or ValueError)."""
+    train = {
+        "mode": "lora",
+        "adapter": "lora",
+        "steps": STEPS,
+        "grad_accumulation": ACCUMULATION,
+        "processes": PROCESSES,
+        "batch_size": 1,
+        "lora_rank": 4,
+        "checkpoint_every": 1,
+        "keep_checkpoints": STEPS,
+        "lora_format": "both",
+    }
+    data_cfg = {
+        "dataset": {"path": str(data)},
+        "model": {"family": cell.family, "path": None, "device": "cpu"},
+        "buckets": {"resolution": 64},
+        "train": train,
+        "validate": {"learning_check": False},
+    }
+    if cell.section:
+        data_cfg[cell.section] = {**data_cfg[cell.section], **cell.change}
+    return parse_config(data_cfg, workdir=str(workdir))
+
+
+def refusal(cell: Cell, data: Path, workdir: Path) -> str | None:
+    """The config's message refusing the cell, or None when it trains."""
+    try:
+        config(cell, data, workdir)
+    except (ValidationError, ValueError) as err:
+        return str(err)
+    return None
+
+
+def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
+    """Train the `wanted` cells the config accepts in one torchrun launch (process start-up and imports are paid
+    once, not per family); returns cell id -> its output folder, where the worker left each rank's result."""
+    data = store.dataset("matrix", dataset)
+    plan, outs = [], {}
+    for cell in (c for c in wanted if refusal(c, data, root) is None):
+        cfg = config(cell, data, root / cell.family)  # one workdir per family: its cells share the caches
+        ctx = store.upstream(cfg)
+        out = outs[cell.id] = root / "cells" / cell.id
+        plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train")})
+        (out / "cell.json").write_text(json.dumps({"model_dir": plan[-1]["spec"]["model_dir"]}), encoding="utf-8")
+    if not plan:
+        return outs
+    (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
+    cmd = train_launch.torchrun_command(cfg, root / "plan.json")
+    cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
+    try:
+        train_launch.run_torchrun(ctx, cmd, cwd=root)
+    except train_launch.TrainingFailed as err:  # each cell's rank files tell which cells it reached
+        (root / "launch-error.txt").write_text(str(err), encoding="utf-8")
+    return outs
+
+
+def _spec(ctx, work: Path) -> dict:
+    """The worker's spec exactly as the train stage's launcher writes it."""
+    work.mkdir(parents=True, exist_ok=True)
+    upstream = {}
+    for name, cls in (("latents", LatentsManifest), ("text", TextManifest)):
+        path, _ = run_stage(ctx, stage(name), PIPELINE)  # fresh: the store's copies
+        upstream[name] = ctx.store.read(path, cls)
+    path = train_launch.write_spec(ctx, work, upstream, None, models.model_dir(ctx), uuid.uuid4().hex)
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    path.unlink()
+    return spec

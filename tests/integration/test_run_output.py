@@ -1,0 +1,52 @@
+"""What the quick start's `tuneline run` says while it works and what its pipeline run shows: read from the
+session's demo run (conftest's demo_run), so this costs no run of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+import tuneline.flows  # noqa: F401  (its Prefect settings: the ephemeral server read below may start slowly)
+
+pytestmark = pytest.mark.slow
+
+STEP = re.compile(r"step (\d+)/(\d+) loss [\d.]+ lr \S+ \(([\d.]+) steps/s, (\d+s|\d+m\d\ds|\d+h\d\dm) left\)")
+
+
+def test_the_run_says_what_it_is_doing(demo_run):
+    err = demo_run["stderr"]
+    lines = err.splitlines()
+    first = next(i for i, line in enumerate(lines) if "starting a temporary Prefect server" in line)
+    assert "set PREFECT_API_URL to use yours" in lines[first]
+    assert first < next(i for i, line in enumerate(lines) if "Beginning flow run" in line)
+    steps = [m.groups() for m in map(STEP.search, lines) if m]
+    assert steps and steps[-1][0] == steps[-1][1], "no `step N/M loss … (X steps/s, T left)` lines"
+    assert all(float(rate) > 0 for _, _, rate, _ in steps)
+    assert len([line for line in lines if re.search(r"validate: image \d+/4 \S+\.png 'a ", line)]) == 4
+    assert "procwatch" not in err and ".partial.spec-" not in err  # the launcher's own command line is not news
+    assert "━" not in err  # no progress bars in a log that is not a terminal
+    final = re.search(r"final loss: [\d.]+ \(training loss averaged over the last 10 steps", demo_run["stdout"])
+    assert final, demo_run["stdout"][-2000:]
+
+
+def test_the_pipeline_run_holds_the_grid_loss_and_learning(demo_run):
+    """The pipeline run's own artifacts (read from the run's Prefect database): the labelled grid, the loss curve
+    and the learning figures, pictures inline."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async def artifacts() -> dict[str, str]:
+        async with get_client() as client:
+            [run] = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["tuneline-pipeline"])))
+            arts = await client.read_artifacts(limit=200)
+        return {a.key: a.data for a in arts if a.flow_run_id == run.id and a.key}
+
+    arts = asyncio.run(artifacts())
+    grid, loss = arts["pipeline-validate-grid"], arts["pipeline-train-loss"]
+    assert grid.startswith("![grid](data:image/png;base64,")
+    for prompt in ("a red square", "a green circle", "a blue square", "a yellow circle"):
+        assert re.search(rf"\| !\[\d+-seed\d+\.png\]\(data:image/png;base64,[^)]+\) \| {prompt} \|", grid), prompt
+    assert "![loss](data:image/png;base64," in loss
+    assert "color_accuracy" in arts["pipeline-learning"] and "final loss" in arts["pipeline-learning"]

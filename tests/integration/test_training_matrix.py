@@ -1,0 +1,137 @@
+"""The training matrix: every registered family's tiny flavor, the base LoRA cell and one factor at a time around
+it (tests/integration/matrix_cells.py derives them from the registry and the config schema), each trained in 2
+DDP processes (gloo, torchrun) through the train stage's worker, 2 optimizer steps of 2 accumulated micro-batches.
+Per cell:
+
+(a) on every rank every trainable parameter has a gradient at step 1 (DDP's reducer saw it) and a finite,
+    non-zero one at step 2 (adapters start with one factor at zero, so step 1 may be zero);
+(b) the 2-process weights after step 2 equal a 1-process replay of the same global batch within REPLAY_TOLERANCE;
+(c) resuming from the step-1 checkpoint gives bit-identical step-2 weights;
+(d) the exports load: the diffusers file (or a full fine-tune's pipeline folder) in the stock diffusers pipeline,
+    holding exactly the trained weights; the kohya/LyCORIS file with only stems ComfyUI maps for the family.
+
+A cell the config refuses asserts the refusal names the changed field and a fix. One torchrun launch
+trains every cell (the first training cell to run starts it); each cell is its own test item.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration import comfy_lora_keys
+from tests.integration.matrix_cells import Cell, cells, dataset, launch, refusal
+from tests.matrix_worker import TRAINED
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.train.export import DIFFUSERS_FILE
+
+# fp32 weights after 2 AdamW steps at the default learning rate: DDP sums the ranks' gradients in another order
+# than one process accumulating all 4 micro-batches, which moves the weights by float rounding only (seen: <3e-6).
+REPLAY_TOLERANCE = 2e-5
+CPU = torch.device("cpu")
+ADAPTER_NAME = re.compile(r"\.default(_\d+)?(?=\.|$)")
+
+
+@pytest.fixture(scope="module")
+def launched(request, upstream_store, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """The one launch, training the cells this session selected (`-k sdxl` trains sdxl's only)."""
+    wanted = [i.callspec.params["cell"] for i in request.session.items if i.function is test_cell]
+    root = tmp_path_factory.mktemp("matrix")
+    return root, launch(upstream_store, root, wanted)
+
+
+@pytest.fixture(scope="module")
+def stock():
+    """Each family's stock diffusers pipeline, loaded once (a cell's LoRA is unloaded after its checks)."""
+    loaded: dict[Path, object] = {}
+
+    def get(fam, model_dir: Path):
+        if model_dir not in loaded:
+            loaded[model_dir] = fam.load_pipeline(model_dir, torch.float32, CPU)
+        return loaded[model_dir]
+
+    return get
+
+
+@pytest.mark.parametrize("cell", cells(), ids=lambda c: c.id)
+def test_cell(cell: Cell, request, stock, upstream_store, tmp_path):
+    refused = refusal(cell, upstream_store.dataset("matrix", dataset), tmp_path)
+    if refused is not None:
+        assert cell.field in refused and re.search(r"\b(set|use)\b", refused), refused
+        return
+    root, outs = request.getfixturevalue("launched")  # not for a refusal: it trains nothing
+    out = outs[cell.id]
+    ranks = [_result(root, out, r) for r in range(2)]
+    _assert_gradients(ranks)
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(ranks) if "error" in res]
+    assert not errors, "the cell stopped:\n" + "\n".join(errors) + "\n" + ranks[0].get("traceback", "")
+    assert ranks[0]["replay"] <= REPLAY_TOLERANCE, f"2 processes vs 1-process replay: {ranks[0]['replay']}"
+    assert [res["resume"] for res in ranks] == [0.0, 0.0], "resumed from step 1, step 2's weights must be identical"
+    _assert_exports(cell, out, stock)
+
+
+def _result(root: Path, out: Path, rank: int) -> dict:
+    path = out / f"rank-{rank}.json"
+    if not path.is_file():
+        launch = root / "launch-error.txt"
+        pytest.fail(f"rank {rank} wrote no result: {launch.read_text() if launch.is_file() else 'no launch error'}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _assert_gradients(ranks: list[dict]) -> None:
+    bad = []
+    for r, res in enumerate(ranks):
+        steps = res["grads"]
+        if steps:
+            none = sorted(n for n, s in steps[0].items() if s == "none")
+            bad += [f"rank {r} step 1: no gradient for {len(none)} parameters: {none}"] if none else []
+        if len(steps) > 1:
+            wrong = sorted(f"{n} ({s})" for n, s in steps[1].items() if s != "ok")
+            bad += [f"rank {r} step 2: {len(wrong)} parameters zero or non-finite: {wrong}"] if wrong else []
+    assert not bad, "\n".join(bad)
+
+
+def _assert_exports(cell: Cell, out: Path, stock) -> None:
+    result = json.loads((out / "train" / "result.json").read_text(encoding="utf-8"))
+    files = {e["format"]: out / "train" / e["file"] for e in result["exports"]}
+    fam = get_family(cell.family)
+    trained = load_file(out / TRAINED)
+    model_dir = Path(json.loads((out / "cell.json").read_text(encoding="utf-8"))["model_dir"])
+    if result["mode"] == "full":
+        pipe = getattr(diffusers, fam.facts.pipeline).from_pretrained(files["diffusers"])
+        _assert_holds(pipe, fam, trained)
+        return
+    assert "kohya" in files, f"no kohya/LyCORIS file among the exports: {result['exports']}"
+    pipe = stock(fam, model_dir)
+    if "diffusers" in files:
+        pipe.load_lora_weights(files["diffusers"].parent, weight_name=DIFFUSERS_FILE)
+        try:
+            _assert_holds(pipe, fam, trained)
+        finally:
+            pipe.unload_lora_weights()
+    den = getattr(pipe, fam.denoiser_component)
+    mapped = comfy_lora_keys.unet_stems(den)
+    encoders = [getattr(pipe, c) for c in fam.facts.text_encoders]
+    if result["text_encoder_lora"]:
+        mapped |= comfy_lora_keys.clip_stems([e.config.num_hidden_layers for e in encoders])
+    got = comfy_lora_keys.stems(load_file(files["kohya"]))
+    assert got and got <= mapped, f"stems ComfyUI maps no weight for: {sorted(got - mapped)[:10]}"
+
+
+def _assert_holds(pipe, fam, trained: dict[str, torch.Tensor]) -> None:
+    """Every trained tensor is in the loaded pipeline under its name (a text encoder's with its component's
+    prefix, the adapter's name aside), with the trained value."""
+    held = {}
+    for comp in (fam.denoiser_component, *fam.facts.text_encoders):
+        prefix = "" if comp == fam.denoiser_component else f"{comp}."
+        held |= {prefix + ADAPTER_NAME.sub("", n): p for n, p in getattr(pipe, comp).named_parameters()}
+    missing = [n for n in trained if ADAPTER_NAME.sub("", n) not in held]
+    assert not missing, f"the loaded pipeline lacks {len(missing)} trained tensors: {missing[:8]}"
+    wrong = [n for n, v in trained.items() if not torch.equal(held[ADAPTER_NAME.sub("", n)].detach().float(), v)]
+    assert not wrong, f"loaded values differ from the trained ones: {wrong[:8]}"
