@@ -14,8 +14,9 @@ import torch
 from tests.integration.test_train_support import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-from gpu_setup import Bench, caches, trainer_for  # noqa: E402
+from gpu_setup import Bench, caches  # noqa: E402
 
+from tests.trainer import trainer_for  # noqa: E402
 from tuneline.stages.train import checkpoint as ckpt  # noqa: E402
 from tuneline.stages.train.plan import micro_batches  # noqa: E402
 
