@@ -25,7 +25,7 @@ def test_a_render_keeps_the_swapped_blocks_where_swap_keeps_them(tmp_path, full)
     model_dir = fam.ensure_model(None, tmp_path)
     plain = _latents(Renderer.load(fam, model_dir, CPU, torch.float32))
     live = fam.load_denoiser(model_dir, torch.float32, CPU).requires_grad_(full)
-    swapper = BlockSwapper(live, 2, CPU, full)
+    swapper = BlockSwapper(live, fam.block_stacks(live), 2, CPU, full)
     live.eval()
     with torch.no_grad():
         swapped = _latents(Renderer.load(fam, model_dir, CPU, torch.float32, denoiser=live))
