@@ -20,17 +20,18 @@ def compile_block(block: torch.nn.Module, backend: str = "inductor") -> None:
     block.compile(backend=backend)
 
 
-def compiled_blocks(denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks train.compile compiles: the transformer blocks, and a UNet's resnet blocks (most of its work)."""
+def compiled_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The blocks train.compile compiles: the transformer blocks in `stacks` (Family.block_stacks), and a UNet's
+    resnet blocks (most of its work)."""
     from diffusers.models.resnet import ResnetBlock2D
 
     resnets = [m for m in unwrap(denoiser).modules() if isinstance(m, ResnetBlock2D)]
-    return transformer_blocks(denoiser) + resnets
+    return transformer_blocks(denoiser, stacks) + resnets
 
 
-def compile_blocks(denoiser: torch.nn.Module, backend: str = "inductor") -> int:
+def compile_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...], backend: str = "inductor") -> int:
     """Compile every block of `denoiser` in place; returns how many."""
-    blocks = compiled_blocks(denoiser)
+    blocks = compiled_blocks(denoiser, stacks)
     if not blocks:
         raise ValueError(f"train.compile: {type(unwrap(denoiser)).__name__} has no blocks to compile; set it false")
     for block in blocks:

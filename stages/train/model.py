@@ -93,7 +93,7 @@ def prepare_denoiser(
 
         den.enable_gradient_checkpointing(offloaded_checkpoint if t.gradient_checkpointing == "offload" else None)
     if t.compile:  # after checkpointing and LoRA are in place, before any wrapping or sharding
-        compile_blocks(den)
+        compile_blocks(den, fam.block_stacks(den))
     den.train()
     trainable = {n: p for n, p in den.named_parameters() if p.requires_grad}
     if not trainable:
