@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
+from tuneline.stages.common import markdown as md
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.pipeline import PIPELINE, stage
@@ -133,7 +134,9 @@ def test_validate_renders_the_lora_result(lora):
     assert [i["prompt"] for i in manifest["images"]] == [p.prompt for p in ctx.cfg.validate_.prompts]
     assert manifest["class_separation_accuracy"] is None
     table = reporter.markdowns["validate-images"]
-    assert all(f"{i['file']}](file://" in table for i in manifest["images"]) and "loss.png" in table
+    # File names as text, never links: a browser opens neither a relative nor a file:// link from Prefect's UI.
+    assert all(md.text(i["file"]) in table for i in manifest["images"]) and "loss.png" in table
+    assert "file://" not in table and "](" not in table
     assert reporter.progress_calls[-1] == ("validate-progress", 1.0)
 
 
