@@ -4,7 +4,6 @@ session's demo run (conftest's demo_run), so this costs no run of its own."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 import pytest
@@ -43,7 +42,7 @@ def test_the_pipeline_run_holds_the_grid_loss_and_learning(demo_run):
             runs = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["tuneline-pipeline"])))
             # Other tests of the session run pipelines against the same Prefect database: the demo's is the one
             # whose config names the quick start's workdir.
-            [run] = [r for r in runs if str(demo_run["workdir"]) in json.dumps(r.parameters, default=str)]
+            [run] = [r for r in runs if r.parameters["config"]["workdir"] == str(demo_run["workdir"])]
             arts = await client.read_artifacts(limit=1000)
         return {a.key: a.data for a in arts if a.flow_run_id == run.id and a.key}
 
