@@ -125,7 +125,9 @@ def test_a_server_that_cannot_start_is_one_line_naming_the_setting(tmp_path):
     )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
-    lines = err.strip().splitlines()
+    # The notice that a temporary server is starting, then the refusal in one line.
+    notice, *lines = err.strip().splitlines()
+    assert notice.startswith("starting a temporary Prefect server"), err[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in lines[0] and "PREFECT_API_URL" in lines[0]
 
