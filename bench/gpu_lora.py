@@ -65,7 +65,7 @@ def measured(b: Bench, name: str, anchor: Anchor, planned_families: set[str]) ->
     user's path), the s/step of the same Trainer in this process (the stage records no step times). The first
     figure of a family also prints plan_vs_measured_<family> (the plan against the in-process peak)."""
     from tuneline.stages.families import resolve as models
-    from tuneline.stages.train.memplan import gpu_figures
+    from tuneline.stages.train.memcheck import gpu_figures
 
     cfg = b.config(name, anchor.family, anchor.train, model=anchor.model)
     ctx = caches(cfg)

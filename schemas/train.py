@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from tuneline.schemas.base import MAX_BATCH, ConfigPath, Seed, Strict
 from tuneline.schemas.families import family_list
+from tuneline.schemas.parallel import combination_problem
 
 _FLOW = family_list(lambda f: f.prediction == "flow_matching")
 _SINGLE = family_list(lambda f: f.single_file_export and f.released)
@@ -19,9 +20,6 @@ MAX_LORA_RANK = 8192
 # Learning rates no run can want, per optimizer: each step moves a weight by about the learning rate (Lion by
 # exactly that: its update is a sign), so above these training diverges at once.
 MAX_LEARNING_RATE = {"adamw": 0.1, "adamw8bit": 0.1, "adamw_schedulefree": 0.1, "adafactor": 0.1, "lion": 0.03}
-# Optimizers whose every state tensor is elementwise over its parameter: they step a shard as they step the whole
-# (tests/integration/test_fsdp_train.py trains them under FSDP).
-FSDP_OPTIMIZERS = ("adamw", "lion")
 
 
 class EvalConfig(Strict):
@@ -367,53 +365,10 @@ class TrainConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _compile_no_swap(self) -> TrainConfig:
-        # Swap's hooks on each block free and refill its weights' storage and wait on CUDA streams: a compiled
-        # block's graph would capture them.
-        if self.compile and self.blocks_to_swap:
-            raise ValueError(
-                f"train.compile with train.blocks_to_swap {self.blocks_to_swap}: swapped blocks run eager; set "
-                f"train.compile: false or train.blocks_to_swap: 0"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _fsdp(self) -> TrainConfig:
-        if self.fsdp_cpu_offload and self.parallelism != "fsdp":
-            raise ValueError(
-                f"train.fsdp_cpu_offload offloads FSDP's shards; with train.parallelism {self.parallelism} set "
-                f"train.parallelism: fsdp or train.fsdp_cpu_offload: false"
-            )
-        if self.parallelism != "fsdp":
-            return self
-        refused = {
-            "train.blocks_to_swap": (
-                self.blocks_to_swap > 0,
-                "FSDP already frees each block's gathered weights after use; set train.blocks_to_swap: 0 "
-                "(train.fsdp_cpu_offload keeps the shards in CPU memory)",
-            ),
-            "train.text_encoder_lora": (
-                self.text_encoder_lora,
-                "the text encoders are not sharded; set train.text_encoder_lora: false or train.parallelism: ddp",
-            ),
-            "train.validate_every": (
-                self.validate_every > 0,
-                "in-training renders run in one process, which cannot gather the others' shards; set "
-                "train.validate_every: 0 (the validate stage renders final/)",
-            ),
-            "train.eval": (
-                self.eval is not None,
-                "held-out evaluation runs in one process, which cannot gather the others' shards; set train.eval: null",
-            ),
-            f"train.optimizer {self.optimizer}": (
-                self.optimizer not in FSDP_OPTIMIZERS,
-                f"its state is not verified on sharded (DTensor) parameters; use one of "
-                f"{', '.join(FSDP_OPTIMIZERS)}, or train.parallelism: ddp",
-            ),
-        }
-        for field, (bad, why) in refused.items():
-            if bad:
-                raise ValueError(f"{field} with train.parallelism fsdp: {why}")
+    def _combinations(self) -> TrainConfig:
+        problem = combination_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     # Intervals shrink to fit a small `steps` (docs/design.md: derived values stay valid under edits).

@@ -93,3 +93,21 @@ def enforce(p, check: str, log) -> dict:
             raise ValueError(msg + "; train.memory_check: warn trains anyway)")
         log.warning("%s", msg + "; training anyway: train.memory_check is warn)")
     return p.as_json()
+
+
+def gpu_figures(cfg, model_dir: Path, step) -> dict:
+    """For the GPU benchmark: the plan on this CUDA device beside the measured peak of `step()` (one or more
+    training steps the caller runs), in bytes; None where no CUDA device is visible."""
+    if not torch.cuda.is_available():
+        return {"planned": None, "measured": None}
+    from tuneline.stages.train.memplan import plan
+
+    device = torch.device("cuda")
+    planned = plan(cfg, model_dir, device).total
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    return {
+        "planned": planned,
+        "measured": torch.cuda.max_memory_allocated(device),
+        "ratio": torch.cuda.max_memory_allocated(device) / planned,
+    }

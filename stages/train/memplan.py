@@ -387,19 +387,3 @@ def plan(
         return planner.plan(int(gpu_memory_gib * GIB), f"a {gpu_memory_gib:g} GiB CUDA GPU")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return planner.plan(free_memory(device), name)
-
-
-def gpu_figures(cfg, model_dir: Path, step) -> dict:
-    """For the GPU benchmark: the plan on this CUDA device beside the measured peak of `step()` (one or more
-    training steps the caller runs), in bytes; None where no CUDA device is visible."""
-    if not torch.cuda.is_available():
-        return {"planned": None, "measured": None}
-    device = torch.device("cuda")
-    planned = plan(cfg, model_dir, device).total
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    return {
-        "planned": planned,
-        "measured": torch.cuda.max_memory_allocated(device),
-        "ratio": torch.cuda.max_memory_allocated(device) / planned,
-    }

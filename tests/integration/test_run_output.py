@@ -35,7 +35,7 @@ def test_the_pipeline_run_holds_the_grid_loss_and_learning(demo_run):
     """The pipeline run's own artifacts (read from the run's Prefect database): the labelled grid, the loss curve
     and the learning figures, pictures inline."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowFilter, FlowFilterName
 
     async def artifacts() -> dict[str, str]:
         async with get_client() as client:
@@ -43,7 +43,9 @@ def test_the_pipeline_run_holds_the_grid_loss_and_learning(demo_run):
             # Other tests of the session run pipelines against the same Prefect database: the demo's is the one
             # whose config names the quick start's workdir.
             [run] = [r for r in runs if r.parameters["config"]["workdir"] == str(demo_run["workdir"])]
-            arts = await client.read_artifacts(limit=1000)
+            arts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])), limit=200
+            )
         return {a.key: a.data for a in arts if a.flow_run_id == run.id and a.key}
 
     arts = asyncio.run(artifacts())
