@@ -11,7 +11,7 @@ import torch
 def denoiser_class(fam, model_dir: Path):
     """The denoiser's class as the folder's model_index.json names it, imported alone: the pipeline's module would
     import every text encoder's too (seconds of `tuneline plan`). The family's pipeline says it where the folder
-    does not."""
+    does not (Family.denoiser_class)."""
     import json
 
     import diffusers
@@ -20,7 +20,7 @@ def denoiser_class(fam, model_dir: Path):
         entry = json.loads((model_dir / "model_index.json").read_text(encoding="utf-8"))[fam.denoiser_component]
         return getattr(diffusers, entry[1])
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return fam.pipeline_class._get_signature_types()[fam.denoiser_component][0]
+        return fam.denoiser_class
 
 
 def quiet_cast(den, dtype: torch.dtype):
