@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,29 +88,17 @@ def store_lock(workdir: Path, *, timeout: float, purpose: str) -> Iterator[None]
 
 
 def _acquire(path: Path, workdir: Path, deadline: float, timeout: float, purpose: str) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    waited = False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError as err:
-            if err.errno not in (errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise
-        if time.monotonic() >= deadline:
-            os.close(fd)
-            raise StoreLocked(_refusal(workdir, timeout))
-        if not waited:
-            log.info(
-                "artifact store %s is locked by %s; waiting up to %.0f s",
-                workdir,
-                describe_holder(holder(workdir)),
-                timeout,
-            )
-            waited = True
-        time.sleep(POLL_SECONDS)
+    def waiting() -> None:
+        log.info(
+            "artifact store %s is locked by %s; waiting up to %.0f s",
+            workdir,
+            describe_holder(holder(workdir)),
+            timeout,
+        )
+
+    fd = _flock_wait(path, fcntl.LOCK_EX, deadline, waiting)
+    if fd is None:
+        raise StoreLocked(_refusal(workdir, timeout))
     info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": purpose, "since": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
@@ -160,10 +148,12 @@ class RunInProgress(StoreLocked):
     """A pipeline run holds its lease on the workdir: housekeeping would collect versions it uses."""
 
 
-def _flock_wait(path: Path, mode: int, deadline: float) -> int | None:
-    """An fd holding `mode` (LOCK_SH/LOCK_EX) on `path`, or None once `deadline` passes."""
+def _flock_wait(path: Path, mode: int, deadline: float, waiting: Callable[[], None] = lambda: None) -> int | None:
+    """An fd holding `mode` (LOCK_SH/LOCK_EX) on `path`, or None once `deadline` passes; `waiting` is called once,
+    when the lock is first found held."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    waited = False
     while True:
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -175,6 +165,9 @@ def _flock_wait(path: Path, mode: int, deadline: float) -> int | None:
         if time.monotonic() >= deadline:
             os.close(fd)
             return None
+        if not waited:
+            waiting()
+            waited = True
         time.sleep(POLL_SECONDS)
 
 

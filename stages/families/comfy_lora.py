@@ -9,17 +9,7 @@ import re
 
 import torch
 
-
-def lora_pairs(peft_state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module path -> (down = lora_A, up = lora_B); anything but plain A/B pairs is refused."""
-    downs = {k.removesuffix(".lora_A.weight"): v for k, v in peft_state.items() if k.endswith(".lora_A.weight")}
-    ups = {k.removesuffix(".lora_B.weight"): v for k, v in peft_state.items() if k.endswith(".lora_B.weight")}
-    odd = sorted(set(downs) ^ set(ups)) + sorted(
-        k for k in peft_state if not k.endswith((".lora_A.weight", ".lora_B.weight"))
-    )
-    if odd:
-        raise ValueError(f"train.lora_format kohya: adapter weights other than plain LoRA A/B pairs: {odd[:5]}")
-    return {k: (downs[k], ups[k]) for k in downs}
+from tuneline.stages.families.kohya_layout import lora_pairs
 
 
 def comfy_state(

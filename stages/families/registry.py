@@ -2,7 +2,8 @@
 
 Each family is one folder, stages/families/<name>/ (stages/families/README.md): adapter.py holds its adapter
 class (named here), and optional parts the generic code looks up by name through family_part (lora.py: its kohya
-LoRA layout; shipped.py: the released model's shapes its shipped config describes).
+LoRA layout). Its shipped.json (the released model's shapes its shipped config describes) is data, read by
+shipped.py.
 """
 
 from __future__ import annotations

@@ -8,18 +8,23 @@ the file's shapes of a few telling tensors are compared first and a mismatch nam
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tuneline.schemas.model import SHIPPED_CONFIGS
-from tuneline.stages.families.registry import family_part
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 UNET = "model.diffusion_model."
 
-# Original-layout tensor name -> shape in the released model (each family's stages/families/<name>/shipped.py): the
-# UNet's first conv (latent channels), cross-attention widths (the text encoder's width), the depth of the deepest
-# transformer stack, and the text encoders' widths.
-SIGNATURES: dict[str, dict[str, tuple[int, ...]]] = {n: family_part(n, "shipped").SIGNATURE for n in SHIPPED_CONFIGS}
+
+def signature(name: str) -> dict[str, tuple[int, ...]]:
+    """Original-layout tensor name -> shape in the released model (stages/families/<name>/shipped.json): the
+    denoiser's first layer (latent channels), widths, the depth of the deepest stack, the text encoders' widths."""
+    data = json.loads((Path(__file__).resolve().parent / name / "shipped.json").read_text(encoding="utf-8"))
+    return {k: tuple(v) for k, v in data["shapes"].items()}
+
+
+SIGNATURES: dict[str, dict[str, tuple[int, ...]]] = {n: signature(n) for n in SHIPPED_CONFIGS}
 
 
 def shipped_dir(name: str) -> Path:

@@ -12,10 +12,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from tuneline.schemas.families import FAMILY_FACTS, facts
+from tuneline.schemas.families import facts
 from tuneline.schemas.model import SHIPPED_CONFIGS
 from tuneline.stages.families.shipped import resolve_config
-from tuneline.stages.families.split_files import build_once, checkpoint_family as marked_family
+from tuneline.stages.families.split_files import build_once, check_fits, checkpoint_family as marked_family
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -96,13 +96,7 @@ def convert_single_file(family: Any, file: Path, cache_dir: Path, config: str | 
             f"model.path: {file}: diffusers cannot load family {name!r} from a single file; "
             f"convert it to a diffusers folder and point model.path at that"
         )
-    found = checkpoint_family(file)
-    if found is not None and FAMILY_FACTS[found].checkpoint_marker != family.facts.checkpoint_marker:
-        raise ValueError(
-            f"model.path: {file} is a {found} checkpoint (its tensor names are {found}'s original "
-            f"layout) but model.family is {name}; set model.family {found}, or point model.path at a "
-            f"{name} checkpoint"
-        )
+    check_fits(family, file, checkpoint_family(file), "checkpoint")
     config, shipped = resolve_config(name, file, config)
     missing = missing_components(file, name)
     if missing and (shipped or config is None):

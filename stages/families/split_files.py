@@ -40,13 +40,14 @@ def checkpoint_family(keys: list[str]) -> str | None:
     return max(hits, key=lambda h: h[0])[1] if hits else None  # ties: the first row (FLUX.2 [dev] before [klein])
 
 
-def check_fits(family: Any, file: Path, keys: list[str]) -> None:
-    found = checkpoint_family(keys)
+def check_fits(family: Any, file: Path, found: str | None, kind: str) -> None:
+    """Refuse a file whose tensor names are another family's (`found`, from checkpoint_family); `kind` names what
+    the file is (a checkpoint, a transformer file)."""
+    name = family.facts.name
     if found is not None and FAMILY_FACTS[found].checkpoint_marker != family.facts.checkpoint_marker:
         raise ValueError(
-            f"model.path: {file} looks like a {found} transformer (its tensor names are {found}'s layout) but "
-            f"model.family is {family.facts.name}; set model.family {found}, or point model.path at a "
-            f"{family.facts.name} transformer file"
+            f"model.path: {file} is a {found} {kind} (its tensor names are {found}'s original layout) but "
+            f"model.family is {name}; set model.family {found}, or point model.path at a {name} {kind}"
         )
 
 
@@ -179,7 +180,7 @@ def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
     field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(comp, "model.text_encoder_path")
     sd = read_weights(path, field)
     if comp == family.denoiser_component:
-        check_fits(family, path, list(sd))
+        check_fits(family, path, checkpoint_family(list(sd)), "transformer file")
         sd = {next((k.removeprefix(p) for p in PREFIXES if k.startswith(p)), k): v for k, v in sd.items()}
     if not (out / comp / "config.json").is_file():
         raise ValueError(

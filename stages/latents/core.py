@@ -98,14 +98,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     if ctx.force:  # --force: resume nothing either
         for done in (store.BLOCKS, store.STORE):
             shutil.rmtree(work / done, ignore_errors=True)
-    settings = Settings(
-        roots=scan.roots(),
-        work=work,
-        dtype=lc.dtype,
-        block_rows=lc.block_rows,
-        batch_size=lc.batch_size,
-        names=store.array_names(lc.flip),
-    )
+    settings = Settings.of(scan, work, lc)
     encoder = Encoder(vae, dev, lc.dtype, lc.flip)
     results = write_buckets(ctx, settings, jobs, encoder, len(records))
     facts = manifest_facts(ctx, work, scan, results, jobs, fam, vae_facts_of(fam, vae), vae_dtype)

@@ -88,14 +88,7 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
     vae_dtype = planned_vae_dtype(cfg)
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
     jobs = plan(scan_records(models.artifact_dir(ctx, scan)), fam.facts.latent_channels, fam.facts.vae_factor, identity)
-    settings = Settings(
-        roots=scan.roots(),
-        work=work,
-        dtype=lc.dtype,
-        block_rows=lc.block_rows,
-        batch_size=lc.batch_size,
-        names=store.array_names(lc.flip),
-    )
+    settings = Settings.of(scan, work, lc)
     previous = PreviousRows.latest(ctx, settings.names)
     weight = VAE_WEIGHT_CPU if models.device(cfg).type == "cpu" else 1
     return Plan(jobs, settings, previous if previous is not None else NO_REUSE, vae_dtype, weight)

@@ -19,7 +19,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tuneline.schemas.scan import ImageRecord, Rejected
+from tuneline.schemas.latents import LatentsConfig
+from tuneline.schemas.scan import ImageRecord, Rejected, ScanManifest
 from tuneline.stages.latents import store
 from tuneline.stages.latents.encode import prepare
 
@@ -51,6 +52,11 @@ class Settings:
     block_rows: int
     batch_size: int
     names: tuple[str, ...]  # arrays per bucket
+
+    @classmethod
+    def of(cls, scan: ScanManifest, work: Path, lc: LatentsConfig) -> Settings:
+        """The settings the stage's config gives (the single process and every shard alike)."""
+        return cls(scan.roots(), work, lc.dtype, lc.block_rows, lc.batch_size, store.array_names(lc.flip))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tuneline.stages.families.kohya_layout import Target  # noqa: F401 (callers and tests name it from here)
+from tuneline.stages.families.kohya_layout import Target, lora_pairs  # noqa: F401 (callers and tests name it from here)
 
 
 def kohya_name(module: str) -> str:
@@ -51,25 +51,13 @@ def target(family: str, path: str, den: torch.nn.Module) -> Target | None:
     return part.kohya_target(path, den) if part is not None else None
 
 
-def adapter_modules(peft_state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """diffusers module path -> (lora_A = down, lora_B = up) from a peft state dict (`<path>.lora_A.weight`)."""
-    downs = {k.removesuffix(".lora_A.weight"): v for k, v in peft_state.items() if k.endswith(".lora_A.weight")}
-    ups = {k.removesuffix(".lora_B.weight"): v for k, v in peft_state.items() if k.endswith(".lora_B.weight")}
-    odd = sorted(set(downs) ^ set(ups)) + sorted(
-        k for k in peft_state if not k.endswith(("lora_A.weight", "lora_B.weight"))
-    )
-    if odd:
-        raise ValueError(f"train.lora_format kohya: adapter weights other than plain LoRA A/B pairs: {odd[:5]}")
-    return {k: (downs[k], ups[k]) for k in downs}
-
-
 def to_kohya(
     family: str, den: torch.nn.Module, peft_state: dict[str, torch.Tensor], alpha: float
 ) -> dict[str, torch.Tensor]:
     """The kohya state dict for these adapter weights (scale alpha / rank, as peft applies it). Raises naming every
     trained module that has no place in the layout, so a file never silently drops part of the training."""
     layout(family)
-    mods = adapter_modules(peft_state)
+    mods = lora_pairs(peft_state)
     modules = dict(den.named_modules())
     targets = {p: target(family, p, den) for p in mods}
     missing = sorted(p for p, tg in targets.items() if tg is None)

@@ -105,13 +105,13 @@ class Joint(torch.nn.Module):
 
 def kohya_state(family: str, layers: dict[str, dict[str, torch.Tensor]], alpha: float) -> dict[str, torch.Tensor]:
     """The text encoders' LoRA as kohya modules: `<prefix>_<module path with '_'>.lora_down/lora_up/alpha`."""
+    from tuneline.stages.families.kohya_layout import lora_pairs
     from tuneline.stages.families.registry import family_part
-    from tuneline.stages.train.kohya import adapter_modules
 
     prefixes = dict(family_part(family, "lora").TEXT_ENCODER_KOHYA)
     out: dict[str, torch.Tensor] = {}
     for comp, state in layers.items():
-        for path, (down, up) in adapter_modules(state).items():
+        for path, (down, up) in lora_pairs(state).items():
             stem = f"{prefixes[comp]}_{path.replace('.', '_')}"
             out[f"{stem}.lora_down.weight"], out[f"{stem}.lora_up.weight"] = down, up
             out[f"{stem}.alpha"] = torch.tensor(float(alpha))

@@ -97,7 +97,7 @@ def test_transformer_of_another_family_is_refused(tmp_path):
     save_file({comfy_layout.PREFIX + k: v for k, v in sd.items()}, str(file))
     qwen = get_family("qwen_image")
     config = _weightless(qwen.ensure_model(None, tmp_path / "models"), tmp_path / "config")
-    with pytest.raises(ValueError, match="looks like a flux2 transformer.*model.family is qwen_image"):
+    with pytest.raises(ValueError, match="is a flux2 transformer file.*model.family is qwen_image"):
         qwen.ensure_model(str(file), tmp_path / "cache", str(config))
 
 

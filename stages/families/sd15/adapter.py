@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import import_module
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -88,17 +89,21 @@ def unet_block_stacks(unet: torch.nn.Module) -> tuple[str, ...]:
 CLIP_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-class SD15Family(DiffusersFamily):
+class LdmUNetFamily(DiffusersFamily):
+    """What SD1.x and SDXL share: a UNet of repeated transformer stacks, CLIP text encoders, and an original
+    (LDM) single-file layout written by `single_file_module`'s `ldm_state_dict`."""
+
     text_encoder_lora_targets: ClassVar[tuple[str, ...]] = CLIP_LORA_TARGETS
+    single_file_module: ClassVar[str] = "tuneline.stages.families.sd15.single_file"
 
     def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
         return unet_block_stacks(model)
 
     def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
-        from tuneline.stages.families.sd15.single_file import ldm_state_dict
+        return import_module(self.single_file_module).ldm_state_dict(pipe)
 
-        return ldm_state_dict(pipe)
 
+class SD15Family(LdmUNetFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sd15"]
     # The tiny flavor's CLIP context: SD1.5's 77, so the sd15 flavor behaves like the real model.
     tiny_text_length: ClassVar[int] = 77

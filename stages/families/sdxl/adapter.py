@@ -10,30 +10,20 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize
+from tuneline.stages.families.common import module_device, tokenize
 from tuneline.stages.families.sd15.adapter import (
-    CLIP_LORA_TARGETS,
+    LdmUNetFamily,
     tiny_clip_config,
     tiny_unet,
     tiny_vae,
-    unet_block_stacks,
 )
 from tuneline.stages.families.vocab import build_clip_tokenizer
 
 TIME_EMBED_DIM = 8  # tiny flavor's addition_time_embed_dim (SDXL: 256)
 
 
-class SDXLFamily(DiffusersFamily):
-    text_encoder_lora_targets: ClassVar[tuple[str, ...]] = CLIP_LORA_TARGETS
-
-    def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
-        return unet_block_stacks(model)
-
-    def single_file_state(self, pipe: Any) -> dict[str, torch.Tensor]:
-        from tuneline.stages.families.sdxl.single_file import ldm_state_dict
-
-        return ldm_state_dict(pipe)
-
+class SDXLFamily(LdmUNetFamily):
+    single_file_module: ClassVar[str] = "tuneline.stages.families.sdxl.single_file"
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["sdxl"]
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
 
