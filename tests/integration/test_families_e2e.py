@@ -10,21 +10,13 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.integration.family_runs import run_all, write_dataset
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.text import TextManifest
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stages_for
-
-CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
-
-
-def write_dataset(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, caption in enumerate(CAPTIONS):
-        Image.new("RGB", (64, 64), (60 * i, 140, 220 - 50 * i)).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(caption, encoding="utf-8")
 
 
 def pipeline_config(root: Path, family: str, text: dict) -> StageContext:
@@ -42,15 +34,6 @@ def pipeline_config(root: Path, family: str, text: dict) -> StageContext:
         workdir=str(root / "work"),
     )
     return StageContext(cfg)
-
-
-def run_all(ctx: StageContext) -> dict[str, Path]:
-    out = {}
-    for sd in stages_for(ctx.cfg):
-        path, built = run_stage(ctx, sd, PIPELINE)
-        assert built, f"{sd.name} should build in a fresh workdir"
-        out[sd.name] = path
-    return out
 
 
 def check_results(ctx: StageContext, paths: dict[str, Path]) -> None:

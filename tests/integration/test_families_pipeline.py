@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.family_runs import tiny_models
 from tuneline.stages.families.registry import family_names, get_family
 
 FAMILIES = family_names()
@@ -30,14 +31,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def built(cache_dir):
     """family name → its tiny model folder, built on first use and shared by every test."""
-    dirs: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in dirs:
-            dirs[name] = get_family(name).ensure_model(None, cache_dir)
-        return dirs[name]
-
-    return get
+    return tiny_models(cache_dir)
 
 
 @pytest.fixture(scope="session")

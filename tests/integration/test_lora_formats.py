@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.integration.family_runs import tiny_models
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.registry import get_family
@@ -36,15 +37,7 @@ INFO = ExportInfo(
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("lora-format-models")
-    dirs: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in dirs:
-            dirs[name] = get_family(name).ensure_model(None, cache)
-        return dirs[name]
-
-    return get
+    return tiny_models(tmp_path_factory.mktemp("lora-format-models"))
 
 
 def _trained(

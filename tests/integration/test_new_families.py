@@ -12,6 +12,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tests.integration import comfy_lora_keys
+from tests.integration.family_runs import lift_lora_up, run_all, tiny_models, write_dataset
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.train import TrainConfig
 from tuneline.schemas.train_manifest import TrainManifest
@@ -27,17 +28,14 @@ CPU = torch.device("cpu")
 FAMILIES = ["z_image", "flux2_klein", "flux2"]
 # Caption tokens: FLUX.2 [dev] prefixes its system message (138 tokens with the tiny vocabulary).
 LENGTH = {"z_image": 48, "flux2_klein": 48, "flux2": 160}
-CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
 RANK, ALPHA = 4, 2.0
 
 
 def _context(root: Path, family: str, mode: str) -> StageContext:
     """64 px, 2 steps, 1 process, 2 sampler steps, a negative prompt and one without (the pipeline's own "")."""
     data = root / "data"
-    for i, caption in enumerate(CAPTIONS) if not data.is_dir() else ():  # a second run reads the same files
-        data.mkdir(parents=True, exist_ok=True)
-        Image.new("RGB", (64, 64), (60 * i, 140, 220 - 50 * i)).save(data / f"{i}.png")
-        (data / f"{i}.txt").write_text(caption, encoding="utf-8")
+    if not data.is_dir():  # a second run reads the same files
+        write_dataset(data)
     cfg = parse_config(
         {
             "dataset": {"path": str(data)},
@@ -58,19 +56,10 @@ def _context(root: Path, family: str, mode: str) -> StageContext:
     return StageContext(cfg)
 
 
-def _run_all(ctx: StageContext) -> dict[str, Path]:
-    out = {}
-    for sd in stages_for(ctx.cfg):
-        path, built = run_stage(ctx, sd, PIPELINE)
-        assert built, f"{sd.name} should build in a fresh workdir"
-        out[sd.name] = path
-    return out
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def lora_run(request, tmp_path_factory):
     ctx = _context(tmp_path_factory.mktemp(f"{request.param}-lora"), request.param, "lora")
-    return request.param, ctx, _run_all(ctx)
+    return request.param, ctx, run_all(ctx)
 
 
 def _check_chain(ctx: StageContext, paths: dict[str, Path], mode: str) -> None:
@@ -108,8 +97,7 @@ def test_full_fine_tune_chain(lora_run):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """One tiny model folder per family for the LoRA file tests."""
-    cache = tmp_path_factory.mktemp("new-family-models")
-    return lambda family: get_family(family).ensure_model(None, cache)
+    return tiny_models(tmp_path_factory.mktemp("new-family-models"))
 
 
 def _trained_lora(family: str, model_dir: Path, out: Path):
@@ -118,11 +106,7 @@ def _trained_lora(family: str, model_dir: Path, out: Path):
     fam = get_family(family)
     t = TrainConfig(mode="lora", lora_rank=RANK, lora_alpha=ALPHA)
     den, trainable = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in trainable.items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    lift_lora_up(trainable, 0.2)
     save_final(fam, model_dir, den, t, out)
     return fam, den
 

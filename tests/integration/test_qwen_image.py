@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from tests.integration.family_runs import lift_lora_up
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.train import TrainConfig
@@ -74,11 +75,7 @@ def trained(tmp_path_factory):
     model_dir = fam.ensure_model(None, root / "models")
     t = TrainConfig(mode="lora", lora_rank=4, lora_alpha=2.0)
     den, trainable = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in trainable.items():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    lift_lora_up(trainable, 0.05)
     info = ExportInfo(
         train_version="v", base_identity="b", steps=1, num_train_images=1, resolution=64, started_at=1_700_000_000.0
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.family_runs import render_latents
 from tests.integration.test_train_support import build_upstream, small_config
 from tests.trainer import steps, trainer_for
 from tuneline.stages.families import resolve as models
@@ -47,22 +48,11 @@ def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
     save_final(trainer.fam, models.model_dir(ctx), trainer.denoiser, cfg.train, tmp_path / "final")
     pipe = DiffusionPipeline.from_pretrained(models.model_dir(ctx))
     pipe.set_progress_bar_config(disable=True)
-    before = _render(pipe)
+    before = render_latents(pipe)
     pipe.load_lora_weights(tmp_path / "final")
-    assert not torch.allclose(_render(pipe), before), "the LoRA weights did not reach the denoiser"
+    assert not torch.allclose(render_latents(pipe), before), "the LoRA weights did not reach the denoiser"
     image = pipe("a red square", num_inference_steps=2, height=64, width=64).images[0]
     assert image.size == (64, 64)
-
-
-def _render(pipe) -> torch.Tensor:
-    return pipe(
-        "a red square",
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        output_type="latent",
-        generator=torch.Generator().manual_seed(0),
-    ).images
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])

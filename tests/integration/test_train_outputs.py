@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.integration.family_runs import render_latents
 from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
 from tuneline.stages.common import markdown as md
 from tuneline.stages.common.stage import StageContext, run_stage
@@ -54,25 +55,13 @@ def _pipe(folder):
     return pipe
 
 
-def _render(pipe) -> torch.Tensor:
-    out = pipe(
-        "a red square",
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        output_type="latent",
-        generator=torch.Generator().manual_seed(0),
-    )
-    return out.images
-
-
 def test_lora_final_loads_with_load_lora_weights_and_changes_the_render(lora):
     ctx, path, _ = lora
     assert (path / "final" / "pytorch_lora_weights.safetensors").is_file()
     pipe = _pipe(models.model_dir(ctx))
-    before = _render(pipe)
+    before = render_latents(pipe)
     pipe.load_lora_weights(path / "final")
-    after = _render(pipe)
+    after = render_latents(pipe)
     assert after.shape == before.shape and not torch.allclose(after, before)
     image = pipe("a red square", num_inference_steps=2, height=64, width=64).images[0]
     assert image.size == (64, 64)

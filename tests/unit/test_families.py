@@ -22,26 +22,16 @@ from tuneline.stages.families.vocab import (
     write_clip_vocab,
 )
 
+# Every registered family; the UNet families (4-channel latents, epsilon) and FLUX.2 (32 channels).
+FAMILIES = (
+    "tiny sd15 sdxl sd3 flux flux_kontext qwen_image qwen_image_edit qwen_image_edit_plus z_image flux2 flux2_klein"
+)
+UNETS = {"tiny", "sd15", "sdxl"}
+FLUX2 = {"flux2", "flux2_klein"}
+
 
 def test_registry_covers_every_family_with_facts():
-    assert (
-        set(family_names())
-        == set(FAMILY_FACTS)
-        == {
-            "tiny",
-            "sd15",
-            "sdxl",
-            "sd3",
-            "flux",
-            "flux_kontext",
-            "qwen_image",
-            "qwen_image_edit",
-            "qwen_image_edit_plus",
-            "z_image",
-            "flux2",
-            "flux2_klein",
-        }
-    )
+    assert set(family_names()) == set(FAMILY_FACTS) == set(FAMILIES.split())
     for name in family_names():
         fam = get_family(name)
         assert fam.facts is FAMILY_FACTS[name]
@@ -57,40 +47,10 @@ def test_unknown_family_names_the_known_ones():
 
 
 def test_facts_alignment_and_targets():
-    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {
-        "tiny": 8,
-        "sd15": 8,
-        "sdxl": 8,
-        "sd3": 16,
-        "flux": 16,
-        "flux_kontext": 16,
-        "qwen_image": 16,
-        "qwen_image_edit": 16,
-        "qwen_image_edit_plus": 16,
-        "z_image": 16,
-        "flux2": 16,
-        "flux2_klein": 16,
-    }
-    assert {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"} == {
-        "sd3",
-        "flux",
-        "flux_kontext",
-        "qwen_image",
-        "qwen_image_edit",
-        "qwen_image_edit_plus",
-        "z_image",
-        "flux2",
-        "flux2_klein",
-    }
-    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {
-        "sd3",
-        "flux",
-        "flux_kontext",
-        "qwen_image",
-        "qwen_image_edit",
-        "qwen_image_edit_plus",
-        "z_image",
-    }
+    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {n: 8 if n in UNETS else 16 for n in FAMILIES.split()}
+    flow = {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"}
+    assert flow == set(FAMILIES.split()) - UNETS
+    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == flow - FLUX2
 
 
 def test_bpe_merges_rebuild_every_word_whole():
