@@ -12,6 +12,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 STAGES = ["scan", "latents", "text", "train", "validate"]
 
@@ -34,6 +35,12 @@ def tuneline(
         env=full_env,
         cwd=cwd or ROOT,
     )
+
+
+def spawn(args: list[str], log: IO, env: dict, group: bool = True) -> subprocess.Popen:
+    """`args` started from the repository root, stdout and stderr into `log`; `group`: in a process group of its
+    own, so a signal to the group (os.killpg) reaches the children too (torchrun and its workers)."""
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=group)
 
 
 def prefect_cli(*args: str, env: dict, timeout: int = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -90,6 +90,10 @@ def build(model: str, folder: Path, text: dict | None = None) -> Path:
     return folder
 
 
+# The language model of both tiny captioners: 2 layers, 64 wide, grouped-query attention as the released ones have.
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
 def _qwen2_vl(overrides: dict):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
@@ -98,11 +102,7 @@ def _qwen2_vl(overrides: dict):
     text = (
         dict(
             vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **DECODER,
             max_position_embeddings=4096,
             rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
             eos_token_id=ids("<|im_end|>"),
@@ -172,11 +172,7 @@ def _llava(overrides: dict):
         dict(
             model_type="llama",
             vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **DECODER,
             eos_token_id=ids("</s>"),
             pad_token_id=ids("<pad>"),
             bos_token_id=ids("<s>"),

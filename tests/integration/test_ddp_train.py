@@ -17,6 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers import spawn
 from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
 from tests.reliability.test_cli_server import _env, _flow_run_states
 from tests.tracing import tuneline_trace
@@ -94,23 +95,20 @@ def _workers_of(spec_dir: Path) -> list[int]:
     return found
 
 
+def _await_checkpoint(wd: Path, proc: subprocess.Popen, log: Path, step: int, seconds: float) -> None:
+    """Until the training in `wd` has written checkpoint `step` (its process still running, its log's tail if not)."""
+    deadline = time.monotonic() + seconds
+    while not list(wd.glob(f"artifacts/train/.*.partial/checkpoints/step-{step:07d}")):
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
 def _kill_after_checkpoint(wd: Path, cfg_json: str, step: int) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(wd / "driver.log", "w") as log:
-        driver = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, cfg_json],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 240
-        pattern = f"artifacts/train/.*.partial/checkpoints/step-{step:07d}"
-        while not list(wd.glob(pattern)):
-            assert driver.poll() is None, (wd / "driver.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        driver = spawn([sys.executable, "-c", DRIVER, cfg_json], log, env)
+        _await_checkpoint(wd, driver, wd / "driver.log", step, 240)
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
     partial = next(wd.glob("artifacts/train/.*.partial"))
@@ -156,19 +154,8 @@ def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resu
     env = _env(home, TUNELINE_TEST_TRACE=str(tmp_path), TUNELINE_TEST_SLOW_STOP_S="35")
     env["PYTHONPATH"] = os.pathsep.join([str(tuneline_trace.HERE), env["PYTHONPATH"]])
     with open(tmp_path / "cli.log", "w") as log:
-        cli = subprocess.Popen(
-            [sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 300
-        while not list(tmp_path.glob("artifacts/train/.*.partial/checkpoints/step-0000004")):
-            assert cli.poll() is None, (tmp_path / "cli.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        cli = spawn([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)], log, env)
+        _await_checkpoint(tmp_path, cli, tmp_path / "cli.log", 4, 300)
         os.killpg(cli.pid, signal.SIGTERM)
         rc = cli.wait(timeout=300)
     text = (tmp_path / "cli.log").read_text()

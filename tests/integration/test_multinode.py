@@ -19,6 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests.helpers import spawn
 from tests.integration.test_train_support import ROOT, build_upstream, small_config
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.stage import StageContext, status
@@ -52,16 +53,7 @@ def _start_nodes(wd: Path, port: int) -> list[subprocess.Popen]:
         # Each node is its own machine: its own Prefect (ephemeral) home, one shared workdir.
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(wd / f"prefect-{rank}")}
         log = open(wd / f"node{rank}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(path)],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
+        procs.append(spawn([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(path)], log, env))
     return procs
 
 

@@ -200,6 +200,20 @@ def test_a_family_taking_one_control_refuses_a_folder_of_several(tmp_path):
         _scan_family(tmp_path, {"path": str(data), "control": str(controls)}, "flux_kontext")
 
 
+def _tiny_latents(tmp_path: Path, dataset: dict) -> StageContext:
+    """The tiny family's latents of `dataset` at 32 px (the scan of `_scan_family` before it)."""
+    cfg = parse_config(
+        {
+            "workdir": str(tmp_path / "work"),
+            "dataset": dataset,
+            "buckets": {"resolution": 32, "alignment": 16},
+            "model": {"family": "tiny", "device": "cpu"},
+        },
+        "<test>",
+    )
+    return StageContext(cfg)
+
+
 def test_latents_refuse_several_references_for_a_family_taking_one(tmp_path):
     """A scan made for flux2 (several references per image) reused by a family that takes one control: the latents
     stage refuses it, naming the family."""
@@ -213,17 +227,8 @@ def test_latents_refuse_several_references_for_a_family_taking_one(tmp_path):
         _references(controls, stem, 2)
     dataset = {"path": str(data), "control": str(controls)}
     _scan_family(tmp_path, dataset, "flux2")
-    cfg = parse_config(
-        {
-            "workdir": str(tmp_path / "work"),
-            "dataset": dataset,
-            "buckets": {"resolution": 32, "alignment": 16},
-            "model": {"family": "tiny", "device": "cpu"},
-        },
-        "<test>",
-    )
     with pytest.raises(Exception, match=r"2 reference images, but family 'tiny' takes one"):
-        run_stage(StageContext(cfg), stage("latents"), PIPELINE)
+        run_stage(_tiny_latents(tmp_path, dataset), stage("latents"), PIPELINE)
 
 
 def test_each_source_pairs_with_its_own_control_folder(tmp_path):
@@ -276,16 +281,7 @@ def test_each_source_pairs_with_its_own_control_folder(tmp_path):
     assert files == {file_sha256(folders[n][1] / "cat.png"): folders[n][1] / "cat.png" for n in "abc"}
     assert sorted(sha for _, sha in pairs) == sorted(files)
 
-    cfg = parse_config(
-        {
-            "workdir": str(tmp_path / "work"),
-            "dataset": dataset,
-            "buckets": {"resolution": 32, "alignment": 16},
-            "model": {"family": "tiny", "device": "cpu"},
-        },
-        "<test>",
-    )
-    path, _ = run_stage(StageContext(cfg), stage("latents"), PIPELINE)
+    path, _ = run_stage(_tiny_latents(tmp_path, dataset), stage("latents"), PIPELINE)
     manifest = json.loads((path / "manifest.json").read_text())
     assert (manifest["controls"], manifest["controls_encoded"]) == (3, 3)
     [bucket] = manifest["buckets"]

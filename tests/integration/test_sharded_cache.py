@@ -120,13 +120,17 @@ def _shard_process(index: int) -> psutil.Process | None:
     return None
 
 
-def test_killed_shard_resumes_its_finished_blocks(data, single):
+def _scanned(data, name: str):
+    """A 2-shard latents context of its own after its scan: the context, its work folder and the shards' plan."""
     root, models = data
-    ctx = context(root, models, "killed", 2)
+    ctx = context(root, models, name, 2)
     build(ctx, "scan")
     work = _work(ctx)
-    scan = ctx.store.read(ctx.store.latest("scan"), ScanManifest)
-    p = make_plan(ctx, work, scan)
+    return ctx, work, make_plan(ctx, work, ctx.store.read(ctx.store.latest("scan"), ScanManifest))
+
+
+def test_killed_shard_resumes_its_finished_blocks(data, single):
+    ctx, work, p = _scanned(data, "killed")
     theirs = [(p.jobs[k].key, b) for k, b in owners(p, 2)[1]]
     seen: dict[str, int] = {}
 
@@ -157,12 +161,7 @@ def test_killed_shard_resumes_its_finished_blocks(data, single):
 
 
 def test_failed_shard_names_itself_and_publishes_nothing(data):
-    root, models = data
-    ctx = context(root, models, "failed", 2)
-    build(ctx, "scan")
-    work = _work(ctx)
-    scan = ctx.store.read(ctx.store.latest("scan"), ScanManifest)
-    p = make_plan(ctx, work, scan)
+    ctx, work, p = _scanned(data, "failed")
     k, b = owners(p, 2)[0][-1]
     blocker = work / store.BLOCKS / p.jobs[k].key / f"{b:06d}.json"
     blocker.mkdir(parents=True)  # shard 0 cannot write this block's record

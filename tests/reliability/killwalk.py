@@ -14,13 +14,13 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from tests.helpers import spawn
 from tests.reliability import faultlib as fl
 
 # Seconds from a stage taking the store lock to its publish, on 2 busy cores (tiny config of faultlib): kill
@@ -133,14 +133,7 @@ def kill_run(
     Stage durations seen on the way (stages it completed) are added to `observed`."""
     kill = Kill(target, delay)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            fl.cli_args("run", str(config), "--workdir", str(workdir)),
-            cwd=fl.ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = spawn(fl.cli_args("run", str(config), "--workdir", str(workdir)), out, env)
     seen: dict[int, float] = {}
     timer = _Timer(workdir, proc.pid, observed)
 

@@ -3,13 +3,13 @@ published or uses (the run's lease on the workdir, stages/common/lock.py)."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import psutil
 import pytest
 import yaml
 
+from tests.helpers import spawn
 from tests.reliability import faultlib as fl
 
 pytestmark = pytest.mark.timeout(2400)
@@ -39,13 +39,7 @@ def test_gc_never_collects_what_a_run_in_progress_uses(workcopy, small_config, p
     y = None
     try:
         with store_lock(workcopy, timeout=5, purpose="test"):
-            y = subprocess.Popen(
-                fl.cli_args("run", str(small_config), "--workdir", str(workcopy)),
-                cwd=fl.ROOT,
-                env=prefect_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            y = spawn(fl.cli_args("run", str(small_config), "--workdir", str(workcopy)), log, prefect_env, group=False)
             deadline = time.monotonic() + 300
             while not _has_open(y.pid, workcopy / ".tuneline.lock") and y.poll() is None:
                 assert time.monotonic() < deadline, "the run never reached the store lock"

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.unit.optimizer_runs import run_steps, straight_and_cut
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.train import checkpoint as ckpt
@@ -146,19 +147,7 @@ def test_adamw8bit_resumes_exactly(tmp_path):
     init = {"w": torch.randn(64, 128), "b": torch.randn(128)}  # w is large enough for 8-bit state
     grads = [{k: torch.randn_like(v) for k, v in init.items()} for _ in range(3)]
     t = TrainConfig(optimizer="adamw8bit", learning_rate=1e-2, weight_decay=0.01)
-
-    def steps(params, opt, gs):
-        for g in gs:
-            for k, p in params.items():
-                p.grad = g[k].clone()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    straight = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
-    steps(straight, build_optimizer(list(straight.values()), t), grads)
-    first = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
-    opt = build_optimizer(list(first.values()), t)
-    steps(first, opt, grads[:2])
+    straight, first, opt = straight_and_cut(init, grads, t)
     names = list(first)
     tensors, meta = state_tensors(opt, names)
     assert any(k.endswith(".codes") and v.dtype == torch.uint8 for k, v in tensors.items())
@@ -167,7 +156,7 @@ def test_adamw8bit_resumes_exactly(tmp_path):
     resumed = {k: torch.nn.Parameter(v.detach().clone()) for k, v in first.items()}
     opt2 = build_optimizer(list(resumed.values()), t)
     restore_state(opt2, names, loaded["optimizer"], state["optimizer"])
-    steps(resumed, opt2, grads[2:])
+    run_steps(resumed, opt2, grads[2:])
     for k in init:
         torch.testing.assert_close(resumed[k].detach(), straight[k].detach(), rtol=0, atol=0)
     assert not torch.equal(straight["w"].detach(), init["w"])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.unit.optimizer_runs import fresh, init_and_grads, run_steps, straight_and_cut
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.train import checkpoint as ckpt
 from tuneline.stages.train.optimizers import build_optimizer, eval_weights, restore_state, state_tensors
@@ -16,35 +17,13 @@ SETTINGS = {
 }
 
 
-def init_and_grads(steps=4):
-    torch.manual_seed(0)
-    init = {"w": torch.randn(16, 24), "conv": torch.randn(8, 4, 3, 3), "b": torch.randn(24)}
-    return init, [{k: torch.randn_like(v) for k, v in init.items()} for _ in range(steps)]
-
-
-def run_steps(params, opt, grads):
-    for g in grads:
-        for k, p in params.items():
-            p.grad = g[k].clone()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def fresh(init):
-    return {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
-
-
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_optimizer_resumes_exactly(name, tmp_path):
     """Four steps straight equal two steps, a checkpoint through safetensors + JSON, a new optimizer, two
     steps; the state changed the weights (the run is not a no-op)."""
     t = TrainConfig(optimizer=name, weight_decay=0.01, **SETTINGS[name])
     init, grads = init_and_grads()
-    straight = fresh(init)
-    run_steps(straight, build_optimizer(list(straight.values()), t), grads)
-    first = fresh(init)
-    opt = build_optimizer(list(first.values()), t)
-    run_steps(first, opt, grads[:2])
+    straight, first, opt = straight_and_cut(init, grads, t)
     names = list(first)
     tensors, meta = state_tensors(opt, names)
     path = ckpt.save(tmp_path, 2, {"optimizer": tensors, "trainable": dict(first)}, {"optimizer": meta})
@@ -63,11 +42,7 @@ def test_schedule_free_eval_weights_and_exact_return():
     exact training weights come back, so validating mid-run changes nothing that follows."""
     t = TrainConfig(optimizer="adamw_schedulefree", learning_rate=1e-2)
     init, grads = init_and_grads()
-    plain = fresh(init)
-    run_steps(plain, build_optimizer(list(plain.values()), t), grads)
-    checked = fresh(init)
-    opt = build_optimizer(list(checked.values()), t)
-    run_steps(checked, opt, grads[:2])
+    plain, checked, opt = straight_and_cut(init, grads, t)
     y = {k: p.detach().clone() for k, p in checked.items()}
     with eval_weights(opt, checked):
         x = {k: p.detach().clone() for k, p in checked.items()}
