@@ -31,10 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tuneline.schemas.latents import LatentBucket, LatentsManifest  # noqa: E402
-from tuneline.stages.common.jsonl import write_jsonl  # noqa: E402
+from tests.records import write_latents  # noqa: E402
 from tuneline.stages.common.prefetch import ahead  # noqa: E402
-from tuneline.stages.latents import store  # noqa: E402
 from tuneline.stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
 from tuneline.stages.train.loop import feed_workers, sample_latents, samples_in_feed  # noqa: E402
 
@@ -48,38 +46,8 @@ FEED_DEPTH = 2  # Trainer.feed's: two steps of one micro-batch ahead
 
 
 def write_ours(root: Path, data: dict[str, np.ndarray]) -> LatentReader:
-    index, buckets = [], []
-    for key, mean in data.items():
-        n, shape = len(mean), mean.shape[1:]
-        std = (np.abs(mean) * 0.01 + 1e-3).astype(np.float16)
-        arrays = store.create_arrays(root, key, shape, n, "float16", BLOCK_ROWS, store.DIST)
-        for b in range(0, n, BLOCK_ROWS):
-            store.write_block(
-                arrays, b // BLOCK_ROWS, {"mean": mean[b : b + BLOCK_ROWS], "std": std[b : b + BLOCK_ROWS]}
-            )
-        index += [{"path": f"{key}/{i}.png", "bucket": key, "row": i, "key": f"{key}-{i}"} for i in range(n)]
-        w, h = (int(x) for x in key.split("x"))
-        buckets.append(LatentBucket(width=w, height=h, shape=shape, count=n, array=key))
-    write_jsonl(root / store.INDEX, index)
-    manifest = LatentsManifest(
-        fingerprint="bench",
-        tool_version="bench",
-        code_version="bench",
-        family="sd15",
-        vae_identity="bench",
-        vae_dtype="float32",
-        vae_factor=8,
-        latent_channels=4,
-        scaling_factor=0.18215,
-        shift_factor=0.0,
-        dtype="float16",
-        flip=False,
-        block_rows=BLOCK_ROWS,
-        size_policy={},
-        buckets=buckets,
-        count=len(index),
-    )
-    return LatentReader(root, manifest)
+    arrays = {key: {"mean": mean, "std": (np.abs(mean) * 0.01 + 1e-3).astype(np.float16)} for key, mean in data.items()}
+    return LatentReader(root, write_latents(root, arrays, BLOCK_ROWS, family="sd15", scaling_factor=0.18215))
 
 
 def write_files(root: Path, data: dict[str, np.ndarray]) -> None:

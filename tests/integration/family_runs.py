@@ -13,6 +13,7 @@ from PIL import Image
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stages_for
+from tuneline.stages.train.export import ExportInfo
 
 CAPTIONS = ["red, square, bright", "blue, circle", "red, square, bright", "green, circle, small"]
 
@@ -60,3 +61,11 @@ def render_latents(pipe) -> torch.Tensor:
         output_type="latent",
         generator=torch.Generator().manual_seed(0),
     ).images
+
+
+def export_info(**changes) -> ExportInfo:
+    """A run's export facts for the files' headers: a 64 px run started at a fixed time, with `changes`."""
+    facts = dict(
+        train_version="v", base_identity="sha256:base", steps=1, num_train_images=1, resolution=64, started_at=1.7e9
+    )
+    return ExportInfo(**(facts | changes))

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.integration.family_runs import tiny_models
+from tests.integration.family_runs import export_info, tiny_models
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.registry import get_family
@@ -25,14 +25,7 @@ from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
 RANK, ALPHA = 4, 2.0
-INFO = ExportInfo(
-    train_version="abc123",
-    base_identity="sha256:base",
-    steps=7,
-    num_train_images=5,
-    resolution=64,
-    started_at=1_700_000_000.0,
-)
+INFO = export_info(train_version="abc123", steps=7, num_train_images=5)
 
 
 @pytest.fixture(scope="module")

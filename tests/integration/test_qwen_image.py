@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.integration.family_runs import lift_lora_up
+from tests.integration.family_runs import export_info, lift_lora_up
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.train import TrainConfig
@@ -22,7 +22,7 @@ from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stages_for
-from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, ExportInfo
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
 CPU = torch.device("cpu")
@@ -76,10 +76,7 @@ def trained(tmp_path_factory):
     t = TrainConfig(mode="lora", lora_rank=4, lora_alpha=2.0)
     den, trainable = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
     lift_lora_up(trainable, 0.05)
-    info = ExportInfo(
-        train_version="v", base_identity="b", steps=1, num_train_images=1, resolution=64, started_at=1_700_000_000.0
-    )
-    save_final(fam, model_dir, den, t, root / "final", info)
+    save_final(fam, model_dir, den, t, root / "final", export_info())
     return fam, model_dir, den, root / "final"
 
 

@@ -9,23 +9,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.integration.family_runs import export_info
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.train.export import ExportInfo
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 CPU = torch.device("cpu")
-INFO = ExportInfo(
-    train_version="v1",
-    base_identity="sha256:base",
-    steps=3,
-    num_train_images=2,
-    resolution=64,
-    started_at=1_700_000_000.0,
-    title="tuneline sd15 fine-tune",
-)
+INFO = export_info(train_version="v1", steps=3, num_train_images=2, title="tuneline sd15 fine-tune")
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])

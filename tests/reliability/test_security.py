@@ -158,27 +158,15 @@ def _fake_artifact(tmp_path: Path) -> Path:
 
 def test_scan_record_path_cannot_leave_the_dataset_root(tmp_path):
     """A scan record (images.jsonl) naming ../ or an absolute path: latents refuses it, never reads the file."""
-    from tuneline.schemas.scan import ImageRecord
+    from tests.records import image_record
     from tuneline.stages.common.artifacts import ArtifactError
-    from tuneline.stages.common.hashing import file_sha256
     from tuneline.stages.latents.encode import prepare
 
     root, secret = tmp_path / "data", tmp_path / "secret.png"
     root.mkdir()
     Image.new("RGB", (64, 64), (1, 2, 3)).save(secret)
     for rel in ("../secret.png", str(secret), "sub/../../secret.png"):
-        rec = ImageRecord(
-            path=rel,
-            width=64,
-            height=64,
-            bucket_width=64,
-            bucket_height=64,
-            crop=(0, 0, 64, 64),
-            caption="",
-            sha256=file_sha256(secret),
-            size_bytes=secret.stat().st_size,
-            mtime_ns=0,
-        )
+        rec = image_record(rel, (64, 64), secret)
         try:
             result = prepare(root, rec)
         except ArtifactError as err:

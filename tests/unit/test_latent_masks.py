@@ -5,24 +5,13 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+from tests.records import image_record
 from tuneline.schemas.scan import ImageRecord
 from tuneline.stages.latents.masks import _plane
 
 
 def _record(path: str, **kw) -> ImageRecord:
-    base = dict(
-        path=path,
-        width=64,
-        height=32,
-        bucket_width=32,
-        bucket_height=32,
-        crop=(32, 0, 64, 32),
-        caption="",
-        sha256="0",
-        size_bytes=0,
-        mtime_ns=0,
-    )
-    return ImageRecord(**(base | kw))
+    return image_record(path, (64, 32), **({"bucket_width": 32, "crop": (32, 0, 64, 32)} | kw))
 
 
 def test_alpha_mask_keeps_the_crop_and_averages_to_the_latent_grid(tmp_path):

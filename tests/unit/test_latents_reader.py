@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tuneline.schemas.latents import LatentBucket, LatentsManifest
-from tuneline.stages.common.jsonl import write_jsonl
+from tests.records import write_latents
+from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.latents import store
 from tuneline.stages.latents.reader import WINDOW_BLOCKS, Batch, LatentReader, ReaderError, block_shuffle, epoch_plan
 
@@ -25,38 +25,12 @@ def make_cache(root: Path, flip: bool = False, counts: dict | None = None) -> tu
     """A cache laid out exactly as the stage writes it, with known values per row."""
     counts = counts or COUNTS
     rng = np.random.default_rng(0)
-    values, index, buckets = {}, [], []
+    values = {}
     for key, n in counts.items():
-        shape = SHAPES[key]
-        data = {name: rng.standard_normal((n, *shape)).astype(np.float16) for name in store.array_names(flip)}
+        data = {name: rng.standard_normal((n, *SHAPES[key])).astype(np.float16) for name in store.array_names(flip)}
         data["std"] = np.abs(data["std"])
-        arrays = store.create_arrays(root, key, shape, n, "float16", BLOCK, store.array_names(flip))
-        for b in range(0, n, BLOCK):
-            store.write_block(arrays, b // BLOCK, {k: v[b : b + BLOCK] for k, v in data.items()})
         values[key] = data
-        index += [{"path": f"{key}/{i:03d}.png", "bucket": key, "row": i, "key": f"k{key}{i}"} for i in range(n)]
-        w, h = map(int, key.split("x"))
-        buckets.append(LatentBucket(width=w, height=h, shape=shape, count=n, array=key))
-    write_jsonl(root / store.INDEX, index)
-    manifest = LatentsManifest(
-        fingerprint="t",
-        tool_version="t",
-        code_version="t",
-        family="tiny",
-        vae_identity="v",
-        vae_dtype="float32",
-        vae_factor=8,
-        latent_channels=4,
-        scaling_factor=0.18,
-        shift_factor=0.0,
-        dtype="float16",
-        flip=flip,
-        block_rows=BLOCK,
-        size_policy={},
-        buckets=buckets,
-        count=len(index),
-    )
-    return manifest, values
+    return write_latents(root, values, BLOCK, flip=flip), values
 
 
 # Plans -----------------------------------------------------------------------------------------------

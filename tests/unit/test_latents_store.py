@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +13,7 @@ import pytest
 import zarr
 from PIL import Image
 
-from tuneline.schemas.scan import ImageRecord
+from tests.records import image_record
 from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.latents import store
 from tuneline.stages.latents.encode import LatentShapeError, check_latents
@@ -43,20 +42,7 @@ def make_job(root: Path, n: int, bad: tuple[int, ...] = ()) -> BucketJob:
             path.write_bytes(corrupt_png())
         else:
             Image.new("RGB", (16, 16), (i * 9 % 256, 40, 200)).save(path)
-        records.append(
-            ImageRecord(
-                path=path.name,
-                width=16,
-                height=16,
-                bucket_width=16,
-                bucket_height=16,
-                crop=(0, 0, 16, 16),
-                caption="",
-                sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                size_bytes=path.stat().st_size,
-                mtime_ns=0,
-            )
-        )
+        records.append(image_record(path.name, (16, 16), path))
     return BucketJob(
         key="16x16", width=16, height=16, shape=SHAPE, records=records, row_keys=[row_key(r, IDENTITY) for r in records]
     )
