@@ -29,39 +29,6 @@ GOAL = 1.15
 IMAGES = 2
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # the sd15 family's (stages/families/common.py)
 
-SD15_UNET = dict(
-    sample_size=64,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=2,
-    block_out_channels=(320, 640, 1280, 1280),
-    cross_attention_dim=768,
-    attention_head_dim=8,
-    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-)
-SD15_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2,
-    latent_channels=4,
-    norm_num_groups=32,
-    sample_size=512,
-    scaling_factor=0.18215,
-)
-CLIP_L = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    max_position_embeddings=77,
-    projection_dim=768,
-    hidden_act="quick_gelu",
-)
-
 # The bare references: the same work as the stage, nothing else.
 PURE_TRAIN = """
 import resource, sys, torch
@@ -113,17 +80,19 @@ def make_model(root: Path) -> Path:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from tuneline.stages.families.registry import get_family
+    from tuneline.stages.families.shipped import shipped_dir
 
     fam = get_family("sd15")
     assert fam.lora_target_modules == LORA_TARGETS, "the bare reference must train the same LoRA layers"
     base = fam.ensure_model(None, root / "models")
     folder = root / "sd15-full"
     shutil.copytree(base, folder)
+    released = shipped_dir("sd15")  # the released model's configs (model.config: sd15)
     torch.manual_seed(0)
     for name, model in (
-        ("unet", UNet2DConditionModel(**SD15_UNET)),
-        ("vae", AutoencoderKL(**SD15_VAE)),
-        ("text_encoder", CLIPTextModel(CLIPTextConfig(vocab_size=49408, **CLIP_L))),
+        ("unet", UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(released / "unet"))),
+        ("vae", AutoencoderKL.from_config(AutoencoderKL.load_config(released / "vae"))),
+        ("text_encoder", CLIPTextModel(CLIPTextConfig.from_pretrained(released / "text_encoder"))),
     ):
         shutil.rmtree(folder / name)
         model.save_pretrained(folder / name, safe_serialization=True)

@@ -23,7 +23,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.latents import controls, masks, size_policy, store
 from tuneline.stages.latents.encode import Encoder, vae_facts_of
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
-from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill
+from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketResult, BucketWriter, Settings, fill_blocks
 from tuneline.stages.scan.masks import mask_root
 
 PROGRESS_KEY = "latents-progress"
@@ -163,7 +163,7 @@ def write_buckets(ctx, s: Settings, jobs: list[BucketJob], encoder: Encoder, tot
                 writer = BucketWriter(s, job)
                 start = writer.resume()
                 progress.advance(start)
-                results.append(fill(writer, start, encoder, reuse, pool, progress.advance))
+                results.append(fill_blocks(writer, start, encoder, reuse, pool, progress.advance).finish())
     finally:
         progress.close()
     return results

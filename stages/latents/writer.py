@@ -206,6 +206,11 @@ class _Assembly:
         self.w, self.encoder, self.on_commit = w, encoder, on_commit
         self._reset()
 
+    def finish(self) -> BucketResult:
+        """The bucket's result after its last block: images rejected past it count as done."""
+        self.on_commit(len(self.rejected))
+        return self.w.finish(self.rejected)
+
     def _reset(self) -> None:
         self.paths: list[str] = []
         self.keys: list[str] = []
@@ -272,22 +277,6 @@ class _Decodes:
         return job.result()
 
 
-def fill(
-    w: BucketWriter,
-    start: int,
-    encoder: Callable,
-    reuse: Reuse,
-    pool: ThreadPoolExecutor,
-    advance: Callable[[int], None],
-) -> BucketResult:
-    """Write every block of the bucket from record `start` on (the ones before were resumed). A block that is a
-    whole block of the previous version, row for row, takes its chunk files; other rows are copied one by one or
-    encoded."""
-    asm = fill_blocks(w, start, encoder, reuse, pool, advance)
-    advance(len(asm.rejected))
-    return w.finish(asm.rejected)
-
-
 def fill_blocks(
     w: BucketWriter,
     start: int,
@@ -297,8 +286,10 @@ def fill_blocks(
     advance: Callable[[int], None],
     stop: int | None = None,
 ) -> _Assembly:
-    """Write blocks from record `start` on until the writer reaches block `stop` (a shard's part) or the bucket
-    ends; returns the assembly, holding the images rejected after the last block. Blocks are filled exactly as a
+    """Write blocks from record `start` on (the ones before were resumed) until the writer reaches block `stop` (a
+    shard's part) or the bucket ends; returns the assembly, holding the images rejected after the last block (its
+    `finish()` is the bucket's result). A block that is a whole block of the previous version, row for row, takes
+    its chunk files; other rows are copied one by one or encoded. Blocks are filled exactly as a
     single process fills them, so a shard's blocks are byte for byte a single process's."""
     job, size = w.job, w.s.block_rows
     asm = _Assembly(w, encoder, advance)

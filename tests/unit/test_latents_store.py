@@ -18,7 +18,7 @@ from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.latents import store
 from tuneline.stages.latents.encode import LatentShapeError, check_latents
 from tuneline.stages.latents.reuse import PreviousRows, row_identity, row_key
-from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Settings, fill
+from tuneline.stages.latents.writer import NO_REUSE, BucketJob, BucketWriter, Settings, fill_blocks
 
 SHAPE = (4, 2, 2)
 IDENTITY = row_identity("vae", "float32", "float16", False)
@@ -78,7 +78,7 @@ def run(tmp: Path, job: BucketJob, encoder, reuse=NO_REUSE, work: str = "work"):
     writer = BucketWriter(s, job)
     start = writer.resume()
     with ThreadPoolExecutor(2) as pool:
-        return start, fill(writer, start, encoder, reuse, pool, lambda n: None)
+        return start, fill_blocks(writer, start, encoder, reuse, pool, lambda n: None).finish()
 
 
 def stored(tmp: Path, work: str = "work") -> np.ndarray:
