@@ -248,20 +248,15 @@ def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, t
     text, negative = fam.encode_text(enc, ["a red square"]), fam.encode_text(enc, ["blurry"])
     # with guidance and no negative, a family that needs one gets "" encoded, as the renderer does
     no_negative = fam.encode_text(enc, [""]) if fam.negative_required else None
-    gen = torch.Generator().manual_seed(0)
-    # 2 steps: a scheduler with shift_terminal (Qwen-Image) stretches its sigmas by the last one, 0/0 at 1 step.
-    images = pipe(
-        num_inference_steps=2, height=64, width=64, generator=gen, output_type="np", **fam.prompt_kwargs(text, negative)
-    ).images
+
+    def render(negative):
+        # 2 steps: a scheduler with shift_terminal (Qwen-Image) stretches its sigmas by the last one, 0/0 at 1 step.
+        kwargs = dict(num_inference_steps=2, height=64, width=64, output_type="np", **fam.prompt_kwargs(text, negative))
+        return pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+
+    images = render(negative)
     assert images.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(images)).all()
-    plain = pipe(
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        **fam.prompt_kwargs(text, no_negative),
-    ).images
+    plain = render(no_negative)
     assert plain.shape == images.shape
     assert fam.identity(out, "denoiser") != fam.identity(base, "denoiser")
 
