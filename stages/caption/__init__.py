@@ -15,7 +15,7 @@ from tuneline.schemas.caption import CaptionManifest
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.common.stage import StageDef
+from tuneline.stages.common.stage import StageDef, built_by
 
 CODE_VERSION = code_version("caption")  # stages/code_versions.json
 CAPTIONS = "captions.jsonl"
@@ -52,12 +52,6 @@ def generation_key(model_identity: str, cfg) -> str:
     return digest({"model": model_identity, **generation_settings(cfg)})
 
 
-def _build(ctx, work, upstream):
-    from tuneline.stages.caption.core import build
-
-    return build(ctx, work, upstream)
-
-
 def captions_by_ref(caption_dir: Path) -> dict[str, str]:
     """Image ref -> the caption training sees, from a caption artifact."""
     return {r["ref"]: r["caption"] for r in read_jsonl(Path(caption_dir) / CAPTIONS)}
@@ -78,6 +72,6 @@ STAGE = StageDef(
     manifest_cls=CaptionManifest,
     config=_config,
     inputs=_inputs,
-    build=_build,
+    build=built_by("tuneline.stages.caption.core"),
     enabled=lambda cfg: cfg.caption.enabled,
 )

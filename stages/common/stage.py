@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,16 @@ class StageDef:
     enabled: Callable[[PipelineConfig], bool] | None = None
     # Stages read only when they are on (text reads the caption stage's captions when it runs): then upstream.
     optional_upstream: tuple[str, ...] = ()
+
+
+def built_by(module: str) -> Callable[[StageContext, Path, dict[str, Manifest]], dict]:
+    """A stage's `build`: `module`'s build, imported when the stage runs, so torch and the models load only then
+    (the stage definitions are read by every command, status and plan included)."""
+
+    def build(ctx: StageContext, work: Path, upstream: dict[str, Manifest]) -> dict:
+        return import_module(module).build(ctx, work, upstream)
+
+    return build
 
 
 def active(cfg: PipelineConfig, stages: list[StageDef]) -> list[StageDef]:

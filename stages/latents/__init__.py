@@ -15,7 +15,7 @@ from tuneline.schemas.scan import ScanManifest
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.sizing import size_policy as make_policy
-from tuneline.stages.common.stage import StageDef
+from tuneline.stages.common.stage import StageDef, built_by
 from tuneline.stages.families import resolve as models
 
 CODE_VERSION = code_version("latents")  # stages/code_versions.json
@@ -43,12 +43,6 @@ def _inputs(ctx, upstream) -> dict:
     return {"vae": models.identity(ctx, "vae")}
 
 
-def _build(ctx, work, upstream):
-    from tuneline.stages.latents.core import build  # torch/diffusers load only when the stage runs
-
-    return build(ctx, work, upstream)
-
-
 def _check(ctx, upstream: dict) -> None:
     """Before loading any weights: every scan bucket must be a whole number of latent pixels."""
     fam = models.family(ctx.cfg)
@@ -73,6 +67,6 @@ STAGE = StageDef(
     manifest_cls=LatentsManifest,
     config=_config,
     inputs=_inputs,
-    build=_build,
+    build=built_by("tuneline.stages.latents.core"),
     check=_check,
 )

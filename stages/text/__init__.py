@@ -6,7 +6,7 @@ from __future__ import annotations
 from tuneline.schemas.families import facts
 from tuneline.schemas.text import PADDING, TextManifest
 from tuneline.stages.common.codeident import code_version
-from tuneline.stages.common.stage import StageDef
+from tuneline.stages.common.stage import StageDef, built_by
 from tuneline.stages.families import resolve as models
 from tuneline.stages.text.variants import TagAugment
 
@@ -39,12 +39,6 @@ def _inputs(ctx, upstream) -> dict:
     return {"text_encoders": models.identity(ctx, "text")}
 
 
-def _build(ctx, work, upstream):
-    from tuneline.stages.text.core import build
-
-    return build(ctx, work, upstream)
-
-
 STAGE = StageDef(
     name="text",
     upstream=("scan",),
@@ -52,6 +46,6 @@ STAGE = StageDef(
     manifest_cls=TextManifest,
     config=_config,
     inputs=_inputs,
-    build=_build,
+    build=built_by("tuneline.stages.text.core"),
     optional_upstream=("caption",),
 )

@@ -7,7 +7,7 @@ from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import file_sha256
-from tuneline.stages.common.stage import StageDef
+from tuneline.stages.common.stage import StageDef, built_by
 from tuneline.stages.families import resolve as models
 
 CODE_VERSION = code_version("train")  # stages/code_versions.json
@@ -105,12 +105,6 @@ def _check(ctx, upstream) -> None:
         raise ArtifactError(str(err)) from None
 
 
-def _build(ctx, work, upstream):
-    from tuneline.stages.train.launch import build
-
-    return build(ctx, work, upstream)
-
-
 STAGE = StageDef(
     name="train",
     upstream=("latents", "text"),
@@ -118,7 +112,7 @@ STAGE = StageDef(
     manifest_cls=TrainManifest,
     config=_config,
     inputs=_inputs,
-    build=_build,
+    build=built_by("tuneline.stages.train.launch"),
     check=_check,
     optional_upstream=("caption",),
 )

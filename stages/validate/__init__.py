@@ -5,7 +5,7 @@ from __future__ import annotations
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.codeident import code_version
-from tuneline.stages.common.stage import StageDef
+from tuneline.stages.common.stage import StageDef, built_by
 
 CODE_VERSION = code_version("validate")  # stages/code_versions.json
 
@@ -36,12 +36,6 @@ def _check(ctx, upstream) -> None:
         )
 
 
-def _build(ctx, work, upstream):
-    from tuneline.stages.validate.core import build
-
-    return build(ctx, work, upstream)
-
-
 STAGE = StageDef(
     name="validate",
     upstream=("train", "latents"),
@@ -49,7 +43,7 @@ STAGE = StageDef(
     manifest_cls=ValidateManifest,
     config=_config,
     inputs=_inputs,
-    build=_build,
+    build=built_by("tuneline.stages.validate.core"),
     check=_check,
     optional_upstream=("caption",),
 )
