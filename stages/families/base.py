@@ -3,8 +3,8 @@
 A family is one folder, stages/families/<name>/ (see stages/families/README.md): adapter.py (this interface),
 optional parts the generic code finds through registry.family_part: lora.py (KOHYA_LAYOUT, the layout's name, and
 kohya_target(path, denoiser) -> kohya_layout.Target | None: where a trained diffusers module lands in the kohya
-file), shipped.json (the released model's tensor shapes its shipped config describes, read by shipped.py), and anything else
-only the family uses (latent packing, single-file layout). Its pure-data facts are its row in schemas/families.py.
+file), and anything else only the family uses (latent packing, single-file layout). Its pure-data facts are its row
+in schemas/families.py; shipped.json holds the released model's tensor shapes its shipped config describes.
 """
 
 from __future__ import annotations
