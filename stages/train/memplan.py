@@ -1,7 +1,8 @@
 """The memory plan: the peak device memory one training process will need, worked out before any worker starts.
 
 The denoiser is built from its config on the meta device (shapes, no weights, no compute), so a released model's
-plan costs seconds on any machine. Terms:
+plan costs seconds on any machine; what the plan reads of it is kept (tuneline.stages.train.planfacts), so a model
+planned before answers without building anything. Terms:
 
 - weights: every parameter at the dtype training holds it in (full: float32 masters; LoRA: model.dtype, int8/fp8
   linears at one byte), the swapped blocks' weights counted only for the R = B - N blocks resident at a time;
@@ -51,6 +52,12 @@ def largest_edge(buckets, alignment: int) -> int:
     else:
         area = r * r
     return max(alignment, int(math.sqrt(area)) // alignment * alignment)
+
+
+def fix_edges(edge: int, alignment: int) -> list[int]:
+    """The smaller resolutions the fix search may suggest, largest first."""
+    a = alignment
+    return sorted({max(a, int(edge * f) // a * a) for f in (0.875, 0.75, 0.625, 0.5)} - {edge}, reverse=True)
 
 
 @dataclass
@@ -250,11 +257,6 @@ class Planner:
         flops = (8 if s.checkpointing else 6) * params * positions
         return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
 
-    def fix_edges(self, edge: int) -> list[int]:
-        """The smaller resolutions the fix search may suggest, largest first."""
-        a = self.alignment
-        return sorted({max(a, int(edge * f) // a * a) for f in (0.875, 0.75, 0.625, 0.5)} - {edge}, reverse=True)
-
     def total(self, s: Setting) -> int:
         return sum(b for _, b in self.terms(s))
 
@@ -300,7 +302,7 @@ class Planner:
                     replace(s, batch=batch),
                 )
             )
-        edge = largest_fitting(self.fix_edges(s.edge), lambda e: fits(replace(s, edge=e)))
+        edge = largest_fitting(fix_edges(s.edge, self.alignment), lambda e: fits(replace(s, edge=e)))
         if edge is not None:
             res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)
             out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))

@@ -229,7 +229,7 @@ def ship(names: list[str]) -> None:
     --model-config NAME`, any --gpu-memory): every resolution the fix search may try, every quantization."""
     from tuneline.schemas.model import SHIPPED_CONFIGS
     from tuneline.stages.families.shipped import shipped_dir
-    from tuneline.stages.train.memplan import planner_for
+    from tuneline.stages.train.memplan import fix_edges, planner_for
     from tuneline.stages.train.planning import model_user_config
 
     os.environ["TUNELINE_PLAN_CACHE"] = "off"  # computed afresh, not read back from a cache
@@ -238,7 +238,7 @@ def ship(names: list[str]) -> None:
         planner = planner_for(model_user_config(name, None), shipped_dir(name), True, SHIPPED_CONFIGS[name])
         planner.plan(24 * 1024**3, "a 24 GiB CUDA GPU")
         edge = planner.current().edge
-        for e in (edge, *planner.fix_edges(edge)):
+        for e in (edge, *fix_edges(edge, planner.alignment)):
             planner.facts.trace(e)
         for q in (None, "int8", "fp8"):
             planner.facts.describe(q)
