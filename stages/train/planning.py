@@ -25,7 +25,7 @@ class PlanAnswer:
     pace: str = ""  # the measured time per step, or where it will be measured (tuneline.stages.train.pace)
 
     def text(self) -> str:
-        return "\n".join(filter(None, [self.headline, self.plan.text(), self.pace]))
+        return "\n".join(filter(None, [self.headline, self.pace, self.plan.text()]))  # the fixes stay last
 
 
 def usual_resolution(model_dir: Path) -> int:
