@@ -66,6 +66,11 @@ class TrainManifest(Manifest):
     peak_memory: int | None = Field(
         None, description="measured peak CUDA memory of rank 0 (torch.cuda.max_memory_allocated, bytes); null on CPU"
     )
+    step_seconds: float | None = Field(
+        None,
+        description="measured wall seconds of one optimizer step on rank 0: the median after the first (warm-up) "
+        "step, checkpoints, renders and eval excluded; null when the run made fewer than two steps",
+    )
 
     @model_validator(mode="after")
     def _exports_listed(self) -> TrainManifest:

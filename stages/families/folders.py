@@ -23,12 +23,17 @@ TOKENIZER_FILES = (
 )
 
 
-def hash_cache() -> HashCache:
-    """One per user (TUNELINE_CACHE_DIR, else XDG_CACHE_HOME or ~/.cache): identities survive across workdirs."""
+def user_cache_dir() -> Path:
+    """The user's tuneline cache (TUNELINE_CACHE_DIR, else XDG_CACHE_HOME or ~/.cache): kept across workdirs."""
     root = os.environ.get("TUNELINE_CACHE_DIR") or Path(
         os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "tuneline"
     )
-    return HashCache(Path(root) / "file-hashes.json")
+    return Path(root)
+
+
+def hash_cache() -> HashCache:
+    """One per user: identities survive across workdirs."""
+    return HashCache(user_cache_dir() / "file-hashes.json")
 
 
 def required_components(facts: FamilyFacts) -> tuple[str, ...]:

@@ -10,10 +10,6 @@ runs its own batch.
 
 from __future__ import annotations
 
-import torch
-
-from tuneline.stages.train.swap import transformer_blocks
-
 SHARDED = ("weights", "trainable parameters", "gradients", "optimizer state", "EMA")
 # Settings train.parallelism fsdp refuses (schemas/train.py, schemas/checks.py): never suggested beside it.
 REFUSED = ("model.quantize", "train.optimizer: adamw8bit", "train.blocks_to_swap")
@@ -24,13 +20,13 @@ MAX_SHARDS = 64
 def sharded_terms(
     terms: list[tuple[str, int]],
     shards: int,
-    den: torch.nn.Module,
-    stacks: tuple[str, ...],
+    blocks: list[dict],
+    root_params: int,
     gathered_bytes: int,
     offload: bool,
 ) -> list[tuple[str, int]]:
-    """`terms` (DDP's, per process) under FSDP over `shards` processes for the (meta) denoiser `den`, whose
-    transformer blocks are in `stacks` (Family.block_stacks);
+    """`terms` (DDP's, per process) under FSDP over `shards` processes for a denoiser whose transformer blocks
+    (Family.block_stacks) have `blocks` ({params, trainable} each) and whose root holds `root_params`;
     `gathered_bytes`: bytes per gathered parameter (2 under 16-bit mixed precision, else as held)."""
     where = "in CPU memory" if offload else f"1/{shards} each"
     out = []
@@ -39,15 +35,7 @@ def sharded_terms(
             out.append((f"{name}, sharded ({where})", 0 if offload else -(-size // shards)))
         else:
             out.append((name, size))
-    blocks = [
-        {
-            "params": sum(p.numel() for p in b.parameters()),
-            "trainable": sum(p.numel() for p in b.parameters() if p.requires_grad),
-        }
-        for b in transformer_blocks(den, stacks)
-    ]
     largest = max(blocks, key=lambda b: b["params"], default={"params": 0, "trainable": 0})
-    root_params = sum(p.numel() for p in den.parameters()) - sum(b["params"] for b in blocks)
     out.append(("FSDP gathered root parameters", root_params * gathered_bytes))
     out.append(("FSDP gathered blocks (computing + prefetched)", 2 * largest["params"] * gathered_bytes))
     out.append(("FSDP unsharded gradients of one block", 4 * largest["trainable"]))

@@ -19,6 +19,7 @@ from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt, collectives, dcp
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import eval_weights
+from tuneline.stages.train.pace import PaceMeter, duration
 
 LOG_EVERY = 10
 CHECKPOINTS = "checkpoints"
@@ -31,14 +32,22 @@ class Hooks:
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
         self.last_checkpoint = trainer.step  # the step of the newest checkpoint (a resumed run starts at one)
         self.logged = (trainer.step, time.monotonic())  # the last step line: (step, when)
+        self.meter = PaceMeter(trainer.step, run.cfg.train.steps)
+
+    def before_step(self) -> None:
+        self.meter.start()
 
     @property
     def writer(self) -> bool:
         return self.run.rank == 0
 
     def after_step(self) -> None:
+        self.meter.stop()
         step, t = self.trainer.step, self.t
         last = step == t.steps
+        early = self.meter.early_line(step)
+        if self.writer and early:
+            print(early, flush=True)
         if self.writer and (step % LOG_EVERY == 0 or last):
             recent = self.trainer.losses[-LOG_EVERY:]
             lr = self.trainer.opt.param_groups[0]["lr"]
@@ -124,13 +133,3 @@ class Hooks:
             gc.collect()
             if tr.device.type == "cuda":
                 torch.cuda.empty_cache()
-
-
-def duration(seconds: float) -> str:
-    """`42s`, `3m05s`, `2h07m`: a wait as people read it."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"

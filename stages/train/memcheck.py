@@ -48,14 +48,22 @@ def meta_params(fam, model_dir: Path, component: str, skip: tuple[str, ...] = ()
     return sum(p.numel() for n, p in model.named_parameters() if not n.startswith(skip))
 
 
-def render_models_bytes(fam, model_dir: Path, dtype: torch.dtype) -> int:
-    """Bytes of the VAE decoder and the text encoders at the render's dtype."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    total = 0
+def render_params(fam, model_dir: Path) -> tuple[int, list[str]]:
+    """(parameters of the VAE decoder and the text encoders a render loads, the components whose folder has
+    neither weights nor a config to size them: the shipped configs of the newer families carry no text encoder)."""
+    total, unsized = 0, []
     for comp, skip in [(VAE, DECODER_ONLY), *[(c, ()) for c in fam.text_components]]:
         n = stored_params(Path(model_dir) / comp, skip)
-        total += (n if n is not None else meta_params(fam, model_dir, comp, skip)) * size
-    return total
+        if n is None and not (Path(model_dir) / comp / "config.json").is_file():
+            unsized.append(comp)
+            continue
+        total += n if n is not None else meta_params(fam, model_dir, comp, skip)
+    return total, unsized
+
+
+def render_models_bytes(fam, model_dir: Path, dtype: torch.dtype) -> int:
+    """Bytes of the VAE decoder and the text encoders at the render's dtype."""
+    return render_params(fam, model_dir)[0] * torch.empty(0, dtype=dtype).element_size()
 
 
 def check_before_training(ctx, model_dir: Path, device: torch.device) -> dict | None:

@@ -1,7 +1,8 @@
 """The memory plan: the peak device memory one training process will need, worked out before any worker starts.
 
 The denoiser is built from its config on the meta device (shapes, no weights, no compute), so a released model's
-plan costs seconds on any machine. Terms:
+plan costs seconds on any machine; what the plan reads of it is kept (tuneline.stages.train.planfacts), so a model
+planned before answers without building anything. Terms:
 
 - weights: every parameter at the dtype training holds it in (full: float32 masters; LoRA: model.dtype, int8/fp8
   linears at one byte), the swapped blocks' weights counted only for the R = B - N blocks resident at a time;
@@ -28,59 +29,15 @@ from pathlib import Path
 import torch
 
 from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
-from tuneline.stages.train.memcheck import render_models_bytes
-from tuneline.stages.train.memtrace import Trace, text_inputs, trace_activations  # noqa: F401 (used by tests)
-from tuneline.stages.train.metamodel import denoiser_class, largest_fitting, quiet_cast
+from tuneline.stages.train.memtrace import Trace
+from tuneline.stages.train.metamodel import largest_fitting
 from tuneline.stages.train.optimizers import STATE_BYTES
-from tuneline.stages.train.swap import max_blocks_to_swap, transformer_blocks
+from tuneline.stages.train.planfacts import Facts
+from tuneline.stages.train.swap import max_blocks_to_swap
 
 GIB = 1024**3
 CUDA_RESERVE = int(0.75 * GIB)  # CUDA context, cuBLAS workspace, allocator rounding
 SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
-    """The denoiser on the meta device, with LoRA adapters when training LoRA."""
-    cls = denoiser_class(fam, model_dir)
-    config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
-    with torch.device("meta"):
-        den = cls.from_config(config)
-    from tuneline.stages.train.model import freeze_unused, lora_config
-
-    if t.mode == "full":
-        den = den.float().requires_grad_(True)
-        freeze_unused(fam, den, fam.denoiser_component)
-    else:
-        den = quiet_cast(den, dtype).requires_grad_(False)
-        den.add_adapter(lora_config(t, fam, den))
-        for p in den.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-    return den
-
-
-def weight_bytes(name: str, p: torch.nn.Parameter, linears: set[str], quantize: str | None) -> int:
-    if quantize and not p.requires_grad and name.rsplit(".", 1)[0] in linears and p.dim() == 2:
-        return p.numel() + 4 * p.shape[0]  # one byte per weight, a float32 scale per row
-    return p.numel() * p.element_size()
-
-
-def describe(fam, den, quantize: str | None) -> tuple[list[dict], int]:
-    """(per transformer block: bytes of its frozen weights, of all its weights, its trainable count; bytes of the
-    frozen weights outside the blocks)."""
-    linears = {n for n, m in den.named_modules() if isinstance(m, torch.nn.Linear)}
-    blocks = transformer_blocks(den, fam.block_stacks(den))
-    owner = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
-    per = [{"frozen": 0, "weights": 0, "trainable": 0} for _ in blocks]
-    outside = 0
-    for name, p in den.named_parameters():
-        i, size = owner.get(id(p)), weight_bytes(name, p, linears, quantize)
-        if i is not None:
-            per[i]["weights"] += size
-            per[i]["trainable" if p.requires_grad else "frozen"] += p.numel() if p.requires_grad else size
-        elif not p.requires_grad:
-            outside += size
-    return per, outside
 
 
 def largest_edge(buckets, alignment: int) -> int:
@@ -95,6 +52,12 @@ def largest_edge(buckets, alignment: int) -> int:
     else:
         area = r * r
     return max(alignment, int(math.sqrt(area)) // alignment * alignment)
+
+
+def fix_edges(edge: int, alignment: int) -> list[int]:
+    """The smaller resolutions the fix search may suggest, largest first."""
+    a = alignment
+    return sorted({max(a, int(edge * f) // a * a) for f in (0.875, 0.75, 0.625, 0.5)} - {edge}, reverse=True)
 
 
 @dataclass
@@ -191,32 +154,28 @@ class Planner:
     def __init__(self, cfg, fam, model_dir: Path, cuda: bool, dtype: torch.dtype, autocast: bool):
         self.cfg, self.fam, self.t, self.cuda, self.autocast = cfg, fam, cfg.train, cuda, autocast
         self.dtype = dtype if self.t.mode == "lora" else torch.float32
-        self.den = build_meta(fam, model_dir, self.t, self.dtype, None)
-        self.traces: dict[int, Trace] = {}
-        self.described: dict[str | None, tuple[list[dict], int, int]] = {}  # quantize -> describe(), trainable
+        self.facts = Facts(fam, model_dir, self.t, self.dtype, planned_controls(cfg, fam))
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
-        self.controls = planned_controls(cfg, fam)
         render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
-        on = cfg.train.effective_validate_every()
-        self.render_bytes = render_models_bytes(fam, model_dir, render_dtype) if on else 0
+        self.render_bytes, self.unsized = 0, []
+        if cfg.train.effective_validate_every():
+            count, self.unsized = self.facts.render()
+            self.render_bytes = count * torch.empty(0, dtype=render_dtype).element_size()
 
     def trace(self, batch: int, edge: int) -> Trace:
         """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
         few shared ones), so one sample is traced per edge and scaled."""
-        if edge not in self.traces:
-            self.traces[edge] = trace_activations(self.fam, self.den, 1, edge, self.dtype, self.controls)
-        one = self.traces[edge]
+        one = self.facts.trace(edge)
         return Trace(
             one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
         )
 
     def describe(self, quantize: str | None) -> tuple[list[dict], int, int]:
-        """describe() and the trainable count, once per quantization: the fix search asks for them per setting it
-        tries (a hundred and more), and a walk over a large denoiser's parameters costs tens of milliseconds."""
-        if quantize not in self.described:
-            trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
-            self.described[quantize] = (*describe(self.fam, self.den, quantize), trainable)
-        return self.described[quantize]
+        return self.facts.describe(quantize)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.facts.counts()["blocks"])
 
     def current(self) -> Setting:
         t = self.t
@@ -259,11 +218,15 @@ class Planner:
             ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
         ]
         freed = out[-1][1] + out[-2][1]  # a render runs between steps, when the activations are gone
-        out.append(("validation render models beyond the freed activations", max(0, self.render_bytes - freed)))
+        unsized = (
+            f" ({', '.join(self.unsized)}: no weights or config here to size, not counted)" if self.unsized else ""
+        )
+        render = ("validation render models beyond the freed activations" + unsized, max(0, self.render_bytes - freed))
+        out.append(render)
         if s.shards:  # tuneline.stages.train.fsdpplan
             gathered = 2 if self.autocast else torch.finfo(self.dtype).bits // 8
-            stacks = self.fam.block_stacks(self.den)
-            out = sharded_terms(out, s.shards, self.den, stacks, gathered, t.fsdp_cpu_offload)
+            counts = self.facts.counts()
+            out = sharded_terms(out, s.shards, counts["blocks"], counts["root"], gathered, t.fsdp_cpu_offload)
         if self.cuda:
             out.append(("CUDA context and allocator reserve", CUDA_RESERVE))
         return out
@@ -279,7 +242,7 @@ class Planner:
         from tuneline.stages.train.stopping import grace_seconds
 
         s = self.current()
-        p = MemoryPlan(self.terms(s), free, where, len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
+        p = MemoryPlan(self.terms(s), free, where, self.blocks)
         if not p.fits:
             p.fixes = self.fixes(s, free)
         p.step_flops, p.checkpoint_bytes = self.step_figures(s)
@@ -289,8 +252,7 @@ class Planner:
     def step_figures(self, s: Setting) -> tuple[int, int]:
         """(FLOPs of one sample's step: 6 per parameter and latent position, 8 when checkpointing recomputes the
         forward; bytes of a checkpoint). A UNet's lower levels see fewer positions: an over-estimate there."""
-        params = sum(p.numel() for p in self.den.parameters())
-        trainable = sum(p.numel() for p in self.den.parameters() if p.requires_grad)
+        params, trainable = self.facts.counts()["params"], self.facts.counts()["trainable"]
         positions = (s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)) ** 2
         flops = (8 if s.checkpointing else 6) * params * positions
         return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
@@ -309,7 +271,7 @@ class Planner:
         def show(change: str, x: Setting) -> str:
             return f"{change}  (planned peak {self.total(x) / GIB:.2f} GiB)"
 
-        out, nmax = [], max_blocks_to_swap(len(transformer_blocks(self.den, self.fam.block_stacks(self.den))))
+        out, nmax = [], max_blocks_to_swap(self.blocks)
         full = self.t.mode == "full"
         quant = None if full or s.quantize else ("fp8" if self.cuda else "int8")
         singles = [
@@ -340,12 +302,7 @@ class Planner:
                     replace(s, batch=batch),
                 )
             )
-        edges = sorted(
-            {max(self.alignment, int(s.edge * f) // self.alignment * self.alignment) for f in (0.875, 0.75, 0.625, 0.5)}
-            - {s.edge},
-            reverse=True,
-        )
-        edge = largest_fitting(edges, lambda e: fits(replace(s, edge=e)))
+        edge = largest_fitting(fix_edges(s.edge, self.alignment), lambda e: fits(replace(s, edge=e)))
         if edge is not None:
             res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)
             out.append(show(f"buckets.resolution: {res}", replace(s, edge=edge)))
@@ -370,20 +327,26 @@ def free_memory(device: torch.device) -> int | None:
     return free
 
 
+def planner_for(cfg, model_dir: Path, cuda: bool, family: str | None = None) -> Planner:
+    """The planner of `cfg` on a CUDA device (model.dtype, autocast bf16 where `auto`) or on the CPU (float32)."""
+    from tuneline.stages.families.registry import get_family
+    from tuneline.stages.families.resolve import dtypes
+
+    autocast = cuda and cfg.train.mixed_precision != "no"
+    dtype = dtypes()[cfg.model.dtype] if cuda else torch.float32
+    return Planner(cfg, get_family(family or cfg.model.family), model_dir, cuda, dtype, autocast)
+
+
 def plan(
     cfg, model_dir: Path, device: torch.device, gpu_memory_gib: float | None = None, family: str | None = None
 ) -> MemoryPlan:
     """The plan for training `cfg` on `device`, or, with `gpu_memory_gib`, on a CUDA card of that size with
     model.dtype and autocast as they would run there (bf16 where `auto`)."""
-    from tuneline.stages.families.registry import get_family
-    from tuneline.stages.families.resolve import dtypes
-
-    cuda = gpu_memory_gib is not None or device.type == "cuda"
-    mixed = cfg.train.mixed_precision
-    autocast = cuda and mixed != "no"
-    dtype = dtypes()[cfg.model.dtype] if cuda else torch.float32
-    planner = Planner(cfg, get_family(family or cfg.model.family), model_dir, cuda, dtype, autocast)
+    planner = planner_for(cfg, model_dir, gpu_memory_gib is not None or device.type == "cuda", family)
     if gpu_memory_gib is not None:
-        return planner.plan(int(gpu_memory_gib * GIB), f"a {gpu_memory_gib:g} GiB CUDA GPU")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return planner.plan(free_memory(device), name)
+        p = planner.plan(int(gpu_memory_gib * GIB), f"a {gpu_memory_gib:g} GiB CUDA GPU")
+    else:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        p = planner.plan(free_memory(device), name)
+    planner.facts.save()
+    return p

@@ -20,7 +20,6 @@ import importlib
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tuneline.stages.train import checkpoint as ckpt
@@ -120,6 +119,8 @@ def eval_weights(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Paramete
 
 def state_tensors(opt: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
     """Like checkpoint.optimizer_tensors, with quantized state split into plain tensors `<name>/<key>.<part>`."""
+    from torch.distributed.tensor import DTensor  # here: importing it costs a second `tuneline plan` needs not
+
     tensors, meta = ckpt.optimizer_tensors(opt, names)
     parts: dict[str, list] = {}
     # a sharded parameter's state (DTensor) stays whole: the sharded checkpoint (stages/train/dcp.py) reads it back

@@ -22,9 +22,10 @@ FALLBACK_RESOLUTION = 1024  # released models whose VAE config names no sample s
 class PlanAnswer:
     headline: str  # what was planned, on what
     plan: MemoryPlan
+    pace: str = ""  # the measured time per step, or where it will be measured (tuneline.stages.train.pace)
 
     def text(self) -> str:
-        return f"{self.headline}\n{self.plan.text()}"
+        return "\n".join(filter(None, [self.headline, self.pace, self.plan.text()]))  # the fixes stay last
 
 
 def usual_resolution(model_dir: Path) -> int:
@@ -93,4 +94,7 @@ def plan_command(
         note = " (model.device is cuda and no GPU is visible here: --gpu-memory GIB plans another size)"
     device = torch.device("cpu") if gpu_memory_gib is not None else models.device(cfg)
     p = plan(cfg, model_dir, device, gpu_memory_gib, family)
-    return PlanAnswer(headline(cfg, family, p.where + note), p)
+    from tuneline.stages.train import STAGE
+    from tuneline.stages.train.pace import measured_line
+
+    return PlanAnswer(headline(cfg, family, p.where + note), p, measured_line(cfg, STAGE.config(cfg)))

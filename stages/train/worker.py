@@ -72,6 +72,7 @@ class Run:
     stop_mark: Path | None = None  # exists once the launcher has marked a SIGTERM as a stop (stopping.py)
     export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
     started_at: float = field(default_factory=time.time)
+    step_seconds: float | None = None  # the measured median step after the warm-up (tuneline.stages.train.pace)
 
 
 def read_data(cfg, up: dict[str, Path], fam, model_dir: Path, device: torch.device) -> Data:
@@ -169,6 +170,7 @@ def fit(run: Run) -> Trainer:
     with closing(feed):  # the feed's thread stops with the loop, however it ends
         signals = StopSignals(t.checkpoint_minutes, run.stop_mark)
         while trainer.step < t.steps:
+            hooks.before_step()
             micro = [next(feed) for _ in range(t.grad_accumulation)]
             trainer.train_step(micro, signals.flags())  # the flags ride the step's loss all-reduce
             hooks.after_step()
@@ -184,6 +186,8 @@ def fit(run: Run) -> Trainer:
             if stop:
                 collectives.barrier(run.world)  # every rank leaves once rank 0's checkpoint is written
                 raise Interrupted(stop_reason(trainer.step, t.steps, checkpoint_name(trainer.step)))
+    per = hooks.meter.step_seconds()
+    run.step_seconds = None if per is None else round(per, 4)  # a wall time on a shared machine: 4 digits say it
     return trainer
 
 
@@ -223,6 +227,7 @@ def finish(run: Run, trainer: Trainer) -> None:
             "text_cache_read": isinstance(run.data.text, TextCache),
             # measured beside the memory plan (tuneline.stages.train.memplan)
             "peak_memory": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None,
+            "step_seconds": run.step_seconds,
         }
         (run.out / RESULT).write_text(json.dumps(result), encoding="utf-8")
     collectives.barrier(run.world)

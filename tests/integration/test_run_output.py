@@ -4,6 +4,7 @@ session's demo run (conftest's demo_run), so this costs no run of its own."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import pytest
@@ -55,3 +56,17 @@ def test_the_pipeline_run_holds_the_grid_loss_and_learning(demo_run):
         assert re.search(rf"\| !\[\d+-seed\d+\.png\]\(data:image/png;base64,[^)]+\) \| {prompt} \|", grid), prompt
     assert "![loss](data:image/png;base64," in loss
     assert "color_accuracy" in arts["pipeline-learning"] and "final loss" in arts["pipeline-learning"]
+
+
+def test_the_run_measures_its_step_and_the_plan_shows_it(demo_run):
+    """The pace after the warm-up, the manifest's step_seconds, and `tuneline plan` of the same config naming it."""
+    from tests.helpers import tuneline
+
+    pace = r"pace: [\d.]+ s/step measured over steps 2-3 \(step 1, with the warm-up, took [\d.]+ s\): the 997 steps"
+    assert re.search(pace + r" left take about (\d+s|\d+m\d\ds|\d+h\d\dm)", demo_run["stderr"])
+    out = tuneline("plan", cwd=demo_run["clone"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = re.search(r"time per step: ([\d.]+) s, measured by train version (\S+) \(2 process", out.stdout)
+    assert found, out.stdout
+    manifest = json.loads((demo_run["workdir"] / "artifacts" / "train" / found[2] / "manifest.json").read_text())
+    assert manifest["step_seconds"] > 0 and float(found[1]) == float(f"{manifest['step_seconds']:.3g}")

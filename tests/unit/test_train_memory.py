@@ -166,8 +166,7 @@ def saved_bytes(fam, den, batch, edge, controls: int = 0):
     """Bytes of the distinct tensors autograd saves for backward in one real forward on the CPU (weights
     excluded: the plan counts them as weights), with `controls` control images per sample."""
     from tuneline.stages.families.base import MicroCond
-    from tuneline.stages.train.memplan import text_inputs
-    from tuneline.stages.train.memtrace import control_input
+    from tuneline.stages.train.memtrace import control_input, text_inputs
 
     weights = {p.untyped_storage().data_ptr() for p in den.parameters()}
     seen: dict[int, int] = {}
@@ -216,7 +215,8 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
     at most 10 % over. The trace sees every saved tensor by its storage, as the real count does; what differs
     is the attention kernel, modelled as a fused one keeping q, k, v, its output and a float32 log-sum-exp,
     where the CPU's flash kernel keeps slightly less (the mid-size model plans 5.6 % over)."""
-    from tuneline.stages.train.memplan import build_meta, trace_activations
+    from tuneline.stages.train.memtrace import trace_activations
+    from tuneline.stages.train.planfacts import build_meta
 
     fam, model_dir = models["sd15"]
     if size == "mid":
@@ -244,8 +244,10 @@ def test_a_paired_dataset_plans_the_control_tokens(tmp_path_factory, name):
     cached at about 1 MP whatever the bucket): a paired config's plan traces them and matches a real forward with
     its control latents (the 64-pixel target alone saves a quarter of that for Qwen-Image-Edit)."""
     from tuneline.schemas.config import parse_config
-    from tuneline.stages.train.memplan import build_meta, planned_controls, trace_activations
+    from tuneline.stages.train.memplan import planned_controls
+    from tuneline.stages.train.memtrace import trace_activations
     from tuneline.stages.train.model import freeze_unused
+    from tuneline.stages.train.planfacts import build_meta
 
     fam = get_family(name)
     model_dir = fam.ensure_model(None, tmp_path_factory.mktemp("edit-models"))
