@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "matrix_worker.py"
 STEPS, ACCUMULATION, PROCESSES = 2, 2, 2
 IMAGES = 8  # 2 steps x 2 micro-batches x 2 ranks x batch 1
-FSDP_FACTORS = ("lora", "full", "text_encoder_lora", "int8", "fp8")  # LoRA and full train; the rest are refused
+FSDP_FACTORS = ("lora", "full", "dora", "text_encoder_lora", "int8", "fp8")  # LoRA and full train; the rest are refused
 
 
 @dataclass(frozen=True)
