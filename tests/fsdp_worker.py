@@ -9,6 +9,7 @@ each rank records the largest difference of the trained weights after the last s
 - to_one: FSDP and one process that reads the 2-process step-1 checkpoint whole (2 -> 1) and trains on;
 - from_one: the replay and 2 FSDP processes resuming the replay's step-1 checkpoint of whole tensors (1 -> 2);
 - evals: the held-out eval losses (train.eval) of the DDP run and of the FSDP run, where the cell evaluates;
+- eval_share: this rank's held-out batches in the FSDP run and how many of them count (the rest is padding);
 - load: what the FSDP run's denoiser held as its shards arrived (tuneline.stages.train.fsdpload.materialize):
   bytes of parameter storage before (the skeleton: adapters only), after (this rank's shards), the bound of this
   rank's shards (torch.chunk's rows, padded) and the whole model's bytes.
@@ -36,13 +37,22 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tuneline.schemas.train import TrainConfig
-from tuneline.stages.train import collectives, dcp, fsdp, fsdpload, worker
+from tuneline.stages.train import collectives, dcp, evaluation, fsdp, fsdpload, worker
 from tuneline.stages.train.checkpoint import checkpoint_name
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import build_optimizer
 from tuneline.stages.train.plan import Position, micro_batches
 
 LOADS: list[dict] = []  # per sharded load in this process, in order
+SHARES: list[dict] = []  # per evaluator built in this process: its batches, and those whose losses count
+
+
+class RecordingEvaluator(evaluation.Evaluator):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        SHARES.append({"batches": len(self.share), "counted": sum(counted for *_, counted in self.share)})
+
+
 _materialize = fsdpload.materialize
 
 
@@ -160,9 +170,9 @@ def run_cell(cell: dict) -> dict:
     ddp_weights, evals = whole(ddp), {"ddp": run.eval_losses}
     worker.finish(run, ddp)  # final/ as DDP writes it, for the test to compare the FSDP run's with
     sharded = with_train(spec, out / "fsdp", parallelism="fsdp")
-    loads = len(LOADS)
+    loads, shares = len(LOADS), len(SHARES)
     run, trainer = train(sharded)
-    load = LOADS[loads]
+    load, share = LOADS[loads], SHARES[shares:]
     evals["fsdp"] = run.eval_losses
     weights = whole(trainer)
     worker.finish(run, trainer)
@@ -181,6 +191,7 @@ def run_cell(cell: dict) -> dict:
         "sharded": all(fsdp.is_sharded(p) for p in trainer.params.values()),
         "evals": evals,
         "load": load,
+        "eval_share": share[0] if share else None,
     }
     return got
 
@@ -190,6 +201,7 @@ def main(plan_path: str) -> None:
     collectives.init(torch.device("cpu"))
     collectives.init = lambda device: None  # one process group serves every cell (the worker's setup inits it)
     fsdpload.materialize = recording_materialize  # fsdp.shard calls it through the module
+    evaluation.Evaluator = RecordingEvaluator  # the worker's fit builds it through the module
     probe_optimizers(Path(plan_path).parent)
     rank = torch.distributed.get_rank()
     for cell in plan["cells"]:

@@ -93,7 +93,7 @@ def launched(request, tmp_path_factory) -> Path:
 def test_fsdp_equals_ddp_and_resumes(launched, family, mode):
     out = launched / f"{family}-{mode}"
     for rank in (0, 1):
-        got = json.loads((out / f"rank-{rank}.json").read_text(encoding="utf-8"))
+        got = _rank(out, rank)
         assert "error" not in got, got.get("traceback", got.get("error"))
         assert got["sharded"], "the trained parameters were not sharded"
         assert got["resume"] == 0.0, "resumed from step 1, step 2's weights must be identical"
@@ -103,11 +103,18 @@ def test_fsdp_equals_ddp_and_resumes(launched, family, mode):
     _assert_loaded_as_shards(got["load"], mode)
     evals = got["evals"]
     if "eval" in EXTRA.get((family, mode), {}):
+        shares = [_rank(out, r)["eval_share"] for r in (0, 1)]
+        assert shares[0]["batches"] == shares[1]["batches"], f"ranks ran different evaluation forwards: {shares}"
+        assert shares[0]["counted"] != shares[1]["counted"], f"one rank's share must be padded here: {shares}"
         assert [e["step"] for e in evals["fsdp"]] == [1, 2] == [e["step"] for e in evals["ddp"]], evals
         for fs, dd in zip(evals["fsdp"], evals["ddp"]):
             assert abs(fs["loss"] - dd["loss"]) <= TOLERANCE, evals  # the same held-out rows, summed once each
     if EXTRA.get((family, mode), {}).get("validate_every"):
         _assert_same_grid(out / "fsdp" / "samples" / "step-0000002.png", out / "ddp" / "samples" / "step-0000002.png")
+
+
+def _rank(out: Path, rank: int) -> dict:
+    return json.loads((out / f"rank-{rank}.json").read_text(encoding="utf-8"))
 
 
 def _assert_loaded_as_shards(load: dict, mode: str) -> None:

@@ -40,6 +40,10 @@ from tuneline.stages.train.export import DIFFUSERS_FILE
 # fp32 weights after 2 AdamW steps at the default learning rate: DDP sums the ranks' gradients in another order
 # than one process accumulating all 4 micro-batches, which moves the weights by float rounding only (seen: <3e-6).
 REPLAY_TOLERANCE = 2e-5
+# FSDP reduce-scatters: each shard's gradient sums the ranks' in yet another order. Where the ranks' gradients
+# nearly cancel, that rounding is a large part of the gradient, and AdamW's normalised step carries it into the
+# weight (seen: 1.8e-5 on flux's full fine-tune; below 5e-6 elsewhere).
+FSDP_REPLAY_TOLERANCE = 5e-5
 CPU = torch.device("cpu")
 ADAPTER_NAME = re.compile(r"\.default(_\d+)?(?=\.|$)")
 
@@ -80,7 +84,8 @@ def test_cell(cell: Cell, request, stock, upstream_store, tmp_path):
     _assert_gradients(ranks)
     errors = [f"rank {r}: {res['error']}" for r, res in enumerate(ranks) if "error" in res]
     assert not errors, "the cell stopped:\n" + "\n".join(errors) + "\n" + ranks[0].get("traceback", "")
-    assert ranks[0]["replay"] <= REPLAY_TOLERANCE, f"2 processes vs 1-process replay: {ranks[0]['replay']}"
+    tolerance = FSDP_REPLAY_TOLERANCE if cell.fsdp else REPLAY_TOLERANCE
+    assert ranks[0]["replay"] <= tolerance, f"2 processes vs 1-process replay: {ranks[0]['replay']}"
     assert [res["resume"] for res in ranks] == [0.0, 0.0], "resumed from step 1, step 2's weights must be identical"
     assert [res["sharded"] for res in ranks] == [cell.fsdp] * 2, "FSDP cells train DTensor shards, DDP ones not"
     with_control = {c for res in ranks for c in res["controls"]}
