@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -69,9 +70,11 @@ def unload(den: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 def materialize(den: torch.nn.Module, folder: Path, kept: dict, device: torch.device) -> None:
     """Allocate this rank's shards on `device` and fill them (stubs from `folder`'s safetensors files)."""
     den.to_empty(device=device)
-    files = _weight_files(folder)
+    paths = _weight_files(folder)
     persistent = set(den.state_dict())
-    with torch.no_grad():
+    with ExitStack() as stack, torch.no_grad():
+        opened = {f: stack.enter_context(safe_open(f, "pt")) for f in set(paths.values())}
+        files = {k: opened[f] for k, f in paths.items()}
         for name, b in kept["buffers"].items():
             mine = den.get_buffer(name)
             key = name if name in persistent and name in files else None
@@ -116,7 +119,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _read(files: dict[str, Path], key: str, rows: slice) -> torch.Tensor:
-    with safe_open(files[key], "pt") as f:
-        part = f.get_slice(key)
-        return part[rows] if part.get_shape() else f.get_tensor(key)
+def _read(files: dict, key: str, rows: slice) -> torch.Tensor:
+    """`rows` of tensor `key` (its files opened once: safe_open maps them and reads only what is sliced)."""
+    part = files[key].get_slice(key)
+    return part[rows] if part.get_shape() else files[key].get_tensor(key)
