@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tuneline.stages.text.store import pair_key
-from tuneline.stages.train import collectives
+from tuneline.stages.train import collectives, fsdp
 from tuneline.stages.train.loop import Trainer, control_cond, micro_cond
 from tuneline.stages.train.objective import scale_latents
 from tuneline.stages.train.optimizers import eval_weights
@@ -69,6 +69,7 @@ class Evaluator:
                     losses = self._batch(bucket, rows)
                     sums += losses if counted else 0
         finally:
+            fsdp.reshard(model)  # the next forward gathers the training weights, not schedule-free's average
             model.train(was_training)
         sums = collectives.sum_over_ranks(sums, tr.device, tr.world).tolist()
         n = sums[-1]

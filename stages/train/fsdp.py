@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tuneline.schemas.train import TrainConfig
@@ -68,6 +68,16 @@ def shard(
     fully_shard(den, reshard_after_forward=False, **kw)
     fsdpload.materialize(den, model_dir / fam.denoiser_component, kept, device)
     return {n: p for n, p in den.named_parameters() if p.requires_grad}
+
+
+def reshard(denoiser: torch.nn.Module) -> None:
+    """Free the gathered weights that the root and the last block keep after a forward (reshard_after_forward
+    False: a backward frees them). After forwards without a backward (validation renders, evaluation) that ran on
+    swapped-in weights (EMA's, schedule-free's average), the next forward must gather the restored shards again,
+    not reuse what it gathered then. Nothing to do unsharded."""
+    for module in unwrap(denoiser).modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

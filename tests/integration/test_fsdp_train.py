@@ -45,7 +45,7 @@ CELLS = [(family, mode) for family in ("tiny", "flux") for mode in ("full", "lor
 # checkpointing (a block's recompute gathers it again), the other optimizer FSDP takes, and held-out evaluation
 # and in-training validation, whose forwards gather the shards on every rank: 3 prompts and an odd number of held-out
 # batches, so one rank's share is padded (without it FSDP's all-gathers would wait forever).
-EVAL = {"fraction": 0.15, "every_steps": 1, "timesteps": [300, 700]}
+EVAL = {"fraction": 0.1, "every_steps": 1, "timesteps": [300, 700]}
 EXTRA = {
     ("tiny", "lora"): {"ema": True, "gradient_checkpointing": True, "validate_every": 2, "eval": EVAL},
     ("tiny", "full"): {"eval": EVAL, "optimizer": "adamw_schedulefree"},  # its eval weights, also under FSDP
