@@ -1,13 +1,16 @@
-"""The training matrix's worker: started by torchrun (2 gloo processes), it trains every cell of one family through
-the train stage's own worker functions (tuneline.stages.train.worker: setup, fit, finish), one cell after another
-in one process group, and records per rank what tests/integration/test_training_matrix.py asserts:
+"""The training matrix's worker: started by torchrun (2 gloo processes), it trains every cell through the train
+stage's own worker functions (tuneline.stages.train.worker: setup, fit, finish), one cell after another in one
+process group, DDP and FSDP cells alike, and records per rank what tests/integration/test_training_matrix.py asserts:
 
 - grads: per optimizer step, each trainable parameter's gradient as the optimizer is about to see it (after DDP's
-  reduction): "none" (DDP's reducer never got it), "nonfinite", "zero" or "ok";
-- replay: rank 0's largest difference between the 2-process weights after the last step and a 1-process replay of
-  the same global batch (each rank's micro-batches with that rank's draws, the loss scaled by 1 / (ranks x
-  accumulation) as DDP's averaging does);
+  reduction, or FSDP's reduce-scatter: judged on the whole gradient gathered from the shards): "none" (the
+  reducer never got it), "nonfinite", "zero" or "ok";
+- replay: rank 0's largest difference between the 2-process weights after the last step (gathered whole under
+  FSDP) and a 1-process DDP replay of the same global batch (each rank's micro-batches with that rank's draws, the
+  loss scaled by 1 / (ranks x accumulation) as DDP's averaging does);
 - resume: the largest difference between the uninterrupted weights and a run resumed from the step-1 checkpoint;
+- sharded: whether every trained parameter was a DTensor shard (FSDP);
+- controls: per micro-batch, whether it carried control latents (the edit families train with their controls);
 - error: the exception that stopped the cell, if any (a DDP error at step 2 is one).
 
 Usage: python -m tuneline.stages.train.procwatch --standalone --nproc_per_node=2 tests/matrix_worker.py PLAN.json
@@ -26,7 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from tuneline.stages.train import collectives, worker
+from tuneline.stages.train import collectives, fsdp, worker
 from tuneline.stages.train.checkpoint import checkpoint_name
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.plan import Position, micro_batches
@@ -42,9 +45,16 @@ class RecordingTrainer(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.grad_states: list[dict[str, str]] = []
+        self.controls: list[bool] = []
         RecordingTrainer.latest = self
 
+    def prepare(self, index, mb):
+        fed = super().prepare(index, mb)
+        self.controls.append("control_latents" in fed.cond)
+        return fed
+
     def optimizer_step(self) -> None:
+        # every rank gathers the same gradients in the same order (a collective for FSDP's shards)
         self.grad_states.append({n: grad_state(p.grad) for n, p in self.params.items()})
         super().optimizer_step()
 
@@ -52,9 +62,15 @@ class RecordingTrainer(Trainer):
 def grad_state(g: torch.Tensor | None) -> str:
     if g is None:
         return "none"
+    g = fsdp.full(g)
     if not torch.isfinite(g).all():
         return "nonfinite"
     return "ok" if bool(g.abs().sum() > 0) else "zero"
+
+
+def whole(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters' whole values (gathered from FSDP's shards: every rank must call it)."""
+    return {n: fsdp.full(p).clone() for n, p in params.items()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -62,10 +78,12 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def replay(spec: dict, world: int) -> dict[str, torch.Tensor]:
-    """One process, no DDP: every rank's micro-batches of every step with that rank's draws, accumulated."""
+    """One process, unsharded, no DDP: every rank's micro-batches of every step with that rank's draws,
+    accumulated."""
     run = worker.setup(spec)
     t = run.cfg.train
-    cfg = run.cfg.model_copy(update={"train": t.model_copy(update={"grad_accumulation": t.grad_accumulation * world})})
+    one = {"grad_accumulation": t.grad_accumulation * world, "parallelism": "ddp"}
+    cfg = run.cfg.model_copy(update={"train": t.model_copy(update=one)})
     trainer = Trainer(cfg, run.family, run.model_dir, run.data, 0, 1, run.device)
     streams = [micro_batches(run.data.rows.epoch_plans(world), t.batch_size, r, Position()) for r in range(world)]
     for step in range(t.steps):
@@ -84,7 +102,9 @@ def run_cell(cell: dict) -> dict:
     spec = cell["spec"]
     run = worker.setup(spec)
     trainer = worker.fit(run)  # its failures (DDP's, a non-finite loss) happen on every rank alike
-    got: dict = {"grads": trainer.grad_states}
+    got: dict = {"grads": trainer.grad_states, "controls": trainer.controls}
+    got["sharded"] = all(fsdp.is_sharded(p) for p in trainer.params.values())
+    weights = whole(trainer.params)  # the live weights, before finish() puts the EMA's in for final/
     try:
         worker.finish(run, trainer)  # rank 0 exports, then two barriers
     except Exception as err:
@@ -92,13 +112,13 @@ def run_cell(cell: dict) -> dict:
         collectives.barrier(run.world)
         collectives.barrier(run.world)
     if run.rank == 0:  # what the exports must hold
-        save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, Path(cell["out"]) / TRAINED)
+        save_file({n: p.contiguous() for n, p in weights.items()}, Path(cell["out"]) / TRAINED)
     first = Path(spec["out_dir"]) / "checkpoints" / checkpoint_name(1)
     again = worker.fit(worker.setup(spec | {"resume": str(first), "out_dir": str(Path(cell["out"]) / "resumed")}))
-    got["resume"] = max_diff(trainer.params, again.params)
+    got["resume"] = max_diff(weights, whole(again.params))
     if run.rank == 0:
         try:
-            got["replay"] = max_diff(trainer.params, replay(spec, run.world))
+            got["replay"] = max_diff(weights, replay(spec, run.world))
         except Exception as err:
             got["error"] = f"1-process replay: {type(err).__name__}: {err}"
     collectives.barrier(run.world)

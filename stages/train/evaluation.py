@@ -5,7 +5,9 @@ and curves compare across runs. A paired dataset's rows are denoised with their 
 
 Every rank evaluates its share: the held-out rows in batches of train.batch_size per bucket, the batches dealt out
 round-robin, each sample's loss summed, and the sums all-reduced, so the number is the one a single process gets.
-The forwards run on the unwrapped denoiser (no DDP hook, no collective), so ranks may run different counts.
+The forwards run on the unwrapped denoiser (no DDP hook). Under train.parallelism fsdp each forward all-gathers
+the sharded weights from every rank, so every rank runs the same forwards: a share one batch short is padded with
+the first batch, whose losses are dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from tuneline.stages.text.store import pair_key
-from tuneline.stages.train import collectives
+from tuneline.stages.train import collectives, fsdp
 from tuneline.stages.train.loop import Trainer, control_cond, micro_cond
 from tuneline.stages.train.objective import scale_latents
 from tuneline.stages.train.optimizers import eval_weights
@@ -50,7 +52,9 @@ class Evaluator:
             for bucket, rows in sorted(held.items())
             for i in range(0, len(rows), batch_size)
         ]
-        self.share = batches[trainer.rank :: trainer.world]  # this rank's batches
+        mine = batches[trainer.rank :: trainer.world]
+        padding = -(-len(batches) // trainer.world) - len(mine)
+        self.share = [(*b, True) for b in mine] + [(*batches[0], False)] * padding  # (bucket, rows, counted)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -61,9 +65,11 @@ class Evaluator:
         try:
             # schedule-free: the averaged weights it exports (tuneline.stages.train.optimizers.eval_weights)
             with eval_weights(tr.opt, tr.params):
-                for bucket, rows in self.share:
-                    sums += self._batch(bucket, rows)
+                for bucket, rows, counted in self.share:
+                    losses = self._batch(bucket, rows)
+                    sums += losses if counted else 0
         finally:
+            fsdp.reshard(model)  # the next forward gathers the training weights, not schedule-free's average
             model.train(was_training)
         sums = collectives.sum_over_ranks(sums, tr.device, tr.world).tolist()
         n = sums[-1]

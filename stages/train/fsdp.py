@@ -14,14 +14,17 @@ dtype of train.mixed_precision and reduces gradients in float32. CPU trains in f
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
+from tuneline.stages.train import fsdpload
 from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.swap import transformer_blocks
 
@@ -38,13 +41,21 @@ def policy(autocast: torch.dtype | None) -> MixedPrecisionPolicy:
 
 
 def shard(
-    denoiser: torch.nn.Module, fam, t: TrainConfig, device: torch.device, autocast: torch.dtype | None
+    denoiser: torch.nn.Module,
+    fam,
+    t: TrainConfig,
+    device: torch.device,
+    autocast: torch.dtype | None,
+    model_dir: Path,
 ) -> dict[str, torch.nn.Parameter]:
-    """Shard `denoiser` in place over every process; returns its trainable parameters (now DTensors) by name.
+    """Shard `denoiser`, a skeleton (tuneline.stages.train.fsdpload) with its adapters, in place over every
+    process and load each rank's shard of the weights from `model_dir`; returns its trainable parameters (now
+    DTensors) by name.
 
     fully_shard replaces each parameter by a sharded one, so anything holding the old ones (the optimizer, EMA)
     must be built from the returned dict."""
     den = unwrap(denoiser)
+    kept = fsdpload.unload(den)  # nothing whole is allocated from here on
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kw = {
         "mesh": mesh,
@@ -55,7 +66,18 @@ def shard(
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
     fully_shard(den, reshard_after_forward=False, **kw)
+    fsdpload.materialize(den, model_dir / fam.denoiser_component, kept, device)
     return {n: p for n, p in den.named_parameters() if p.requires_grad}
+
+
+def reshard(denoiser: torch.nn.Module) -> None:
+    """Free the gathered weights that the root and the last block keep after a forward (reshard_after_forward
+    False: a backward frees them). After forwards without a backward (validation renders, evaluation) that ran on
+    swapped-in weights (EMA's, schedule-free's average), the next forward must gather the restored shards again,
+    not reuse what it gathered then. Nothing to do unsharded."""
+    for module in unwrap(denoiser).modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
-from tuneline.stages.train import checkpoint as ckpt, collectives, dcp
+from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.pace import PaceMeter, duration
@@ -128,6 +128,7 @@ class Hooks:
             with tr.ema.applied(tr.params) if tr.ema is not None else eval_weights(tr.opt, tr.params):
                 return renderer.render(samples, *render_size_for(cfg), v.steps, v.guidance_scale)
         finally:
+            fsdp.reshard(tr.denoiser)  # the next forward gathers the restored weights, not the rendered ones
             tr.denoiser.train()
             del renderer
             gc.collect()

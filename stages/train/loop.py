@@ -25,7 +25,7 @@ from tuneline.stages.latents.masks import read as read_mask
 from tuneline.stages.latents.reader import Batch, LatentReader, draw
 from tuneline.stages.text.live import LiveText
 from tuneline.stages.text.store import TextCache, pair_key
-from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp
+from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp, fsdpload
 from tuneline.stages.train.ema import EMA
 from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
 from tuneline.stages.train.objective import (
@@ -151,11 +151,13 @@ class Trainer:
         self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
+        load = fsdpload.skeleton(fam) if self.sharded else None  # sharded: each rank loads its own shard only
+        shards = world if self.sharded else 1
         self.denoiser, self.params = prepare_denoiser(
-            fam, model_dir, self.t, base, device, cfg.model.quantize, shards=world if self.sharded else 1
+            fam, model_dir, self.t, base, device, cfg.model.quantize, shards, load
         )
         if self.sharded:
-            self.params = fsdp.shard(self.denoiser, fam, self.t, device, self.autocast)
+            self.params = fsdp.shard(self.denoiser, fam, self.t, device, self.autocast, model_dir)
         self.text = data.text if isinstance(data.text, TrainedText) else None  # train.text_encoder_lora
         if self.text is not None:
             self.params.update(self.text.params())

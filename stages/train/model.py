@@ -66,20 +66,23 @@ def prepare_denoiser(
     device: torch.device,
     quantize: str | None = None,
     shards: int = 1,
+    load=None,
 ) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
     """(denoiser ready to train, its trainable parameters by name). `shards`: the processes FSDP will split the
-    model over (1: DDP, every process holds all of it).
+    model over (1: DDP, every process holds all of it); `load`: how the denoiser is built (default
+    fam.load_denoiser; FSDP's builds a skeleton whose weights each rank loads as its shard).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
     `base_dtype` to save memory, the adapter weights in float32.
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
+    load = load or fam.load_denoiser
     if t.mode == "full":
         fam.check_full_finetune(model_dir, shards)  # a denoiser too large even when split is refused before it loads
-        den = fam.load_denoiser(model_dir, torch.float32, device).requires_grad_(True)
+        den = load(model_dir, torch.float32, device).requires_grad_(True)
         freeze_unused(fam, den, fam.denoiser_component)
     else:
-        den = fam.load_denoiser(model_dir, base_dtype, device).requires_grad_(False)
+        den = load(model_dir, base_dtype, device).requires_grad_(False)
         if quantize:
             quantize_base(den, quantize, device)
         den.add_adapter(lora_config(t, fam, den))

@@ -3,7 +3,11 @@
 Cells come from the registry and the config schema, so a family or a choice added later joins without editing
 the matrix: for every registered family a base cell (train.mode lora, train.adapter lora) and one factor at a time
 around it: train.mode full, every other train.adapter choice, train.text_encoder_lora, every model.quantize choice.
-The config decides which cells train; a cell it refuses is a refusal cell.
+The config decides which cells train; a cell it refuses is a refusal cell. The FSDP column: the base cell and
+every other factor again with train.parallelism fsdp (cells `<family>-<factor>-fsdp`); the combinations FSDP cannot
+shard are its refusal cells. A family that takes control images (the edit families, FLUX.2's references) trains
+with them, as its users' edit runs do: one control per target, a folder of two references where the family takes
+several.
 
 One torchrun launch (2 gloo processes, tests/matrix_worker.py) trains every cell, with the spec the train stage's
 launcher writes and its torchrun command, over caches from the session's upstream store.
@@ -11,6 +15,7 @@ launcher writes and its torchrun command, over caches from the session's upstrea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 import uuid
@@ -28,7 +33,7 @@ from tuneline.schemas.text import TextManifest
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.common.stage import run_stage
 from tuneline.stages.families import resolve as models
-from tuneline.stages.families.registry import family_names
+from tuneline.stages.families.registry import family_names, get_family
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.train import launch as train_launch
 
@@ -36,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "matrix_worker.py"
 STEPS, ACCUMULATION, PROCESSES = 2, 2, 2
 IMAGES = 8  # 2 steps x 2 micro-batches x 2 ranks x batch 1
+FSDP_FACTORS = ("lora", "full", "dora", "text_encoder_lora", "int8", "fp8")  # LoRA and full train; the rest are refused
 
 
 @dataclass(frozen=True)
@@ -44,15 +50,20 @@ class Cell:
     name: str
     section: str  # the config section the factor changes ("" for the base cell)
     change: dict
+    fsdp: bool = False  # the FSDP column: train.parallelism fsdp besides the change
 
     @property
     def id(self) -> str:
-        return f"{self.family}-{self.name}"
+        return f"{self.family}-{self.name}" + ("-fsdp" if self.fsdp else "")
 
     @property
     def field(self) -> str:
         """The changed field as a config message names it, e.g. train.text_encoder_lora."""
         return f"{self.section}.{next(iter(self.change))}" if self.change else ""
+
+    @property
+    def ddp_twin(self) -> Cell:
+        return dataclasses.replace(self, fsdp=False)
 
 
 def factors() -> list[tuple[str, str, dict]]:
@@ -68,17 +79,27 @@ def factors() -> list[tuple[str, str, dict]]:
 
 
 def cells() -> list[Cell]:
-    return [Cell(fam, name, section, change) for fam in family_names() for name, section, change in factors()]
+    every = factors()
+    column = [(name, section, change) for name, section, change in every if name in FSDP_FACTORS]
+    return [Cell(fam, *f) for fam in family_names() for f in every] + [
+        Cell(fam, *f, fsdp=True) for fam in family_names() for f in column
+    ]
 
 
 def dataset(folder: Path) -> None:
-    """IMAGES small captioned images (distinct colors), the smallest bucket every family aligns to."""
-    folder.mkdir(parents=True)
+    """IMAGES small captioned images (distinct colors), the smallest bucket every family aligns to, in images/;
+    controls/ holds one control image per target (its colors reversed), references/ a folder of two per target."""
     rng = np.random.default_rng(0)
+    for sub in ("images", "controls", "references"):
+        (folder / sub).mkdir(parents=True)
     for i in range(IMAGES):
         pixels = np.clip(rng.normal(40 + 25 * i, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(folder / f"{i}.png")
-        (folder / f"{i}.txt").write_text(f"a photo, shade {i}", encoding="utf-8")
+        Image.fromarray(pixels).save(folder / "images" / f"{i}.png")
+        (folder / "images" / f"{i}.txt").write_text(f"make it shade {i}", encoding="utf-8")
+        Image.fromarray(255 - pixels).save(folder / "controls" / f"{i}.png")
+        (folder / "references" / str(i)).mkdir()
+        for j in range(2):
+            Image.fromarray(np.roll(255 - pixels, 16 * j, axis=1)).save(folder / "references" / str(i) / f"{j}.png")
 
 
 def config(cell: Cell, data: Path, workdir: Path) -> PipelineConfig:
@@ -94,9 +115,12 @@ def config(cell: Cell, data: Path, workdir: Path) -> PipelineConfig:
         "checkpoint_every": 1,
         "keep_checkpoints": STEPS,
         "lora_format": "both",
+        "parallelism": "fsdp" if cell.fsdp else "ddp",
     }
+    fam = get_family(cell.family)
+    control = None if not fam.takes_control else data / ("references" if fam.multiple_references else "controls")
     data_cfg = {
-        "dataset": {"path": str(data)},
+        "dataset": {"path": str(data / "images"), "control": None if control is None else str(control)},
         "model": {"family": cell.family, "path": None, "device": "cpu"},
         "buckets": {"resolution": 64},
         "train": train,

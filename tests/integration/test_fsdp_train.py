@@ -1,7 +1,8 @@
 """train.parallelism fsdp beside DDP: a UNet family (tiny) and a transformer family (flux), full and LoRA, each cell
 2 optimizer steps of 2 accumulated micro-batches in 2 gloo processes (tests/fsdp_worker.py: one torchrun launch
 trains every cell). FSDP's weights equal DDP's and a 1-process replay within TOLERANCE, resume exactly, resume
-across process counts (2 -> 1, 1 -> 2) at the same global batch, and final/ holds the files DDP writes.
+across process counts (2 -> 1, 1 -> 2) at the same global batch, and final/ holds the files DDP writes; held-out
+evaluation and in-training validation give DDP's losses and grid.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ import json
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 from safetensors import safe_open
 
 from tests.integration.test_train_support import ROOT, build_upstream, small_config
 from tuneline.schemas.config import parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.parallel import FSDP_OPTIMIZERS, NOT_SHARDED
 from tuneline.schemas.text import TextManifest
 from tuneline.stages.common.stage import run_stage
 from tuneline.stages.families import resolve as models
@@ -37,11 +42,17 @@ TRAIN = {
 }
 CELLS = [(family, mode) for family in ("tiny", "flux") for mode in ("full", "lora")]
 # One factor more per cell, the same in both runs: EMA (every rank averages its shard, final/ gathers it), gradient
-# checkpointing (a block's recompute gathers it again), and the other optimizer FSDP takes.
+# checkpointing (a block's recompute gathers it again), the other optimizer FSDP takes, and held-out evaluation
+# and in-training validation, whose forwards gather the shards on every rank: 3 prompts and an odd number of held-out
+# batches, so one rank's share is padded (without it FSDP's all-gathers would wait forever).
+EVAL = {"fraction": 0.1, "every_steps": 1, "timesteps": [300, 700]}
 EXTRA = {
-    ("tiny", "lora"): {"ema": True, "gradient_checkpointing": True},
+    ("tiny", "lora"): {"ema": True, "gradient_checkpointing": True, "validate_every": 2, "eval": EVAL},
+    ("tiny", "full"): {"eval": EVAL, "optimizer": "adamw_schedulefree"},  # its eval weights, also under FSDP
     ("flux", "lora"): {"optimizer": "lion", "learning_rate": 1e-4},
+    ("flux", "full"): {"eval": EVAL},
 }
+VALIDATE = {"prompts": DEMO_CONFIG["validate"]["prompts"][:3], "steps": 2}
 WORKER = ROOT / "tests" / "fsdp_worker.py"
 
 
@@ -62,11 +73,12 @@ def _spec(ctx, work: Path) -> dict:
 def launched(request, tmp_path_factory) -> Path:
     """The one launch, training the cells this session selected (`-k flux` trains flux's only)."""
     chosen = [i.callspec.params for i in request.session.items if i.function is test_fsdp_equals_ddp_and_resumes]
+    chosen = chosen or [{"family": "tiny", "mode": "lora"}]  # the launch also probes the optimizers
     root = tmp_path_factory.mktemp("fsdp")
     plan = []
     for family, mode in [(c["family"], c["mode"]) for c in chosen]:
         train = TRAIN | {"mode": mode} | EXTRA.get((family, mode), {})
-        cfg = small_config(root / family, train, model={"family": family, "device": "cpu"})
+        cfg = small_config(root / family, train, model={"family": family, "device": "cpu"}, validate=VALIDATE)
         ctx = build_upstream(cfg)
         out = root / "cells" / f"{family}-{mode}"
         plan.append({"name": out.name, "out": str(out), "spec": _spec(ctx, out / "spec")})
@@ -81,13 +93,57 @@ def launched(request, tmp_path_factory) -> Path:
 def test_fsdp_equals_ddp_and_resumes(launched, family, mode):
     out = launched / f"{family}-{mode}"
     for rank in (0, 1):
-        got = json.loads((out / f"rank-{rank}.json").read_text(encoding="utf-8"))
+        got = _rank(out, rank)
         assert "error" not in got, got.get("traceback", got.get("error"))
         assert got["sharded"], "the trained parameters were not sharded"
         assert got["resume"] == 0.0, "resumed from step 1, step 2's weights must be identical"
         for key in ("fsdp_vs_ddp", "fsdp_vs_replay", "to_one", "from_one"):
             assert got[key] <= TOLERANCE, f"rank {rank} {key}: {got[key]}"
     _assert_same_exports(out / "fsdp" / "final", out / "ddp" / "final")
+    _assert_loaded_as_shards(got["load"], mode)
+    evals = got["evals"]
+    if "eval" in EXTRA.get((family, mode), {}):
+        shares = [_rank(out, r)["eval_share"] for r in (0, 1)]
+        assert shares[0]["batches"] == shares[1]["batches"], f"ranks ran different evaluation forwards: {shares}"
+        assert shares[0]["counted"] != shares[1]["counted"], f"one rank's share must be padded here: {shares}"
+        assert [e["step"] for e in evals["fsdp"]] == [1, 2] == [e["step"] for e in evals["ddp"]], evals
+        for fs, dd in zip(evals["fsdp"], evals["ddp"]):
+            assert abs(fs["loss"] - dd["loss"]) <= TOLERANCE, evals  # the same held-out rows, summed once each
+    if EXTRA.get((family, mode), {}).get("validate_every"):
+        _assert_same_grid(out / "fsdp" / "samples" / "step-0000002.png", out / "ddp" / "samples" / "step-0000002.png")
+
+
+def _rank(out: Path, rank: int) -> dict:
+    return json.loads((out / f"rank-{rank}.json").read_text(encoding="utf-8"))
+
+
+def _assert_loaded_as_shards(load: dict, mode: str) -> None:
+    """No rank held the whole denoiser while it loaded: before its shards arrived its parameters had no storage
+    but the adapters' (a full fine-tune: none), and after, each rank holds its rows only."""
+    assert load["before"] <= load["adapters"] < load["whole"] / 10, load
+    assert mode == "lora" or load["before"] == 0, load
+    assert load["after"] <= load["bound"] <= 0.6 * load["whole"], load
+
+
+def test_optimizers_fsdp_takes_step_shards_as_whole_tensors(launched):
+    """Every optimizer FSDP accepts steps sharded parameters as it steps whole ones; each one it refuses does not
+    (its refusal says how it differs)."""
+    found = json.loads((launched.parent / "optimizers.json").read_text(encoding="utf-8"))
+    assert sorted(found) == sorted(FSDP_OPTIMIZERS + tuple(NOT_SHARDED)), found
+    for name in FSDP_OPTIMIZERS:
+        assert found[name].get("diff", 1) <= TOLERANCE and found[name]["ranks_agree"], (name, found[name])
+    for name in NOT_SHARDED:
+        got = found[name]
+        assert "error" in got or got["diff"] > TOLERANCE or not got["ranks_agree"], (name, got)
+
+
+def _assert_same_grid(fsdp: Path, ddp: Path) -> None:
+    """FSDP's in-training validation grid is DDP's: every prompt rendered (the padded one dropped), pixels equal but
+    for rounding of the weights' float sums."""
+    with Image.open(fsdp) as a, Image.open(ddp) as b:
+        x, y = np.asarray(a.convert("RGB"), dtype=np.int16), np.asarray(b.convert("RGB"), dtype=np.int16)
+    assert x.shape == y.shape and x.std() > 0, (x.shape, y.shape)
+    assert np.abs(x - y).max() <= 2, f"the FSDP grid differs from DDP's by up to {np.abs(x - y).max()} levels"
 
 
 def _assert_same_exports(fsdp: Path, ddp: Path) -> None:
@@ -111,8 +167,10 @@ def _assert_same_exports(fsdp: Path, ddp: Path) -> None:
     [
         ({"mode": "lora"}, {"quantize": "int8"}, ("model.quantize", "train.parallelism")),
         ({"optimizer": "adafactor"}, {}, ("train.optimizer adafactor", "train.parallelism")),
+        ({"optimizer": "prodigy", "learning_rate": 1.0}, {}, ("train.optimizer prodigy", "train.parallelism")),
+        ({"optimizer": "adamw8bit"}, {}, ("train.optimizer adamw8bit", "train.parallelism")),
+        ({"mode": "lora", "adapter": "dora"}, {}, ("train.adapter dora", "train.parallelism")),
         ({"mode": "lora", "blocks_to_swap": 1}, {}, ("train.blocks_to_swap", "train.parallelism")),
-        ({"validate_every": 5}, {}, ("train.validate_every", "train.parallelism")),
         ({"parallelism": "ddp", "fsdp_cpu_offload": True}, {}, ("train.fsdp_cpu_offload", "train.parallelism")),
     ],
 )

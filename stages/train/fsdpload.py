@@ -1,0 +1,125 @@
+"""Loading a sharded denoiser (train.parallelism fsdp) without any rank holding the whole of it.
+
+1. `skeleton`: the denoiser built from its config with no weights. Each parameter is a stub: a view of one zero
+   element at every index (`expand`), on the CPU with the right shape and dtype. Buffers are real (some are
+   computed when the model is built). peft adds its adapters to the skeleton exactly as to the loaded model: the
+   same modules, the same random draws from the same seed, so the adapters start as DDP's do.
+2. `unload` (before `fully_shard`): the stubs become meta parameters, so sharding allocates nothing for them; the
+   adapters' starting values are kept whole (they are small) with the buffers.
+3. `materialize` (after `fully_shard`): every rank allocates only its own shard of each parameter (`to_empty`) and
+   fills it: a stub's rows read from the model folder's safetensors files (a slice read: the rest of the tensor
+   is never read), an adapter's rows from its kept value. FSDP2 shards dim 0 as `torch.chunk` does.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+# One zero per dtype, viewed by every stub: a stub is known by sharing its storage.
+_ZEROS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _zero(dtype: torch.dtype) -> torch.Tensor:
+    return _ZEROS.setdefault(dtype, torch.zeros((), dtype=dtype))
+
+
+def is_stub(p: torch.Tensor) -> bool:
+    return (
+        not p.is_meta
+        and p.dtype in _ZEROS
+        and p.untyped_storage().data_ptr() == _ZEROS[p.dtype].untyped_storage().data_ptr()
+    )
+
+
+def skeleton(fam):
+    """A loader with fam.load_denoiser's signature that builds the skeleton (the device is FSDP's to apply)."""
+
+    def load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        cls = fam.denoiser_class
+        with init_empty_weights():  # parameters on the meta device, buffers real
+            den = cls.from_config(cls.load_config(model_dir, subfolder=fam.denoiser_component))
+        for module in den.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                stub = torch.nn.Parameter(_zero(dtype).expand(p.shape), requires_grad=p.requires_grad)
+                module.register_parameter(name, stub)
+        return den
+
+    return load
+
+
+def unload(den: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Turn the stubs into meta parameters; returns what materialize needs: the other parameters' values (the
+    adapters') and every buffer, whole."""
+    kept = {n: p.detach().clone() for n, p in den.named_parameters() if not is_stub(p)}
+    for module in den.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if is_stub(p):
+                meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                module.register_parameter(name, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
+    return {"params": kept, "buffers": {n: b.detach().clone() for n, b in den.named_buffers()}}
+
+
+def materialize(den: torch.nn.Module, folder: Path, kept: dict, device: torch.device) -> None:
+    """Allocate this rank's shards on `device` and fill them (stubs from `folder`'s safetensors files)."""
+    den.to_empty(device=device)
+    paths = _weight_files(folder)
+    persistent = set(den.state_dict())
+    with ExitStack() as stack, torch.no_grad():
+        opened = {f: stack.enter_context(safe_open(f, "pt")) for f in set(paths.values())}
+        files = {k: opened[f] for k, f in paths.items()}
+        for name, b in kept["buffers"].items():
+            mine = den.get_buffer(name)
+            key = name if name in persistent and name in files else None
+            mine.copy_(_read(files, key, slice(None)) if key else b)
+        for name, p in den.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            rows = _rows(p, local)
+            if name in kept["params"]:
+                local.copy_(kept["params"][name][rows])
+                continue
+            key = name.replace(".base_layer.", ".")  # peft wraps the targeted layers
+            if key not in files:
+                raise ValueError(f"{folder}: the weights hold no tensor {key}; rebuild the model folder")
+            local.copy_(_read(files, key, rows))
+
+
+def _rows(p: torch.Tensor, local: torch.Tensor) -> slice:
+    """The rows of the whole parameter this rank holds: torch.chunk's split of dim 0 over the mesh."""
+    if not isinstance(p, DTensor) or p.dim() == 0:
+        return slice(None)
+    n, world, rank = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
+    size = -(-n // world)
+    start = min(rank * size, n)
+    stop = min(start + size, n)
+    assert local.shape[0] == stop - start, (p.shape, local.shape, rank)
+    return slice(start, stop)
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (a sharded folder's index, or the one file)."""
+    index = folder / f"{WEIGHTS}.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {k: folder / f for k, f in weight_map.items()}
+    single = folder / WEIGHTS
+    if not single.is_file():
+        raise ValueError(
+            f"{folder}: no {WEIGHTS} (or its index): train.parallelism fsdp reads each rank's rows from "
+            f"safetensors weights; save the model folder with safetensors or set train.parallelism: ddp"
+        )
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read(files: dict, key: str, rows: slice) -> torch.Tensor:
+    """`rows` of tensor `key` (its files opened once: safe_open maps them and reads only what is sliced)."""
+    part = files[key].get_slice(key)
+    return part[rows] if part.get_shape() else files[key].get_tensor(key)
