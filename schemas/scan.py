@@ -377,6 +377,11 @@ class ScanManifest(Manifest):
         where = {None: self.dataset_root, **{i: s.root for i, s in enumerate(self.sources)}}
         return {k: Location(v, self.storage_options.get(v, {})) if is_url(v) else Path(v) for k, v in where.items()}
 
+    def control_roots(self) -> dict[int | None, Path | None]:
+        """record.source -> the folder its control_path is relative to (None: that folder has no controls)."""
+        plain = None if self.control_root is None else Path(self.control_root)
+        return {None: plain, **{i: Path(s.control) if s.control else None for i, s in enumerate(self.sources)}}
+
 
 @dataclass(frozen=True)
 class Location:
@@ -387,8 +392,3 @@ class Location:
 
     def __str__(self) -> str:
         return self.url
-
-    def control_roots(self) -> dict[int | None, Path | None]:
-        """record.source -> the folder its control_path is relative to (None: that folder has no controls)."""
-        plain = None if self.control_root is None else Path(self.control_root)
-        return {None: plain, **{i: Path(s.control) if s.control else None for i, s in enumerate(self.sources)}}
