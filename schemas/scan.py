@@ -248,6 +248,10 @@ class ControlFile(BaseModel):
     height: int
 
 
+# Where a webdataset / parquet record's bytes are (null on a folder's records).
+MEMBER_FIELDS = ("shard", "offset", "row_group", "row", "column")
+
+
 class ImageRecord(BaseModel):
     """One accepted image, as every later stage sees it. Sizes come from the ONE size function.
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuneline.schemas.scan import Rejected
+from tuneline.schemas.scan import MEMBER_FIELDS, Rejected
 from tuneline.schemas.sources import Source
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
@@ -28,7 +28,6 @@ from tuneline.stages.scan.shardindex import ShardIndex, index_parquet, index_tar
 # Shards are read whole and streamed: a few at once keep a network store busy while headers parse.
 WORKERS = min(4, 2 * (os.cpu_count() or 1))
 READ_KEY = "scan-shards-read"
-MEMBER_FIELDS = ("offset", "row_group", "row", "column")
 
 
 class MemberCaptions(Captions):
@@ -108,8 +107,7 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
         known |= index.captions
         out.problems += [Rejected(**p) for p in index.problems]
         for m in index.members:
-            facts = {k: m[k] for k in MEMBER_FIELDS if k in m}
-            out.fields[m["path"]] = {"shard": shard.rel, **facts}
+            out.fields[m["path"]] = {k: m[k] for k in MEMBER_FIELDS if k in m} | {"shard": shard.rel}
             out.probes.append(Probe(**{k: v for k, v in m.items() if k not in (*MEMBER_FIELDS, "key")}))
     out.reopened = sum(len(fresh[s.rel].members) for s in todo)
     out.captions = MemberCaptions(
