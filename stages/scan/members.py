@@ -30,6 +30,11 @@ def image_source(root: Path | Location, rec: ImageRecord) -> tuple[str, Path | i
     return hashlib.sha256(data).hexdigest(), io.BytesIO(data)
 
 
+def open_image(root: Path | Location, rec: ImageRecord) -> Path | io.BytesIO:
+    """What `load_rgb` opens for any record, unhashed (the caption stage keys by the scan's hash)."""
+    return safe_join(root, rec.path) if rec.shard is None else io.BytesIO(member_bytes(root, rec))
+
+
 def member_bytes(root: Path | Location, rec: ImageRecord) -> bytes:
     fs, path = shard_location(root, rec.shard)
     if rec.offset is not None:

@@ -18,10 +18,10 @@ from tuneline.schemas.scan import MEMBER_FIELDS, Rejected
 from tuneline.schemas.sources import Source
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
-from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.images import Probe
 from tuneline.stages.scan.listing import Listing
+from tuneline.stages.scan.probecache import load_rows, save_rows
 from tuneline.stages.scan.shardfs import ShardFile, detect, filesystem, list_shards
 from tuneline.stages.scan.shardindex import ShardIndex, index_parquet, index_tar
 
@@ -69,22 +69,8 @@ def _cache_path(ctx, src: Source) -> Path:
 
 
 def _load(ctx, src: Source) -> dict[str, ShardIndex]:
-    path = _cache_path(ctx, src)
-    if not path.is_file():
-        return {}
-    try:
-        return {row["rel"]: ShardIndex(**row) for row in read_jsonl(path)}
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        ctx.log.warning("scan: ignoring the shard index %s (%s); every shard is read", path, err)
-        return {}
-
-
-def _save(ctx, src: Source, indexes: list[ShardIndex]) -> None:
-    path = _cache_path(ctx, src)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    write_jsonl(tmp, [i.as_json() for i in indexes])
-    os.replace(tmp, path)  # a killed scan leaves the previous index, never half of one
+    indexes = load_rows(ctx, _cache_path(ctx, src), lambda row: ShardIndex(**row), "every shard is read")
+    return {i.rel: i for i in indexes}
 
 
 def scan_source(ctx, src: Source, *, save: bool) -> Members:
@@ -100,7 +86,7 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
             fresh[s.rel] = ShardIndex(**(old.as_json() | {"identity": s.identity}))
     indexes = [fresh.get(s.rel) or previous[s.rel] for s in shards]
     if save:
-        _save(ctx, src, indexes)
+        save_rows(_cache_path(ctx, src), [i.as_json() for i in indexes])
     out = Members(read=[s.rel for s in todo])
     known: dict[str, list[str]] = {}
     for shard, index in zip(shards, indexes, strict=True):
