@@ -125,3 +125,33 @@ def test_mixed_folder_asks_for_a_format(tmp_path):
     _, _, records, _, _ = scan(config(tmp_path, data, dataset={"format": "folder"}))
     assert list(records) == ["loose.png"]
     assert json.dumps(records)  # records stay plain JSON
+
+
+def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
+    """docs/artifacts.md's rows for shards: the scan's version (what later stages are built from) moves only with
+    the records, and only new or changed shards are read."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 2)
+    write_shard(data / "000001.tar", 2, 2)
+    cfg = config(tmp_path, data)
+    first, _, _, _, _ = scan(cfg)
+
+    raw = (data / "000001.tar").read_bytes()
+    (data / "000001.tar").unlink()
+    (data / "000001.tar").write_bytes(raw)  # re-uploaded: same bytes, a new mtime
+    same, _, _, _, manifest = scan(cfg)
+    assert same.name == first.name and manifest["shards_read"] == ["000001.tar"]
+
+    write_shard(data / "000002.tar", 4, 1)
+    added, _, records, _, manifest = scan(cfg)
+    assert added.name != first.name and manifest["shards_read"] == ["000002.tar"] and len(records) == 5
+
+    write_shard(data / "000001.tar", 20, 2)  # replaced: other samples under the same name
+    replaced, _, records, _, manifest = scan(cfg)
+    assert replaced.name != added.name and manifest["shards_read"] == ["000001.tar"]
+    assert "000001.tar/s0020.png" in records and "000001.tar/s0002.png" not in records
+
+    (data / "000002.tar").unlink()
+    removed, _, records, _, manifest = scan(cfg)
+    assert removed.name != replaced.name and manifest["shards_read"] == [] and len(records) == 4
