@@ -2,12 +2,14 @@
 
 The index of every shard (shardindex.py) is remembered beside the scan's versions, one file per source: a
 scheduled run over a bucket where one shard landed lists the prefix, reads that one shard and reuses the rest.
-A shard whose identity changed but whose content hash did not (a re-upload of the same bytes) yields the same
-records, so the scan's version stays.
+A shard whose identity changed is read again; when its bytes did not change (a re-upload) it yields the same
+records, so the scan's version stays. A killed scan keeps the shards it finished (`.progress`) and resumes after
+them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -77,16 +79,14 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
     """Every member's probe and caption; shards with the recorded identity come from the saved index."""
     fmt = detect(src)
     shards = list_shards(src, fmt)
-    previous = _load(ctx, src)
+    progress = _cache_path(ctx, src).with_suffix(".progress")
+    previous = _load(ctx, src) | _resumed(progress)
     todo = [s for s in shards if previous.get(s.rel) is None or previous[s.rel].identity != s.identity]
-    fresh = _index_all(ctx, src, fmt, todo)
-    for s in todo:  # same bytes under a new identity (re-uploaded): the same records
-        old = previous.get(s.rel)
-        if old is not None and old.sha256 and old.sha256 == fresh[s.rel].sha256:
-            fresh[s.rel] = ShardIndex(**(old.as_json() | {"identity": s.identity}))
+    fresh = _index_all(ctx, src, fmt, todo, progress if save else None)
     indexes = [fresh.get(s.rel) or previous[s.rel] for s in shards]
     if save:
         save_rows(_cache_path(ctx, src), [i.as_json() for i in indexes])
+        progress.unlink(missing_ok=True)
     out = Members(read=[s.rel for s in todo])
     known: dict[str, list[str]] = {}
     for shard, index in zip(shards, indexes, strict=True):
@@ -104,7 +104,22 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
     return out
 
 
-def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile]) -> dict[str, ShardIndex]:
+def _resumed(progress: Path) -> dict[str, ShardIndex]:
+    """Shards a killed scan finished indexing (one JSON line each, appended as each finished); a line cut by the
+    kill ends what is kept."""
+    out: dict[str, ShardIndex] = {}
+    try:
+        with open(progress, "rb") as f:
+            for line in f:
+                index = ShardIndex(**json.loads(line))
+                out[index.rel] = index
+    except (FileNotFoundError, ValueError, TypeError):  # none yet, or the line the kill cut
+        pass
+    return out
+
+
+def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], progress: Path | None) -> dict[str, ShardIndex]:
+    """Index the shards; each finished one is appended to `progress` at once, so a killed scan resumes after it."""
     fs, _ = filesystem(src.location, src.storage_options)
     cfg = ctx.cfg.dataset.model_copy(update={"caption_extension": src.caption_extension})
     reported, done, out = time.monotonic(), 0, {}
@@ -115,6 +130,9 @@ def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile]) -> dict[str, S
     with ThreadPoolExecutor(WORKERS) as pool:
         for index in pool.map(one, todo):
             out[index.rel] = index
+            if progress is not None:
+                with open(progress, "ab") as f:
+                    f.write(json.dumps(index.as_json()).encode() + b"\n")
             done += 1
             if done == len(todo) or time.monotonic() - reported >= 0.5:
                 reported = time.monotonic()

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
+import yaml
 
 from tests.integration.test_scan_stage import config, noise, scan
 from tuneline.schemas.scan import ImageRecord, ScanManifest
@@ -155,3 +161,36 @@ def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
     (data / "000002.tar").unlink()
     removed, _, records, _, manifest = scan(cfg)
     assert removed.name != replaced.name and manifest["shards_read"] == [] and len(records) == 4
+
+
+KILLED_SCAN = """
+import sys
+from tuneline.schemas.config import load_config
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.scan import STAGE
+run_stage(StageContext(load_config(sys.argv[1])), STAGE, [STAGE])
+"""
+
+
+def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    for i in range(8):
+        write_shard(data / f"{i:06d}.tar", i * 600, 600)
+    cfg = config(tmp_path, data)
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.dump()))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCAN, str(cfg_file)], start_new_session=True)
+    scan_dir = cfg.workdir_path() / "artifacts" / "scan"
+    deadline = time.monotonic() + 240
+    while not any(p.read_bytes().count(b"\n") for p in scan_dir.glob(".shards-*.progress")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the scan ended before a shard was indexed"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = {json.loads(line)["rel"] for p in scan_dir.glob(".shards-*.progress") for line in p.open("rb")}
+    assert not [p for p in scan_dir.iterdir() if not p.name.startswith(".")]  # killed: nothing published
+    assert 1 <= len(finished) < 8
+    _, _, records, _, manifest = scan(cfg)
+    assert sorted(manifest["shards_read"]) == sorted({f"{i:06d}.tar" for i in range(8)} - finished)
+    assert len(records) == 4800
