@@ -114,7 +114,10 @@ def consumed(r: ImageRecord) -> dict:
     control per image keeps its version too)."""
     skip = {"mtime_ns"} | (set(FIELDS) if r.control_path is None else set())
     skip |= {"control_references"} if r.control_references is None else set()
-    skip |= {f for f in MEMBER_FIELDS if getattr(r, f) is None}  # a folder's records keep their version
+    if r.shard is None:  # a folder's records keep their version
+        skip |= set(MEMBER_FIELDS)
+    else:
+        skip |= {f for f, v in r.model_dump(include=set(MEMBER_FIELDS)).items() if v is None}
     return r.model_dump(mode="json", exclude=skip)
 
 

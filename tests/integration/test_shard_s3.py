@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.test_s3_remote import BUCKET, CREDS, s3  # noqa: F401  (s3: the moto server fixture)
-from tests.integration.test_shard_sources import write_shard
+from tests.integration.test_shard_sources import write_parquet, write_shard
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.scan import ImageRecord, Location, ScanManifest
@@ -74,3 +74,17 @@ def test_shards_on_s3_scan_incrementally_and_cache_the_same_latents_as_locally(t
     again = _build(cfg, "scan")
     manifest = json.loads((again["scan"] / "manifest.json").read_text())
     assert manifest["shards_read"] == ["000002.tar"] and manifest["accepted"] == 10
+
+
+def test_a_parquet_table_on_s3_is_read_by_row_group(tmp_path, s3):  # noqa: F811
+    table = tmp_path / "train.parquet"
+    write_parquet(table, 5)
+    remote = Remote(f"s3://{BUCKET}/tables", {"endpoint_url": s3})
+    remote.fs.put_file(str(table), f"{BUCKET}/tables/train.parquet")
+    cfg = _config(tmp_path / "work", f"s3://{BUCKET}/tables/train.parquet", {"endpoint_url": s3})
+    built = _build(cfg, "scan")
+    records = [ImageRecord.model_validate(r) for r in read_jsonl(built["scan"] / "images.jsonl")]
+    assert [(r.row_group, r.row, r.caption) for r in records][:3] == [(0, 0, "row 0"), (0, 1, "row 1"), (1, 0, "row 2")]
+    roots = ScanManifest.model_validate_json((built["scan"] / "manifest.json").read_text()).roots()
+    for rec in records:
+        assert torch.equal(prepare(roots[None], rec), prepare(table, rec))

@@ -194,3 +194,23 @@ def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
     _, _, records, _, manifest = scan(cfg)
     assert sorted(manifest["shards_read"]) == sorted({f"{i:06d}.tar" for i in range(8)} - finished)
     assert len(records) == 4800
+
+
+def test_sources_of_three_formats_in_one_dataset(tmp_path):
+    """dataset.sources mixing a folder, a shard folder and a parquet table, each with its format set or detected;
+    records name their source and read back through the scan manifest's roots."""
+    folder, shards, table = tmp_path / "photos", tmp_path / "shards", tmp_path / "rows.parquet"
+    folder.mkdir()
+    shards.mkdir()
+    noise((40, 40), seed=9).save(folder / "cat.png")
+    write_shard(shards / "000000.tar", 0, 2)
+    write_parquet(table, 3)
+    sources = [{"path": str(folder)}, {"path": str(shards), "format": "webdataset"}, {"path": str(table)}]
+    cfg = config(tmp_path, tmp_path, dataset={"path": None, "sources": sources})
+    _, _, records, rejected, manifest = scan(cfg)
+    assert not rejected
+    by_source = {i: sorted(p for p, r in records.items() if r["source"] == i) for i in range(3)}
+    assert by_source == {0: ["cat.png"], 1: ["000000.tar/s0000.png", "000000.tar/s0001.png"], 2: ["0/0", "0/1", "1/0"]}
+    roots = ScanManifest.model_validate(manifest).roots()
+    for path, rec in records.items():
+        assert not isinstance(prepare(roots[rec["source"]], ImageRecord(**rec)), str), path
