@@ -20,7 +20,9 @@ from tuneline.schemas.scan import MEMBER_FIELDS, Rejected
 from tuneline.schemas.sources import Source
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
+from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan.captions import Captions
+from tuneline.stages.scan.controls import source_roots
 from tuneline.stages.scan.images import Probe
 from tuneline.stages.scan.listing import Listing
 from tuneline.stages.scan.probecache import load_rows, save_rows
@@ -78,6 +80,7 @@ def _load(ctx, src: Source) -> dict[str, ShardIndex]:
 def scan_source(ctx, src: Source, *, save: bool) -> Members:
     """Every member's probe and caption; shards with the recorded identity come from the saved index."""
     fmt = detect(src)
+    _folders_only(ctx.cfg, src, fmt)
     shards = list_shards(src, fmt)
     progress = _cache_path(ctx, src).with_suffix(".progress")
     previous = _load(ctx, src) | _resumed(progress)
@@ -102,6 +105,17 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
         ctx.cache.setdefault(READ_KEY, []).extend(out.read)
     return out
+
+
+def _folders_only(cfg, src: Source, fmt: str) -> None:
+    """Masks and controls are matched to images as files beside them; shards and tables have none this round."""
+    control, field = source_roots(cfg)[src.index]
+    used = (["dataset.masks"] if cfg.dataset.masks else []) + ([field] if control is not None else [])
+    if used:
+        raise StageFailed(
+            f"{src.field} {src.location} is a {fmt} source, and {' and '.join(used)} apply only to folders of "
+            f"image files: set {' and '.join(used)} to null, or unpack the source into a folder"
+        )
 
 
 def _resumed(progress: Path) -> dict[str, ShardIndex]:

@@ -214,3 +214,13 @@ def test_sources_of_three_formats_in_one_dataset(tmp_path):
     roots = ScanManifest.model_validate(manifest).roots()
     for path, rec in records.items():
         assert not isinstance(prepare(roots[rec["source"]], ImageRecord(**rec)), str), path
+
+
+def test_masks_and_controls_with_a_shard_source_are_refused_naming_both_fields(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 1)
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    with pytest.raises(StageFailed, match=r"webdataset source, and dataset.masks apply only to folders .* set dataset"):
+        scan(config(tmp_path, data, dataset={"masks": str(masks)}))
