@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tuneline.schemas.base import ConfigPath
+from tuneline.schemas.base import ConfigPath, is_url
 from tuneline.schemas.config import PipelineConfig
 
 # Set by the CLI once it has made these checks, and by the pipeline flow around its stages (each stage's upstreams
@@ -32,9 +32,11 @@ def missing_paths(cfg: PipelineConfig) -> list[str]:
     on another machine (a worker's)."""
     out: list[str] = []
     for field, value in _config_paths(cfg, cfg, ""):
-        if (field == "dataset.path" and cfg.dataset.demo) or (
-            field == "dataset.control" and cfg.dataset.demo == "edit"
-        ):
+        if (
+            (field == "dataset.path" and cfg.dataset.demo)
+            or (field == "dataset.control" and cfg.dataset.demo == "edit")
+            or is_url(value)
+        ):  # object storage: the scan names a missing prefix with its own fix
             continue
         # normpath: `../photos` beside a workdir not created yet exists, though `tuneline-work/../photos` does not
         # resolve while `tuneline-work` is missing (the workdir itself is already resolved, so no link is skipped).

@@ -18,6 +18,11 @@ class ConfigPath:
     keywords: tuple[str, ...] = ()
 
 
+def is_url(value: str) -> bool:
+    """An fsspec URL (s3://, gs://, file://…): a ConfigPath value that is never resolved against the workdir."""
+    return "://" in value
+
+
 class Strict(BaseModel):
     """A config section, refused at load rather than minutes later: unknown keys (a typo is an error, not a silent
     default), values of the wrong type (no `true` read as 1, no "8" read as 8), infinities and NaN. Frozen once

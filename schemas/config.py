@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from tuneline.schemas import checks
-from tuneline.schemas.base import ConfigPath, Strict
+from tuneline.schemas.base import ConfigPath, Strict, is_url
 from tuneline.schemas.caption import CaptionConfig
 from tuneline.schemas.latents import LatentsConfig
 from tuneline.schemas.model import ModelConfig
@@ -162,6 +162,8 @@ def _check_overlap(cfg: PipelineConfig) -> None:
 
     workdir = cfg.workdir_path()
     for src in dataset_sources(cfg):
+        if is_url(src.location):  # object storage: nothing the pipeline writes
+            continue
         root = src.root.expanduser().resolve()
         if root == workdir or workdir.is_relative_to(root):
             where = "is the workdir" if root == workdir else "contains the workdir"
@@ -181,7 +183,7 @@ def _absolute(model: BaseModel, data: dict, workdir: Path) -> None:
         key = info.alias or name
         value = getattr(model, name)
         marker = next((m for m in info.metadata if isinstance(m, ConfigPath)), None)
-        if marker is not None and isinstance(value, str) and value not in marker.keywords:
+        if marker is not None and isinstance(value, str) and value not in marker.keywords and not is_url(value):
             path = Path(value).expanduser()
             data[key] = str(path if path.is_absolute() else workdir / path)
         elif isinstance(value, BaseModel):

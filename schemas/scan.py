@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict
+from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict, is_url
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.
 PIL_BOMB_LIMIT = 178_956_970
 Channel = Annotated[int, Field(ge=0, le=255)]
+SourceFormat = Literal["folder", "webdataset", "parquet"]
+FORMAT_DOC = (
+    "folder (image files + captions), webdataset (.tar shards: key.jpg + key.txt / key.json) or parquet "
+    "(an image column of bytes or {bytes, path} structs + a caption column); null = detected from the path"
+)
+STORAGE_DOC = (
+    "non-secret fsspec options for an s3:// / gs:// / az:// path (e.g. {endpoint_url: http://minio:9000}); "
+    "credentials come from the environment (AWS_* variables, or TUNELINE_REMOTE_OPTIONS as JSON)"
+)
 
 
 class SourceConfig(Strict):
@@ -34,6 +44,8 @@ class SourceConfig(Strict):
         description="this folder's control (input) images, paired as dataset.control pairs them; null = "
         "dataset.control",
     )
+    format: SourceFormat | None = Field(None, description=FORMAT_DOC)
+    storage_options: dict[str, Any] = Field(default_factory=dict, description=STORAGE_DOC)
 
     @field_validator("caption_extension")
     @classmethod
@@ -55,6 +67,10 @@ class DatasetConfig(Strict):
         description="several folders, each with its repeats, role (train | regularization), "
         "loss_weight and caption_extension; dataset.path must then be null",
     )
+    format: SourceFormat | None = Field(None, description=FORMAT_DOC)
+    image_column: str = Field("image", min_length=1, description="parquet: the column holding each image's bytes")
+    caption_column: str = Field("caption", min_length=1, description="parquet: the column holding each caption")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description=STORAGE_DOC)
     demo: bool | Literal["edit"] = Field(
         False,
         description="write the demo's generated dataset to `path` first; `edit`: pairs of shapes whose instruction "
@@ -232,6 +248,10 @@ class ControlFile(BaseModel):
     height: int
 
 
+# Where a webdataset / parquet record's bytes are (null on a folder's records).
+MEMBER_FIELDS = ("shard", "offset", "row_group", "row", "column")
+
+
 class ImageRecord(BaseModel):
     """One accepted image, as every later stage sees it. Sizes come from the ONE size function.
 
@@ -290,6 +310,13 @@ class ImageRecord(BaseModel):
         "folder `path` is relative to (dataset.sources in order, then train.eval.path); "
         "null for a plain dataset.path",
     )
+    shard: str | None = Field(
+        None, description="webdataset/parquet: the .tar or .parquet file holding the image, relative to its source"
+    )
+    offset: int | None = Field(None, description="webdataset: byte offset of the image member's data in the shard")
+    row_group: int | None = Field(None, description="parquet: the row group holding the image")
+    row: int | None = Field(None, description="parquet: the image's row within its row group")
+    column: str | None = Field(None, description="parquet: the column the image's bytes are read from")
 
     @property
     def ref(self) -> str:
@@ -341,12 +368,31 @@ class ScanManifest(Manifest):
     unmatched_controls: list[str] = Field(
         default_factory=list, description="control images (relative to control_root) no image pairs with"
     )
+    storage_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="fsspec URL of a source -> its non-secret storage options"
+    )
+    shards_read: list[str] = Field(
+        default_factory=list,
+        description="webdataset/parquet files indexed by this build (the rest reused the previous scan's index)",
+    )
 
-    def roots(self) -> dict[int | None, Path]:
-        """record.source -> the folder its path is relative to."""
-        return {None: Path(self.dataset_root), **{i: Path(s.root) for i, s in enumerate(self.sources)}}
+    def roots(self) -> dict[int | None, Path | Location]:
+        """record.source -> the folder its path is relative to (a Location for an fsspec URL)."""
+        where = {None: self.dataset_root, **{i: s.root for i, s in enumerate(self.sources)}}
+        return {k: Location(v, self.storage_options.get(v, {})) if is_url(v) else Path(v) for k, v in where.items()}
 
     def control_roots(self) -> dict[int | None, Path | None]:
         """record.source -> the folder its control_path is relative to (None: that folder has no controls)."""
         plain = None if self.control_root is None else Path(self.control_root)
         return {None: plain, **{i: Path(s.control) if s.control else None for i, s in enumerate(self.sources)}}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A source that is an fsspec URL (s3://bucket/prefix): where its shards are read from, and how."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __str__(self) -> str:
+        return self.url

@@ -52,6 +52,7 @@ def plan(records: list[ImageRecord], cfg, roots: dict) -> list[Item]:
         kept_empty = (
             cfg.dataset.empty_caption == "keep"
             and rec.caption_source == "none"
+            and rec.shard is None  # a shard's captions are members, never files beside it
             and safe_join(roots[rec.source], sidecar.as_posix()).is_file()
         )
         user, given = user_caption(rec, kept_empty)
@@ -177,6 +178,7 @@ def generate_missing(ctx, work: Path, todo: list[Item], roots: dict, key: str, c
     if not todo:
         return ""
     from tuneline.stages.scan.images import load_rgb
+    from tuneline.stages.scan.members import open_image
 
     cfg = ctx.cfg.caption
     captioner = vlm.load(vlm.model_folder(ctx), cfg.prompt, cfg.device, cfg.dtype)
@@ -185,7 +187,7 @@ def generate_missing(ctx, work: Path, todo: list[Item], roots: dict, key: str, c
         for start in range(0, len(todo), bs):
             batch = todo[start : start + bs]
             images = [
-                shrink(load_rgb(safe_join(roots[it.record.source], it.record.path), it.record), cfg.image_size)
+                shrink(load_rgb(open_image(roots[it.record.source], it.record), it.record), cfg.image_size)
                 for it in batch
             ]
             texts = captioner.generate(captioner.inputs(images), cfg.decoding(), cfg.seed + start)

@@ -9,11 +9,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tuneline.schemas.scan import ImageRecord
-from tuneline.stages.common.artifacts import safe_join
-from tuneline.stages.common.hashing import file_sha256
+from tuneline.schemas.scan import ImageRecord, Location
 from tuneline.stages.latents import store
 from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.scan.members import image_source
 
 # What PIL raises on a file whose header parsed but whose pixel data is broken (truncated, bad zlib stream).
 DECODE_ERRORS = (
@@ -40,16 +39,17 @@ def to_pixels(img: Image.Image, rec: ImageRecord, size: tuple[int, int] | None =
     return torch.from_numpy(arr).permute(2, 0, 1)
 
 
-def prepare(root: Path, rec: ImageRecord) -> torch.Tensor | str:
+def prepare(root: Path | Location, rec: ImageRecord) -> torch.Tensor | str:
     """The image's pixels, or the reason it cannot be cached (runs in a worker thread; PIL releases the GIL).
 
-    The bytes must still be the ones the scan hashed: a row's cache key is that hash.
+    The bytes must still be the ones the scan hashed: a row's cache key is that hash. A webdataset or parquet
+    image is read by its record (stages/scan/members.py), never extracted.
     """
-    path = safe_join(root, rec.path)
     try:
-        if file_sha256(path) != rec.sha256:
+        sha, source = image_source(root, rec)
+        if sha != rec.sha256:
             return "the file changed since the scan (content hash differs): run `tuneline stage scan` again"
-        return to_pixels(load_rgb(path, rec), rec)
+        return to_pixels(load_rgb(source, rec), rec)
     except DECODE_ERRORS as err:
         return f"cannot decode at caching time ({type(err).__name__}: {err}): re-export or remove the file"
 

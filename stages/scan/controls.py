@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.scan import IMAGE_EXTENSIONS, ControlFile, ImageRecord, Rejected
+from tuneline.schemas.scan import IMAGE_EXTENSIONS, MEMBER_FIELDS, ControlFile, ImageRecord, Rejected
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
@@ -114,6 +114,10 @@ def consumed(r: ImageRecord) -> dict:
     control per image keeps its version too)."""
     skip = {"mtime_ns"} | (set(FIELDS) if r.control_path is None else set())
     skip |= {"control_references"} if r.control_references is None else set()
+    if r.shard is None:  # a folder's records keep their version
+        skip |= set(MEMBER_FIELDS)
+    else:
+        skip |= {f for f, v in r.model_dump(include=set(MEMBER_FIELDS)).items() if v is None}
     return r.model_dump(mode="json", exclude=skip)
 
 

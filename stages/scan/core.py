@@ -20,10 +20,11 @@ from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from tuneline.stages.common.stage import StageFailed
-from tuneline.stages.scan import buckets as bk, controls, images, masks
+from tuneline.stages.scan import buckets as bk, controls, images, masks, shardscan
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
+from tuneline.stages.scan.shardfs import is_container
 
 CODE_VERSION = code_version("scan")  # stages/code_versions.json
 LISTING_KEY = "scan-listing"
@@ -90,6 +91,12 @@ def stage_inputs(ctx, upstream) -> dict:
 def _inputs(ctx) -> dict:
     prints = []
     for src in dataset_sources(ctx.cfg):
+        try:  # webdataset / parquet sources (stages/scan/shardscan.py): their shard listing
+            if is_container(src):
+                prints.append(shardscan.fingerprint(src))
+                continue
+        except StageFailed as err:
+            return {"dataset": src.location, "error": str(err)}  # the scan refuses with it
         if not src.root.is_dir():
             return {"dataset": str(src.root), "missing": True}
         listing = walk(src.root, _source_cfg(ctx.cfg, src), src.field)
@@ -211,12 +218,17 @@ def policies(cfg: PipelineConfig) -> list[tuple[float | None, SizePolicy]]:
 def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[Rejected], int]:
     """One folder's records (and rejections), each named by `src.index` when the dataset has several."""
     cfg = ctx.cfg
-    listing = _listing(ctx, src)
-    probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src))
-    if save:
-        save_probe_cache(ctx, src.root, probes)
-    captions = Captions(listing, _source_cfg(cfg, src))
-    records, rejected, seen = [], [*listing.problems, *captions.problems], set()
+    if is_container(src):  # webdataset / parquet (stages/scan/shardscan.py)
+        got = shardscan.scan_source(ctx, src, save=save)
+        probes, reopened, captions, problems, member = got.probes, got.reopened, got.captions, got.problems, got.fields
+    else:
+        listing = _listing(ctx, src)
+        probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src))
+        if save:
+            save_probe_cache(ctx, src.root, probes)
+        captions = Captions(listing, _source_cfg(cfg, src))
+        problems, member = listing.problems, {}
+    records, rejected, seen = [], [*problems, *captions.problems], set()
     for resolution, policy in policies(cfg):
         # With several folders records name their folder and their resolution (docs/design.md).
         recorded = cfg.buckets.resolution if resolution is None and src.index is not None else resolution
@@ -226,7 +238,8 @@ def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[R
                 if (r.path, r.bucket_width, r.bucket_height) in seen:  # two resolutions, one bucket: cache it once
                     continue
                 seen.add((r.path, r.bucket_width, r.bucket_height))
-                records.append(r.model_copy(update={"resolution": recorded, "source": src.index}))
+                update = {"resolution": recorded, "source": src.index, **member.get(r.path, {})}
+                records.append(r.model_copy(update=update))
             elif (r.path, r.reason) not in seen:  # an unreadable file is rejected once, not per resolution
                 seen.add((r.path, r.reason))
                 rejected.append(r)
@@ -246,7 +259,7 @@ def _all_records(
         rejected += bad
         reopened += n
         ctl = controls.source_roots(ctx.cfg)[src.index][0]
-        rows.append({"root": str(src.root), "role": src.role, "images": len({r.path for r in got})})
+        rows.append({"root": src.location, "role": src.role, "images": len({r.path for r in got})})
         rows[-1] |= {"control": str(ctl)} if ctl is not None else {}
     empty = [r["root"] for r in rows if not r["images"]]
     if len(sources) > 1 and empty:
@@ -316,7 +329,10 @@ def content(ctx) -> str | None:
     """The content digest a scan would publish now, writing nothing: files whose size and mtime the last scan
     recorded are not reopened, so a touched file costs one hash. None when the scan would fail."""
     sources = dataset_sources(ctx.cfg)
-    if any(not src.root.is_dir() for src in sources):
+    try:
+        if any(not is_container(src) and not src.root.is_dir() for src in sources):
+            return None
+    except StageFailed:
         return None
     try:
         return content_digest(scanned(ctx, sources, save=False).records)
@@ -329,7 +345,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     sources = dataset_sources(cfg)
     root = sources[0].root
     for src in sources:
-        if not src.root.is_dir():
+        if not is_container(src) and not src.root.is_dir():
             demo = " or set dataset.demo true" if src.field == "dataset.path" else ""
             raise StageFailed(
                 f"{src.field} {src.root} is not a folder: point it at your images (relative paths "
@@ -348,7 +364,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         ctx.log.warning("scan: %d control images pair with no image, e.g. %s", len(unmatched), unmatched[0])
     return {
         "alignment": alignment(cfg),
-        "dataset_root": str(root),
+        "dataset_root": sources[0].location,
         "accepted": len(records),
         "rejected": len(rejected),
         "buckets": got.rows,
@@ -360,6 +376,8 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         "control_root": str(controls.control_root(cfg)) if cfg.dataset.control else None,
         "unmatched_controls": unmatched,
         "content_digest": content_digest(records),
+        "storage_options": {s.location: s.storage_options for s in sources if s.storage_options},
+        "shards_read": ctx.cache.pop(shardscan.READ_KEY, []),
     }
 
 

@@ -265,26 +265,36 @@ def probe_file(path: str | Path, rel: str, size_bytes: int, mtime_ns: int) -> Pr
                 "unreadable",
                 f"cannot read the file ({err.strerror or err}): a disk or network error",
             )
-        base = Probe(rel, size, mtime_ns, sha256=sha)
-        if size == 0:
-            return _fail(base, "empty-file", "zero-byte file (an interrupted copy?): re-copy or remove it")
         # The streamed case parses through a buffered reader: PIL reads headers in many small pieces.
-        source = memory if memory is not None else io.BufferedReader(f)
-        try:
-            return _header(base, source, tail)
-        except Image.DecompressionBombError as err:
-            return _fail(base, "bomb", f"decompression-bomb guard: {err}")
-        except UnidentifiedImageError:
-            source.seek(0)
-            return _unidentified(base, source.read(12))
-        except UnsupportedMode as err:
-            return _fail(base, "mode", str(err))
-        except (OSError, SyntaxError, EOFError, IndexError, KeyError, ValueError) as err:  # PIL's parsers raise these
-            return _fail(base, "unreadable", f"unreadable image header ({type(err).__name__}: {err}): re-export it")
+        return _parse(
+            Probe(rel, size, mtime_ns, sha256=sha), memory if memory is not None else io.BufferedReader(f), tail
+        )
+
+
+def probe_bytes(data: bytes, rel: str) -> Probe:
+    """`probe_file` for an image held in memory (a member of a webdataset shard, a parquet cell)."""
+    return _parse(Probe(rel, len(data), 0, sha256=hashlib.sha256(data).hexdigest()), io.BytesIO(data), data[-TAIL:])
+
+
+def _parse(base: Probe, source, tail: bytes) -> Probe:
+    """Header facts of hashed bytes, or the reason they are no usable image."""
+    if base.size_bytes == 0:
+        return _fail(base, "empty-file", "zero-byte file (an interrupted copy?): re-copy or remove it")
+    try:
+        return _header(base, source, tail)
+    except Image.DecompressionBombError as err:
+        return _fail(base, "bomb", f"decompression-bomb guard: {err}")
+    except UnidentifiedImageError:
+        source.seek(0)
+        return _unidentified(base, source.read(12))
+    except UnsupportedMode as err:
+        return _fail(base, "mode", str(err))
+    except (OSError, SyntaxError, EOFError, IndexError, KeyError, ValueError) as err:  # PIL's parsers raise these
+        return _fail(base, "unreadable", f"unreadable image header ({type(err).__name__}: {err}): re-export it")
 
 
 def load_rgb(
-    path: Path, record: ImageRecord | None = None, *, background: tuple[int, int, int] = (255, 255, 255)
+    path: Path | io.BytesIO, record: ImageRecord | None = None, *, background: tuple[int, int, int] = (255, 255, 255)
 ) -> Image.Image:
     """Decode an image as RGB exactly as the scan measured it: EXIF orientation, mode conversion, first frame.
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tuneline.schemas.scan import ScanManifest
 from tuneline.schemas.sources import Source
@@ -11,6 +13,8 @@ from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
 from tuneline.stages.scan.images import Probe
+
+T = TypeVar("T")
 
 
 def _cache_path(ctx, root: Path) -> Path:
@@ -37,17 +41,26 @@ def load_probe_cache(ctx, src: Source) -> dict[str, Probe]:
     path = _cache_path(ctx, src.root)
     if not path.is_file() and (moved := _previous_root(ctx, src)) is not None:
         path = _cache_path(ctx, moved)
+    return {p.path: p for p in load_rows(ctx, path, lambda row: Probe(**row), "every file is read")}
+
+
+def load_rows(ctx, path: Path, make: Callable[[dict], T], cold: str) -> list[T]:
+    """A scan cache's rows, made into objects; anything unreadable means a cold scan (`cold` says what then)."""
     if not path.is_file():
-        return {}
+        return []
     try:
-        return {row["path"]: Probe(**row) for row in read_jsonl(path)}
+        return [make(row) for row in read_jsonl(path)]
     except (OSError, ValueError, TypeError, KeyError) as err:
-        ctx.log.warning("scan: ignoring the probe cache %s (%s); every file is read", path, err)
-        return {}
+        ctx.log.warning("scan: ignoring the cache %s (%s); %s", path, err, cold)
+        return []
+
+
+def save_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    write_jsonl(tmp, rows)
+    os.replace(tmp, path)  # atomic: a killed scan leaves the previous cache, never half of one
 
 
 def save_probe_cache(ctx, root: Path, probes: list[Probe]) -> None:
-    path = _cache_path(ctx, root)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    write_jsonl(tmp, [p.as_json() for p in probes])
-    os.replace(tmp, path)  # atomic: a killed scan leaves the previous cache, never half of one
+    save_rows(_cache_path(ctx, root), [p.as_json() for p in probes])

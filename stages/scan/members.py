@@ -1,0 +1,57 @@
+"""Reading one image of a webdataset shard or a parquet table by its scan record, wherever the shard lives.
+
+A shard member is a byte range (the record's offset and size): one ranged read, no extraction to disk, no
+download of the whole shard. A parquet image is read with its row group's image column (parquet compresses
+column chunks, so a row has no byte range of its own); the last few row groups are kept, since a bucket's
+images come from the same row groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from functools import lru_cache
+from pathlib import Path
+
+from tuneline.schemas.scan import ImageRecord, Location
+from tuneline.stages.common.artifacts import safe_join
+from tuneline.stages.common.hashing import file_sha256
+from tuneline.stages.scan.shardfs import shard_location
+
+ROW_GROUPS_KEPT = 8
+
+
+def image_source(root: Path | Location, rec: ImageRecord) -> tuple[str, Path | io.BytesIO]:
+    """(SHA-256 of the image's bytes as read now, something `load_rgb` opens) for any record."""
+    if rec.shard is None:
+        path = safe_join(root, rec.path)
+        return file_sha256(path), path
+    data = member_bytes(root, rec)
+    return hashlib.sha256(data).hexdigest(), io.BytesIO(data)
+
+
+def open_image(root: Path | Location, rec: ImageRecord) -> Path | io.BytesIO:
+    """What `load_rgb` opens for any record, unhashed (the caption stage keys by the scan's hash)."""
+    return safe_join(root, rec.path) if rec.shard is None else io.BytesIO(member_bytes(root, rec))
+
+
+def member_bytes(root: Path | Location, rec: ImageRecord) -> bytes:
+    fs, path = shard_location(root, rec.shard)
+    if rec.offset is not None:
+        data = fs.cat_file(path, start=rec.offset, end=rec.offset + rec.size_bytes)
+        if len(data) != rec.size_bytes:
+            raise OSError(f"shard {path} ends inside member {rec.path} (the shard changed since the scan)")
+        return data
+    cells = _row_group(fs, path, rec.row_group, rec.column)
+    if rec.row >= len(cells):
+        raise OSError(f"row group {rec.row_group} of {path} has no row {rec.row} (the table changed since the scan)")
+    cell = cells[rec.row]
+    return cell.get("bytes") if isinstance(cell, dict) else cell
+
+
+@lru_cache(maxsize=ROW_GROUPS_KEPT)
+def _row_group(fs, path: str, row_group: int, column: str) -> list:
+    import pyarrow.parquet as pq
+
+    with fs.open(path, "rb") as f:
+        return pq.ParquetFile(f).read_row_group(row_group, columns=[column]).column(column).to_pylist()

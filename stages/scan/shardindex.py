@@ -1,0 +1,189 @@
+"""One streaming pass over a shard: where each image is, its content hash, its header, its caption.
+
+WebDataset (`000123.tar`): members are grouped by key (the member name up to the first '.' of its base name);
+`key.<image ext>` is the image, `key.txt` (dataset.caption_extension) its caption, else a field of `key.json`
+(dataset.metadata_caption_field, or the first of text / caption / prompt). Each image's data offset and size are
+recorded, so later stages read it by byte range. Parquet (as pyarrow or Hugging Face `datasets` write it): the
+image column holds bytes or {bytes, path} structs, read one row group at a time.
+Nothing is extracted to disk; one member (or one row group) is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import tarfile
+from dataclasses import dataclass, field
+
+from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.stages.scan.captions import AUTO_FIELDS
+from tuneline.stages.scan.images import probe_bytes
+from tuneline.stages.scan.shardfs import ShardFile
+
+END_BLOCKS = 1024  # a tar archive ends with two zero blocks of 512 bytes
+
+
+@dataclass
+class ShardIndex:
+    """What the scan knows of one shard; saved between scans and reused while the shard's identity holds."""
+
+    rel: str
+    identity: str
+    sha256: str = ""  # the whole shard's (webdataset); parquet rows carry their own hashes
+    members: list[dict] = field(default_factory=list)  # a Probe's fields + offset | row_group, row
+    captions: dict[str, list[str]] = field(default_factory=dict)  # image path -> [text, source]
+    problems: list[dict] = field(default_factory=list)  # Rejected rows
+
+    def as_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def member_path(shard: str, name: str) -> str:
+    """A member's record path: inside its shard, relative to the source."""
+    return f"{shard}/{name}" if shard else name
+
+
+class _Hashing:
+    """A file object that hashes what is read through it: the shard's hash costs no second pass."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.tail = f, hashlib.sha256(), b""
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.sha.update(data)
+        self.tail = (self.tail + data)[-END_BLOCKS:]
+        return data
+
+    def ended(self) -> bool:
+        """Whether the stream ended with tar's end-of-archive blocks (a shard cut between members has none)."""
+        return len(self.tail) == END_BLOCKS and not self.tail.strip(b"\0")
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """WebDataset's (key, extension): 'a/b.seg.png' -> ('a/b', 'seg.png')."""
+    folder, base = posixpath.split(name)
+    stem, _, ext = base.partition(".")
+    return posixpath.join(folder, stem), ext.lower()
+
+
+def index_tar(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
+    out = ShardIndex(shard.rel, shard.identity)
+    images = {e.lower().lstrip(".") for e in cfg.extensions}
+    captions: dict[str, list[str]] = {}
+    texts: dict[str, tuple[str, str]] = {}
+    last = None
+    with fs.open(shard.path, "rb") as raw:
+        stream = _Hashing(raw)
+        try:
+            with tarfile.open(fileobj=stream, mode="r|") as tf:
+                for ti in tf:
+                    if not ti.isfile() or posixpath.basename(ti.name).startswith("."):
+                        continue
+                    last = ti.name
+                    data = tf.extractfile(ti).read()
+                    key, ext = split_key(ti.name)
+                    if ext in images:
+                        probe = probe_bytes(data, member_path(shard.rel, ti.name)).as_json()
+                        out.members.append(probe | {"offset": ti.offset_data, "key": key})
+                    elif ext == cfg.caption_extension.lower().lstrip("."):
+                        texts[key] = (_text(out, shard, ti.name, data), "sidecar")
+                    elif ext == "json":
+                        texts.setdefault(key, (_json_caption(out, shard, ti.name, data, cfg), "metadata"))
+            stream.read()  # the shard's hash covers its padding too
+            if not stream.ended():
+                raise tarfile.ReadError("no end-of-archive blocks")
+        except (tarfile.TarError, EOFError, OSError) as err:
+            where = f"after member {last}" if last else "at its start"
+            out.problems.append(
+                _problem(
+                    shard.name,
+                    "truncated",
+                    f"the shard breaks {where} ({type(err).__name__}: {err}): an interrupted "
+                    f"upload or copy; re-copy the shard (the members before the break are used)",
+                )
+            )
+    for m in out.members:
+        if m["key"] in texts:
+            captions[m["path"]] = list(texts[m["key"]])
+    out.captions, out.sha256 = captions, stream.sha.hexdigest()
+    return out
+
+
+def _problem(path: str, kind: str, reason: str) -> dict:
+    return Rejected(path=path, kind=kind, reason=reason).model_dump()
+
+
+def _text(out: ShardIndex, shard: ShardFile, name: str, data: bytes) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        out.problems.append(
+            _problem(
+                member_path(shard.rel, name),
+                "caption",
+                f"caption member is not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}): "
+                f"re-write it as UTF-8 in the shard",
+            )
+        )
+        return ""
+
+
+def _json_caption(out: ShardIndex, shard: ShardFile, name: str, data: bytes, cfg: DatasetConfig) -> str:
+    fields = [cfg.metadata_caption_field] if cfg.metadata_caption_field else list(AUTO_FIELDS)
+    try:
+        row = json.loads(data)
+    except ValueError as err:
+        out.problems.append(
+            _problem(member_path(shard.rel, name), "caption", f"not valid JSON ({err}): fix the member")
+        )
+        return ""
+    value = next((row[f] for f in fields if isinstance(row, dict) and isinstance(row.get(f), str)), "")
+    return value
+
+
+def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
+    import pyarrow.parquet as pq
+
+    out = ShardIndex(shard.rel, shard.identity)
+    with fs.open(shard.path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        if cfg.image_column not in names:
+            out.problems.append(
+                _problem(
+                    shard.name,
+                    "parquet",
+                    f"no column {cfg.image_column!r} (columns: {', '.join(names)}): set dataset.image_column "
+                    f"to the column holding the images",
+                )
+            )
+            return out
+        columns = [cfg.image_column] + ([cfg.caption_column] if cfg.caption_column in names else [])
+        for rg in range(pf.num_row_groups):
+            table = pf.read_row_group(rg, columns=columns)
+            cells = table.column(cfg.image_column).to_pylist()
+            texts = table.column(cfg.caption_column).to_pylist() if len(columns) > 1 else [None] * len(cells)
+            for row, (cell, text) in enumerate(zip(cells, texts, strict=True)):
+                _parquet_row(out, shard, rg, row, cell, text, cfg)
+    return out
+
+
+def _parquet_row(out: ShardIndex, shard: ShardFile, rg: int, row: int, cell, text, cfg: DatasetConfig) -> None:
+    name = member_path(shard.rel, f"{rg}/{row}")
+    data = cell.get("bytes") if isinstance(cell, dict) else cell
+    if not isinstance(data, bytes):
+        what = "null" if data is None else type(data).__name__
+        out.problems.append(
+            _problem(
+                name,
+                "parquet",
+                f"column {cfg.image_column!r} holds {what}, not image bytes: store the encoded image "
+                f"(bytes, or a {{bytes, path}} struct as `datasets` writes it)",
+            )
+        )
+        return
+    out.members.append(probe_bytes(data, name).as_json() | {"row_group": rg, "row": row, "column": cfg.image_column})
+    if isinstance(text, str):
+        out.captions[name] = [text, "metadata"]

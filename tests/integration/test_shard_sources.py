@@ -1,0 +1,226 @@
+"""WebDataset shards and parquet tables as dataset sources: written by the libraries' own writers (webdataset's
+TarWriter, pyarrow as Hugging Face `datasets` lays it out), scanned by their headers, rescanned incrementally, and
+read back by byte range exactly as the same images in a folder are."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+import yaml
+
+from tests.integration.test_scan_stage import config, noise, scan
+from tuneline.schemas.scan import ImageRecord, ScanManifest
+from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.latents.encode import prepare, to_pixels
+from tuneline.stages.scan.images import load_rgb
+
+
+def png(size=(48, 32), seed=0) -> bytes:
+    buf = io.BytesIO()
+    noise(size, seed=seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_shard(path: Path, first: int, n: int, *, json_captions: bool = False) -> dict[str, bytes]:
+    """A shard of n samples (keys first..first+n-1), captioned by .txt or a .json field; the image bytes by key."""
+    out = {}
+    with wds.TarWriter(str(path)) as sink:
+        for k in range(first, first + n):
+            key = f"s{k:04d}"
+            sample = {"__key__": key, "png": png(seed=k)}
+            sample |= {"json": {"caption": f"json {k}"}} if json_captions else {"txt": f"a photo {k}"}
+            sink.write(sample)
+            out[key] = sample["png"]
+    return out
+
+
+def write_parquet(path: Path, n: int, *, row_group: int = 2) -> list[bytes]:
+    """The layout `datasets` writes for an Image feature: a struct {bytes, path}, plus a caption column."""
+    images = [png(size=(40, 40), seed=100 + i) for i in range(n)]
+    struct = pa.array(
+        [{"bytes": b, "path": f"img{i}.png"} for i, b in enumerate(images)],
+        type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
+    table = pa.table({"image": struct, "caption": [f"row {i}" for i in range(n)]})
+    pq.write_table(table, path, row_group_size=row_group)
+    return images
+
+
+def test_webdataset_shards_scan_by_header_and_rescan_only_the_new_shard(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 3)
+    write_shard(data / "000001.tar", 3, 3, json_captions=True)
+    cfg = config(tmp_path, data)
+    _, _, records, rejected, manifest = scan(cfg)
+    assert not rejected and len(records) == 6
+    rec = records["000000.tar/s0001.png"]
+    assert rec["shard"] == "000000.tar" and rec["caption"] == "a photo 1" and (rec["width"], rec["height"]) == (48, 32)
+    assert records["000001.tar/s0004.png"]["caption"] == "json 4"
+    assert records["000001.tar/s0004.png"]["caption_source"] == "metadata"
+    assert sorted(manifest["shards_read"]) == ["000000.tar", "000001.tar"]
+    # The record's byte range is the member's bytes: read straight from the shard.
+    with open(data / "000000.tar", "rb") as f:
+        f.seek(rec["offset"])
+        assert f.read(rec["size_bytes"]) == png(seed=1)
+
+    write_shard(data / "000002.tar", 6, 2)  # the weekly shard lands
+    _, _, records2, _, manifest2 = scan(cfg)
+    assert manifest2["shards_read"] == ["000002.tar"] and manifest2["reopened"] == 2
+    assert len(records2) == 8 and records2["000000.tar/s0001.png"] == rec
+
+
+def test_a_truncated_shard_is_named_with_the_member_where_it_breaks(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 3)
+    raw = (data / "000000.tar").read_bytes()
+    (data / "000000.tar").write_bytes(raw[: len(raw) // 2])
+    (data / "000001.tar").write_bytes(b"")
+    write_shard(data / "000002.tar", 3, 2)
+    _, _, records, rejected, _ = scan(config(tmp_path, data))
+    assert "000002.tar/s0003.png" in records
+    reason = rejected["000000.tar"]["reason"]
+    assert "breaks after member s0001" in reason and "re-copy the shard" in reason, reason
+
+
+def test_parquet_table_as_datasets_writes_it(tmp_path):
+    table = tmp_path / "train.parquet"
+    images = write_parquet(table, 5)
+    cfg = config(tmp_path, table)
+    path, _, records, rejected, manifest = scan(cfg)
+    assert not rejected and len(records) == 5
+    rec = records["2/0"]  # row group 2, row 0: the fifth row
+    assert (rec["row_group"], rec["row"], rec["caption"], rec["shard"]) == (2, 0, "row 4", "")
+    # The latents stage's reader gets exactly the bytes the scan hashed, and decodes the same image.
+    roots = ScanManifest.model_validate(manifest).roots()
+    pixels = prepare(roots[None], ImageRecord(**rec))
+    expected = to_pixels(load_rgb(io.BytesIO(images[4]), ImageRecord(**rec)), ImageRecord(**rec))
+    assert not isinstance(pixels, str) and np.array_equal(pixels.numpy(), expected.numpy())
+
+
+def test_a_parquet_table_without_the_image_column_names_the_column_and_the_fix(tmp_path):
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"picture": [png()], "caption": ["x"]}), table)
+    with pytest.raises(StageFailed) as err:
+        scan(config(tmp_path, table))
+    assert "t.parquet" in str(err.value)
+    _, _, records, _, _ = scan(config(tmp_path, table, dataset={"image_column": "picture"}))
+    assert len(records) == 1
+
+
+def test_mixed_folder_asks_for_a_format(tmp_path):
+    data = tmp_path / "mixed"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 1)
+    noise((32, 32)).save(data / "loose.png")
+    with pytest.raises(StageFailed, match=r"several kinds of data .* set its `format`"):
+        scan(config(tmp_path, data))
+    _, _, records, _, _ = scan(config(tmp_path, data, dataset={"format": "folder"}))
+    assert list(records) == ["loose.png"]
+    assert json.dumps(records)  # records stay plain JSON
+
+
+def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
+    """docs/artifacts.md's rows for shards: the scan's version (what later stages are built from) moves only with
+    the records, and only new or changed shards are read."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 2)
+    write_shard(data / "000001.tar", 2, 2)
+    cfg = config(tmp_path, data)
+    first, _, _, _, _ = scan(cfg)
+
+    raw = (data / "000001.tar").read_bytes()
+    (data / "000001.tar").unlink()
+    (data / "000001.tar").write_bytes(raw)  # re-uploaded: same bytes, a new mtime
+    same, _, _, _, manifest = scan(cfg)
+    assert same.name == first.name and manifest["shards_read"] == ["000001.tar"]
+
+    write_shard(data / "000002.tar", 4, 1)
+    added, _, records, _, manifest = scan(cfg)
+    assert added.name != first.name and manifest["shards_read"] == ["000002.tar"] and len(records) == 5
+
+    write_shard(data / "000001.tar", 20, 2)  # replaced: other samples under the same name
+    replaced, _, records, _, manifest = scan(cfg)
+    assert replaced.name != added.name and manifest["shards_read"] == ["000001.tar"]
+    assert "000001.tar/s0020.png" in records and "000001.tar/s0002.png" not in records
+
+    (data / "000002.tar").unlink()
+    removed, _, records, _, manifest = scan(cfg)
+    assert removed.name != replaced.name and manifest["shards_read"] == [] and len(records) == 4
+
+
+KILLED_SCAN = """
+import sys
+from tuneline.schemas.config import load_config
+from tuneline.stages.common.stage import StageContext, run_stage
+from tuneline.stages.scan import STAGE
+run_stage(StageContext(load_config(sys.argv[1])), STAGE, [STAGE])
+"""
+
+
+def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    for i in range(8):
+        write_shard(data / f"{i:06d}.tar", i * 600, 600)
+    cfg = config(tmp_path, data)
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.dump()))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCAN, str(cfg_file)], start_new_session=True)
+    scan_dir = cfg.workdir_path() / "artifacts" / "scan"
+    deadline = time.monotonic() + 240
+    while not any(p.read_bytes().count(b"\n") for p in scan_dir.glob(".shards-*.progress")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the scan ended before a shard was indexed"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = {json.loads(line)["rel"] for p in scan_dir.glob(".shards-*.progress") for line in p.open("rb")}
+    assert not [p for p in scan_dir.iterdir() if not p.name.startswith(".")]  # killed: nothing published
+    assert 1 <= len(finished) < 8
+    _, _, records, _, manifest = scan(cfg)
+    assert sorted(manifest["shards_read"]) == sorted({f"{i:06d}.tar" for i in range(8)} - finished)
+    assert len(records) == 4800
+
+
+def test_sources_of_three_formats_in_one_dataset(tmp_path):
+    """dataset.sources mixing a folder, a shard folder and a parquet table, each with its format set or detected;
+    records name their source and read back through the scan manifest's roots."""
+    folder, shards, table = tmp_path / "photos", tmp_path / "shards", tmp_path / "rows.parquet"
+    folder.mkdir()
+    shards.mkdir()
+    noise((40, 40), seed=9).save(folder / "cat.png")
+    write_shard(shards / "000000.tar", 0, 2)
+    write_parquet(table, 3)
+    sources = [{"path": str(folder)}, {"path": str(shards), "format": "webdataset"}, {"path": str(table)}]
+    cfg = config(tmp_path, tmp_path, dataset={"path": None, "sources": sources})
+    _, _, records, rejected, manifest = scan(cfg)
+    assert not rejected
+    by_source = {i: sorted(p for p, r in records.items() if r["source"] == i) for i in range(3)}
+    assert by_source == {0: ["cat.png"], 1: ["000000.tar/s0000.png", "000000.tar/s0001.png"], 2: ["0/0", "0/1", "1/0"]}
+    roots = ScanManifest.model_validate(manifest).roots()
+    for path, rec in records.items():
+        assert not isinstance(prepare(roots[rec["source"]], ImageRecord(**rec)), str), path
+
+
+def test_masks_and_controls_with_a_shard_source_are_refused_naming_both_fields(tmp_path):
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 1)
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    with pytest.raises(StageFailed, match=r"webdataset source, and dataset.masks apply only to folders .* set dataset"):
+        scan(config(tmp_path, data, dataset={"masks": str(masks)}))
