@@ -36,11 +36,10 @@ class FluxKontextFamily(FluxFamily):
     # The training loop hands this family the batch's control latents (stages/latents/controls.py).
     takes_control: ClassVar[bool] = True
 
-    # The tiny flavor learns the demo's edit at the demo's settings (docs/editing.md has the measurements): wider and
-    # deeper than Flux's, and no distilled-guidance embedding: a random-init one only ever sees the training value
-    # (1.0), so validation's guidance_scale would condition it on a value it never learned.
+    # Wider and deeper than Flux's tiny flavor, so it learns the demo's edit at the demo's settings (docs/editing.md
+    # has the measurements).
     tiny_transformer: ClassVar[dict[str, Any]] = FluxFamily.tiny_transformer | dict(
-        num_layers=2, num_single_layers=2, num_attention_heads=4, guidance_embeds=False
+        num_layers=2, num_single_layers=2, num_attention_heads=4
     )
 
     def tiny_vae(self) -> torch.nn.Module:
