@@ -63,16 +63,16 @@ class FluxFamily(DiffusersFamily):
 
     # ---- tiny flavor -------------------------------------------------------------------------
     # attention_head_dim = sum(axes_dims_rope); guidance_embeds on, as in Flux.1-dev.
-    tiny_transformer: ClassVar[dict[str, Any]] = dict(
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 4, 8),
-    )
+    tiny_transformer: ClassVar[dict[str, Any]] = {
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,
+        "pooled_projection_dim": 32,
+        "guidance_embeds": True,
+        "axes_dims_rope": (4, 4, 8),
+    }
 
     def tiny_vae(self) -> torch.nn.Module:
         return flow_vae(self.facts)

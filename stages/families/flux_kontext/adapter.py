@@ -38,9 +38,11 @@ class FluxKontextFamily(FluxFamily):
 
     # Wider and deeper than Flux's tiny flavor, so it learns the demo's edit at the demo's settings (docs/editing.md
     # has the measurements).
-    tiny_transformer: ClassVar[dict[str, Any]] = FluxFamily.tiny_transformer | dict(
-        num_layers=2, num_single_layers=2, num_attention_heads=4
-    )
+    tiny_transformer: ClassVar[dict[str, Any]] = FluxFamily.tiny_transformer | {
+        "num_layers": 2,
+        "num_single_layers": 2,
+        "num_attention_heads": 4,
+    }
 
     def tiny_vae(self) -> torch.nn.Module:
         """The demo's pretrained VAE (the tiny family's, stages/families/tiny) re-laid for 16 latent channels:
