@@ -31,6 +31,9 @@ class FamilyFacts:
     tokenizers: tuple[str, ...] = ("tokenizer",)
     # Bump when the tiny flavor's configs or tokenizer change, so stale cached folders are not reused.
     tiny_revision: str = "1"
+    # Caption tokens of the tiny flavor (model.path null) when text.max_length is null; 0: max_length. Short
+    # captions ("make it red") padded to 512 tokens would be most of what a tiny model's joint attention sees.
+    tiny_max_length: int = 0
     # Released checkpoints exist (single files are recognised by checkpoint_marker, a tensor-name prefix only this
     # family's original layout has; "model.diffusion_model." is looked through) and their weighted components
     # other than the denoiser, by original-layout prefix.
@@ -191,6 +194,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         denoiser="transformer",
         text_encoders=("text_encoder", "text_encoder_2"),
         tokenizers=("tokenizer", "tokenizer_2"),
+        tiny_revision="2",
+        tiny_max_length=16,
         kohya_base_version="flux1",
         modelspec_arch="flux-1-dev/kontext",
         modelspec_impl="https://huggingface.co/black-forest-labs/FLUX.1-Kontext-dev",

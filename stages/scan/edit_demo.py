@@ -67,6 +67,21 @@ def check_controls(seeds: int) -> list[tuple[str, Image.Image]]:
     return out
 
 
+def showcase(n: int) -> list[tuple[str, Image.Image]]:
+    """(instruction, control) of the edit demo's `n` validation rows: the instructed color in turn through every
+    demo color, each on a control of another color (the source color in turn too) and the shapes alternating,
+    drawn apart from the training pairs and the learning check (another generator)."""
+    rng = random.Random(2000)
+    out = []
+    for i in range(n):
+        target = DEMO_COLORS[i % len(DEMO_COLORS)]
+        others = [c for c in DEMO_COLORS if c != target]
+        source = others[(i + i // len(DEMO_COLORS)) % len(others)]
+        control, _ = draw_pair(source, target, DEMO_SHAPES[i % len(DEMO_SHAPES)], rng)
+        out.append((instruction(target), control))
+    return out
+
+
 def _write(targets: Path, controls: Path) -> None:
     rng = random.Random(0)
     written, written_controls = [], []

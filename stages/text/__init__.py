@@ -14,8 +14,10 @@ CODE_VERSION = code_version("text")  # stages/code_versions.json
 
 
 def effective_max_length(cfg) -> int:
-    """Tokens every caption is padded/truncated to: text.max_length, or the family's default."""
-    return cfg.text.max_length or facts(cfg.model.family).max_length
+    """Tokens every caption is padded/truncated to: text.max_length, or the family's default (its tiny flavor's
+    when model.path is null)."""
+    f = facts(cfg.model.family)
+    return cfg.text.max_length or (f.tiny_max_length if cfg.model.path is None else 0) or f.max_length
 
 
 def _config(cfg) -> dict:

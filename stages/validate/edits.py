@@ -2,7 +2,8 @@
 edit demo's learning check.
 
 The edits are validate.controls ({image, prompt}) or, without them, the first N training pairs' controls with their
-captions (N = the number of validation prompts, each lending its seed). Each control is resized to the render size,
+captions (N = the number of validation prompts, each lending its seed); the edit demo's are its showcase (every
+instruction color on several shapes and source colors, stages/scan/edit_demo.py). Each control is resized to the render size,
 as training saw it at its image's size. The grid shows control | result per row.
 
 The edit learning check (dataset.demo: edit): new controls of one color with "make it <color>" for every demo color;
@@ -75,6 +76,12 @@ def edit_samples(ctx, upstream: dict, size: tuple[int, int]) -> list[Sample]:
     v = ctx.cfg.validate_
     if not takes_control(ctx.cfg):
         return []
+    if not v.controls and ctx.cfg.dataset.demo == "edit":  # every instruction color, on several shapes and colors
+        from tuneline.stages.scan.edit_demo import showcase
+
+        return [
+            Sample(text, "", p.seed, img.resize(size)) for (text, img), p in zip(showcase(len(v.prompts)), v.prompts)
+        ]
     if v.controls:
         wanted = [(Path(c.image), c.prompt, c.seed) for c in v.controls]
     else:
@@ -119,32 +126,55 @@ def render_edits(ctx, renderer: Renderer, work: Path, samples: list[Sample]) -> 
                 file=name, prompt=s.prompt, negative_prompt="", seed=s.seed, width=img.width, height=img.height
             )
         )
-    grid(cells, cols=2).save(work / "grid.png")
+    labelled_grid(cells, [s.prompt for s in samples]).save(work / "grid.png")
     return rendered, controls
 
 
-def check_edits(ctx, trained: Renderer, upstream: dict, load_untrained) -> dict:
-    """edit_color_accuracy and untrained_edit_color_accuracy of the edit demo (module docstring)."""
+LABEL_HEIGHT = 14  # pixels of the band above each row: one line of Pillow's default font
+
+
+def labelled_grid(cells: list[Image.Image], labels: list[str]) -> Image.Image:
+    """control | result per row, each row under a band naming its instruction: the grid alone says what each
+    edit was asked to do, so a person checks it by eye."""
+    from PIL import ImageDraw
+
+    rows = grid(cells, cols=2)
+    h = rows.height // len(labels)
+    out = Image.new("RGB", (rows.width, rows.height + LABEL_HEIGHT * len(labels)), (255, 255, 255))
+    draw = ImageDraw.Draw(out)
+    for i, label in enumerate(labels):
+        top = i * (h + LABEL_HEIGHT)
+        draw.text((2, top + 1), label, fill=(0, 0, 0))
+        out.paste(rows.crop((0, i * h, rows.width, (i + 1) * h)), (0, top + LABEL_HEIGHT))
+    return out
+
+
+def instructed_accuracy(renderer: Renderer, cfg, size: tuple[int, int], means: dict) -> float | None:
+    """Share of the check's edits (new controls, each "make it <color>") whose result's latent is nearest the
+    instructed color's mean cached target latent; None when the rendered latents are not laid out like the cache."""
     from tuneline.stages.scan.edit_demo import check_controls, instruction
 
-    cfg, v = ctx.cfg, ctx.cfg.validate_
-    if (got := square_class_means(ctx, upstream, "edit learning check")) is None:
-        return {}
-    width, height, means = got
+    v, (width, height) = cfg.validate_, size
     pairs = check_controls(v.check_seeds)
-    colors = [c for c, _ in pairs]
     samples = [
         Sample(instruction(c), "", 1000 + i, img.resize((width, height), Image.Resampling.BICUBIC))
         for i, (c, img) in enumerate(pairs)
     ]
-    fam, facts = models.family(cfg), {}
+    out = renderer.render(samples, width, height, v.check_steps, v.guidance_scale, output_type="latent")
+    latents = torch.stack([torch.as_tensor(t) for t in out]).float().cpu()
+    if latents.dim() == 3:  # packed tokens: the family lays them out on the latent grid
+        latents = models.family(cfg).rendered_latents(latents, width, height)
+    return separation(latents, [c for c, _ in pairs], means)
+
+
+def check_edits(ctx, trained: Renderer, upstream: dict, load_untrained) -> dict:
+    """edit_color_accuracy and untrained_edit_color_accuracy of the edit demo (module docstring)."""
+    if (got := square_class_means(ctx, upstream, "edit learning check")) is None:
+        return {}
+    width, height, means = got
+    facts = {}
     for prefix, renderer in (("", trained), ("untrained_", None)):
-        renderer = renderer or load_untrained()
-        out = renderer.render(samples, width, height, v.check_steps, v.guidance_scale, output_type="latent")
-        latents = torch.stack([torch.as_tensor(t) for t in out]).float().cpu()
-        if latents.dim() == 3:  # packed tokens: the family lays them out on the latent grid
-            latents = fam.rendered_latents(latents, width, height)
-        acc = separation(latents, colors, means)
+        acc = instructed_accuracy(renderer or load_untrained(), ctx.cfg, (width, height), means)
         if acc is None:
             ctx.log.warning("edit learning check skipped: rendered latents are not (C, H, W) like the cache")
             return {}

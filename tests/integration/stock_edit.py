@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tuneline.schemas.validate import ValidateManifest
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, lora_loader
+from tuneline.stages.validate.edits import LABEL_HEIGHT
 
 CPU = torch.device("cpu")
 PROMPT, SEED, EDGE, STEPS, GUIDANCE = "make it red", 3, 64, 2, 2.0
@@ -115,8 +116,9 @@ def stock_qwen_edit_forward(
 
 
 def validated_edit_grid(ctx, paths: dict, count: int, prompts: list[str]) -> np.ndarray:
-    """The latents hold `count` controls, each encoded; validation rendered the first two pairs with `prompts`,
-    each beside its control: the grid (2 x 2 images of 64 px) as an array."""
+    """The latents hold `count` controls, each encoded; validation rendered two edits with `prompts`, each beside
+    its control under a band naming its instruction: the grid's pictures (2 x 2 images of 64 px, bands left out) as
+    an array."""
     from tuneline.schemas.latents import LatentsManifest
 
     lat = ctx.store.read(paths["latents"], LatentsManifest)
@@ -124,6 +126,12 @@ def validated_edit_grid(ctx, paths: dict, count: int, prompts: list[str]) -> np.
     val = ctx.store.read(paths["validate"], ValidateManifest)
     assert [i.prompt for i in val.images] == prompts
     assert val.controls == ["000-control.png", "001-control.png"]
-    with Image.open(paths["validate"] / "grid.png") as g:
-        assert g.size == (2 * EDGE, 2 * EDGE)
-        return np.asarray(g.convert("RGB"))
+    return grid_pictures(paths["validate"] / "grid.png", 2)
+
+
+def grid_pictures(path: Path, rows: int) -> np.ndarray:
+    """An edit grid of `rows` rows (control | result, each under its instruction's band) without the bands."""
+    with Image.open(path) as g:
+        assert g.size == (2 * EDGE, rows * (EDGE + LABEL_HEIGHT))
+        grid = np.asarray(g.convert("RGB"))
+    return np.concatenate([grid[r * (EDGE + LABEL_HEIGHT) + LABEL_HEIGHT :][:EDGE] for r in range(rows)])

@@ -25,6 +25,7 @@ from tuneline.stages.common.stage import StageContext, run_stage, status
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.pipeline import PIPELINE, stage, stages_for
 from tuneline.stages.scan.demo import write_demo_for
+from tuneline.stages.scan.edit_demo import showcase
 
 pytestmark = pytest.mark.slow
 FAMILY = "flux_kontext"
@@ -57,13 +58,14 @@ def test_pairs_are_cached_and_validated_as_edits(edit_run):
     ctx, paths = edit_run
     scan = json.loads((paths["scan"] / "manifest.json").read_text())
     assert scan["accepted"] == 48 and scan["unmatched_controls"] == [] and scan["rejected"] == 0
-    # The first two training pairs' controls with their instructions, each beside its result.
-    left = validated_edit_grid(ctx, paths, 48, ["make it green", "make it green"])[:64, :64]
-    with Image.open(paths["validate"] / "000-control.png") as c:
-        assert np.array_equal(left, np.asarray(c.convert("RGB")))
-    # The control is the first training pair's (in record order: a blue circle to be made green).
-    with Image.open(ctx.cfg.resolve(ctx.cfg.dataset.control) / "blue_to_green_circle_0.png") as c:
-        assert np.array_equal(left, np.asarray(c.convert("RGB")))
+    # The edit demo's showcase: an instruction color per row, on controls of other colors and shapes, each beside
+    # its result under its instruction.
+    pictures = validated_edit_grid(ctx, paths, 48, ["make it red", "make it green"])
+    for row, (text, control) in enumerate(showcase(2)):
+        left = pictures[row * 64 : (row + 1) * 64, :64]
+        assert np.array_equal(left, np.asarray(control.convert("RGB"))), text
+        with Image.open(paths["validate"] / f"{row:03d}-control.png") as c:
+            assert np.array_equal(left, np.asarray(c.convert("RGB")))
     val = ctx.store.read(paths["validate"], ValidateManifest)
     assert val.edit_color_accuracy is not None and val.untrained_edit_color_accuracy is not None
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from tests.integration.stock_edit import assert_qwen_edit_renders_as_validated, stock_qwen_edit_forward
+from tests.integration.stock_edit import assert_qwen_edit_renders_as_validated, grid_pictures, stock_qwen_edit_forward
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG, RGB
 from tuneline.schemas.latents import LatentsManifest
@@ -111,9 +111,7 @@ def test_validation_renders_edits_through_the_stock_pipeline(qwen_run):
     val = ctx.store.read(paths["validate"], ValidateManifest)
     assert [i.prompt for i in val.images] == ["make it blue"]
     assert val.controls == ["000-control.png"]
-    with Image.open(paths["validate"] / "grid.png") as g:
-        assert g.size == (2 * 64, 64)
-        left = np.asarray(g.convert("RGB"))[:64, :64]
+    left = grid_pictures(paths["validate"] / "grid.png", 1)[:64, :64]
     assert np.array_equal(left, np.asarray(_control(ctx, 0)))
 
 

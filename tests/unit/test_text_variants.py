@@ -118,3 +118,6 @@ def test_text_version_depends_on_what_changes_the_embeddings():
 def test_effective_max_length_follows_the_family():
     assert effective_max_length(parse_config({"model": {"family": "flux"}})) == 512
     assert effective_max_length(parse_config({"model": {"family": "sd3"}, "text": {"max_length": 128}})) == 128
+    # the flux_kontext tiny flavor's short captions (model.path null), a real model's 512
+    assert effective_max_length(parse_config({"model": {"family": "flux_kontext"}})) == 16
+    assert effective_max_length(parse_config({"model": {"family": "flux_kontext", "path": "/m"}})) == 512

@@ -62,6 +62,18 @@ class FluxFamily(DiffusersFamily):
         return load_flux_transformer(file, config)
 
     # ---- tiny flavor -------------------------------------------------------------------------
+    # attention_head_dim = sum(axes_dims_rope); guidance_embeds on, as in Flux.1-dev.
+    tiny_transformer: ClassVar[dict[str, Any]] = {
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,
+        "pooled_projection_dim": 32,
+        "guidance_embeds": True,
+        "axes_dims_rope": (4, 4, 8),
+    }
+
     def tiny_vae(self) -> torch.nn.Module:
         return flow_vae(self.facts)
 
@@ -71,20 +83,9 @@ class FluxFamily(DiffusersFamily):
 
         tok = build_clip_tokenizer(out_dir / "tokenizer", CLIP_LENGTH)
         tok_2 = build_t5_tokenizer(out_dir / "tokenizer_2", T5_LIMIT)
-        c = self.facts.latent_channels
         # Packing happens outside the model, so in_channels = 4 * latent channels and patch_size 1, as in Flux.1.
-        # attention_head_dim = sum(axes_dims_rope); guidance_embeds on, as in Flux.1-dev.
         transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4 * c,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 4, 8),
+            patch_size=1, in_channels=4 * self.facts.latent_channels, **self.tiny_transformer
         )
         scheduler = dynamic_shift_scheduler()
         pipe = self.pipeline_class(

@@ -17,6 +17,7 @@ from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.flux.adapter import FluxFamily, image_ids, pack_latents, unpack_latents
+from tuneline.stages.families.tiny.adapter import demo_vae_widened
 
 # The conditioning key the training loop fills from the cached control latents (scaled like the targets).
 CONTROL_KEY = "control_latents"
@@ -35,13 +36,20 @@ class FluxKontextFamily(FluxFamily):
     # The training loop hands this family the batch's control latents (stages/latents/controls.py).
     takes_control: ClassVar[bool] = True
 
+    # Wider and deeper than Flux's tiny flavor, so it learns the demo's edit at the demo's settings (docs/editing.md
+    # has the measurements).
+    tiny_transformer: ClassVar[dict[str, Any]] = FluxFamily.tiny_transformer | {
+        "num_layers": 2,
+        "num_single_layers": 2,
+        "num_attention_heads": 4,
+    }
+
     def tiny_vae(self) -> torch.nn.Module:
-        """Flux's tiny VAE with its own scale and shift. The released 0.3611 / 0.1159 were measured on the trained
-        VAE; on random weights they leave latents about 0.12 wide, the image a hundredth of the noise's variance, and
-        a short run learns no edit (the edit demo's loss did not move with the data). So the tiny flavor
-        measures them the way the released ones were chosen: shift = mean and scale = 1 / std of the latents of a
-        few pictures (a shape in each demo color on a grey ground)."""
-        vae = super().tiny_vae()
+        """The demo's pretrained VAE (the tiny family's, stages/families/tiny) re-laid for 16 latent channels:
+        decoded edits show the instructed color and shape, and latents carry the picture rather than a random
+        projection of it. Scale and shift are measured the way the released 0.3611 / 0.1159 were chosen (mean and
+        1 / std of the latents of a shape in each demo color on a grey ground)."""
+        vae = demo_vae_widened(self.facts)
         pictures = torch.full((len(DEMO_COLORS), 3, 64, 64), 220 / 127.5 - 1)
         for i, color in enumerate(DEMO_COLORS):
             pictures[i, :, 12:52, 12:52] = torch.tensor(RGB[color]).view(3, 1, 1) / 127.5 - 1

@@ -37,6 +37,31 @@ def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads((f.metadata() or {}).get("demo_vae", "{}"))
 
 
+def demo_vae_widened(facts: FamilyFacts):
+    """The demo VAE for a family of `facts.latent_channels` latents (a multiple of 4) and no quant convolutions
+    (SD3 / Flux layout): the quant convolutions are folded into the encoder's last and the decoder's first
+    convolution, each of the 4 latent channels is repeated, and the decoder averages the copies. It decodes the demo's
+    shapes as the 4-channel VAE does (the folded decoder bias differs only in the zero-padded border)."""
+    state, _ = demo_vae_weights()
+    vae = tiny_vae(
+        facts.latent_channels, facts, shift_factor=facts.shift_factor, use_quant_conv=False, use_post_quant_conv=False
+    )
+    k, c = divmod(facts.latent_channels, 4)
+    if c:
+        raise ValueError(f"the demo VAE widens to a multiple of 4 latent channels, not {facts.latent_channels}")
+    quant, quant_bias = state.pop("quant_conv.weight")[:4, :, 0, 0], state.pop("quant_conv.bias")[:4]
+    post, post_bias = state.pop("post_quant_conv.weight")[:, :, 0, 0], state.pop("post_quant_conv.bias")
+    enc_w = torch.einsum("oc,cikl->oikl", quant, state["encoder.conv_out.weight"])
+    enc_b = quant @ state["encoder.conv_out.bias"] + quant_bias
+    dec_w = state["decoder.conv_in.weight"]
+    state["decoder.conv_in.bias"] = state["decoder.conv_in.bias"] + torch.einsum("ockl,c->o", dec_w, post_bias)
+    state["decoder.conv_in.weight"] = torch.einsum("ockl,ci->oikl", dec_w, post).repeat(1, k, 1, 1) / k
+    state["encoder.conv_out.weight"] = torch.cat([enc_w.repeat(k, 1, 1, 1), torch.zeros_like(enc_w).repeat(k, 1, 1, 1)])
+    state["encoder.conv_out.bias"] = torch.cat([enc_b.repeat(k), torch.full((k * 4,), POSTERIOR_LOGVAR)])
+    vae.load_state_dict(state, strict=True)
+    return vae
+
+
 class TinyFamily(SD15Family):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["tiny"]
     # Demo captions are a handful of words; 16 positions keep text caches and cross-attention small.
