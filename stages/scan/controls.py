@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.scan import IMAGE_EXTENSIONS, ControlFile, ImageRecord, Rejected
+from tuneline.schemas.scan import CLIP_FIELDS, IMAGE_EXTENSIONS, ControlFile, ImageRecord, Rejected
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
@@ -114,6 +114,7 @@ def consumed(r: ImageRecord) -> dict:
     control per image keeps its version too)."""
     skip = {"mtime_ns"} | (set(FIELDS) if r.control_path is None else set())
     skip |= {"control_references"} if r.control_references is None else set()
+    skip |= set(CLIP_FIELDS) if r.frames is None else set()  # an image family's records keep their version
     return r.model_dump(mode="json", exclude=skip)
 
 

@@ -40,6 +40,7 @@ def test_registry_covers_every_family_with_facts():
             "z_image",
             "flux2",
             "flux2_klein",
+            "wan",
         }
     )
     for name in family_names():
@@ -70,6 +71,7 @@ def test_facts_alignment_and_targets():
         "z_image": 16,
         "flux2": 16,
         "flux2_klein": 16,
+        "wan": 16,
     }
     assert {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"} == {
         "sd3",
@@ -81,6 +83,7 @@ def test_facts_alignment_and_targets():
         "z_image",
         "flux2",
         "flux2_klein",
+        "wan",
     }
     assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == {
         "sd3",
@@ -90,6 +93,7 @@ def test_facts_alignment_and_targets():
         "qwen_image_edit",
         "qwen_image_edit_plus",
         "z_image",
+        "wan",
     }
 
 
