@@ -19,7 +19,8 @@ from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.families import facts
 from tuneline.schemas.scan import VIDEO_EXTENSIONS, ImageRecord, Rejected
 from tuneline.stages.common.sizing import FramePolicy, clip_ranges, frame_indices
-from tuneline.stages.scan.images import TRANSPOSE, Probe, probe_file
+from tuneline.stages.scan import images
+from tuneline.stages.scan.images import TRANSPOSE, Probe
 from tuneline.stages.scan.listing import Entry
 
 ANIMATED = ("GIF", "WEBP")
@@ -37,7 +38,7 @@ def probe(e: Entry) -> Probe:
     when it is an animated GIF/WebP)."""
     if is_video(e.rel):
         return probe_video(e.path, e.rel, e.size, e.mtime_ns)
-    p = probe_file(e.path, e.rel, e.size, e.mtime_ns)
+    p = images.probe_file(e.path, e.rel, e.size, e.mtime_ns)
     return _animation(p, e.path) if p.format in ANIMATED and not p.error else p
 
 
@@ -167,9 +168,7 @@ def load_clip(path: Path, record: ImageRecord) -> list[Image.Image]:
     """The clip's frames as RGB images, upright, exactly as the scan measured them: `record.frames` frames from
     `record.start` at `record.fps` (an image or a one-frame record: its first frame)."""
     if record.start is None:
-        from tuneline.stages.scan.images import load_rgb
-
-        return [load_rgb(path, record)]
+        return [images.load_rgb(path, record)]
     wanted = frame_indices(record.start, record.frames, record.fps, record.source_fps, record.source_frames)
     got = _decode(path, set(wanted), record)
     if missing := sorted(set(wanted) - set(got)):
