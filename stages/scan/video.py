@@ -122,15 +122,10 @@ def _rotation(container, stream) -> int:
 
 
 def frame_policy(cfg: PipelineConfig) -> FramePolicy:
-    """The bucketing of a video family's clips (buckets.fps, buckets.frames, buckets.clip over the family's
-    defaults); ValueError naming buckets.frames when a budget breaks the family's frame rule."""
+    """The bucketing of a video family's clips: buckets.fps, buckets.frames, buckets.clip over the family's defaults
+    (the config check holds buckets.frames to the family's frame rule: schemas/checks.py)."""
     f = facts(cfg.model.family)
     budgets = tuple(sorted(cfg.buckets.frames or f.frame_buckets))
-    if bad := [n for n in budgets if (n - 1) % f.temporal_factor]:
-        raise ValueError(
-            f"buckets.frames {list(budgets)}: {bad} break family {f.name!r}'s rule of "
-            f"{f.temporal_factor}k+1 frames; use e.g. {[(n - 1) // f.temporal_factor * f.temporal_factor + 1 for n in bad]}"
-        )
     return FramePolicy(fps=cfg.buckets.fps or f.fps, budgets=budgets, factor=f.temporal_factor, clip=cfg.buckets.clip)
 
 
@@ -148,19 +143,19 @@ def clips(record: ImageRecord, p: Probe, cfg: PipelineConfig) -> list[ImageRecor
         return [record]
     if p.frames < 2:
         return [record.model_copy(update={"frames": 1})]
-    cut = clip_ranges(p.frames, p.fps, frame_policy(cfg))
+    policy = frame_policy(cfg)
     return [
         record.model_copy(
             update={
                 "frames": frames,
-                "fps": frame_policy(cfg).fps,
+                "fps": policy.fps,
                 "start": start,
                 "end": end,
                 "source_frames": p.frames,
                 "source_fps": p.fps,
             }
         )
-        for frames, start, end in cut
+        for frames, start, end in clip_ranges(p.frames, p.fps, policy)
     ]
 
 

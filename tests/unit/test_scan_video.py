@@ -68,3 +68,12 @@ def test_frame_indices_resample_to_the_bucket_rate():
     assert frame_indices(0.0, 5, 16, 32, 100) == [0, 2, 4, 6, 8]
     assert frame_indices(0.0, 5, 16, 8, 100) == [0, 0, 1, 1, 2]  # a slower file repeats frames
     assert frame_indices(1.0, 3, 16, 16, 100) == [16, 17, 18]
+
+
+def test_frame_budgets_that_break_the_family_rule_are_refused():
+    from tuneline.schemas.config import ConfigError, parse_config
+
+    base = {"dataset": {"path": "data"}, "model": {"family": "wan"}, "buckets": {"frames": [17, 30]}}
+    with pytest.raises(ConfigError, match=r"buckets.frames \[17, 30\]: \[30\] break family 'wan'.*use \[29\]"):
+        parse_config(base)
+    assert parse_config({**base, "buckets": {"frames": [5, 29]}}).buckets.frames == [5, 29]
