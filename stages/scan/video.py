@@ -16,7 +16,7 @@ from pathlib import Path
 from PIL import Image
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.families import facts
+from tuneline.schemas.families import facts, family_list
 from tuneline.schemas.scan import VIDEO_EXTENSIONS, ImageRecord, Rejected
 from tuneline.stages.common.sizing import FramePolicy, clip_ranges, frame_indices
 from tuneline.stages.scan import images
@@ -24,6 +24,7 @@ from tuneline.stages.scan.images import TRANSPOSE, Probe
 from tuneline.stages.scan.listing import Entry
 
 ANIMATED = ("GIF", "WEBP")
+VIDEO_FAMILIES = family_list(lambda f: f.video)
 # A display matrix's counter-clockwise rotation (PyAV's convention) -> the EXIF orientation that shows the frames
 # upright, so a clip's frames are turned by the same table as an image's.
 ROTATION_ORIENTATION = {0: 1, 90: 8, 180: 3, 270: 6}
@@ -138,7 +139,7 @@ def clips(record: ImageRecord, p: Probe, cfg: PipelineConfig) -> list[ImageRecor
                 path=p.path,
                 kind="video",
                 reason=f"a video file, and model.family {cfg.model.family!r} trains on images: move it out of the "
-                f"dataset, or train a video family (model.family wan)",
+                f"dataset, or train a video family (model.family {VIDEO_FAMILIES})",
             )
         return [record]
     if p.frames < 2:

@@ -160,6 +160,19 @@ class WanFamily(DiffusersFamily):
             hidden = te(out.input_ids.to(dev), mask).last_hidden_state
         return {"prompt_embeds": hidden * mask.unsqueeze(-1).to(hidden.dtype)}
 
+    # ---- validation --------------------------------------------------------------------------
+    # Renders are one-frame clips for now: the first frame, an image, is what validation shows and compares.
+    render_kwargs: ClassVar[dict[str, Any]] = {"num_frames": 1}
+
+    def rendered(self, output: Any) -> Any:
+        """WanPipelineOutput.frames: (B, F, H, W, 3) pictures (numpy), or with output_type latent the (B, C, T, h, w)
+        latents (a tensor, left to rendered_latents)."""
+        frames = output.frames
+        return frames if isinstance(frames, torch.Tensor) else frames[:, 0]
+
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+        return fold(latents)
+
     # ---- training ----------------------------------------------------------------------------
     def denoise(
         self, denoiser: torch.nn.Module, noisy: Tensor, timesteps: Tensor, text: dict[str, Tensor], micro: Micro = None
