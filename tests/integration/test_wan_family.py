@@ -108,3 +108,13 @@ def test_an_image_family_rejects_video_files_and_keeps_its_version(tmp_path):
     # buckets.fps / frames / clip shape no image family's records: changing them leaves its scan as it was
     again = StageContext(_config(tmp_path, family="tiny", fps=24, frames=[17], clip="every"))
     assert run_stage(again, stage("scan"), PIPELINE)[0] == scan_dir
+
+
+def test_clip_every_cuts_a_file_into_consecutive_clips(tmp_path):
+    _dataset(tmp_path / "data")
+    ctx = StageContext(_config(tmp_path, frames=[5], clip="every"))
+    scan_dir = run_stage(ctx, stage("scan"), PIPELINE)[0]
+    clips = [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
+    left = [(r.ref, r.frames, r.start, r.end) for r in clips if r.path == "left.mp4"]
+    # 1.5 s at 8 fps: two whole 5-frame clips of 0.625 s, each a record named by its time range
+    assert left == [("left.mp4#t=0,0.625", 5, 0.0, 0.625), ("left.mp4#t=0.625,1.25", 5, 0.625, 1.25)]
