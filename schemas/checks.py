@@ -325,6 +325,18 @@ def _masks(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     return []
 
 
+def _frames(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    """A video family's frame budgets obey its VAE's rule (Wan: 4k+1 frames)."""
+    k = fam.temporal_factor
+    bad = [n for n in cfg.buckets.frames or () if k and (n - 1) % k]
+    if not bad:
+        return []
+    return [
+        f"buckets.frames {cfg.buckets.frames}: {bad} break family {fam.name!r}'s rule of {k}k+1 frames; use "
+        f"{[(n - 1) // k * k + 1 for n in bad]} instead, or null for the family's {list(fam.frame_buckets)}"
+    ]
+
+
 def _cpu_dtype(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if cfg.model.dtype == "float16" and cfg.model.device == "cpu":
         return ["model.dtype float16 is not supported with model.device cpu: use float32 or bfloat16"]
@@ -344,4 +356,5 @@ RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
     _masks,
     _quantize,
     _cpu_dtype,
+    _frames,
 )

@@ -50,6 +50,15 @@ class FamilyFacts:
     kohya_base_version: str = ""
     modelspec_arch: str = ""
     modelspec_impl: str = "diffusers"
+    # Video families: frames per latent frame of the VAE (Wan: 4, so clips have 4k+1 frames); 0 = an image family.
+    temporal_factor: int = 0
+    # Video families' bucket defaults: the frame rate clips are trained at and the frame budgets.
+    fps: float = 0.0
+    frame_buckets: tuple[int, ...] = ()
+
+    @property
+    def video(self) -> bool:
+        return self.temporal_factor > 0
 
     @property
     def alignment(self) -> int:
@@ -306,6 +315,24 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         denoiser="transformer",
         checkpoint_marker="double_stream_modulation_img.",
         shipped_config="FLUX.2-klein-4B",
+    ),
+    # Wan 2.1 text-to-video: a causal video VAE (8x spatial, 4x temporal: clips of 4k+1 frames) normalised per
+    # channel, 1x2x2 patches, UMT5 captions of up to 512 tokens, flow matching with the scheduler's fixed shift.
+    "wan": FamilyFacts(
+        "wan",
+        8,
+        2,
+        16,
+        1.0,
+        0.0,
+        "flow_matching",
+        512,
+        max_length_limit=512,
+        pipeline="WanPipeline",
+        denoiser="transformer",
+        temporal_factor=4,
+        fps=16.0,
+        frame_buckets=(17, 33, 49, 81),
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).

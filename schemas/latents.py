@@ -45,7 +45,10 @@ class LatentBucket(BaseModel):
     model_config = ConfigDict(extra="forbid")
     width: int = Field(description="bucket width in pixels")
     height: int
-    shape: tuple[int, int, int] = Field(description="latent (C, H, W) of one image")
+    shape: tuple[int, int, int] = Field(
+        description="latent (C, H, W) of one image; a clip's (C, T*h, w): its T latent frames stacked along H"
+    )
+    frames: int | None = Field(None, description="video families: the bucket's frames per clip")
     count: int = Field(description="rows (= cached images) in this bucket's arrays")
     array: str = Field(description="Zarr group path inside the artifact")
 

@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict, is_url
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
+# Always listed beside the images: a video family trains on them, an image family rejects them with a reason.
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
+# The record fields of a clip (stages/scan/video.py); null on the records of an image family.
+CLIP_FIELDS = ("frames", "fps", "start", "end", "source_frames", "source_fps")
 # PIL's own refusal threshold (2 x Image.MAX_IMAGE_PIXELS): above it PIL refuses before we could decide.
 PIL_BOMB_LIMIT = 178_956_970
 Channel = Annotated[int, Field(ge=0, le=255)]
@@ -210,6 +214,20 @@ class BucketConfig(Strict):
         "it (its images are listed in rejected.jsonl)",
     )
 
+    fps: float | None = Field(
+        None, gt=0, description="video families: the frame rate clips are trained at; null = the family's (Wan: 16)"
+    )
+    frames: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="video families: the frame budgets of the buckets (each obeying the family's frame rule, Wan: "
+        "4k+1); a clip takes the largest that fits it; null = the family's ([17, 33, 49, 81] for Wan)",
+    )
+    clip: Literal["start", "center", "every"] = Field(
+        default="start",
+        description="video families: which part of a clip longer than its bucket is trained: its start, its "
+        "center, or every consecutive part (one record per part, each with its time range)",
+    )
     resolutions: list[float] | None = Field(
         None,
         min_length=1,
@@ -224,6 +242,8 @@ class BucketConfig(Strict):
             raise ValueError(
                 f"buckets.min_aspect ({self.min_aspect}) must be <= buckets.max_aspect ({self.max_aspect})"
             )
+        if self.frames is not None and (min(self.frames) < 1 or len(set(self.frames)) != len(self.frames)):
+            raise ValueError(f"buckets.frames {self.frames} must be distinct frame counts >= 1")
         if self.resolutions is not None:
             if self.resolution not in self.resolutions:
                 raise ValueError(
@@ -304,6 +324,14 @@ class ImageRecord(BaseModel):
         description="several references (<control>/<stem>/*.png, sorted by name): each file; control_path is then "
         "the folder and control_sha256 covers every reference's content. null: one control file",
     )
+    frames: int | None = Field(
+        None, ge=1, description="video families: frames as trained (the family's rule, Wan: 4k+1; an image: 1)"
+    )
+    fps: float | None = Field(None, description="video families: the frame rate the clip is trained at")
+    start: float | None = Field(None, ge=0, description="video families: where the clip starts in the file (s)")
+    end: float | None = Field(None, ge=0, description="video families: where the clip ends in the file (s)")
+    source_frames: int | None = Field(None, description="video families: the file's frame count (its header's)")
+    source_fps: float | None = Field(None, description="video families: the file's frame rate")
     source: int | None = Field(
         None,
         description="with dataset.sources or train.eval.path: the index of the "
@@ -321,8 +349,10 @@ class ImageRecord(BaseModel):
     @property
     def ref(self) -> str:
         """The record's name among all sources: its path, prefixed by its source index when it has one (a
-        relative path never holds '//', so two sources' identical paths stay apart)."""
-        return self.path if self.source is None else f"{self.source}//{self.path}"
+        relative path never holds '//', so two sources' identical paths stay apart). A clip's ends with its time
+        range as a media fragment (`#t=start,end`): buckets.clip every cuts one file into several clips."""
+        name = self.path if self.source is None else f"{self.source}//{self.path}"
+        return name if self.start is None else f"{name}#t={self.start:g},{self.end:g}"
 
 
 class Rejected(BaseModel):
@@ -336,6 +366,7 @@ class BucketRow(BaseModel):
     model_config = ConfigDict(extra="forbid")
     width: int
     height: int
+    frames: int | None = Field(None, description="video families: the bucket's frame count")
     count: int
     samples: list[str] = Field(default_factory=list)
     dropped: bool = Field(False, description="fewer images than one batch with buckets.small_bucket drop")

@@ -123,11 +123,22 @@ def crop_box(
     return left, top, left + cw, top + ch
 
 
-def latent_shape(bucket_w: int, bucket_h: int, channels: int, vae_factor: int) -> tuple[int, int, int]:
-    """The (C, H, W) a VAE writes for a bucket: the cache and the reader both check against this."""
+def latent_shape(bucket_w: int, bucket_h: int, channels: int, vae_factor: int, frames: int = 1) -> tuple[int, int, int]:
+    """The (C, H, W) a VAE writes for a bucket: the cache and the reader both check against this. A clip's `frames`
+    latent frames are stacked along H: (C, frames * h, w)."""
     if bucket_w % vae_factor or bucket_h % vae_factor:
         raise ValueError(f"bucket {bucket_w}x{bucket_h} is not a multiple of the VAE factor {vae_factor}")
-    return channels, bucket_h // vae_factor, bucket_w // vae_factor
+    return channels, frames * (bucket_h // vae_factor), bucket_w // vae_factor
+
+
+def latent_frames(frames: int, temporal: int) -> int:
+    """Latent frames of a clip of `frames` frames through a causal video VAE that folds `temporal` frames into one
+    after the first (Wan: 4k+1 frames -> k+1); 1 for an image family (temporal 0) or a one-frame clip."""
+    if not temporal or frames <= 1:
+        return 1
+    if (frames - 1) % temporal:
+        raise ValueError(f"a clip of {frames} frames breaks the {temporal}k+1 frame rule of its family's VAE")
+    return (frames - 1) // temporal + 1
 
 
 def render_size(
@@ -149,3 +160,43 @@ def size_policy(buckets, family_alignment: int) -> SizePolicy:
         upscale=buckets.upscale,
         min_edge=buckets.min_edge,
     )
+
+
+@dataclass(frozen=True)
+class FramePolicy:
+    """How a clip's frames are bucketed: the rate it is trained at, the frame budgets, the family's rule (frames =
+    factor * k + 1) and which part of a longer clip is kept (`start`, `center`, `every`)."""
+
+    fps: float
+    budgets: tuple[int, ...]
+    factor: int
+    clip: Literal["start", "center", "every"] = "start"
+
+
+def frame_count(source_frames: int, source_fps: float, policy: FramePolicy) -> int:
+    """The frames a clip trains with: the largest budget its length at policy.fps holds, or, shorter than every
+    budget, the largest count the family's rule allows (a one-frame clip at least: an image)."""
+    available = max(1, math.floor(source_frames * policy.fps / source_fps + 1e-9)) if source_fps > 0 else 1
+    fitting = [b for b in policy.budgets if b <= available]
+    return max(fitting) if fitting else (available - 1) // policy.factor * policy.factor + 1
+
+
+def clip_ranges(source_frames: int, source_fps: float, policy: FramePolicy) -> list[tuple[int, float, float]]:
+    """(frames, start, end) of each clip cut from a file, times in seconds in the file: its start, its center,
+    or every consecutive part that holds the bucket's frames (buckets.clip)."""
+    frames = frame_count(source_frames, source_fps, policy)
+    length = frames / policy.fps
+    duration = source_frames / source_fps if source_fps > 0 else 0.0
+    if policy.clip == "every":
+        starts = [i * length for i in range(max(1, math.floor(duration / length + 1e-9)))]
+    elif policy.clip == "center":
+        starts = [max(0.0, (duration - length) / 2)]
+    else:
+        starts = [0.0]
+    return [(frames, round(s, 6), round(s + length, 6)) for s in starts]
+
+
+def frame_indices(start: float, frames: int, fps: float, source_fps: float, source_frames: int) -> list[int]:
+    """The file's frame index for each trained frame: frame i sits at start + i / fps, the nearest earlier source
+    frame (a file slower than fps repeats frames). What the latents stage decodes."""
+    return [min(source_frames - 1, math.floor((start + i / fps) * source_fps + 1e-6)) for i in range(frames)]

@@ -217,6 +217,14 @@ class Family(Protocol):
         """The pipeline and arguments of one render call (default: unchanged; Qwen-Image-Edit encodes the prompts
         with the input images)."""
 
+    # Video families ----------------------------------------------------------------------------
+    # Extra arguments of every render call (a video pipeline's frame count).
+    render_kwargs: dict[str, Any]
+
+    def rendered(self, output: Any) -> Any:
+        """The pictures of a pipeline call's output, one per prompt (default: `output.images`; a video pipeline's
+        clips' first frames)."""
+
     def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
         """The pipeline's output_type="latent" result as (B, C, H, W) cache-space latents (the edit learning check
         compares them with the cache); default: already in that shape."""

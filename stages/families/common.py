@@ -133,6 +133,12 @@ class DiffusersFamily:
     def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
         return latents
 
+    # ---- video families ----------------------------------------------------------------------
+    render_kwargs: ClassVar[dict[str, Any]] = {}
+
+    def rendered(self, output: Any) -> Any:
+        return output.images
+
     # ---- model folders -----------------------------------------------------------------------
     def ensure_model(
         self,

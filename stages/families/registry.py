@@ -30,6 +30,7 @@ _ADAPTERS: dict[str, str] = {
     "z_image": "ZImageFamily",
     "flux2": "Flux2DevFamily",
     "flux2_klein": "Flux2KleinFamily",
+    "wan": "WanFamily",
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

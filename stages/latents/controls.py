@@ -134,7 +134,7 @@ def write_controls(
 ) -> dict:
     """Every bucket's control latents when the records have controls; returns the manifest's counts. Arrays are
     (rows, C, h, w) for one control per image, (rows, N, C, h, w) for N references."""
-    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height, r.frames)): r for r in records}
     if not any(sized[row["path"], row["bucket"]].control_path for row in index):
         return {"controls": 0}
     n = max(len(references(r)) for r in records if r.control_path)

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.stages.common.artifacts import ArtifactError
 from tuneline.stages.common.jsonl import read_jsonl, write_jsonl
-from tuneline.stages.common.sizing import latent_shape
+from tuneline.stages.common.sizing import latent_frames, latent_shape
 from tuneline.stages.families import resolve as models
 from tuneline.stages.latents import controls, masks, size_policy, store
 from tuneline.stages.latents.encode import Encoder, vae_facts_of
@@ -53,20 +53,24 @@ def scan_records(scan_dir: Path) -> list[ImageRecord]:
     return [ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl")]
 
 
-def plan(records: list[ImageRecord], channels: int, vae_factor: int, identity: dict) -> list[BucketJob]:
-    """One job per bucket, rows sorted by path: the layout depends on the records alone."""
-    by_bucket: dict[tuple[int, int], list[ImageRecord]] = defaultdict(list)
+def plan(
+    records: list[ImageRecord], channels: int, vae_factor: int, identity: dict, temporal: int = 0
+) -> list[BucketJob]:
+    """One job per bucket, rows sorted by path: the layout depends on the records alone. A video family's clips
+    (`temporal`: its VAE's frames per latent frame) are bucketed by frame count too."""
+    by_bucket: dict[tuple[int, int, int], list[ImageRecord]] = defaultdict(list)
     for r in records:
-        by_bucket[(r.bucket_width, r.bucket_height)].append(r)
+        by_bucket[(r.bucket_width, r.bucket_height, r.frames or 1)].append(r)
     jobs = []
-    for (w, h), recs in sorted(by_bucket.items()):
+    for (w, h, frames), recs in sorted(by_bucket.items()):
         recs.sort(key=lambda r: r.ref)
         jobs.append(
             BucketJob(
-                key=store.bucket_key(w, h),
+                key=store.bucket_key(w, h, frames),
                 width=w,
                 height=h,
-                shape=latent_shape(w, h, channels, vae_factor),
+                shape=latent_shape(w, h, channels, vae_factor, latent_frames(frames, temporal)),
+                frames=frames if temporal else None,
                 records=recs,
                 row_keys=[row_key(r, identity) for r in recs],
             )
@@ -94,7 +98,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     vae = fam.load_vae_encoder(models.model_dir(ctx), models.dtype(cfg, dev), dev)
     vae_dtype = str(vae.dtype).removeprefix("torch.")
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
-    jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity)
+    jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity, fam.facts.temporal_factor)
     if ctx.force:  # --force: resume nothing either
         for done in (store.BLOCKS, store.STORE):
             shutil.rmtree(work / done, ignore_errors=True)
@@ -208,6 +212,7 @@ def manifest_facts(
         )
     buckets = [
         {"width": j.width, "height": j.height, "shape": j.shape, "count": len(r.index), "array": j.key}
+        | ({"frames": j.frames} if j.frames else {})
         for j, r in zip(jobs, results)
         if r.index
     ]

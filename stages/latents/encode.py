@@ -13,6 +13,7 @@ from tuneline.schemas.scan import ImageRecord, Location
 from tuneline.stages.latents import store
 from tuneline.stages.scan.images import load_rgb
 from tuneline.stages.scan.members import image_source
+from tuneline.stages.scan.video import load_clip
 
 # What PIL raises on a file whose header parsed but whose pixel data is broken (truncated, bad zlib stream).
 DECODE_ERRORS = (
@@ -49,6 +50,8 @@ def prepare(root: Path | Location, rec: ImageRecord) -> torch.Tensor | str:
         sha, source = image_source(root, rec)
         if sha != rec.sha256:
             return "the file changed since the scan (content hash differs): run `tuneline stage scan` again"
+        if rec.start is not None:  # a clip: (3, F, H, W), every frame cropped and sized as the scan recorded
+            return torch.stack([to_pixels(frame, rec) for frame in load_clip(source, rec)], dim=1)
         return to_pixels(load_rgb(source, rec), rec)
     except DECODE_ERRORS as err:
         return f"cannot decode at caching time ({type(err).__name__}: {err}): re-export or remove the file"

@@ -57,7 +57,7 @@ def write_masks(
     vae_factor: int,
 ) -> int:
     """Write every bucket's masks when any cached image has one; returns how many rows have a mask."""
-    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in records}
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height, r.frames)): r for r in records}
     rows = [row for row in index if sized[row["path"], row["bucket"]].mask_kind is not None]
     if not rows:
         return 0

@@ -39,6 +39,8 @@ def row_key(rec: ImageRecord, identity: dict) -> str:
             "bucket": [rec.bucket_width, rec.bucket_height],
             "crop": list(rec.crop),
             "background": rec.background,
+            # A clip's frames: which part of the file at which rate (absent for images, whose keys stay as they were).
+            **({"clip": [rec.frames, rec.fps, rec.start]} if rec.start is not None else {}),
             **identity,
         },
         length=32,

@@ -87,7 +87,8 @@ def make_plan(ctx, work: Path, scan: ScanManifest) -> Plan:
     fam = models.family(cfg)
     vae_dtype = planned_vae_dtype(cfg)
     identity = row_identity(models.identity(ctx, "vae"), vae_dtype, lc.dtype, lc.flip)
-    jobs = plan(scan_records(models.artifact_dir(ctx, scan)), fam.facts.latent_channels, fam.facts.vae_factor, identity)
+    records = scan_records(models.artifact_dir(ctx, scan))
+    jobs = plan(records, fam.facts.latent_channels, fam.facts.vae_factor, identity, fam.facts.temporal_factor)
     settings = Settings.of(scan, work, lc)
     previous = PreviousRows.latest(ctx, settings.names)
     weight = VAE_WEIGHT_CPU if models.device(cfg).type == "cpu" else 1

@@ -59,8 +59,9 @@ DIST = ("mean", "std")
 FLIPPED = ("flip_mean", "flip_std")
 
 
-def bucket_key(width: int, height: int) -> str:
-    return f"{width}x{height}"
+def bucket_key(width: int, height: int, frames: int | None = None) -> str:
+    """A bucket's array group: "<W>x<H>", and "<W>x<H>x<F>f" for a video family's clips of F > 1 frames."""
+    return f"{width}x{height}" if (frames or 1) == 1 else f"{width}x{height}x{frames}f"
 
 
 def array_names(flip: bool) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ class BucketJob:
     shape: tuple[int, int, int]
     records: list[ImageRecord]  # sorted by path: row order
     row_keys: list[str]  # content identity of each record's row
+    frames: int | None = None  # a video family's bucket: its clips' frame count
 
 
 @dataclass

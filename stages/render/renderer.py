@@ -130,15 +130,17 @@ class Renderer:
             edit = self.fam.control_kwargs(images, width, height)
             kwargs = {**self.fam.prompt_kwargs(text, neg), **edit}
             pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
-            images = pipe(
+            out = pipe(
                 **kwargs,
+                **self.fam.render_kwargs,
                 width=width,
                 height=height,
                 num_inference_steps=steps,
                 guidance_scale=guidance,
                 generator=gens,
                 output_type="np" if output_type == "pil" else output_type,
-            ).images
+            )
+            images = self.fam.rendered(out)
         if output_type != "pil":
             return list(images)
         for s, img in zip(batch, images):

@@ -12,7 +12,8 @@ from collections import Counter, defaultdict
 from tuneline.schemas.scan import BucketRow, ImageRecord, Rejected
 
 SAMPLES = 3
-Bucket = tuple[int, int]
+# (width, height), and a video family's frame count after them: (width, height, frames).
+Bucket = tuple[int, ...]
 
 
 class NoBatchError(ValueError):
@@ -30,19 +31,28 @@ def bucket_plan(counts: dict[Bucket, int], batch: int, policy: str) -> dict[Buck
     else:
         raise ValueError(f"buckets.small_bucket: unknown policy {policy!r}; use repeat or drop")
     if not any(plan.values()):
-        (bw, bh), n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+        bucket, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
         raise NoBatchError(
             f"no bucket can form a batch of {batch} (train.batch_size x train.processes x "
-            f"train.nodes): the largest, {bw}x{bh}, has {n} images and buckets.small_bucket is "
+            f"train.nodes): the largest, {name(bucket)}, has {n} images and buckets.small_bucket is "
             f"drop; set buckets.small_bucket: repeat, lower train.batch_size, or add images"
         )
     return plan
 
 
+def bucket_of(r: ImageRecord) -> Bucket:
+    return (r.bucket_width, r.bucket_height) if r.frames is None else (r.bucket_width, r.bucket_height, r.frames)
+
+
+def name(bucket: Bucket) -> str:
+    """64x48, or 64x48x17f for a video family's bucket of 17-frame clips."""
+    return "x".join(map(str, bucket[:2])) + (f"x{bucket[2]}f" if len(bucket) > 2 else "")
+
+
 def by_bucket(records: list[ImageRecord]) -> dict[Bucket, list[ImageRecord]]:
     groups: dict[Bucket, list[ImageRecord]] = defaultdict(list)
     for r in records:
-        groups[(r.bucket_width, r.bucket_height)].append(r)
+        groups[bucket_of(r)].append(r)
     return dict(sorted(groups.items()))
 
 
@@ -51,24 +61,25 @@ def apply_plan(
 ) -> tuple[list[ImageRecord], list[Rejected], list[BucketRow]]:
     """Split records into kept / rejected (dropped buckets) and build the bucket table."""
     kept, dropped, rows = [], [], []
-    for (bw, bh), recs in by_bucket(records).items():
+    for bucket, recs in by_bucket(records).items():
         rows.append(
             BucketRow(
-                width=bw,
-                height=bh,
+                width=bucket[0],
+                height=bucket[1],
+                frames=bucket[2] if len(bucket) > 2 else None,
                 count=len(recs),
                 samples=[r.ref for r in recs[:SAMPLES]],
-                dropped=plan[(bw, bh)] == 0,
+                dropped=plan[bucket] == 0,
             )
         )
-        if plan[(bw, bh)]:
+        if plan[bucket]:
             kept += recs
             continue
         dropped += [
             Rejected(
                 path=r.ref,
                 kind="small-bucket",
-                reason=f"bucket {bw}x{bh} has {len(recs)} images, fewer than one batch of {batch}, and "
+                reason=f"bucket {name(bucket)} has {len(recs)} images, fewer than one batch of {batch}, and "
                 f"buckets.small_bucket is drop; set it to repeat to keep them",
             )
             for r in recs
@@ -95,15 +106,16 @@ def reject_duplicates(records: list[ImageRecord], groups: list[list[str]]) -> tu
 
 def table(rows: list[BucketRow], plan: dict[Bucket, int]) -> list[dict]:
     """The bucket table as the Prefect table artifact shows it."""
+    keys = [(r.width, r.height) if r.frames is None else (r.width, r.height, r.frames) for r in rows]
     return [
         {
-            "bucket": f"{r.width}x{r.height}",
+            "bucket": name(key),
             "count": r.count,
-            "repeats": plan[(r.width, r.height)],
+            "repeats": plan[key],
             "status": "dropped" if r.dropped else "kept",
             "samples": ", ".join(r.samples),
         }
-        for r in rows
+        for r, key in zip(rows, keys)
     ]
 
 

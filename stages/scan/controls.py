@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.scan import IMAGE_EXTENSIONS, MEMBER_FIELDS, ControlFile, ImageRecord, Rejected
+from tuneline.schemas.scan import CLIP_FIELDS, IMAGE_EXTENSIONS, MEMBER_FIELDS, ControlFile, ImageRecord, Rejected
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
@@ -118,6 +118,7 @@ def consumed(r: ImageRecord) -> dict:
         skip |= set(MEMBER_FIELDS)
     else:
         skip |= {f for f, v in r.model_dump(include=set(MEMBER_FIELDS)).items() if v is None}
+    skip |= set(CLIP_FIELDS) if r.frames is None else set()  # an image family's records keep their version
     return r.model_dump(mode="json", exclude=skip)
 
 

@@ -20,7 +20,7 @@ from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from tuneline.stages.common.stage import StageFailed
-from tuneline.stages.scan import buckets as bk, controls, images, masks, shardscan
+from tuneline.stages.scan import buckets as bk, controls, images, masks, shardscan, video
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
@@ -55,7 +55,10 @@ def stage_config(cfg: PipelineConfig) -> dict:
     dataset = cfg.dataset.model_dump(mode="json", exclude={"path", "demo", "sources", "control"})
     # Which folders and how each is captioned; their paths are inputs, how training uses them is train's key.
     dataset["sources"] = [{"role": s.role, "caption_extension": s.caption_extension} for s in dataset_sources(cfg)]
-    out = {"dataset": dataset, "buckets": cfg.buckets.model_dump(mode="json") | {"alignment": alignment(cfg)}}
+    # The clip keys shape a video family's records only: an image family's scan keeps its version.
+    clip_keys = set() if facts(cfg.model.family).video else {"fps", "frames", "clip"}
+    buckets = cfg.buckets.model_dump(mode="json", exclude=clip_keys) | {"alignment": alignment(cfg)}
+    out = {"dataset": dataset, "buckets": buckets}
     if cfg.buckets.small_bucket == "drop":  # only then does the batch decide which images are kept
         out["global_batch"] = cfg.train.global_batch()
     return out
@@ -160,7 +163,7 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
 
 
 def _probe_chunk(entries: list[Entry]) -> list[images.Probe]:
-    return [images.probe_file(e.path, e.rel, e.size, e.mtime_ns) for e in entries]
+    return [video.probe(e) for e in entries]
 
 
 def make_record(
@@ -234,12 +237,14 @@ def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[R
         recorded = cfg.buckets.resolution if resolution is None and src.index is not None else resolution
         for probe in probes:
             r = make_record(probe, captions, policy, cfg)
-            if isinstance(r, ImageRecord):
-                if (r.path, r.bucket_width, r.bucket_height) in seen:  # two resolutions, one bucket: cache it once
-                    continue
-                seen.add((r.path, r.bucket_width, r.bucket_height))
-                update = {"resolution": recorded, "source": src.index, **member.get(r.path, {})}
-                records.append(r.model_copy(update=update))
+            r = video.clips(r, probe, cfg) if isinstance(r, ImageRecord) else r  # a video family's clips
+            if isinstance(r, list):
+                for c in r:
+                    if (c.ref, c.bucket_width, c.bucket_height) in seen:  # two resolutions, one bucket: once
+                        continue
+                    seen.add((c.ref, c.bucket_width, c.bucket_height))
+                    update = {"resolution": recorded, "source": src.index, **member.get(c.path, {})}
+                    records.append(c.model_copy(update=update))
             elif (r.path, r.reason) not in seen:  # an unreadable file is rejected once, not per resolution
                 seen.add((r.path, r.reason))
                 rejected.append(r)

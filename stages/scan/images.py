@@ -73,6 +73,8 @@ class Probe:
     trailer: int = 0  # bytes after the end marker
     error: str = ""  # rejection reason; empty when readable
     kind: str = ""
+    frames: int = 1  # a video's or an animated GIF/WebP's frame count (stages/scan/video.py)
+    fps: float = 0.0  # their frame rate; 0 for a still image
 
     def as_json(self) -> dict:
         return dict(self.__dict__)  # dataclasses.asdict deep-copies: a tenth of a cold scan's time

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.schemas.scan import VIDEO_EXTENSIONS, DatasetConfig, Rejected
 from tuneline.stages.common.hashing import digest
 
 
@@ -55,7 +55,8 @@ class _Walker:
         self.field = field
         self.real_root = root.resolve()
         self.cfg = cfg
-        self.image_exts = {e.lower() for e in cfg.extensions}
+        # Video files are listed too: the scan trains them (a video family) or rejects them with the reason.
+        self.image_exts = {e.lower() for e in cfg.extensions} | set(VIDEO_EXTENSIONS)
         self.listing = Listing(root)
         self.seen_dirs: set[Path] = set()
 

@@ -96,7 +96,7 @@ def read_data(cfg, up: dict[str, Path], fam, model_dir: Path, device: torch.devi
         text = TrainedText(fam, model_dir, device, cfg.train, txt.max_length, augment)
     else:
         text = open_text(txt, up["text"], fam, model_dir, device, models.dtype(cfg, device))
-    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height)): r for r in every}
+    sized = {(r.ref, bucket_key(r.bucket_width, r.bucket_height, r.frames)): r for r in every}
     reader = LatentReader(up["latents"], lat)
     scaling, shift = latent_affine(lat)  # per channel where the VAE normalises so
     return Data(

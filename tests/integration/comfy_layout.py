@@ -70,6 +70,19 @@ _FLUX2_SINGLE = {
 }
 
 
+def wan(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Wan's original layout (ComfyUI's WAN21 model) for the blocks' linear layers: self_attn/cross_attn q, k, v, o
+    and ffn.0, ffn.2 (the rest of the model is not needed for LoRA stems)."""
+    from tuneline.stages.families.wan.lora import ORIGINAL
+
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"^blocks\.(\d+)\.(.+)\.(weight|bias)$", k)
+        if m and m[2] in ORIGINAL:
+            out[f"blocks.{m[1]}.{ORIGINAL[m[2]]}.{m[3]}"] = v
+    return out
+
+
 def _swap_halves(w: torch.Tensor) -> torch.Tensor:
     a, b = w.chunk(2, dim=0)
     return torch.cat([b, a])

@@ -7,7 +7,7 @@ for any stem in that map, so a file with a stem outside it loses part of the tra
 - plus the diffusers-name forms its model class maps: UNets `lora_unet_`/`lycoris_` + any diffusers path; SD3
   `transformer.`/`lora_transformer_`/`lycoris_`; Flux and FLUX.2 the same for the modules `flux_to_diffusers`
   lists; Qwen-Image its diffusers names bare, `transformer.`, `lycoris_`; Z-Image (Lumina2) `diffusion_model.`,
-  `transformer.`, `lycoris_` for the modules `z_image_to_diffusers` lists;
+  `transformer.`, `lycoris_` for the modules `z_image_to_diffusers` lists; Wan its original names only;
 - CLIP text encoders: `lora_te_`/`lora_te1_` (CLIP-L) and `lora_te2_` (SDXL's CLIP-G) + the layer's path.
 """
 
@@ -51,6 +51,7 @@ ORIGINAL = {
     "QwenImageTransformer2DModel": lambda sd, den: comfy_layout.qwen_image(sd),
     "ZImageTransformer2DModel": lambda sd, den: comfy_layout.z_image(sd),
     "Flux2Transformer2DModel": lambda sd, den: comfy_layout.flux2(sd),
+    "WanTransformer3DModel": lambda sd, den: comfy_layout.wan(sd),
 }
 # (prefixes of the diffusers path as is, prefixes of the path with "_", which paths) per model class
 DIFFUSERS_NAMES = {
@@ -60,6 +61,8 @@ DIFFUSERS_NAMES = {
     "QwenImageTransformer2DModel": (("", "transformer."), ("lycoris_",), re.compile(".")),
     "ZImageTransformer2DModel": (("diffusion_model.", "transformer."), ("lycoris_",), Z_IMAGE_MODULES),
     "Flux2Transformer2DModel": (("transformer.",), ("lora_transformer_", "lycoris_"), FLUX2_MODULES),
+    # WAN21: its original names (the `diffusion_model.` and `lora_unet_` forms every model has).
+    "WanTransformer3DModel": ((), (), re.compile("^$")),
 }
 
 

@@ -80,7 +80,8 @@ def test_folder_matches_facts(name, built):
     pipe = fam.load_pipeline(built(name), torch.float32, CPU)
     assert type(pipe).__name__ == fam.pipeline_class.__name__
     facts = fam.facts
-    assert pipe.vae_scale_factor == facts.vae_factor
+    # a video pipeline names its spatial factor apart from its temporal one
+    assert (getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor) == facts.vae_factor
     vae_cfg = pipe.vae.config
     assert getattr(vae_cfg, "latent_channels", None) or vae_cfg.z_dim == facts.latent_channels
     stats = fam.latent_stats(pipe.vae)
@@ -90,9 +91,10 @@ def test_folder_matches_facts(name, built):
     denoiser = getattr(pipe, fam.denoiser_component)
     # Flux and Qwen-Image pack 2x2 outside the transformer (4x the latent channels in); the others patch inside.
     packed = denoiser.config.in_channels // facts.latent_channels
-    # Z-Image's transformer lists its patch sizes (all_patch_size); the others have one.
+    # Z-Image's transformer lists its patch sizes (all_patch_size); Wan's is (time, height, width); the others one.
     c = denoiser.config
     patch = 2 if packed == 4 else getattr(c, "patch_size", None) or getattr(c, "all_patch_size", [1])[0]
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
     assert patch == facts.patch_size
     sched = fam.load_noise_scheduler(built(name))
     kind = "flow_matching" if "FlowMatch" in type(sched).__name__ else sched.config.prediction_type
@@ -110,6 +112,9 @@ def _pipeline_encode(pipe, prompts: list[str], length: int) -> dict[str, torch.T
         return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
     if cls == "ZImagePipeline":  # one variable-length tensor per prompt: ours padded with a mask, compared trimmed
         pe, _ = pipe.encode_prompt(prompts, device=CPU, do_classifier_free_guidance=False, max_sequence_length=length)
+        return {"prompt_embeds": pe}
+    if cls == "WanPipeline":  # the real tokens' states, zeros after them up to max_sequence_length, as ours
+        pe, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=length, device=CPU)
         return {"prompt_embeds": pe}
     if cls in ("Flux2Pipeline", "Flux2KleinPipeline"):  # padded to max_sequence_length, as ours
         pe, _ = pipe.encode_prompt(prompts, device=CPU, max_sequence_length=length)
@@ -248,17 +253,26 @@ def test_saved_pipeline_loads_and_renders_with_negative(name, built, encoders, t
     text, negative = fam.encode_text(enc, ["a red square"]), fam.encode_text(enc, ["blurry"])
     # with guidance and no negative, a family that needs one gets "" encoded, as the renderer does
     no_negative = fam.encode_text(enc, [""]) if fam.negative_required else None
+    # A video family renders a 5-frame clip (2 latent frames), its first frame compared as an image.
+    clip = {"num_frames": 5} if fam.facts.video else {}
 
     def render(negative):
         # 2 steps: a scheduler with shift_terminal (Qwen-Image) stretches its sigmas by the last one, 0/0 at 1 step.
-        kwargs = dict(num_inference_steps=2, height=64, width=64, output_type="np", **fam.prompt_kwargs(text, negative))
-        return pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
+        kwargs = dict(num_inference_steps=2, height=64, width=64, output_type="np", **clip)
+        return _rendered(
+            pipe(generator=torch.Generator().manual_seed(0), **kwargs, **fam.prompt_kwargs(text, negative))
+        )
 
     images = render(negative)
     assert images.shape == (1, 64, 64, 3) and torch.isfinite(torch.from_numpy(images)).all()
     plain = render(no_negative)
     assert plain.shape == images.shape
     assert fam.identity(out, "denoiser") != fam.identity(base, "denoiser")
+
+
+def _rendered(out):
+    """The images of a pipeline's output; a video pipeline's clips' first frames."""
+    return out.frames[:, 0] if hasattr(out, "frames") else out.images
 
 
 @pytest.mark.parametrize("name", FAMILIES)
