@@ -11,15 +11,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # Prefect keeps its database and cached results under PREFECT_HOME: isolate them per test session so
-# nothing leaks between runs (docs/platform.md).
-_home = tempfile.mkdtemp(prefix="tuneline-prefect-")
-os.environ.setdefault("PREFECT_HOME", _home)
+# nothing leaks between runs (docs/platform.md). pytest-xdist's workers inherit the controller's environment: each
+# worker takes its own folder under it, as two Prefect processes writing one SQLite database lock each other out.
+_home = os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tuneline-prefect-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _home = os.environ["PREFECT_HOME"] = os.path.join(_home, os.environ["PYTEST_XDIST_WORKER"])
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_home, "results")
 os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(_home, "results"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 import pytest  # noqa: E402
+
+# Most of the suite waits (a Prefect server starting, torchrun's interpreters importing torch, a stop's grace
+# period) rather than computes, so more pytest-xdist workers than CI's 2 cores pay (tests/README.md).
+WORKERS = 4
+# Session fixtures that several modules read: every test using one runs on one worker, so each is built once.
+# The longest chains first, so they do not start last and finish after every other worker is idle.
+SHARED = {"demo_run": "demo", "kill_walk": "prepared", "prepared": "prepared"}
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): WORKERS for a directory or the whole suite, one worker per file for a few files,
+    none (the tests in pytest's own process) for one file or chosen tests."""
+    if not config.args or any(Path(a.split("::")[0]).is_dir() for a in config.args):
+        return WORKERS
+    files = {a.split("::")[0] for a in config.args}
+    return 0 if len(files) == 1 else min(WORKERS, len(files))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group each test for `--dist loadgroup`: by the shared session fixture it reads, else by its module, so a
+    module's fixtures (upstream caches, a server) are built once on one worker as in a run without workers."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            shared = [SHARED[f] for f in item.fixturenames if f in SHARED]
+            item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] not in SHARED.values())
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +75,16 @@ def demo_run(tmp_path_factory):
     out = run_readme_command(demo_command, clone)
     assert out.returncode == 0, f"the README's quick start failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
     return {"workdir": clone / "tuneline-work", "clone": clone, "stdout": out.stdout, "stderr": out.stderr}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """An xdist worker's reports, handed to the controller that prints the summary."""
+    node.config.__dict__.setdefault("tuneline_reports", []).extend(node.workeroutput.get("tuneline_reports", []))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for title, lines in config.__dict__.get("tuneline_reports", []):
+        terminalreporter.write_sep("-", title)
+        for line in lines:
+            terminalreporter.write_line(line)
