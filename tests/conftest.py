@@ -28,8 +28,17 @@ import pytest  # noqa: E402
 # period) rather than computes, so more pytest-xdist workers than CI's 2 cores pay (tests/README.md).
 WORKERS = 4
 # Session fixtures that several modules read: every test using one runs on one worker, so each is built once.
-# The longest chains first, so they do not start last and finish after every other worker is idle.
 SHARED = {"demo_run": "demo", "kill_walk": "prepared", "prepared": "prepared"}
+# The groups of several minutes (the slowest list), started first so none starts last and runs on alone.
+LONGEST = (
+    "prepared",
+    "demo",
+    "tests/integration/test_run_column.py",
+    "tests/integration/test_training_matrix.py",
+    "tests/integration/test_ddp_train.py",
+    "tests/integration/test_multinode.py",
+    "tests/reliability/test_cli_server.py",
+)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -48,7 +57,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             shared = [SHARED[f] for f in item.fixturenames if f in SHARED]
             item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] not in SHARED.values())
+    order = {g: i for i, g in enumerate(LONGEST)}
+    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], len(order)))
 
 
 @pytest.fixture(scope="session")
