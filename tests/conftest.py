@@ -24,41 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 
-# Most of the suite waits (a Prefect server starting, torchrun's interpreters importing torch, a stop's grace
-# period) rather than computes, so more pytest-xdist workers than CI's 2 cores pay (tests/README.md).
-WORKERS = 4
-# Session fixtures that several modules read: every test using one runs on one worker, so each is built once.
-SHARED = {"demo_run": "demo", "kill_walk": "prepared", "prepared": "prepared"}
-# The groups of several minutes (the slowest list), started first so none starts last and runs on alone.
-LONGEST = (
-    "prepared",
-    "demo",
-    "tests/integration/test_run_column.py",
-    "tests/integration/test_training_matrix.py",
-    "tests/integration/test_ddp_train.py",
-    "tests/integration/test_multinode.py",
-    "tests/reliability/test_cli_server.py",
-)
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto` (pyproject.toml): WORKERS for a directory or the whole suite, one worker per file for a few files,
-    none (the tests in pytest's own process) for one file or chosen tests."""
-    if not config.args or any(Path(a.split("::")[0]).is_dir() for a in config.args):
-        return WORKERS
-    files = {a.split("::")[0] for a in config.args}
-    return 0 if len(files) == 1 else min(WORKERS, len(files))
-
-
-def pytest_collection_modifyitems(config, items):
-    """Group each test for `--dist loadgroup`: by the shared session fixture it reads, else by its module, so a
-    module's fixtures (upstream caches, a server) are built once on one worker as in a run without workers."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            shared = [SHARED[f] for f in item.fixturenames if f in SHARED]
-            item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.nodeid.split("::")[0]))
-    order = {g: i for i, g in enumerate(LONGEST)}
-    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], len(order)))
+pytest_plugins = ["tests.workers"]  # how the suite spreads over pytest-xdist workers
 
 
 @pytest.fixture(scope="session")
@@ -85,16 +51,3 @@ def demo_run(tmp_path_factory):
     out = run_readme_command(demo_command, clone)
     assert out.returncode == 0, f"the README's quick start failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
     return {"workdir": clone / "tuneline-work", "clone": clone, "stdout": out.stdout, "stderr": out.stderr}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """An xdist worker's reports, handed to the controller that prints the summary."""
-    node.config.__dict__.setdefault("tuneline_reports", []).extend(node.workeroutput.get("tuneline_reports", []))
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    for title, lines in config.__dict__.get("tuneline_reports", []):
-        terminalreporter.write_sep("-", title)
-        for line in lines:
-            terminalreporter.write_line(line)
