@@ -51,3 +51,22 @@ def demo_run(tmp_path_factory):
     out = run_readme_command(demo_command, clone)
     assert out.returncode == 0, f"the README's quick start failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
     return {"workdir": clone / "tuneline-work", "clone": clone, "stdout": out.stdout, "stderr": out.stderr}
+
+
+@pytest.fixture(scope="session")
+def upstream_store(tmp_path_factory):
+    """The run's store of built upstream caches (tests/upstream_store.py): one for all of pytest-xdist's workers
+    (in the folder above theirs), so a set of caches is built once per run."""
+    from tests.upstream_store import UpstreamStore
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return UpstreamStore(tmp_path_factory.getbasetemp().parent / "upstream-store")
+    return UpstreamStore(tmp_path_factory.mktemp("upstream-store"))
+
+
+@pytest.fixture(scope="session")
+def demo_data(upstream_store) -> Path:
+    """The demo dataset, written once per run: configs on it share their upstream caches through the store."""
+    from tuneline.stages.scan.demo import write_demo_dataset
+
+    return upstream_store.dataset("demo", write_demo_dataset)
