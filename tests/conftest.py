@@ -29,7 +29,7 @@ pytest_plugins = ["tests.workers"]  # how the suite spreads over pytest-xdist wo
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """The session's one Prefect server: the environment (`PREFECT_API_URL` ...) for `tuneline` subprocesses whose
+    """Each worker's one Prefect server: the environment (`PREFECT_API_URL` ...) for `tuneline` subprocesses whose
     test is not about the temporary server a command starts without one (the quick start and the tests of
     tests/reliability/test_cli_server.py walk that path)."""
     from tests.helpers import PrefectServer
