@@ -17,6 +17,9 @@ _home = os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tuneline-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _home = os.environ["PREFECT_HOME"] = os.path.join(_home, os.environ["PYTEST_XDIST_WORKER"])
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_home, "results")
+    # The workers outnumber CI's cores: one torch thread each, as training processes have (train.threads_per_process),
+    # or each op of a tiny model in the worker's own process waits for its second thread to get a core.
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(_home, "results"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
