@@ -11,9 +11,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # Prefect keeps its database and cached results under PREFECT_HOME: isolate them per test session so
-# nothing leaks between runs (docs/platform.md).
-_home = tempfile.mkdtemp(prefix="tuneline-prefect-")
-os.environ.setdefault("PREFECT_HOME", _home)
+# nothing leaks between runs (docs/platform.md). pytest-xdist's workers inherit the controller's environment: each
+# worker takes its own folder under it, as two Prefect processes writing one SQLite database lock each other out.
+_home = os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="tuneline-prefect-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _home = os.environ["PREFECT_HOME"] = os.path.join(_home, os.environ["PYTEST_XDIST_WORKER"])
+    os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(_home, "results")
+    # The workers outnumber CI's cores: one torch thread each, as training processes have (train.threads_per_process),
+    # or each op of a tiny model in the worker's own process waits for its second thread to get a core.
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(_home, "results"))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -21,10 +27,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["tests.workers"]  # how the suite spreads over pytest-xdist workers
+
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """The session's one Prefect server: the environment (`PREFECT_API_URL` ...) for `tuneline` subprocesses whose
+    """Each worker's one Prefect server: the environment (`PREFECT_API_URL` ...) for `tuneline` subprocesses whose
     test is not about the temporary server a command starts without one (the quick start and the tests of
     tests/reliability/test_cli_server.py walk that path)."""
     from tests.helpers import PrefectServer
@@ -46,3 +54,22 @@ def demo_run(tmp_path_factory):
     out = run_readme_command(demo_command, clone)
     assert out.returncode == 0, f"the README's quick start failed:\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}"
     return {"workdir": clone / "tuneline-work", "clone": clone, "stdout": out.stdout, "stderr": out.stderr}
+
+
+@pytest.fixture(scope="session")
+def upstream_store(tmp_path_factory):
+    """The run's store of built upstream caches (tests/upstream_store.py): one for all of pytest-xdist's workers
+    (in the folder above theirs), so a set of caches is built once per run."""
+    from tests.upstream_store import UpstreamStore
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return UpstreamStore(tmp_path_factory.getbasetemp().parent / "upstream-store")
+    return UpstreamStore(tmp_path_factory.mktemp("upstream-store"))
+
+
+@pytest.fixture(scope="session")
+def demo_data(upstream_store) -> Path:
+    """The demo dataset, written once per run: configs on it share their upstream caches through the store."""
+    from tuneline.stages.scan.demo import write_demo_dataset
+
+    return upstream_store.dataset("demo", write_demo_dataset)

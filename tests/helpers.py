@@ -156,3 +156,9 @@ class PrefectServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+def report(config, title: str, lines: list[str]) -> None:
+    """Lines for the end of the run's output (the kill walk's summary), from pytest's process or an xdist worker."""
+    sink = config.workeroutput if hasattr(config, "workeroutput") else config.__dict__
+    sink.setdefault("tuneline_reports", []).append((title, lines))

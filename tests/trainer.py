@@ -4,9 +4,9 @@ them (`read_data` of stages/train/worker.py), in this process: no torchrun, no t
 For tests about a training behaviour (optimizer maths, EMA, schedules, samplers, adapters' numerics, masks) and
 for bench/gpu.py. Tests about the launch, the stage's published outputs or distribution run the train stage.
 
-    ctx = build_upstream(cfg)          # or the session's upstream store
+    ctx = upstream_store.upstream(cfg)  # the run's built caches (fixture upstream_store, tests/conftest.py)
     trainer = trainer_for(cfg, ctx)
-    steps(trainer, 2)                   # trainer.losses, trainer.params, trainer.checkpoint() ...
+    steps(trainer, 2)                    # trainer.losses, trainer.params, trainer.checkpoint() ...
 """
 
 from __future__ import annotations

@@ -14,14 +14,17 @@ scan's key there, as a build in that workdir would have: the test's stages see t
 (manifest digest, listed files) exactly as built ones. Copies, not links: a test that tampers with its caches
 must not tamper with the store.
 
-One store per test session, used from one process (the fixture in tests/integration/conftest.py).
+One store per test run (the `upstream_store` fixture in tests/conftest.py), shared by pytest-xdist's workers:
+one builds or copies at a time (a lock file in the store), the others wait and then reuse what it built.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
@@ -38,18 +41,33 @@ class UpstreamStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.work = self.root / "work"
-        self.builds = 0  # stages the store built (not reused): how well a session shares them
+        self.builds = 0  # stages this process built (not reused): how well a session shares them
+
+    @contextmanager
+    def _held(self) -> Iterator[None]:
+        """The store to this process alone while it writes (a build, a dataset) or copies."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            yield
 
     def dataset(self, name: str, write: Callable[[Path], None]) -> Path:
         """A dataset folder shared by the session, written once by `write(folder)`."""
-        folder = self.root / "datasets" / name
-        if not folder.is_dir():
-            write(folder)
+        folder, written = self.root / "datasets" / name, self.root / "datasets" / f"{name}.written"
+        with self._held():
+            if not written.is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # a write that did not finish
+                write(folder)
+                written.touch()
         return folder
 
     def upstream(self, cfg: PipelineConfig) -> StageContext:
         """Scan, latents and text (and caption when on) for `cfg`, fresh in `cfg.workdir`; the context to go on
         with (train, validate) there."""
+        with self._held():
+            return self._upstream(cfg)
+
+    def _upstream(self, cfg: PipelineConfig) -> StageContext:
         shared = StageContext(cfg.model_copy(update={"workdir": str(self.work)}))
         ctx = StageContext(cfg)
         for sd in stages_for(cfg):

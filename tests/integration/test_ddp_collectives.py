@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tuneline.stages.train import collectives
 from tuneline.stages.train.stopping import StopSignals
 
@@ -153,7 +153,9 @@ def _final(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.ddp(reason="every collective of a real 2-process training")
-def test_int8_base_trains_on_two_processes_with_one_collective_per_step_and_resumes(tmp_path, monkeypatch):
+def test_int8_base_trains_on_two_processes_with_one_collective_per_step_and_resumes(
+    tmp_path, monkeypatch, upstream_store, demo_data
+):
     """A real 2-process LoRA training on an int8 base, every collective recorded; then the run continued from its
     step-2 checkpoint reaches the same weights."""
     site, record = tmp_path / "site", tmp_path / "record"
@@ -163,10 +165,10 @@ def test_int8_base_trains_on_two_processes_with_one_collective_per_step_and_resu
     monkeypatch.setenv(RECORD_ENV, str(record))
     wd = tmp_path / "wd"
     quantized = {"device": "cpu", "quantize": "int8"}
-    build_upstream(small_config(wd, TRAIN, model=quantized))
-    whole = train(small_config(wd, TRAIN, model=quantized))
+    upstream_store.upstream(small_config(wd, TRAIN, model=quantized, dataset={"path": str(demo_data)}))
+    whole = train(small_config(wd, TRAIN, model=quantized, dataset={"path": str(demo_data)}))
     steps, device = TRAIN["steps"], "cpu"  # the training device
-    every = small_config(wd, TRAIN, model=quantized).train.effective_validate_every()
+    every = small_config(wd, TRAIN, model=quantized, dataset={"path": str(demo_data)}).train.effective_validate_every()
     renders = steps // every if every else 0  # in-training validation gathers each rank's images once
     assert renders, "the demo's in-training validation is on: its gather is one of the recorded collectives"
     for rank in (0, 1):
@@ -184,7 +186,7 @@ def test_int8_base_trains_on_two_processes_with_one_collective_per_step_and_resu
     ckpt = tmp_path / "step-0000002"
     shutil.copytree(whole / "checkpoints" / "step-0000002", ckpt)
     shutil.rmtree(whole)
-    resumed = train(small_config(wd, TRAIN | {"resume": str(ckpt)}, model=quantized))
+    resumed = train(small_config(wd, TRAIN | {"resume": str(ckpt)}, model=quantized, dataset={"path": str(demo_data)}))
     manifest = json.loads((resumed / "manifest.json").read_text())
     assert manifest["resumed_from"] == str(ckpt) and manifest["world_size"] == 2 and manifest["step"] == steps
     got = _final(resumed)

@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import spawn
-from tests.integration.test_train_support import ROOT, build_upstream, small_config, train
+from tests.integration.test_train_support import ROOT, small_config, train
 from tests.reliability.test_cli_server import _env, _flow_run_states
 from tests.tracing import tuneline_trace
 from tuneline.schemas.latents import LatentsManifest
@@ -49,20 +49,25 @@ run_stage(StageContext(parse_config(json.loads(sys.argv[1]))), stage("train"), P
 """
 
 
+def _cfg(workdir: Path, data: Path):
+    """The test config, on the run's shared demo dataset: its scan, latents and text come from the store."""
+    return small_config(workdir, TRAIN, dataset={"path": str(data)})
+
+
 def _weights(train_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(train_dir / "final" / "unet" / "diffusion_pytorch_model.safetensors"))
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, upstream_store, demo_data):
     """An uninterrupted run, tracing which images each rank trains on."""
     wd = tmp_path_factory.mktemp("ddp-reference")
-    build_upstream(small_config(wd, TRAIN))
+    upstream_store.upstream(_cfg(wd, demo_data))
     trace = wd / "trace"
     trace.mkdir()
     with pytest.MonkeyPatch.context() as mp:
         tuneline_trace.enable(mp, trace)
-        path = train(small_config(wd, TRAIN))
+        path = train(_cfg(wd, demo_data))
     return wd, path, trace
 
 
@@ -119,11 +124,11 @@ def _kill_after_checkpoint(wd: Path, cfg_json: str, step: int) -> None:
     assert not _workers_of(partial), "training workers outlived their killed parent"
 
 
-def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
+def test_killed_run_resumes_to_the_same_weights(reference, tmp_path, upstream_store, demo_data):
     _, ref_path, _ = reference
-    build_upstream(small_config(tmp_path, TRAIN))
-    _kill_after_checkpoint(tmp_path, json.dumps(small_config(tmp_path, TRAIN).dump()), step=4)
-    cfg = small_config(tmp_path, TRAIN)
+    upstream_store.upstream(_cfg(tmp_path, demo_data))
+    _kill_after_checkpoint(tmp_path, json.dumps(_cfg(tmp_path, demo_data).dump()), step=4)
+    cfg = _cfg(tmp_path, demo_data)
     assert cfg.train.resume == "auto", "this test checks the default"
     resumed = train(cfg)  # train.resume: auto finds the killed attempt's checkpoint
     manifest = json.loads((resumed / "manifest.json").read_text())
@@ -138,7 +143,9 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path):
     assert [p.name for p in sorted((resumed / "checkpoints").iterdir())] == ["step-0000008", "step-0000012"]
 
 
-def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resumes(reference, tmp_path):
+def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resumes(
+    reference, tmp_path, upstream_store, demo_data
+):
     """SIGTERM to `tuneline stage train`'s process group (what a cancelled run, `kill` or a preemption sends) while
     the step plus its checkpoint takes longer than torchrun's default 30 s grace (a large checkpoint on a slow disk,
     stood in for by the tracing hook's SLOW_STOP_ENV): the workers finish their step, agree on it, checkpoint and
@@ -146,8 +153,8 @@ def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resu
     status` and the Prefect state; the rerun (train.resume: auto) continues from that checkpoint to the
     uninterrupted run's weights."""
     _, ref_path, _ = reference
-    cfg = small_config(tmp_path, TRAIN)
-    build_upstream(cfg)
+    cfg = _cfg(tmp_path, demo_data)
+    upstream_store.upstream(cfg)
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg.dump()))
     home = tmp_path / "prefect"
@@ -181,7 +188,7 @@ def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resu
     assert (row["state"], row["reason"]) == ("stopped", reason)
     assert _flow_run_states(env) == ["CANCELLED"]
 
-    resumed = train(small_config(tmp_path, TRAIN))
+    resumed = train(_cfg(tmp_path, demo_data))
     manifest = json.loads((resumed / "manifest.json").read_text())
     assert Path(manifest["resumed_from"]).name == f"step-{stopped_at:07d}"
     want, got = _weights(ref_path), _weights(resumed)

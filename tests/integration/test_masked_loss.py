@@ -18,7 +18,8 @@ TRAIN = {"steps": 2, "processes": 1, "batch_size": 2, "masked_loss": True, "capt
 
 
 def _masks(cfg, folder, value: int, shrink: str | None = None) -> None:
-    """One mask per demo image, all `value`; the image named `shrink` gets a mask of the wrong size."""
+    """One mask per demo image, all `value`; the image named `shrink` gets a mask of the wrong size. Each test's
+    own dataset and masks (not the shared store's): the masks are what its caches differ by."""
     data = cfg.resolve(cfg.dataset.path)
     write_demo_dataset(data)
     folder.mkdir()

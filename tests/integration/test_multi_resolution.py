@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.integration.test_train_support import build_upstream, small_config
+from tests.integration.test_train_support import small_config
 from tests.trainer import trainer_for
 from tuneline.schemas.config import ConfigError
 from tuneline.stages.common.jsonl import read_jsonl
@@ -17,9 +17,9 @@ from tuneline.stages.train.plan import micro_batches
 TRAIN = {"steps": 4, "processes": 1, "batch_size": 2}
 
 
-def test_both_resolutions_are_cached_and_trained(tmp_path):
-    cfg = small_config(tmp_path, TRAIN, buckets={"resolutions": [64, 32]})
-    ctx = build_upstream(cfg)
+def test_both_resolutions_are_cached_and_trained(tmp_path, upstream_store, demo_data):
+    cfg = small_config(tmp_path, TRAIN, buckets={"resolutions": [64, 32]}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     records = list(read_jsonl(ctx.store.latest("scan") / "images.jsonl"))
     per_image = Counter(r["path"] for r in records)
     assert set(per_image.values()) == {2} and {r["resolution"] for r in records} == {32, 64}

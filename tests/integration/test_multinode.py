@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers import spawn
-from tests.integration.test_train_support import ROOT, build_upstream, small_config
+from tests.integration.test_train_support import ROOT, small_config
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.stage import StageContext, status
 from tuneline.stages.pipeline import PIPELINE
@@ -44,10 +44,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_nodes(wd: Path, port: int) -> list[subprocess.Popen]:
+def _start_nodes(wd: Path, port: int, data: Path) -> list[subprocess.Popen]:
     procs = []
     for rank in (0, 1):
-        cfg = small_config(wd, {**TRAIN, "node_rank": rank, "rdzv_endpoint": f"127.0.0.1:{port}"}).dump()
+        train = {**TRAIN, "node_rank": rank, "rdzv_endpoint": f"127.0.0.1:{port}"}
+        cfg = small_config(wd, train, dataset={"path": str(data)}).dump()
         path = wd / f"node{rank}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         # Each node is its own machine: its own Prefect (ephemeral) home, one shared workdir.
@@ -80,15 +81,15 @@ def _weights(version: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
+def uninterrupted(tmp_path_factory, upstream_store, demo_data) -> Path:
     wd = tmp_path_factory.mktemp("two-nodes")
-    build_upstream(small_config(wd, TRAIN))
-    codes = _finish(wd, _start_nodes(wd, _free_port()))
+    upstream_store.upstream(small_config(wd, TRAIN, dataset={"path": str(demo_data)}))
+    codes = _finish(wd, _start_nodes(wd, _free_port(), demo_data))
     assert codes == [0, 0], _logs(wd)
     return wd
 
 
-def test_two_nodes_train_and_publish_once(uninterrupted):
+def test_two_nodes_train_and_publish_once(uninterrupted, demo_data):
     wd = uninterrupted
     published = _published(wd)
     assert len(published) == 1, published
@@ -96,15 +97,18 @@ def test_two_nodes_train_and_publish_once(uninterrupted):
     assert manifest.world_size == 4 and manifest.step == TRAIN["steps"]
     logs = _logs(wd)
     assert "global rank 0 trained on another node, which published" in logs, logs
-    rows = {r.stage: r.state for r in status(StageContext(small_config(wd, TRAIN)), PIPELINE)}
+    rows = {
+        r.stage: r.state
+        for r in status(StageContext(small_config(wd, TRAIN, dataset={"path": str(demo_data)})), PIPELINE)
+    }
     assert rows["train"] == "fresh"
     assert not list((wd / "artifacts" / "train").glob(".*.partial")), "the publisher's work folder was left behind"
 
 
-def test_two_nodes_killed_mid_run_resume_to_the_same_weights(uninterrupted, tmp_path):
+def test_two_nodes_killed_mid_run_resume_to_the_same_weights(uninterrupted, tmp_path, upstream_store, demo_data):
     wd = tmp_path
-    build_upstream(small_config(wd, TRAIN))
-    procs = _start_nodes(wd, _free_port())
+    upstream_store.upstream(small_config(wd, TRAIN, dataset={"path": str(demo_data)}))
+    procs = _start_nodes(wd, _free_port(), demo_data)
     deadline = time.monotonic() + 400
     try:
         while not list(wd.glob("artifacts/train/.*.partial/checkpoints/step-0000002")):
@@ -116,7 +120,7 @@ def test_two_nodes_killed_mid_run_resume_to_the_same_weights(uninterrupted, tmp_
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     assert not _published(wd)
-    codes = _finish(wd, _start_nodes(wd, _free_port()))
+    codes = _finish(wd, _start_nodes(wd, _free_port(), demo_data))
     assert codes == [0, 0], _logs(wd)
     (version,) = _published(wd)
     manifest = json.loads((version / "manifest.json").read_text())

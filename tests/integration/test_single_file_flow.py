@@ -50,7 +50,7 @@ def test_transformer_only_file_with_model_config_loads_offline_and_trains(tmp_pa
         {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1, "batch_size": 2},
         model={"family": family, "path": str(path), "config": str(folder), "device": "cpu"},
     )
-    ctx = build_upstream(cfg)
+    ctx = build_upstream(cfg)  # not the shared store: the conversion of the file is what is tested
     converted = models.model_dir(ctx)
     assert converted != folder and converted.is_dir()
     got = get_family(family).load_denoiser(converted, torch.float32, CPU).state_dict()

@@ -36,7 +36,7 @@ def test_single_file_with_model_config_loads_offline_and_trains(tmp_path):
         {"mode": "lora", "lora_rank": 2, "steps": 2, "processes": 1, "batch_size": 2},
         model={"family": "sd15", "path": str(path), "config": str(folder), "device": "cpu"},
     )
-    ctx = build_upstream(cfg)
+    ctx = build_upstream(cfg)  # not the shared store: the conversion of the file is what is tested
     converted = models.model_dir(ctx)
     assert converted != folder and converted.is_dir()
     got = get_family("sd15").load_denoiser(converted, torch.float32, CPU).state_dict()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tuneline.stages.train.export import KOHYA_FILE
 
 pytestmark = pytest.mark.ddp(reason="a LoKr and schedule-free AdamW under DDP, resumed across ranks")
@@ -33,12 +33,13 @@ LOKR = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, upstream_store, demo_data):
     wd = tmp_path_factory.mktemp("lokr")
-    cfg = small_config(wd, LOKR)
-    build_upstream(cfg)
+    cfg = small_config(wd, LOKR, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     straight = train(cfg)
-    resumed = train(small_config(wd, {**LOKR, "resume": str(straight / "checkpoints" / "step-0000002")}))
+    resume = str(straight / "checkpoints" / "step-0000002")
+    resumed = train(small_config(wd, {**LOKR, "resume": resume}, dataset={"path": str(demo_data)}))
     return straight, resumed
 
 

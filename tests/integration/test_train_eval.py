@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tests.tracing import tuneline_trace
 from tests.trainer import steps, trainer_for
 from tuneline.schemas.sources import dataset_sources
@@ -19,9 +19,11 @@ from tuneline.stages.train.rows import RowPlan, held_out
 EVAL = {"fraction": 0.3, "every_steps": 1, "timesteps": [100, 600]}
 
 
-def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tmp_path):
-    cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "batch_size": 2, "eval": EVAL})
-    ctx = build_upstream(cfg)
+def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tmp_path, upstream_store, demo_data):
+    cfg = small_config(
+        tmp_path, {"steps": 2, "processes": 1, "batch_size": 2, "eval": EVAL}, dataset={"path": str(demo_data)}
+    )
+    ctx = upstream_store.upstream(cfg)
     trainer = trainer_for(cfg, ctx)
     held = RowPlan(trainer.data.reader, cfg.train, dataset_sources(cfg)).held_rows()
     evaluator = Evaluator(trainer, held, EVAL["timesteps"])
@@ -32,11 +34,14 @@ def test_eval_loss_is_the_same_for_the_same_weights_and_changes_with_training(tm
 
 
 @pytest.mark.ddp(reason="ranks split the held-out rows and all-reduce the sums; no rank trains a held-out image")
-def test_held_out_images_never_train_and_two_ranks_log_the_one_process_eval(tmp_path, monkeypatch):
+def test_held_out_images_never_train_and_two_ranks_log_the_one_process_eval(
+    tmp_path, monkeypatch, upstream_store, demo_data
+):
     """2 gloo processes each evaluate their share of the held-out rows in batches and all-reduce the sums: the
     manifest's eval losses are the ones one process computes, row by row, for the same weights."""
-    cfg = small_config(tmp_path, {"steps": 3, "processes": 2, "batch_size": 2, "eval": EVAL, "ema": False})
-    ctx = build_upstream(cfg)
+    train_keys = {"steps": 3, "processes": 2, "batch_size": 2, "eval": EVAL, "ema": False}
+    cfg = small_config(tmp_path, train_keys, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     tuneline_trace.enable(monkeypatch, tmp_path)
     out = train(cfg)
     trained = {p for rank in (0, 1) for row in read_jsonl(tmp_path / f"trace-rank{rank}.jsonl") for p in row["paths"]}

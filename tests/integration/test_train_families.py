@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.integration.family_runs import render_latents
-from tests.integration.test_train_support import build_upstream, small_config
+from tests.integration.test_train_support import small_config
 from tests.trainer import steps, trainer_for
 from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt
@@ -28,11 +28,11 @@ TRAIN = {
 
 
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
-def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
+def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path, upstream_store, demo_data):
     from diffusers import DiffusionPipeline
 
-    cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"})
-    ctx = build_upstream(cfg)
+    cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     trainer = trainer_for(cfg, ctx)
     steps(trainer, 1)
     saved = ckpt.save(tmp_path / "ckpt", trainer.step, *trainer.checkpoint())
@@ -56,11 +56,11 @@ def test_lora_trains_saves_and_loads_in_stock_diffusers(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
+def test_flow_families_train_with_every_timestep_sampler(family, tmp_path, upstream_store, demo_data):
     """One step per sampler on the real tiny transformer: finite losses, and the sampler changes the sigmas drawn
     (hence the loss) from the same seed."""
-    cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"})
-    ctx = build_upstream(cfg)
+    cfg = small_config(tmp_path, TRAIN, model={"family": family, "device": "cpu"}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     losses = {}
     for sampling, shift in [
         ("uniform", 1.0),
@@ -73,6 +73,7 @@ def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
             tmp_path,
             {**TRAIN, "timestep_sampling": sampling, "timestep_shift": shift, "sigmoid_scale": 2.0},
             model={"family": family, "device": "cpu"},
+            dataset={"path": str(demo_data)},
         )
         trainer = trainer_for(run, ctx)
         steps(trainer, 1)
@@ -81,15 +82,17 @@ def test_flow_families_train_with_every_timestep_sampler(family, tmp_path):
     assert len({round(v, 6) for v in losses.values()}) == len(losses), f"samplers did not change the draw: {losses}"
 
 
-def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path):
+def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path, upstream_store, demo_data):
     """model.quantize int8: the tiny denoiser's linear layers hold int8 weights, the LoRA trains on top, and the
     losses stay within a few percent of the same run on the float base."""
     train = {**TRAIN, "steps": 3}
-    cfg = small_config(tmp_path, train, model={"device": "cpu"})
-    ctx = build_upstream(cfg)
+    cfg = small_config(tmp_path, train, model={"device": "cpu"}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     plain = trainer_for(cfg, ctx)
     steps(plain, 3)
-    quant_cfg = small_config(tmp_path, train, model={"device": "cpu", "quantize": "int8"})
+    quant_cfg = small_config(
+        tmp_path, train, model={"device": "cpu", "quantize": "int8"}, dataset={"path": str(demo_data)}
+    )
     quant = trainer_for(quant_cfg, ctx)
     # int8 covers linear layers; the tiny family's LoRA also wraps convolutions, which stay float
     wrapped = [m for m in quant.denoiser.modules() if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
@@ -101,13 +104,13 @@ def test_int8_frozen_base_trains_a_lora_close_to_the_float_run(tmp_path):
     torch.testing.assert_close(torch.tensor(quant.losses), torch.tensor(plain.losses), rtol=0.05, atol=1e-3)
 
 
-def test_latents_sampled_in_the_feed_are_the_ones_the_step_would_draw(tmp_path, monkeypatch):
+def test_latents_sampled_in_the_feed_are_the_ones_the_step_would_draw(tmp_path, monkeypatch, upstream_store, demo_data):
     """On a CPU training device the feed's threads draw mean + std * eps; the step then draws the diffusion noise from
     the same generator. Drawing everything in the step instead (as on a GPU) must give the same losses and weights."""
     from tuneline.stages.train import loop
 
-    cfg = small_config(tmp_path, TRAIN, model={"family": "sdxl", "device": "cpu"})
-    ctx = build_upstream(cfg)
+    cfg = small_config(tmp_path, TRAIN, model={"family": "sdxl", "device": "cpu"}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     in_feed = trainer_for(cfg, ctx)
     steps(in_feed, 2)
     monkeypatch.setattr(loop, "samples_in_feed", lambda device: False)

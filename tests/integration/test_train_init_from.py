@@ -67,5 +67,5 @@ def test_init_from_previous_continues_the_last_model_on_new_data(tmp_path):
 
 
 def train_after(cfg):
-    build_upstream(cfg)
+    build_upstream(cfg)  # not the shared store: the test changes its own dataset
     return train(cfg)

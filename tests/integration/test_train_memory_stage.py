@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_train_support import build_upstream, small_config
+from tests.integration.test_train_support import small_config
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.pipeline import PIPELINE, stage
@@ -25,15 +25,15 @@ OPTIONS = {
 }
 
 
-def test_ddp_lora_with_swap_offload_and_adamw8bit(tmp_path):
-    swapped = small_config(tmp_path, {**OPTIONS, "blocks_to_swap": 3})
-    ctx = build_upstream(swapped)
+def test_ddp_lora_with_swap_offload_and_adamw8bit(tmp_path, upstream_store, demo_data):
+    swapped = small_config(tmp_path, {**OPTIONS, "blocks_to_swap": 3}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(swapped)
     path, _ = run_stage(ctx, stage("train"), PIPELINE)
     with_swap = ctx.store.read(path, TrainManifest)
     assert with_swap.memory_plan["device"] == "cpu" and with_swap.memory_plan["fits"]
     assert with_swap.memory_plan["blocks"] == 7 and with_swap.peak_memory is None
     # blocks_to_swap changes no number, so it is not fingerprinted: the same version is rebuilt without it
-    plain = small_config(tmp_path, {**OPTIONS, "blocks_to_swap": 0})
+    plain = small_config(tmp_path, {**OPTIONS, "blocks_to_swap": 0}, dataset={"path": str(demo_data)})
     path2, built = run_stage(StageContext(plain, force=True), stage("train"), PIPELINE)
     assert built and path2 == path
     assert ctx.store.read(path2, TrainManifest).losses == with_swap.losses

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.integration.family_runs import render_latents
-from tests.integration.test_train_support import RecordingReporter, build_upstream, small_config, train
+from tests.integration.test_train_support import RecordingReporter, small_config, train
 from tuneline.stages.common import markdown as md
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families import resolve as models
@@ -39,10 +39,10 @@ LORA = {
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory):
+def lora(tmp_path_factory, upstream_store, demo_data):
     wd = tmp_path_factory.mktemp("lora")
-    cfg = small_config(wd, LORA, latents={"flip": True})
-    ctx = build_upstream(cfg)
+    cfg = small_config(wd, LORA, latents={"flip": True}, dataset={"path": str(demo_data)})
+    ctx = upstream_store.upstream(cfg)
     reporter = RecordingReporter()
     return ctx, train(cfg, reporter), reporter
 
@@ -129,7 +129,9 @@ def test_validate_renders_the_lora_result(lora):
     assert reporter.progress_calls[-1] == ("validate-progress", 1.0)
 
 
-def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_checkpoint(
+    tmp_path, upstream_store, demo_data
+):
     cfg = small_config(
         tmp_path,
         {
@@ -141,8 +143,9 @@ def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_check
             "weight_decay": 1e4,  # decoupled decay multiplies every weight by 1 - 1e3 at the first step
             "max_grad_norm": None,
         },
+        dataset={"path": str(demo_data)},
     )
-    build_upstream(cfg)
+    upstream_store.upstream(cfg)
     with pytest.raises(TrainingFailed) as err:
         train(cfg)
     msg = str(err.value)
@@ -155,11 +158,13 @@ def test_nan_loss_stops_naming_the_step_and_images_and_keeps_the_last_good_check
     assert not list(tmp_path.glob("artifacts/train/[!.]*"))
 
 
-def test_missing_resume_target_is_an_error(tmp_path):
-    cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "resume": "latest"})
-    build_upstream(cfg)
+def test_missing_resume_target_is_an_error(tmp_path, upstream_store, demo_data):
+    cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "resume": "latest"}, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     with pytest.raises(TrainingFailed, match="no checkpoint"):
         train(cfg)
-    cfg = small_config(tmp_path, {"steps": 2, "processes": 1, "resume": "checkpoints/step-0000009"})
+    cfg = small_config(
+        tmp_path, {"steps": 2, "processes": 1, "resume": "checkpoints/step-0000009"}, dataset={"path": str(demo_data)}
+    )
     with pytest.raises(TrainingFailed, match="not a checkpoint directory"):
         train(cfg)

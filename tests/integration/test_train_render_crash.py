@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tuneline.stages.common.stage import StageContext, expected_versions
 from tuneline.stages.pipeline import PIPELINE
 from tuneline.stages.train.launch import TrainingFailed
 
 
-def test_a_crashing_validation_keeps_the_checkpoint_of_its_step(tmp_path):
-    cfg = small_config(
-        tmp_path, {"steps": 4, "processes": 1, "batch_size": 4, "checkpoint_every": 2, "validate_every": 2}
-    )
-    build_upstream(cfg)
+def test_a_crashing_validation_keeps_the_checkpoint_of_its_step(tmp_path, upstream_store, demo_data):
+    train_keys = {"steps": 4, "processes": 1, "batch_size": 4, "checkpoint_every": 2, "validate_every": 2}
+    cfg = small_config(tmp_path, train_keys, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     key = expected_versions(StageContext(cfg), PIPELINE)["train"][0]
     work = tmp_path / "artifacts" / "train" / f".{key}.partial"
     work.mkdir(parents=True)

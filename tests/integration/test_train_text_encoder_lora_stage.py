@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import get_family
@@ -43,13 +43,14 @@ TE = {
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    cfg = small_config(tmp_path_factory.mktemp("te-lora"), TE, validate={"steps": 2})
-    build_upstream(cfg)
+def run(tmp_path_factory, upstream_store, demo_data):
+    cfg = small_config(tmp_path_factory.mktemp("te-lora"), TE, validate={"steps": 2}, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     out = train(cfg)
     ctx = StageContext(cfg)
     validated = run_stage(ctx, stage("validate"), PIPELINE)[0]
-    resumed = train(small_config(cfg.workdir, {**TE, "resume": str(out / "checkpoints" / "step-0000002")}))
+    resume = str(out / "checkpoints" / "step-0000002")
+    resumed = train(small_config(cfg.workdir, {**TE, "resume": resume}, dataset={"path": str(demo_data)}))
     return cfg, ctx, out, validated, resumed
 
 

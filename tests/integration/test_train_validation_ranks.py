@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tests.tracing import tuneline_trace
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families.registry import get_family
@@ -22,9 +22,11 @@ PROMPTS = [
 TRAIN = {"steps": 2, "processes": 2, "batch_size": 2, "checkpoint_every": 2, "validate_every": 2, "ema": False}
 
 
-def test_validation_renders_split_over_ranks_and_the_grid_is_the_one_process_render(tmp_path, monkeypatch):
-    cfg = small_config(tmp_path, TRAIN, validate={"prompts": PROMPTS, "steps": 2})
-    build_upstream(cfg)
+def test_validation_renders_split_over_ranks_and_the_grid_is_the_one_process_render(
+    tmp_path, monkeypatch, upstream_store, demo_data
+):
+    cfg = small_config(tmp_path, TRAIN, validate={"prompts": PROMPTS, "steps": 2}, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     tuneline_trace.enable(monkeypatch, tmp_path)
     out = train(cfg)
     shares = [[row["prompts"] for row in read_jsonl(tmp_path / f"render-rank{r}.jsonl")] for r in (0, 1)]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import report
 from tests.reliability import faultlib as fl
 
 KILLS_PER_STAGE = int(os.environ.get("TUNELINE_CI_KILLS_PER_STAGE", "2"))
@@ -40,7 +41,13 @@ def kill_walk(request, rel_tmp, small_config, prefect_env):
     workdir = rel_tmp / "walk"
     result = killwalk.walk(workdir, small_config, prefect_env, KILLS_PER_STAGE, seed=8, log=rel_tmp / "walk.log")
     request.config._tuneline_walk = workdir
-    request.config._tuneline_walk_result = result
+    lines = result.summary().split("; ") + [
+        f"  aimed {k.target:8s} +{k.delay:6.2f}s -> {k.landed:8s} {k.phase:7s} "
+        f"workers {k.workers} progress {k.progress} "
+        f"{'OK' if not k.problems else 'PROBLEMS: ' + '; '.join(k.problems)}"
+        for k in result.kills
+    ]
+    report(request.config, "fault injection (kill walk)", lines)
     return result
 
 
@@ -71,16 +78,3 @@ def workcopy(prepared, tmp_path) -> Path:
     dst = tmp_path / "work"
     shutil.copytree(prepared, dst, symlinks=True)
     return dst
-
-
-def pytest_terminal_summary(terminalreporter, config):
-    walk = getattr(config, "_tuneline_walk_result", None)
-    if walk is not None:
-        terminalreporter.write_sep("-", "fault injection (kill walk)")
-        terminalreporter.write_line(walk.summary().replace("; ", "\n"))
-        for k in walk.kills:
-            terminalreporter.write_line(
-                f"  aimed {k.target:8s} +{k.delay:6.2f}s -> {k.landed:8s} {k.phase:7s} "
-                f"workers {k.workers} progress {k.progress} "
-                f"{'OK' if not k.problems else 'PROBLEMS: ' + '; '.join(k.problems)}"
-            )

@@ -171,6 +171,8 @@ def _flow_run_states(env: dict) -> list[str]:
         "async def main():\n    async with get_client() as c:\n"
         "        print(' '.join(r.state.type.value for r in await c.read_flow_runs()))\nasyncio.run(main())\n"
     )
+    # This read's own temporary server, not the one under test: more than the default 20 s to start on a busy machine.
+    env = env | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()

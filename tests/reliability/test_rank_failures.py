@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train_support import build_upstream, small_config, train
+from tests.integration.test_train_support import small_config, train
 from tests.tracing import tuneline_trace
 from tuneline.stages.train.launch import RankLost, TrainingFailed
 from tuneline.stages.train.stopping import STOP_GRACE_S
@@ -57,9 +57,11 @@ def _in_thread(cfg) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
-def test_a_rank_killed_mid_step_ends_the_run_in_seconds_naming_it_and_the_rerun_resumes(tmp_path):
-    cfg = small_config(tmp_path, TRAIN)
-    build_upstream(cfg)
+def test_a_rank_killed_mid_step_ends_the_run_in_seconds_naming_it_and_the_rerun_resumes(
+    tmp_path, upstream_store, demo_data
+):
+    cfg = small_config(tmp_path, TRAIN, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     thread, box = _in_thread(cfg)
     deadline = time.monotonic() + 300
     while not list(tmp_path.glob("artifacts/train/.*.partial/checkpoints/step-0000004")):
@@ -88,11 +90,11 @@ def test_a_rank_killed_mid_step_ends_the_run_in_seconds_naming_it_and_the_rerun_
     assert Path(manifest["resumed_from"]).name == f"step-{last:07d}" and manifest["step"] == TRAIN["steps"]
 
 
-def test_an_error_on_rank_1_alone_is_reported_as_rank_1s(tmp_path, monkeypatch):
+def test_an_error_on_rank_1_alone_is_reported_as_rank_1s(tmp_path, monkeypatch, upstream_store, demo_data):
     """Rank 1 raises at step 3 (the tracing hook's test-only FAIL_RANK_ENV, standing in for a rank-local error):
     the message is rank 1's exception, not rank 0's lost connection nor the SIGTERM torchrun then sent it."""
-    cfg = small_config(tmp_path, TRAIN)
-    build_upstream(cfg)
+    cfg = small_config(tmp_path, TRAIN, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     tuneline_trace.enable(monkeypatch, tmp_path / "trace")
     (tmp_path / "trace").mkdir()
     monkeypatch.setenv(tuneline_trace.FAIL_RANK_ENV, "1:3")
