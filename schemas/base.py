@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,24 @@ class ConfigPath:
 def is_url(value: str) -> bool:
     """An fsspec URL (s3://, gs://, file://…): a ConfigPath value that is never resolved against the workdir."""
     return "://" in value
+
+
+# Configs are recorded in manifests and shown in the Prefect UI: a credential there would be published with them.
+SECRET_OPTIONS = ("key", "secret", "token", "password", "credential", "sas", "private")
+
+
+def _no_secrets(options: dict[str, Any]) -> dict[str, Any]:
+    if found := [k for k in options if any(word in k.lower() for word in SECRET_OPTIONS) and k != "key_prefix"]:
+        raise ValueError(
+            f"{found} look like credentials: configs are recorded in every manifest. Remove them from the config and "
+            'set them in the environment instead (AWS_* variables, or TUNELINE_REMOTE_OPTIONS=\'{"key": "...", '
+            '"secret": "..."}\')'
+        )
+    return options
+
+
+# fsspec storage options kept in a config: endpoint, region, addressing style; never a credential.
+StorageOptions = Annotated[dict[str, Any], AfterValidator(_no_secrets)]
 
 
 class Strict(BaseModel):

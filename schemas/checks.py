@@ -337,6 +337,15 @@ def _frames(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     ]
 
 
+def _caption_clips(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    if fam.video and cfg.caption.enabled:
+        return [
+            f"caption.model is set but model.family {fam.name!r} trains on clips, which the caption stage does not "
+            "read: write each clip's caption beside it (clip.txt), or set caption.model null"
+        ]
+    return []
+
+
 def _cpu_dtype(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if cfg.model.dtype == "float16" and cfg.model.device == "cpu":
         return ["model.dtype float16 is not supported with model.device cpu: use float32 or bfloat16"]
@@ -345,6 +354,7 @@ def _cpu_dtype(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
 
 RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
     _alignment,
+    _caption_clips,
     _bucket_resolution,
     _validate_resolution,
     _text_variants,

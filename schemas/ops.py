@@ -6,11 +6,10 @@ Nothing here changes what a stage builds, so no stage fingerprints it: editing `
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from pydantic import Field, field_validator
 
-from tuneline.schemas.base import Strict
+from tuneline.schemas.base import StorageOptions, Strict
 
 # Five cron fields, or one of the @-macros Prefect's scheduler understands.
 _CRON = re.compile(r"^(@(yearly|annually|monthly|weekly|daily|hourly)|(\S+\s+){4}\S+)$")
@@ -77,7 +76,7 @@ class OpsConfig(Strict):
     remote: str | None = Field(
         None, description="fsspec URL (e.g. s3://bucket/prefix) every published version is pushed to; null = local only"
     )
-    remote_options: dict[str, Any] = Field(
+    remote_options: StorageOptions = Field(
         default_factory=dict,
         description="non-secret fsspec storage options, "
         "e.g. {endpoint_url: http://minio:9000}; credentials come from the "

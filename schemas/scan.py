@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tuneline.schemas.base import ConfigPath, Manifest, Seed, Strict, is_url
+from tuneline.schemas.base import ConfigPath, Manifest, Seed, StorageOptions, Strict, is_url
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # Always listed beside the images: a video family trains on them, an image family rejects them with a reason.
@@ -49,7 +49,7 @@ class SourceConfig(Strict):
         "dataset.control",
     )
     format: SourceFormat | None = Field(None, description=FORMAT_DOC)
-    storage_options: dict[str, Any] = Field(default_factory=dict, description=STORAGE_DOC)
+    storage_options: StorageOptions = Field(default_factory=dict, description=STORAGE_DOC)
 
     @field_validator("caption_extension")
     @classmethod
@@ -74,7 +74,7 @@ class DatasetConfig(Strict):
     format: SourceFormat | None = Field(None, description=FORMAT_DOC)
     image_column: str = Field("image", min_length=1, description="parquet: the column holding each image's bytes")
     caption_column: str = Field("caption", min_length=1, description="parquet: the column holding each caption")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description=STORAGE_DOC)
+    storage_options: StorageOptions = Field(default_factory=dict, description=STORAGE_DOC)
     demo: bool | Literal["edit"] = Field(
         False,
         description="write the demo's generated dataset to `path` first; `edit`: pairs of shapes whose instruction "

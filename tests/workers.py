@@ -82,7 +82,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     """A worker's reports (tests.helpers.report), handed to the controller that prints them."""
-    node.config.__dict__.setdefault("tuneline_reports", []).extend(node.workeroutput.get("tuneline_reports", []))
+    node.config.__dict__.setdefault("tuneline_reports", []).extend(
+        getattr(node, "workeroutput", {}).get("tuneline_reports", [])
+    )
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

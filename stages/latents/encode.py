@@ -10,10 +10,11 @@ import torch
 from PIL import Image
 
 from tuneline.schemas.scan import ImageRecord, Location
+from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.latents import store
 from tuneline.stages.scan.images import load_rgb
 from tuneline.stages.scan.members import image_source
-from tuneline.stages.scan.video import load_clip
+from tuneline.stages.scan.video import ClipChanged, load_clip
 
 # What PIL raises on a file whose header parsed but whose pixel data is broken (truncated, bad zlib stream).
 DECODE_ERRORS = (
@@ -48,13 +49,28 @@ def prepare(root: Path | Location, rec: ImageRecord) -> torch.Tensor | str:
     """
     try:
         sha, source = image_source(root, rec)
+    except OSError as err:
+        if rec.shard is None:
+            return _undecodable(err)
+        # The store or the shard, not the image: the stage fails (nothing is published) instead of dropping it.
+        raise StageFailed(
+            f"reading {rec.path} from shard {rec.shard} failed ({type(err).__name__}: {err}): if the shard changed "
+            "since the scan run `tuneline stage scan`, else check the storage and rerun `tuneline stage latents`"
+        ) from err
+    try:
         if sha != rec.sha256:
             return "the file changed since the scan (content hash differs): run `tuneline stage scan` again"
         if rec.start is not None:  # a clip: (3, F, H, W), every frame cropped and sized as the scan recorded
             return torch.stack([to_pixels(frame, rec) for frame in load_clip(source, rec)], dim=1)
         return to_pixels(load_rgb(source, rec), rec)
+    except ClipChanged as err:
+        return str(err)
     except DECODE_ERRORS as err:
-        return f"cannot decode at caching time ({type(err).__name__}: {err}): re-export or remove the file"
+        return _undecodable(err)
+
+
+def _undecodable(err: Exception) -> str:
+    return f"cannot decode at caching time ({type(err).__name__}: {err}): re-export or remove the file"
 
 
 class Encoder:

@@ -7,6 +7,7 @@ import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
@@ -150,7 +151,7 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]  # one future per file costs more than a probe
     read, reported = 0, time.monotonic()
     with ThreadPoolExecutor(WORKERS) as pool:
-        for n, probes in enumerate(pool.map(_probe_chunk, chunks), 1):
+        for n, probes in enumerate(pool.map(partial(_probe_chunk, ctx.cfg.model.family), chunks), 1):
             done.update((p.path, p) for p in probes)
             read += len(probes)
             # A Prefect progress update is an API call: a few per second, not one per chunk of a huge folder.
@@ -162,8 +163,8 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
     return [done[e.rel] for e in entries], len(todo)
 
 
-def _probe_chunk(entries: list[Entry]) -> list[images.Probe]:
-    return [video.probe(e) for e in entries]
+def _probe_chunk(family: str, entries: list[Entry]) -> list[images.Probe]:
+    return [video.probe(e, family) for e in entries]
 
 
 def make_record(

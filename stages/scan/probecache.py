@@ -63,4 +63,5 @@ def save_rows(path: Path, rows: list[dict]) -> None:
 
 
 def save_probe_cache(ctx, root: Path, probes: list[Probe]) -> None:
-    save_rows(_cache_path(ctx, root), [p.as_json() for p in probes])
+    # A video an image family refused unread is not a probe: a video family must read it.
+    save_rows(_cache_path(ctx, root), [p.as_json() for p in probes if p.kind != "video"])

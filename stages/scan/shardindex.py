@@ -17,6 +17,7 @@ import tarfile
 from dataclasses import dataclass, field
 
 from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan.captions import AUTO_FIELDS
 from tuneline.stages.scan.images import probe_bytes
 from tuneline.stages.scan.shardfs import ShardFile
@@ -94,7 +95,12 @@ def index_tar(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
             stream.read()  # the shard's hash covers its padding too
             if not stream.ended():
                 raise tarfile.ReadError("no end-of-archive blocks")
-        except (tarfile.TarError, EOFError, OSError) as err:
+        except OSError as err:  # the store failed, not the shard: keep nothing of it (a rerun reads it again)
+            raise StageFailed(
+                f"reading shard {shard.name} failed ({type(err).__name__}: {err}): check the storage's address and "
+                "credentials (dataset.storage_options, TUNELINE_REMOTE_OPTIONS) and rerun `tuneline stage scan`"
+            ) from err
+        except (tarfile.TarError, EOFError) as err:
             where = f"after member {last}" if last else "at its start"
             out.problems.append(
                 _problem(

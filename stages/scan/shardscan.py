@@ -108,7 +108,7 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
 
 
 def _folders_only(cfg, src: Source, fmt: str) -> None:
-    """Masks and controls are matched to images as files beside them; shards and tables have none this round."""
+    """Masks and controls are matched to images as files beside them; shards and tables have none."""
     control, field = source_roots(cfg)[src.index]
     used = (["dataset.masks"] if cfg.dataset.masks else []) + ([field] if control is not None else [])
     if used:

@@ -34,10 +34,20 @@ def is_video(rel: str) -> bool:
     return os.path.splitext(rel)[1].lower() in VIDEO_EXTENSIONS
 
 
-def probe(e: Entry) -> Probe:
+def image_family_refusal(family: str) -> str:
+    return (
+        f"a video file, and model.family {family!r} trains on images: move it out of the dataset, or train a video "
+        f"family (model.family {VIDEO_FAMILIES})"
+    )
+
+
+def probe(e: Entry, family: str) -> Probe:
     """The probe of a listed file: a video's container headers, an image's header (with its frame count and rate
-    when it is an animated GIF/WebP)."""
+    when it is an animated GIF/WebP). An image family refuses a video by its name: hashing and parsing a large clip
+    only to refuse it would cost the scan minutes."""
     if is_video(e.rel):
+        if not facts(family).video:
+            return Probe(e.rel, e.size, e.mtime_ns, error=image_family_refusal(family), kind="video")
         return probe_video(e.path, e.rel, e.size, e.mtime_ns)
     p = images.probe_file(e.path, e.rel, e.size, e.mtime_ns)
     return _animation(p, e.path) if p.format in ANIMATED and not p.error else p
@@ -135,12 +145,7 @@ def clips(record: ImageRecord, p: Probe, cfg: PipelineConfig) -> list[ImageRecor
     video family one record per clip cut from the file (an image: one frame)."""
     if not facts(cfg.model.family).video:
         if is_video(p.path):
-            return Rejected(
-                path=p.path,
-                kind="video",
-                reason=f"a video file, and model.family {cfg.model.family!r} trains on images: move it out of the "
-                f"dataset, or train a video family (model.family {VIDEO_FAMILIES})",
-            )
+            return Rejected(path=p.path, kind="video", reason=image_family_refusal(cfg.model.family))
         return [record]
     if p.frames < 2:
         return [record.model_copy(update={"frames": 1})]
@@ -160,6 +165,10 @@ def clips(record: ImageRecord, p: Probe, cfg: PipelineConfig) -> list[ImageRecor
     ]
 
 
+class ClipChanged(ValueError):
+    """The clip's file no longer holds what the scan measured: the fix is a new scan, not a re-export."""
+
+
 def load_clip(path: Path, record: ImageRecord) -> list[Image.Image]:
     """The clip's frames as RGB images, upright, exactly as the scan measured them: `record.frames` frames from
     `record.start` at `record.fps` (an image or a one-frame record: its first frame)."""
@@ -168,13 +177,13 @@ def load_clip(path: Path, record: ImageRecord) -> list[Image.Image]:
     wanted = frame_indices(record.start, record.frames, record.fps, record.source_fps, record.source_frames)
     got = _decode(path, set(wanted), record)
     if missing := sorted(set(wanted) - set(got)):
-        raise ValueError(
+        raise ClipChanged(
             f"clip {record.ref}: frames {missing[:5]} of {record.source_frames} are missing from the file: it "
             f"changed since the scan, or its header overstates its length; run `tuneline stage scan`"
         )
     frames = [got[i] for i in wanted]
     if frames[0].size != (record.width, record.height):
-        raise ValueError(
+        raise ClipChanged(
             f"clip {record.ref} is {frames[0].size[0]}x{frames[0].size[1]} but the scan recorded "
             f"{record.width}x{record.height}: the file changed since the scan; run `tuneline stage scan`"
         )

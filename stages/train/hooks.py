@@ -85,20 +85,23 @@ class Hooks:
 
     def validate(self) -> None:
         """Render the validation prompts with the live (or EMA) weights into samples/step-N.png: every rank its
-        share (prompt i on rank i mod world), padded to equal counts so every rank runs the same forwards; rank 0
-        gathers the images and writes the grid."""
+        share (`deal`), so that every rank makes the same renderer calls; rank 0 gathers the images and writes the
+        grid."""
         tr, cfg = self.trainer, self.run.cfg
         v = cfg.validate_
         samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
         world, rank = self.run.world, self.run.rank
-        per_rank = -(-len(samples) // world)
-        mine = samples[rank::world]
-        mine += [samples[-1]] * (per_rank - len(mine))  # padding: rendered, then dropped
+        shares = deal(samples, world)
+        mine = [samples[i] for i, _ in shares[rank]]
         rendered = [np.asarray(im) for im in self.render(mine)] if mine else []
         every = collectives.everyones(rendered, world)
         if not self.writer:
             return
-        images = [Image.fromarray(every[i % world][i // world]) for i in range(len(samples))]
+        images: list = [None] * len(samples)
+        for share, got in zip(shares, every):
+            for (i, kept), pixels in zip(share, got):
+                if kept:
+                    images[i] = Image.fromarray(pixels)
         out = self.run.out / SAMPLES / f"step-{tr.step:07d}.png"
         out.parent.mkdir(exist_ok=True)
         grid(images).save(out)
@@ -134,3 +137,20 @@ class Hooks:
             gc.collect()
             if tr.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def deal(samples: list[Sample], world: int) -> list[list[tuple[int, bool]]]:
+    """Each rank's share of the validation samples as (index, kept) pairs. The renderer makes one call per kind
+    (with and without a negative prompt, stages/render/renderer.py) and a kind may run more denoiser forwards per
+    step; under FSDP every forward waits for every rank, so each kind is dealt round-robin apart and padded to the
+    same count on every rank (padding is rendered, then dropped)."""
+    shares: list[list[tuple[int, bool]]] = [[] for _ in range(world)]
+    for negative in (False, True):
+        kind = [i for i, s in enumerate(samples) if bool(s.negative_prompt) == negative]
+        if not kind:
+            continue
+        per_rank = -(-len(kind) // world)
+        for rank, share in enumerate(shares):
+            mine = [(i, True) for i in kind[rank::world]]
+            share += mine + [(kind[-1], False)] * (per_rank - len(mine))
+    return shares

@@ -117,7 +117,8 @@ def fingerprint(fam, model_dir: Path, t, dtype: torch.dtype, controls: int) -> s
         "dtype": str(dtype),
         "controls": controls,
         "code": code_digest(fam.facts.name),
-        "libraries": {lib: metadata.version(lib) for lib in LIBRARIES},
+        # major.minor, as the stages' own keys: a patch release or a local build tag (+cpu, +cu128) traces the same
+        "libraries": {lib: ".".join(metadata.version(lib).split(".")[:2]) for lib in LIBRARIES},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

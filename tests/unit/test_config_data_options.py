@@ -49,3 +49,21 @@ def test_sources_and_path_are_exclusive_and_named():
 def test_eval_fraction_and_path_are_exclusive():
     refused({"train": {"eval": {"fraction": 0.2, "path": "held"}}}, "train.eval.fraction", "train.eval.path")
     assert parse_config({"workdir": "/w", "train": {"eval": {"path": "held"}}}).train.eval.path == "/w/held"
+
+
+def test_credentials_in_storage_options_are_refused_and_the_environment_named():
+    """Configs are recorded in manifests: a secret there would be published with every version."""
+    refused({"dataset": {"storage_options": {"secret": "s", "region": "x"}}}, "dataset.storage_options", "secret")
+    refused(
+        {"dataset": {"path": None, "sources": [{"path": "s3://b/p", "storage_options": {"aws_access_key_id": "k"}}]}},
+        "dataset.sources",
+        "TUNELINE_REMOTE_OPTIONS",
+    )
+    refused({"ops": {"remote_options": {"token": "t"}}}, "ops.remote_options", "AWS_")
+    cfg = parse_config({"workdir": "/w", "dataset": {"storage_options": {"endpoint_url": "http://m", "region": "x"}}})
+    assert cfg.dataset.storage_options == {"endpoint_url": "http://m", "region": "x"}
+
+
+def test_a_video_family_with_the_caption_stage_is_refused_naming_both_fields():
+    refused({"model": {"family": "wan"}, "caption": {"model": "tiny"}}, "caption.model", "'wan'", "clip.txt")
+    assert parse_config({"workdir": "/w", "model": {"family": "wan"}}).caption.model is None
