@@ -3,8 +3,9 @@ tests/conftest.py).
 
 Most of the suite waits (a Prefect server starting, torchrun's interpreters importing torch, a stop's grace period)
 rather than computes, so more workers than CI's 2 cores pay. Each test runs in a group, and a group runs whole on
-one worker: the tests reading one of the session fixtures in SHARED form one group, so that fixture is built once;
-every other test is grouped with its module, so module fixtures (upstream caches, a server) are built once as in a
+one worker: tests marked `@pytest.mark.group(NAME)` form group NAME (a long module split over several workers); the
+tests reading one of the session fixtures in SHARED form one group, so that fixture is built once; every other test
+is grouped with its module, so module fixtures (upstream caches, a server) are built once as in a
 run without workers. The groups in LONGEST start first, so none starts last and runs on alone.
 
 xdist's own `loadgroup` cannot carry these groups (it renames the test ids, which pytest 9 ignores): each worker
@@ -24,10 +25,13 @@ import pytest
 WORKERS = 4
 SHARED = {"demo_run": "demo", "kill_walk": "prepared", "prepared": "prepared"}
 LONGEST = (
+    "matrix-0",
+    "matrix-1",
+    "matrix-2",
     "prepared",
     "demo",
-    "tests/integration/test_run_column.py",
-    "tests/integration/test_training_matrix.py",
+    "run-column-0",
+    "run-column-1",
     "tests/integration/test_ddp_train.py",
     "tests/integration/test_multinode.py",
     "tests/reliability/test_cli_server.py",
@@ -39,6 +43,9 @@ def _groups_file(controller_pid: int) -> Path:
 
 
 def _group(item: pytest.Item) -> str:
+    """A test's group: its `group` marker's, else the shared fixture's it reads, else its module's."""
+    if (marker := item.get_closest_marker("group")) is not None:
+        return marker.args[0]
     shared = [SHARED[f] for f in item.fixturenames if f in SHARED]
     return shared[0] if shared else item.nodeid.split("::")[0]
 

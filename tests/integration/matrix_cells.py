@@ -42,6 +42,9 @@ WORKER = ROOT / "tests" / "matrix_worker.py"
 STEPS, ACCUMULATION, PROCESSES = 2, 2, 2
 IMAGES = 8  # 2 steps x 2 micro-batches x 2 ranks x batch 1
 FSDP_FACTORS = ("lora", "full", "dora", "text_encoder_lora", "int8", "fp8")  # LoRA and full train; the rest are refused
+# The matrix trains in PARTS launches of disjoint families, each a group of tests of its own (tests/workers.py), so
+# that the parts run on several xdist workers at once instead of one launch outlasting the rest of the suite.
+PARTS = 3
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class Cell:
     def field(self) -> str:
         """The changed field as a config message names it, e.g. train.text_encoder_lora."""
         return f"{self.section}.{next(iter(self.change))}" if self.change else ""
+
+    @property
+    def part(self) -> int:
+        return family_names().index(self.family) % PARTS
 
     @property
     def ddp_twin(self) -> Cell:

@@ -55,7 +55,10 @@ def example() -> dict:
     return yaml.safe_load(out.stdout)
 
 
-@pytest.mark.parametrize("family", family_names())
+# Two groups of families (tests/workers.py), so that the column runs on two xdist workers at once.
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.group(f"run-column-{i % 2}")) for i, f in enumerate(family_names())]
+)
 def test_run_until_train(family, example, server, upstream_store, tmp_path):
     data = example | {"workdir": str(tmp_path / "work")}
     data["model"] = data["model"] | {"family": family}

@@ -16,8 +16,8 @@ DDP replay, resume from the sharded checkpoint exact, exports gathered. The edit
 references) train with their control images, every micro-batch carrying control latents.
 
 A cell the config refuses asserts the refusal names the changed field (and train.parallelism, for what FSDP
-refuses) and a fix. One torchrun launch trains every cell (the first training cell to run starts it); each cell is
-its own test item.
+refuses) and a fix. One torchrun launch per part of the matrix (matrix_cells.PARTS, disjoint families) trains its
+cells (the first training cell of the part to run starts it); each cell is its own test item.
 """
 
 from __future__ import annotations
@@ -48,12 +48,23 @@ CPU = torch.device("cpu")
 ADAPTER_NAME = re.compile(r"\.default(_\d+)?(?=\.|$)")
 
 
+# A part's first training cell includes its launch: minutes of training on a machine the other workers share.
+pytestmark = pytest.mark.timeout(1800)
+
+
 @pytest.fixture(scope="module")
-def launched(request, upstream_store, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
-    """The one launch, training the cells this session selected (`-k sdxl` trains sdxl's only)."""
+def launches(request, upstream_store, tmp_path_factory):
+    """Part -> its one launch, training the part's cells this session selected (`-k sdxl` trains sdxl's only)."""
     wanted = [i.callspec.params["cell"] for i in request.session.items if i.function is test_cell]
-    root = tmp_path_factory.mktemp("matrix")
-    return root, launch(upstream_store, root, wanted)
+    done: dict[int, tuple[Path, dict[str, Path]]] = {}
+
+    def launched(part: int) -> tuple[Path, dict[str, Path]]:
+        if part not in done:
+            root = tmp_path_factory.mktemp(f"matrix{part}")
+            done[part] = root, launch(upstream_store, root, [c for c in wanted if c.part == part])
+        return done[part]
+
+    return launched
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +80,9 @@ def stock():
     return get
 
 
-@pytest.mark.parametrize("cell", cells(), ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "cell", [pytest.param(c, id=c.id, marks=pytest.mark.group(f"matrix-{c.part}")) for c in cells()]
+)
 def test_cell(cell: Cell, request, stock, upstream_store, tmp_path):
     data = upstream_store.dataset("matrix", dataset)
     refused = refusal(cell, data, tmp_path)
@@ -78,7 +91,7 @@ def test_cell(cell: Cell, request, stock, upstream_store, tmp_path):
         fields = [cell.field] + ["train.parallelism"] * (cell.fsdp and refusal(cell.ddp_twin, data, tmp_path) is None)
         assert all(f in refused for f in fields) and re.search(r"\b(set|use)\b", refused), refused
         return
-    root, outs = request.getfixturevalue("launched")  # not for a refusal: it trains nothing
+    root, outs = request.getfixturevalue("launches")(cell.part)  # not for a refusal: it trains nothing
     out = outs[cell.id]
     ranks = [_result(root, out, r) for r in range(2)]
     _assert_gradients(ranks)
