@@ -26,6 +26,8 @@ RANK = {"schemas": 0, "common": 1, "families": 2, "render": 3, "stage": 4, "stag
 # The public reading side of each stage's artifact: how another stage reads what it published.
 ARTIFACT_READERS = {
     "tuneline.stages.scan.images",  # decode an image the scan recorded, as the scan decoded it
+    "tuneline.stages.scan.members",  # read a shard member's or a table cell's bytes by the scan's record
+    "tuneline.stages.scan.video",  # decode a clip's frames the scan recorded, as the scan measured them
     "tuneline.stages.scan.masks",  # where the scan's mask images are
     "tuneline.stages.scan.controls",  # where the scan's control images are (paired datasets)
     "tuneline.stages.scan.edit_demo",  # the edit demo's pairs: its learning check draws new controls alike

@@ -95,7 +95,7 @@ def test_kohya_names(family, path, name, slot):
 
 def test_unknown_module_and_family_are_refused_naming_them():
     with pytest.raises(ValueError, match="train.lora_format"):
-        kohya.layout("wan")
+        kohya.layout("z_image")  # ComfyUI addresses Z-Image by its diffusers names: no kohya layout
     den = torch.nn.Module()
     den.add_module("proj", torch.nn.Linear(2, 2))
     state = {"proj.lora_A.weight": torch.ones(1, 2), "proj.lora_B.weight": torch.ones(2, 1)}

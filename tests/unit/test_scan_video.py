@@ -7,10 +7,14 @@ import pytest
 
 from tests.clips import write_clip, write_gif
 from tuneline.stages.common.sizing import FramePolicy, clip_ranges, frame_count, frame_indices
+from tuneline.stages.scan import video
 from tuneline.stages.scan.listing import Entry
-from tuneline.stages.scan.video import probe
 
 WAN = FramePolicy(fps=16, budgets=(17, 33, 49, 81), factor=4)
+
+
+def probe(e: Entry):
+    return video.probe(e, "wan")  # a video family reads every clip's headers
 
 
 def entry(path) -> Entry:
@@ -77,3 +81,10 @@ def test_frame_budgets_that_break_the_family_rule_are_refused():
     with pytest.raises(ConfigError, match=r"buckets.frames \[17, 30\]: \[30\] break family 'wan'.*use \[29\]"):
         parse_config(base)
     assert parse_config({**base, "buckets": {"frames": [5, 29]}}).buckets.frames == [5, 29]
+
+
+def test_an_image_family_refuses_a_video_by_its_name_without_reading_it(tmp_path):
+    (tmp_path / "junk.mp4").write_bytes(b"not a video at all" * 10)  # read, it would be "unreadable"
+    p = video.probe(entry(tmp_path / "junk.mp4"), "sd15")
+    assert p.kind == "video" and "model.family 'sd15' trains on images" in p.error and "wan" in p.error
+    assert not p.sha256  # never hashed
