@@ -53,7 +53,7 @@ def worker(parallelism: str, model_dir: str, out: str) -> None:
     from tuneline.schemas.train import TrainConfig
     from tuneline.stages.families.common import unwrap
     from tuneline.stages.families.registry import get_family
-    from tuneline.stages.train import collectives, fsdp
+    from tuneline.stages.train import collectives, fsdp, fsdpload
     from tuneline.stages.train.model import prepare_denoiser
     from tuneline.stages.train.optimizers import build_optimizer
 
@@ -62,9 +62,11 @@ def worker(parallelism: str, model_dir: str, out: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     fam, t = get_family("flux"), TrainConfig(mode="full", parallelism=parallelism, validate_every=0)
     shards = world if parallelism == "fsdp" else 1
-    den, params = prepare_denoiser(fam, Path(model_dir), t, torch.float32, cpu, shards=shards)
+    # as the trainer does (stages/train/loop.py): sharded, each rank builds a skeleton and loads its own shard only
+    load = fsdpload.skeleton(fam) if parallelism == "fsdp" else None
+    den, params = prepare_denoiser(fam, Path(model_dir), t, torch.float32, cpu, shards=shards, load=load)
     if parallelism == "fsdp":
-        params, model = fsdp.shard(den, fam, t, cpu, None), den
+        params, model = fsdp.shard(den, fam, t, cpu, None, Path(model_dir)), den
     else:
         model = collectives.wrap(den, params, cpu)
     opt = build_optimizer(list(params.values()), t)
