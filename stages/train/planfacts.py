@@ -41,7 +41,10 @@ SOURCES = (
     "stages/families/*.py",
     "schemas/families.py",
 )
-LIBRARIES = ("torch", "diffusers", "peft", "transformers")
+# What computes the facts: the denoiser's traced activations and every module's tensors come from torch and the
+# diffusers model code. transformers and peft give only parameter counts, which the component configs (in the key)
+# fix, and a machine resolves their patch releases independently of ours (one minor apart is common).
+LIBRARIES = ("torch", "diffusers")
 ADAPTER_FIELDS = ("mode", "adapter", "lora_rank", "lora_alpha", "lokr_factor")
 
 
