@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -49,9 +50,25 @@ def agent_main() -> None:
     _set_pdeathsig()
     watch_parent(parent, on_orphan="term")
     os.environ[PARENT_ENV] = str(os.getpid())  # workers watch the agent
-    from torch.distributed.run import main
+    from torch.distributed.run import get_args_parser, main
 
+    sys.argv = grace_compat(sys.argv, "--shutdown-timeout" in get_args_parser()._option_string_actions)
     main()
+
+
+def grace_compat(argv: list[str], supported: bool) -> list[str]:
+    """torchrun before torch 2.12 has no --shutdown-timeout and waits a fixed 30 s for its workers after a stop.
+    There the flag is taken off the command line and the same wait is given to torchrun's process context, whose
+    `close` takes it as an argument (a stop checkpoint of a large model takes longer than 30 s to write)."""
+    flag = [a for a in argv if a.startswith("--shutdown-timeout=")]
+    if supported or not flag:
+        return argv
+    grace = int(flag[0].split("=", 1)[1])
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    api.PContext.close = lambda self, death_sig=None, timeout=grace: close(self, death_sig, timeout)
+    return [a for a in argv if a not in flag]
 
 
 def worker_guard() -> None:

@@ -65,3 +65,20 @@ def test_the_docs_list_the_exit_codes(name):
     for code in ("| 3 |", "| 4 |", "| 5 |", "| 1 |", "| 2 |"):
         assert code in text
     assert "30 s" in text and "terminationGracePeriodSeconds" in text and "--signal" in text
+
+
+def test_a_torchrun_without_the_flag_gets_the_same_wait_through_its_process_context(monkeypatch):
+    """torch before 2.12: torchrun refuses --shutdown-timeout (exit 2 before any worker starts); the agent takes it
+    off and gives the wait to the process context's close instead."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from tuneline.stages.train.procwatch import grace_compat
+
+    seen = []
+    monkeypatch.setattr(api.PContext, "close", lambda self, death_sig=None, timeout=30: seen.append(timeout))
+    argv = ["procwatch", "--nproc_per_node=2", "--shutdown-timeout=240", "--standalone", "-m", "w", "spec"]
+    assert grace_compat(argv, supported=True) == argv
+    api.PContext.close(object())
+    assert grace_compat(argv, supported=False) == [a for a in argv if not a.startswith("--shutdown")]
+    api.PContext.close(object())
+    assert seen == [30, 240]
