@@ -7,14 +7,17 @@ process group, DDP and FSDP cells alike, and records per rank what tests/integra
   reducer never got it), "nonfinite", "zero" or "ok";
 - replay: rank 0's largest difference between the 2-process weights after the last step (gathered whole under
   FSDP) and a 1-process DDP replay of the same global batch (each rank's micro-batches with that rank's draws, the
-  loss scaled by 1 / (ranks x accumulation) as DDP's averaging does);
+  loss scaled by 1 / (ranks x accumulation) as DDP's averaging does). An FSDP cell and its DDP twin differ only
+  in train.parallelism, which the replay sets to ddp: their replays are the same computation, run once for both
+  (the plan's `replay` key names the twin);
 - resume: the largest difference between the uninterrupted weights and a run resumed from the step-1 checkpoint;
 - sharded: whether every trained parameter was a DTensor shard (FSDP);
 - controls: per micro-batch, whether it carried control latents (the edit families train with their controls);
 - error: the exception that stopped the cell, if any (a DDP error at step 2 is one).
 
 Usage: python -m tuneline.stages.train.procwatch --standalone --nproc_per_node=2 tests/matrix_worker.py PLAN.json
-PLAN: {"cells": [{"name", "spec" (as the train stage's launcher writes it), "out"}]}; writes <out>/rank-<r>.json.
+PLAN: {"cells": [{"name", "spec" (as the train stage's launcher writes it), "out", "replay"}]}; writes
+<out>/rank-<r>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,6 +39,7 @@ from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.plan import Position, micro_batches
 
 TRAINED = "trained.safetensors"  # rank 0's trained parameters after the last step, by name
+REPLAYS: dict[str, dict[str, torch.Tensor]] = {}  # rank 0: replay key -> weights, while a later cell still needs them
 
 
 class RecordingTrainer(Trainer):
@@ -95,7 +100,19 @@ def replay(spec: dict, world: int) -> dict[str, torch.Tensor]:
     return trainer.params
 
 
-def run_cell(cell: dict) -> dict:
+def shared_replay(cell: dict, spec: dict, world: int, users: Counter) -> dict[str, torch.Tensor]:
+    """The cell's replay: computed by the first cell of its `replay` key, kept for the later ones (`users`: the
+    plan's cells of each key after this one)."""
+    key = cell["replay"]
+    weights = REPLAYS.pop(key, None)
+    if weights is None:
+        weights = {n: p.detach().clone() for n, p in replay(spec, world).items()}
+    if users[key] > 0:
+        REPLAYS[key] = weights
+    return weights
+
+
+def run_cell(cell: dict, users: Counter) -> dict:
     """Train, export, resume and replay one cell. What only rank 0 does (exports, replay) can fail on rank 0 alone:
     its failure is recorded and rank 0 still meets the others at the barriers they wait at, so the ranks stay in
     step for the next cell."""
@@ -118,7 +135,7 @@ def run_cell(cell: dict) -> dict:
     got["resume"] = max_diff(weights, whole(again.params))
     if run.rank == 0:
         try:
-            got["replay"] = max_diff(weights, replay(spec, run.world))
+            got["replay"] = max_diff(weights, shared_replay(cell, spec, run.world, users))
         except Exception as err:
             got["error"] = f"1-process replay: {type(err).__name__}: {err}"
     collectives.barrier(run.world)
@@ -132,12 +149,14 @@ def main(plan_path: str) -> None:
     collectives.init = lambda device: None  # one process group serves every cell (the worker's setup inits it)
     worker.Trainer = RecordingTrainer
     rank = dist.get_rank()
+    users = Counter(cell["replay"] for cell in plan["cells"])
     for cell in plan["cells"]:
         Path(cell["out"]).mkdir(parents=True, exist_ok=True)
         Path(cell["spec"]["out_dir"]).mkdir(parents=True, exist_ok=True)
         RecordingTrainer.latest = None
+        users[cell["replay"]] -= 1
         try:
-            got = run_cell(cell)
+            got = run_cell(cell, users)
         except Exception as err:  # the cell's failure is its result; the next cell still runs
             got = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             got["grads"] = RecordingTrainer.latest.grad_states if RecordingTrainer.latest else []

@@ -156,7 +156,7 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
         cfg = config(cell, data, root / cell.family)  # one workdir per family: its cells share the caches
         ctx = store.upstream(cfg)
         out = outs[cell.id] = root / "cells" / cell.id
-        plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train")})
+        plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train"), "replay": cell.ddp_twin.id})
         (out / "cell.json").write_text(json.dumps({"model_dir": plan[-1]["spec"]["model_dir"]}), encoding="utf-8")
     if not plan:
         return outs

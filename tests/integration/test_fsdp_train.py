@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from safetensors import safe_open
 
-from tests.integration.test_train_support import ROOT, build_upstream, small_config
+from tests.integration.test_train_support import ROOT, small_config
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.latents import LatentsManifest
@@ -70,7 +70,7 @@ def _spec(ctx, work: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(request, tmp_path_factory) -> Path:
+def launched(request, tmp_path_factory, upstream_store, demo_data) -> Path:
     """The one launch, training the cells this session selected (`-k flux` trains flux's only)."""
     chosen = [i.callspec.params for i in request.session.items if i.function is test_fsdp_equals_ddp_and_resumes]
     chosen = chosen or [{"family": "tiny", "mode": "lora"}]  # the launch also probes the optimizers
@@ -78,8 +78,9 @@ def launched(request, tmp_path_factory) -> Path:
     plan = []
     for family, mode in [(c["family"], c["mode"]) for c in chosen]:
         train = TRAIN | {"mode": mode} | EXTRA.get((family, mode), {})
-        cfg = small_config(root / family, train, model={"family": family, "device": "cpu"}, validate=VALIDATE)
-        ctx = build_upstream(cfg)
+        model = {"family": family, "device": "cpu"}
+        cfg = small_config(root / family, train, model=model, validate=VALIDATE, dataset={"path": str(demo_data)})
+        ctx = upstream_store.upstream(cfg)
         out = root / "cells" / f"{family}-{mode}"
         plan.append({"name": out.name, "out": str(out), "spec": _spec(ctx, out / "spec")})
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
@@ -183,14 +184,14 @@ def test_fsdp_refuses_what_cannot_shard(tmp_path, train, model, fields):
     assert all(f in str(err.value) for f in fields), str(err.value)
 
 
-def test_the_train_stage_trains_sharded_and_publishes_what_ddp_does(tmp_path):
+def test_the_train_stage_trains_sharded_and_publishes_what_ddp_does(tmp_path, upstream_store, demo_data):
     """The user's path: the train stage (launcher, torchrun, the worker's main) with train.parallelism fsdp."""
     from diffusers import UNet2DConditionModel
 
     from tests.integration.test_train_support import train
 
-    cfg = small_config(tmp_path, TRAIN | {"parallelism": "fsdp"})
-    build_upstream(cfg)
+    cfg = small_config(tmp_path, TRAIN | {"parallelism": "fsdp"}, dataset={"path": str(demo_data)})
+    upstream_store.upstream(cfg)
     out = train(cfg)
     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["world_size"] == 2 and manifest["config"]["train"]["parallelism"] == "fsdp"

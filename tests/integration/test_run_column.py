@@ -1,10 +1,12 @@
 """The user's path for every registered family: `tuneline config example` with model.family, train.mode lora and
-train.steps 2 changed (2 processes, as the example has), run with `tuneline run --until train` through the real
-CLI against one Prefect server for the column. Each run must publish a train artifact trained by 2 processes with
-its exports.
+train.steps 2 changed (2 processes, as the example has) and dataset.path the session's demo folder (the same demo
+dataset), run with `tuneline run --until train` through the real CLI against one Prefect server for the column.
+Each run must publish a train artifact trained by 2 processes with its exports.
 
-The scan, latents and text caches come from the session's upstream store (tests/upstream_store.py), built from
-the config exactly as the CLI loads it, so the CLI finds them fresh and runs the train stage's flow only.
+The scan, latents and text caches come from the session's upstream store (tests/upstream_store.py), keyed by
+the config exactly as the CLI loads it, so the CLI finds them fresh and runs the train stage's flow only. On the
+session's demo folder, they are the caches other tests built for the family (tests/integration/
+test_train_families.py and others), not a build per family for this column.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from tuneline.schemas.config import load_config
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.artifacts import ArtifactStore
 from tuneline.stages.families.registry import family_names
-from tuneline.stages.scan.demo import write_demo_for
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +60,14 @@ def example() -> dict:
 @pytest.mark.parametrize(
     "family", [pytest.param(f, marks=pytest.mark.group(f"run-column-{i % 2}")) for i, f in enumerate(family_names())]
 )
-def test_run_until_train(family, example, server, upstream_store, tmp_path):
+def test_run_until_train(family, example, server, upstream_store, demo_data, tmp_path):
     data = example | {"workdir": str(tmp_path / "work")}
     data["model"] = data["model"] | {"family": family}
     data["train"] = data["train"] | {"mode": "lora", "steps": 2}
+    data["dataset"] = data["dataset"] | {"path": str(demo_data)}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     cfg = load_config(path)
-    write_demo_for(cfg)
     upstream_store.upstream(cfg)
     out = tuneline("run", str(path), "--until", "train", env=server, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
