@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_lora import ANCHORS, lora_figure, missing_text_encoder  # noqa: E402
+from gpu_lora import ANCHORS, lora_figure  # noqa: E402
 from gpu_setup import STEPS, WARMUP, Bench, caches, free, result, step_seconds  # noqa: E402
 
 from tests.trainer import trainer_for  # noqa: E402
@@ -347,8 +347,6 @@ RUN = {
 def skip_reason(name: str, tiny: bool, examples: Path | None) -> str | None:
     if tiny and name in NEEDS_CUDA:
         return NEEDS_CUDA[name]
-    if name in ANCHORS and missing_text_encoder(ANCHORS[name].family):
-        return missing_text_encoder(ANCHORS[name].family)
     if name == "sdxl_lora_step_vs_diffusers" and not (examples and (examples / DIFFUSERS_SCRIPT).is_file()):
         return f"needs --diffusers-examples DIR holding {DIFFUSERS_SCRIPT}"
     return None
