@@ -4,7 +4,6 @@ quantized bases' learning check. Every figure here needs CUDA: its second value 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from gpu_setup import Bench, caches, free, result, step_seconds
@@ -35,16 +34,6 @@ ANCHORS = {
 }
 PLAN_TOLERANCE = 0.15
 LEARN_STEPS = 20
-
-
-def missing_text_encoder(family: str) -> str | None:
-    """Why `family`'s full-size caches cannot be built here: its shipped config has no text encoder to build."""
-    from tuneline.stages.families.shipped import shipped_dir
-
-    index = json.loads((shipped_dir(family) / "model_index.json").read_text())
-    if any(name.startswith("text_encoder") for name in index):
-        return None
-    return f"the shipped config of {family} holds no text encoder to build the text cache from"
 
 
 def stage_peak(b: Bench, cfg) -> int | None:

@@ -27,7 +27,7 @@ from tuneline.stages.text.live import LiveText
 from tuneline.stages.text.store import TextCache, pair_key
 from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp, fsdpload
 from tuneline.stages.train.ema import EMA
-from tuneline.stages.train.model import autocast_dtype, grad_scaler, prepare_denoiser
+from tuneline.stages.train.model import attention_for_training, autocast_dtype, grad_scaler, prepare_denoiser
 from tuneline.stages.train.objective import (
     loss_weights,
     noisy_and_target,
@@ -149,6 +149,7 @@ class Trainer:
         self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
+        attention_for_training(device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
         load = fsdpload.skeleton(fam) if self.sharded else None  # sharded: each rank loads its own shard only

@@ -39,6 +39,16 @@ def autocast_dtype(mixed: str, device: torch.device, dtype: str = "float32", mod
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
 
 
+def attention_for_training(device: torch.device) -> None:
+    """Leaves cuDNN out of scaled-dot-product attention on a CUDA training device. Its fused attention backward
+    failed in a FLUX.1 LoRA step at 1024² on an H200 (torch 2.11.0+cu130, cuDNN 9.19): the graph's execute
+    reported an error, then an illegal memory access ended the process; with cuDNN left out the same step ran
+    (bench/README.md, gpu.py). SDPA then picks flash or memory-efficient attention, as it does on every card
+    before Hopper, and falls back to the math kernel for shapes neither serves."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def grad_scaler(dtype: torch.dtype | None) -> torch.amp.GradScaler:
     """fp16 gradients underflow without loss scaling; bf16 and float32 need none (a disabled scaler is a no-op)."""
     return torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)

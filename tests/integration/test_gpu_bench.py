@@ -59,3 +59,23 @@ def test_the_benchmark_does_not_import_prefect(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("family, layers", [("z_image", 1), ("flux2_klein", 3), ("qwen_image", 1)])
+def test_a_shipped_config_without_a_text_encoder_gets_one_of_the_released_width(family, layers, tmp_path):
+    """The figures of these families build their text cache with the released encoder's sizes on the tiny
+    tokenizer: the features (`layers` hidden states side by side) are as wide as the shipped denoiser takes."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_text import RELEASED, released_config, text_width
+
+    from tuneline.stages.families.registry import get_family
+    from tuneline.stages.families.shipped import shipped_dir
+
+    get_family(family).build_tiny(tmp_path)
+    cls, cfg = released_config(family, tmp_path)
+    text = getattr(cfg, "text_config", cfg)
+    assert {k: getattr(text, k) for k in RELEASED[family]} == RELEASED[family]
+    assert layers * text.hidden_size == text_width(shipped_dir(family))
+    with torch.device("meta"):
+        model = cls(cfg)
+    assert sum(p.numel() for p in model.parameters()) > 3e9  # a 4 B / 7 B encoder, not the tiny one

@@ -13,7 +13,7 @@ import torch
 
 from tuneline.schemas.config import ConfigError, parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
-from tuneline.stages.train.model import autocast_dtype
+from tuneline.stages.train.model import attention_for_training, autocast_dtype
 
 DTYPES = ("float32", "float16", "bfloat16")
 MIXED = ("auto", "no", "bf16", "fp16")
@@ -60,3 +60,16 @@ def test_every_precision_combination_trains_or_is_refused_naming_both_fields(dty
     if want == "any half":
         return  # auto with float32 weights asks the GPU whether it has bfloat16: the GPU run's cell
     assert autocast_dtype(mixed, torch.device(device), dtype, mode) == want
+
+
+def test_a_cuda_training_device_leaves_cudnn_out_of_attention_and_a_cpu_one_changes_nothing():
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        attention_for_training(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        attention_for_training(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
