@@ -15,12 +15,13 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from tuneline.schemas import checks
 from tuneline.schemas.base import ConfigPath, Strict, is_url
+from tuneline.schemas.buckets import BucketConfig
 from tuneline.schemas.caption import CaptionConfig
 from tuneline.schemas.latents import LatentsConfig
 from tuneline.schemas.model import ModelConfig
 from tuneline.schemas.ops import OpsConfig
 from tuneline.schemas.reference import nearest_key
-from tuneline.schemas.scan import BucketConfig, DatasetConfig
+from tuneline.schemas.scan import DatasetConfig
 from tuneline.schemas.text import TextConfig
 from tuneline.schemas.train import TrainConfig
 from tuneline.schemas.validate import ValidateConfig
