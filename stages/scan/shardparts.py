@@ -1,0 +1,136 @@
+"""A shard's finished scan output, kept and reused whole: a rescan after one shard landed builds that shard's
+records only.
+
+Per shard, keyed by its identity and by everything that shapes its records (the scan's stage config, the family's
+facts, the code version: `recipe`), the scan keeps the shard's `images.jsonl` lines, its records' canonical JSON
+(what the content digest hashes), their content hashes, bucket counts and rejections. The scan's output is then
+the kept parts in order: the lines concatenated, the digest hashed over the kept canonical JSON. A cold scan goes
+the same way, so cold and incremental scans publish the same bytes and the same version. When the whole dataset
+changes records (duplicates rejected, a bucket dropped, parts whose paths interleave) the scan builds every record
+as for folders (`None` here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from tuneline.schemas.scan import BucketRow, ImageRecord, Rejected
+from tuneline.schemas.sources import Source
+from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.hashing import canonical_json, digest
+from tuneline.stages.scan import buckets as bk, controls, shardscan
+from tuneline.stages.scan.shardfs import ShardFile, is_container
+
+
+@dataclass
+class Finished:
+    """What the scan publishes, assembled from the kept parts."""
+
+    text: str  # images.jsonl
+    content: str  # the content digest, as core.content_digest computes it over the records
+    accepted: int
+    conversions: dict[str, int]
+    rejected: list[Rejected] = field(default_factory=list)
+    groups: list[list[str]] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+    rows: list[BucketRow] = field(default_factory=list)
+    sources: list[dict] = field(default_factory=list)
+    reopened: int = 0
+
+
+def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected]) -> dict:
+    """A shard's finished output, its records in the order the published list has them (by name, stable over
+    buckets: bk.apply_plan's order restricted to this shard)."""
+    ordered = sorted((r for rs in bk.by_bucket(records).values() for r in rs), key=lambda r: r.ref)
+    return {
+        "rel": shard.rel,
+        "identity": shard.identity,
+        "lines": "".join(json.dumps(r.model_dump(mode="json"), ensure_ascii=False) + "\n" for r in ordered),
+        "canonical": ",".join(canonical_json(controls.consumed(r)) for r in ordered),
+        "span": [ordered[0].ref, ordered[-1].ref] if ordered else None,
+        "images": len({r.path for r in records}),
+        "hashes": [[r.sha256, r.ref] for r in records],
+        "buckets": [[list(b), len(rs), [r.ref for r in rs[: bk.SAMPLES]]] for b, rs in bk.by_bucket(records).items()],
+        "conversions": dict(Counter(r.conversion for r in records if r.conversion)),
+        "rejected": [r.model_dump() for r in rejected],
+    }
+
+
+def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[dict], int]:
+    """The source's parts in listing order (missing ones built and kept), and how many members were read."""
+    fmt, shards = shardscan.listed(ctx, src)
+    folder = ctx.store.stage_dir("scan") / f".parts-{digest([src.location, src.index, recipe, code_version('scan')])}"
+    kept = {s.rel: shardscan.load_kept(ctx, shardscan.kept_file(folder, s), s.identity) for s in shards}
+    missing = [s for s in shards if kept[s.rel] is None]
+    indexes, read = shardscan.shard_indexes(ctx, src, fmt, missing)
+    for shard, index in zip(missing, indexes, strict=True):
+        got = shardscan.members(ctx, src, [(shard, index)])
+        records, rejected = build(src, got)
+        kept[shard.rel] = part(shard, records, rejected)
+        shardscan.save_kept(shardscan.kept_file(folder, shard), kept[shard.rel])
+    if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
+        ctx.cache.setdefault(shardscan.READ_KEY, []).extend(read)
+    reopened = sum(len(i.members) for i in indexes if i.rel in set(read))
+    return [kept[s.rel] for s in shards], reopened
+
+
+def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finished | None:
+    """The scan of shard sources from kept parts; None where the dataset as a whole changes records."""
+    cfg = ctx.cfg
+    if not sources or not all(is_container(s) for s in sources) or controls.paired(cfg) or cfg.dataset.masks:
+        return None
+    parts, out = [], Finished(text="", content="", accepted=0, conversions={})
+    for src in sources:
+        got, reopened = _parts(ctx, src, recipe, build, save)
+        parts += got
+        out.reopened += reopened
+        out.sources.append({"root": src.location, "role": src.role, "images": sum(p["images"] for p in got)})
+    if len(sources) > 1 and any(not s["images"] for s in out.sources):
+        return None  # the record-by-record scan names the empty source
+    out.groups = _groups(parts)
+    if out.groups and cfg.dataset.duplicates == "reject":
+        return None
+    counts, samples = _buckets(parts)
+    batch = cfg.train.global_batch()
+    try:
+        out.plan = bk.bucket_plan(counts, batch, cfg.buckets.small_bucket)
+    except bk.NoBatchError:
+        return None  # the record-by-record scan reports it with the rejections
+    ordered = sorted((p for p in parts if p["span"]), key=lambda p: p["span"][0])
+    if not all(pn["span"][1] < p["span"][0] for pn, p in zip(ordered, ordered[1:])) or not all(out.plan.values()):
+        return None
+    out.rows = [
+        BucketRow(width=b[0], height=b[1], frames=b[2] if len(b) > 2 else None, count=n, samples=samples[b])
+        for b, n in sorted(counts.items())
+    ]
+    out.text = "".join(p["lines"] for p in ordered)
+    body = ",".join(p["canonical"] for p in ordered)
+    out.content = hashlib.sha256(f'{{"records":[{body}]}}'.encode()).hexdigest()[:16]
+    out.accepted = sum(counts.values())
+    conversions = sum((Counter(p["conversions"]) for p in parts), Counter())
+    out.conversions = dict(sorted(conversions.items()))
+    out.rejected = sorted((Rejected(**r) for p in parts for r in p["rejected"]), key=lambda r: r.path)
+    return out
+
+
+def _groups(parts: list[dict]) -> list[list[str]]:
+    """Identical-content groups across every part (bk.duplicate_groups over the records)."""
+    groups: dict[str, set[str]] = defaultdict(set)
+    for p in parts:
+        for sha, ref in p["hashes"]:
+            groups[sha].add(ref)
+    return sorted(sorted(g) for g in groups.values() if len(g) > 1)
+
+
+def _buckets(parts: list[dict]) -> tuple[dict[tuple, int], dict[tuple, list[str]]]:
+    """Bucket counts and each bucket's first samples in the scan's record order (sources, shards, members)."""
+    counts: dict[tuple, int] = Counter()
+    samples: dict[tuple, list[str]] = defaultdict(list)
+    for p in parts:
+        for b, n, first in p["buckets"]:
+            counts[tuple(b)] += n
+            samples[tuple(b)] = (samples[tuple(b)] + first)[: bk.SAMPLES]
+    return dict(counts), samples
