@@ -14,7 +14,6 @@ from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.families import facts
 from tuneline.schemas.scan import ImageRecord, Rejected
 from tuneline.schemas.sources import Source, dataset_sources
-from tuneline.stages.common import markdown as md
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import write_jsonl
@@ -25,6 +24,7 @@ from tuneline.stages.scan import buckets as bk, controls, images, masks, shardpa
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
+from tuneline.stages.scan.report import report
 from tuneline.stages.scan.shardfs import is_container
 
 CODE_VERSION = code_version("scan")  # stages/code_versions.json
@@ -33,7 +33,6 @@ LISTING_KEY = "scan-listing"
 WORKERS = min(8, 2 * (os.cpu_count() or 1))
 CHUNK = 64
 PROGRESS_EVERY_S = 0.5
-REPORT_ROWS = 500  # rejected files listed in the Prefect markdown artifact; rejected.jsonl has them all
 
 
 def dataset_root(cfg: PipelineConfig) -> Path:
@@ -309,7 +308,8 @@ class Scanned:
         """images.jsonl; returns the number of records."""
         if self.finished is None:
             return write_jsonl(path, self.records)
-        path.write_text(self.finished.text, encoding="utf-8")
+        with open(path, "wb") as f:
+            f.writelines(self.finished.lines)
         return self.finished.accepted
 
     def content(self) -> str:
@@ -384,7 +384,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     records, rejected, unmatched, fin = got.records, got.rejected, got.unmatched, got.finished
     accepted = got.write(work / "images.jsonl")
     write_jsonl(work / "rejected.jsonl", rejected)
-    _report(ctx, root, got.rows, got.plan, rejected, got.reopened, accepted, got.groups)
+    report(ctx, root, got.rows, got.plan, rejected, got.reopened, accepted, got.groups)
     if unmatched:
         ctx.log.warning("scan: %d control images pair with no image, e.g. %s", len(unmatched), unmatched[0])
     return {
@@ -404,32 +404,3 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         "storage_options": {s.location: s.storage_options for s in sources if s.storage_options},
         "shards_read": ctx.cache.pop(shardscan.READ_KEY, []),
     }
-
-
-def _report(
-    ctx, root: Path, rows, plan, rejected: list[Rejected], reopened: int, accepted: int, duplicates: list[list[str]]
-) -> None:
-    ctx.reporter.table(
-        "scan-buckets",
-        bk.table(rows, plan),
-        f"{accepted} images in {len(rows)} buckets from {md.text(root)} ({reopened} files read)",
-    )
-    ctx.log.info(
-        "scan: %d accepted, %d rejected, %d buckets, %d files read", accepted, len(rejected), len(rows), reopened
-    )
-    if rejected:
-        rows = [f"| {md.text(r.path)} | {md.text(r.kind)} | {md.text(r.reason)} |" for r in rejected[:REPORT_ROWS]]
-        more = (
-            [f"\n... and {len(rejected) - REPORT_ROWS} more in rejected.jsonl"] if len(rejected) > REPORT_ROWS else []
-        )
-        ctx.reporter.markdown(
-            "scan-rejected",
-            "\n".join(["| file | kind | reason |", "|---|---|---|", *rows, *more]),
-            f"{len(rejected)} files rejected from {md.text(root)}",
-        )
-    for r in rejected[:20]:
-        ctx.log.warning("scan: rejected %s: %s", r.path, r.reason)
-    if len(rejected) > 20:
-        ctx.log.warning("scan: ... and %d more rejected (see rejected.jsonl)", len(rejected) - 20)
-    for group in duplicates[:20]:
-        ctx.log.warning("scan: identical content: %s", ", ".join(group))

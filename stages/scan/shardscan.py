@@ -86,11 +86,19 @@ def load_kept(ctx, path: Path, identity: str) -> dict | None:
     return row if isinstance(row, dict) and row.get("identity") == identity else None
 
 
-def save_kept(path: Path, row: dict) -> None:
+def save_kept(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(row, ensure_ascii=False), encoding="utf-8")
+    tmp.write_bytes(data)
     os.replace(tmp, path)  # atomic: a killed scan leaves whole files only
+
+
+def prune(folder: Path, shards: list[ShardFile]) -> None:
+    """Drop what is kept for shards no longer listed (removed from the source), so a bucket's churn does not pile up."""
+    keep = {kept_file(folder, s).name for s in shards}
+    for path in folder.glob("*.json"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
 
 
 def shard_indexes(ctx, src: Source, fmt: str, shards: list[ShardFile]) -> tuple[list[ShardIndex], list[str]]:
@@ -141,6 +149,7 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
     out.reopened = sum(len(i.members) for i in indexes if i.rel in set(read))
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
         ctx.cache.setdefault(READ_KEY, []).extend(read)
+        prune(index_dir(ctx, src), shards)
     return out
 
 
@@ -167,7 +176,7 @@ def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path) 
     with ThreadPoolExecutor(WORKERS) as pool:
         for shard, index in zip(todo, pool.map(one, todo), strict=True):
             out[index.rel] = index
-            save_kept(kept_file(folder, shard), index.as_json())
+            save_kept(kept_file(folder, shard), json.dumps(index.as_json(), ensure_ascii=False).encode())
             done += 1
             if done == len(todo) or time.monotonic() - reported >= 0.5:
                 reported = time.monotonic()

@@ -22,10 +22,10 @@ import yaml
 
 from tests.integration.test_scan_stage import config, noise, scan
 from tuneline.schemas.scan import ImageRecord, ScanManifest
-from tuneline.stages.common.stage import StageFailed, content_version
+from tuneline.stages.common.stage import StageContext, StageFailed, content_version
 from tuneline.stages.latents.encode import prepare, to_pixels
 from tuneline.stages.scan import STAGE
-from tuneline.stages.scan.core import content_digest
+from tuneline.stages.scan.core import content, content_digest
 from tuneline.stages.scan.images import load_rgb
 
 
@@ -164,6 +164,25 @@ def test_an_incremental_scan_publishes_what_a_cold_scan_of_the_same_shards_does(
     assert len(lines) == 2 * len(records) == 14
     digest = content_digest([ImageRecord.model_validate_json(x) for x in lines])
     assert version.name == content_version(STAGE, manifest["code_version"], digest)
+
+
+def test_a_status_check_reads_a_new_shard_once_and_the_next_scan_not_again(tmp_path):
+    """`tuneline status` asks the scan what it would publish (a dry scan, stages/scan/core.py content()): the new
+    shard's index and records are kept from the first check, so later checks and the build read it no more."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 2)
+    cfg = config(tmp_path, data)
+    scan(cfg)
+    write_shard(data / "000001.tar", 2, 2)
+    predicted = content(StageContext(cfg))
+    kept = {p: p.stat().st_mtime_ns for p in (cfg.workdir_path() / "artifacts" / "scan").glob(".*/*.json")}
+    assert len(kept) == 4  # both shards' index and part
+    assert content(StageContext(cfg)) == predicted
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the second check rewrote nothing
+    version, _, records, _, manifest = scan(cfg)
+    assert manifest["shards_read"] == [] and len(records) == 4
+    assert version.name == content_version(STAGE, manifest["code_version"], predicted)
 
 
 def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
