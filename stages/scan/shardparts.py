@@ -1,14 +1,14 @@
 """A shard's finished scan output, kept and reused whole: a rescan after one shard landed builds that shard's
 records only.
 
-Per shard, keyed by its identity and by everything that shapes its records (the scan's stage config, the family's
-facts, the code version: `recipe`), the scan keeps the shard's `images.jsonl` lines, its records' canonical JSON
-(what the content digest hashes), their content hashes, bucket counts and rejections. The scan's output is then
-the kept parts in order: the lines concatenated, the digest hashed over the kept canonical JSON. A part is one
-file: its facts as a JSON line, the canonical JSON as a line, then the lines, so reusing it parses only the facts. A cold scan goes
-the same way, so cold and incremental scans publish the same bytes and the same version. When the whole dataset
-changes records (duplicates rejected, a bucket dropped, parts whose paths interleave) the scan builds every record
-as for folders (`None` here).
+Per shard, keyed by its identity and by everything that shapes its records (the scan's stage config and the
+family's facts: `recipe`; the scan's recorded code version and source), the scan keeps the shard's `images.jsonl`
+lines, its records' canonical JSON (what the content digest hashes), their content hashes, bucket counts and
+rejections. The scan's output is then the kept parts in order: the lines concatenated, the digest hashed over the
+kept canonical JSON. A part is one file: its facts as a JSON line, the canonical JSON as a line, then the lines, so
+reusing it parses only the facts. A cold scan goes the same way, so cold and incremental scans publish the same
+bytes and the same version. When the whole dataset changes records (duplicates rejected, a bucket dropped, parts
+whose paths interleave) the scan builds every record as for folders (`None` here).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tuneline.schemas.scan import BucketRow, ImageRecord, Rejected
 from tuneline.schemas.sources import Source
-from tuneline.stages.common.codeident import code_version
+from tuneline.stages.common.codeident import recorded
 from tuneline.stages.common.hashing import canonical_json, digest
 from tuneline.stages.scan import buckets as bk, controls, shardscan
 from tuneline.stages.scan.shardfs import ShardFile, is_container
@@ -98,7 +98,8 @@ def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected])
 def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[Part], int]:
     """The source's parts in listing order (missing ones built and kept), and how many members were read."""
     fmt, shards = shardscan.listed(ctx, src)
-    folder = ctx.store.stage_dir("scan") / f".parts-{digest([src.location, src.index, recipe, code_version('scan')])}"
+    # The recorded source too: a part's layout may change with the code while the scan's version does not.
+    folder = ctx.store.stage_dir("scan") / f".parts-{digest([src.location, src.index, recipe, recorded()['scan']])}"
     kept = {s.rel: load_part(ctx, shardscan.kept_file(folder, s), s.identity) for s in shards}
     missing = [s for s in shards if kept[s.rel] is None]
     indexes, read = shardscan.shard_indexes(ctx, src, fmt, missing)
