@@ -102,12 +102,14 @@ def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[Part], int
     folder = ctx.store.stage_dir("scan") / f".parts-{digest([src.location, src.index, recipe, recorded()['scan']])}"
     kept = {s.rel: load_part(ctx, shardscan.kept_file(folder, s), s.identity) for s in shards}
     missing = [s for s in shards if kept[s.rel] is None]
-    indexes, read = shardscan.shard_indexes(ctx, src, fmt, missing)
+    keep = shardscan.keeps(ctx, save)
+    indexes, read = shardscan.shard_indexes(ctx, src, fmt, missing, keep=keep)
     for shard, index in zip(missing, indexes, strict=True):
         got = shardscan.members(ctx, src, [(shard, index)])
         records, rejected = build(src, got)
         kept[shard.rel] = part(shard, records, rejected)
-        shardscan.save_kept(shardscan.kept_file(folder, shard), kept[shard.rel].dump())
+        if keep:
+            shardscan.save_kept(shardscan.kept_file(folder, shard), kept[shard.rel].dump())
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
         ctx.cache.setdefault(shardscan.READ_KEY, []).extend(read)
         shardscan.prune(folder, shards)

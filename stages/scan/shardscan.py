@@ -101,9 +101,17 @@ def prune(folder: Path, shards: list[ShardFile]) -> None:
             path.unlink(missing_ok=True)
 
 
-def shard_indexes(ctx, src: Source, fmt: str, shards: list[ShardFile]) -> tuple[list[ShardIndex], list[str]]:
-    """Each shard's index, and the shards read now: an index is kept as soon as its shard is read (a killed scan
-    resumes after the shards it finished; a status check's dry scan leaves the next scan nothing to read)."""
+def keeps(ctx, save: bool) -> bool:
+    """Whether a scan keeps what it reads: a build does; a status check's dry scan does where a scan ran before (the
+    next check and the build then read nothing again), and creates no workdir."""
+    return save or ctx.store.stage_dir("scan").is_dir()
+
+
+def shard_indexes(
+    ctx, src: Source, fmt: str, shards: list[ShardFile], *, keep: bool
+) -> tuple[list[ShardIndex], list[str]]:
+    """Each shard's index, and the shards read now: with `keep`, an index is kept as soon as its shard is read (a
+    killed scan resumes after the shards it finished)."""
     folder = index_dir(ctx, src)
     previous = {}
     for s in shards:
@@ -113,7 +121,7 @@ def shard_indexes(ctx, src: Source, fmt: str, shards: list[ShardFile]) -> tuple[
             except TypeError as err:
                 ctx.log.warning("scan: ignoring the cache of shard %s (%s); it is read again", s.name, err)
     todo = [s for s in shards if s.rel not in previous]
-    fresh = _index_all(ctx, src, fmt, todo, folder)
+    fresh = _index_all(ctx, src, fmt, todo, folder if keep else None)
     return [fresh.get(s.rel) or previous[s.rel] for s in shards], [s.rel for s in todo]
 
 
@@ -143,7 +151,7 @@ def listed(ctx, src: Source) -> tuple[str, list[ShardFile]]:
 def scan_source(ctx, src: Source, *, save: bool) -> Members:
     """Every member's probe and caption; shards with the recorded identity come from their kept index."""
     fmt, shards = listed(ctx, src)
-    indexes, read = shard_indexes(ctx, src, fmt, shards)
+    indexes, read = shard_indexes(ctx, src, fmt, shards, keep=keeps(ctx, save))
     out = members(ctx, src, list(zip(shards, indexes, strict=True)))
     out.read = read
     out.reopened = sum(len(i.members) for i in indexes if i.rel in set(read))
@@ -164,7 +172,7 @@ def _folders_only(cfg, src: Source, fmt: str) -> None:
         )
 
 
-def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path) -> dict[str, ShardIndex]:
+def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path | None) -> dict[str, ShardIndex]:
     """Index the shards; each finished one is kept at once, so a killed scan resumes after it."""
     fs, _ = filesystem(src.location, src.storage_options)
     cfg = ctx.cfg.dataset.model_copy(update={"caption_extension": src.caption_extension})
@@ -176,7 +184,8 @@ def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path) 
     with ThreadPoolExecutor(WORKERS) as pool:
         for shard, index in zip(todo, pool.map(one, todo), strict=True):
             out[index.rel] = index
-            save_kept(kept_file(folder, shard), json.dumps(index.as_json(), ensure_ascii=False).encode())
+            if folder is not None:
+                save_kept(kept_file(folder, shard), json.dumps(index.as_json(), ensure_ascii=False).encode())
             done += 1
             if done == len(todo) or time.monotonic() - reported >= 0.5:
                 reported = time.monotonic()

@@ -173,6 +173,9 @@ def test_a_status_check_reads_a_new_shard_once_and_the_next_scan_not_again(tmp_p
     data.mkdir()
     write_shard(data / "000000.tar", 0, 2)
     cfg = config(tmp_path, data)
+    assert (
+        content(StageContext(cfg)) and not (cfg.workdir_path() / "artifacts").exists()
+    )  # before any scan: kept nowhere
     scan(cfg)
     write_shard(data / "000001.tar", 2, 2)
     predicted = content(StageContext(cfg))
