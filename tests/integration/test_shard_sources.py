@@ -22,8 +22,10 @@ import yaml
 
 from tests.integration.test_scan_stage import config, noise, scan
 from tuneline.schemas.scan import ImageRecord, ScanManifest
-from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.common.stage import StageContext, StageFailed, content_version
 from tuneline.stages.latents.encode import prepare, to_pixels
+from tuneline.stages.scan import STAGE
+from tuneline.stages.scan.core import content, content_digest
 from tuneline.stages.scan.images import load_rgb
 
 
@@ -133,6 +135,59 @@ def test_mixed_folder_asks_for_a_format(tmp_path):
     assert json.dumps(records)  # records stay plain JSON
 
 
+def test_an_incremental_scan_publishes_what_a_cold_scan_of_the_same_shards_does(tmp_path):
+    """Unchanged shards' finished records are reused whole (stages/scan/shardparts.py): the rescan after a shard
+    landed publishes the cold scan's images.jsonl byte for byte and its version, at two resolutions, with a
+    rejected member and identical content across shards."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 3)
+    with wds.TarWriter(str(data / "000001.tar")) as sink:
+        sink.write({"__key__": "big", "png": png(size=(64, 40), seed=7), "txt": "wide"})
+        sink.write({"__key__": "same", "png": png(seed=1), "txt": "a copy of s0001"})
+        sink.write({"__key__": "bad", "png": b"not an image", "txt": "broken"})
+    sections = {"buckets": {"resolutions": [32, 48]}}
+    incremental = config(tmp_path / "incremental", data, **sections)
+    scan(incremental)
+    write_shard(data / "000002.tar", 3, 2, json_captions=True)  # the weekly shard lands
+    version, _, records, rejected, manifest = scan(incremental)
+    assert manifest["shards_read"] == ["000002.tar"] and manifest["reopened"] == 2
+    cold, _, _, rejected_cold, manifest_cold = scan(config(tmp_path / "cold", data, **sections))
+    assert sorted(manifest_cold["shards_read"]) == ["000000.tar", "000001.tar", "000002.tar"]
+    assert (version / "images.jsonl").read_bytes() == (cold / "images.jsonl").read_bytes()
+    assert len(list(version.parent.glob(".parts-*/*.json"))) == 3  # published from the shards' kept parts
+    assert version.name == cold.name
+    assert rejected == rejected_cold and list(rejected) == ["000001.tar/bad.png"]
+    assert manifest["duplicates"] == [["000000.tar/s0001.png", "000001.tar/same.png"]]
+    # The kept digest is the one the records themselves give (core.content_digest, as for folders).
+    lines = (version / "images.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * len(records) == 14
+    digest = content_digest([ImageRecord.model_validate_json(x) for x in lines])
+    assert version.name == content_version(STAGE, manifest["code_version"], digest)
+
+
+def test_a_status_check_reads_a_new_shard_once_and_the_next_scan_not_again(tmp_path):
+    """`tuneline status` asks the scan what it would publish (a dry scan, stages/scan/core.py content()): the new
+    shard's index and records are kept from the first check, so later checks and the build read it no more."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 2)
+    cfg = config(tmp_path, data)
+    assert (
+        content(StageContext(cfg)) and not (cfg.workdir_path() / "artifacts").exists()
+    )  # before any scan: kept nowhere
+    scan(cfg)
+    write_shard(data / "000001.tar", 2, 2)
+    predicted = content(StageContext(cfg))
+    kept = {p: p.stat().st_mtime_ns for p in (cfg.workdir_path() / "artifacts" / "scan").glob(".*/*.json")}
+    assert len(kept) == 4  # both shards' index and part
+    assert content(StageContext(cfg)) == predicted
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the second check rewrote nothing
+    version, _, records, _, manifest = scan(cfg)
+    assert manifest["shards_read"] == [] and len(records) == 4
+    assert version.name == content_version(STAGE, manifest["code_version"], predicted)
+
+
 def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
     """docs/artifacts.md's rows for shards: the scan's version (what later stages are built from) moves only with
     the records, and only new or changed shards are read."""
@@ -183,12 +238,12 @@ def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SCAN, str(cfg_file)], start_new_session=True)
     scan_dir = cfg.workdir_path() / "artifacts" / "scan"
     deadline = time.monotonic() + 240
-    while not any(p.read_bytes().count(b"\n") for p in scan_dir.glob(".shards-*.progress")):
+    while not any(scan_dir.glob(".shards-*/*.json")):  # each shard's index is kept as soon as it is read
         assert proc.poll() is None and time.monotonic() < deadline, "the scan ended before a shard was indexed"
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    finished = {json.loads(line)["rel"] for p in scan_dir.glob(".shards-*.progress") for line in p.open("rb")}
+    finished = {json.loads(p.read_bytes())["rel"] for p in scan_dir.glob(".shards-*/*.json")}
     assert not [p for p in scan_dir.iterdir() if not p.name.startswith(".")]  # killed: nothing published
     assert 1 <= len(finished) < 8
     _, _, records, _, manifest = scan(cfg)
