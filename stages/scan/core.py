@@ -307,8 +307,7 @@ class Scanned:
         """images.jsonl; returns the number of records."""
         if self.finished is None:
             return write_jsonl(path, self.records)
-        with open(path, "wb") as f:
-            f.writelines(self.finished.lines)
+        self.finished.write(path)
         return self.finished.accepted
 
     def content(self) -> str:

@@ -1,20 +1,22 @@
 """A shard's finished scan output, kept and reused whole: a rescan after one shard landed builds that shard's
-records only.
+records only, and reads no byte of the other shards' records.
 
 Per shard, keyed by its identity and by everything that shapes its records (the scan's stage config and the
 family's facts: `recipe`; the scan's recorded code version and source), the scan keeps the shard's `images.jsonl`
-lines, its records' canonical JSON (what the content digest hashes), their content hashes, bucket counts and
-rejections. The scan's output is then the kept parts in order: the lines concatenated, the digest hashed over the
-kept canonical JSON. A part is one file: its facts as a JSON line, the canonical JSON as a line, then the lines, so
-reusing it parses only the facts. A cold scan goes the same way, so cold and incremental scans publish the same
-bytes and the same version. When the whole dataset changes records (duplicates rejected, a bucket dropped, parts
-whose paths interleave) the scan builds every record as for folders (`None` here).
+lines, the digest of its records' canonical JSON, their content hashes, bucket counts and rejections. A part is one
+file: its facts as a JSON line, its image names as a JSON line (read only when a content hash repeats), then the
+lines. The scan's output is the kept parts in order: the facts parsed, the lines copied into images.jsonl by the
+kernel, and the content digest taken over the parts' digests, so what a rescan costs grows with the shards, not
+the images. A cold scan goes the same way, so cold and incremental scans publish the same bytes and the same
+version. When the whole dataset changes records (duplicates rejected, a bucket dropped, parts whose paths
+interleave) the scan builds every record as for folders (`None` here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import chain
@@ -29,11 +31,42 @@ from tuneline.stages.scan.shardfs import ShardFile, is_container
 
 
 @dataclass
+class Part:
+    """A shard's finished output: its facts (`head`), its image names (JSON, one per hash in head["shas"]) and
+    its images.jsonl lines, in memory for a part built now or as (file, offset, length) for a kept one."""
+
+    head: dict
+    refs: bytes
+    lines: bytes = b""
+    kept: tuple[Path, int, int] | None = None
+
+    def dump(self) -> bytes:
+        return json.dumps(self.head, ensure_ascii=False).encode() + b"\n" + self.refs + b"\n" + self.lines
+
+    def copy_to(self, out) -> None:
+        """Append the lines to `out`, an unbuffered binary file: a kept part's without passing them through Python."""
+        if self.kept is None:
+            _write(out, self.lines)
+            return
+        path, offset, length = self.kept
+        with open(path, "rb") as f:
+            while length:
+                try:
+                    n = os.copy_file_range(f.fileno(), out.fileno(), length, offset)
+                except OSError:  # a filesystem or kernel without it (EXDEV, ENOSYS): copy through memory
+                    f.seek(offset)
+                    n = _write(out, f.read(length))
+                if not n:
+                    raise OSError(f"{path} ended before its {length} bytes of records")
+                offset, length = offset + n, length - n
+
+
+@dataclass
 class Finished:
     """What the scan publishes, assembled from the kept parts."""
 
-    lines: list[memoryview]  # images.jsonl, part by part
-    content: str  # the content digest, as core.content_digest computes it over the records
+    parts: list[Part]  # in the published order
+    content: str  # the content digest: over the parts' digests of their records' canonical JSON
     accepted: int
     conversions: dict[str, int]
     rejected: list[Rejected] = field(default_factory=list)
@@ -43,26 +76,28 @@ class Finished:
     sources: list[dict] = field(default_factory=list)
     reopened: int = 0
 
+    def write(self, path: Path) -> None:
+        with open(path, "wb", buffering=0) as out:
+            for p in self.parts:
+                p.copy_to(out)
 
-@dataclass
-class Part:
-    """A shard's finished output: its facts (`head`), its records' canonical JSON and images.jsonl lines."""
 
-    head: dict
-    canonical: memoryview
-    lines: memoryview
-
-    def dump(self) -> bytes:
-        return json.dumps(self.head, ensure_ascii=False).encode() + b"\n" + self.canonical + b"\n" + self.lines
+def _write(out, data: bytes) -> int:
+    """All of `data` into an unbuffered file, which may take it in several writes."""
+    view = memoryview(data)
+    while view:
+        view = view[out.write(view) :]
+    return len(data)
 
 
 def load_part(ctx, path: Path, identity: str) -> Part | None:
-    """The kept part when it describes this identity; anything unreadable means the shard's records are built."""
+    """The kept part when it describes this identity (its lines stay on disk); anything unreadable means the
+    shard's records are built."""
     try:
-        data = memoryview(path.read_bytes())
-        first = data.obj.index(b"\n")
-        second = data.obj.index(b"\n", first + 1)
-        head = json.loads(data[:first].tobytes())
+        with open(path, "rb") as f:
+            head = json.loads(f.readline())
+            refs = f.readline().rstrip(b"\n")
+            offset, size = f.tell(), os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
@@ -70,29 +105,30 @@ def load_part(ctx, path: Path, identity: str) -> Part | None:
         return None
     if not isinstance(head, dict) or head.get("identity") != identity:
         return None
-    return Part(head, data[first + 1 : second], data[second + 1 :])
+    return Part(head, refs, kept=(path, offset, size - offset))
 
 
 def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected]) -> Part:
     """A shard's finished output, its records in the order the published list has them (by name, stable over
     buckets: bk.apply_plan's order restricted to this shard)."""
     ordered = sorted((r for rs in bk.by_bucket(records).values() for r in rs), key=lambda r: r.ref)
-    lines = "".join(json.dumps(r.model_dump(mode="json"), ensure_ascii=False) + "\n" for r in ordered)
-    canonical = ",".join(canonical_json(controls.consumed(r)) for r in ordered)
+    dumps = [r.model_dump(mode="json") for r in ordered]
+    lines = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in dumps)
+    canonical = ",".join(canonical_json(controls.consumed(r, d)) for r, d in zip(ordered, dumps, strict=True))
     pairs = dict.fromkeys((r.sha256, r.ref) for r in records)
     head = {
         "rel": shard.rel,
         "identity": shard.identity,
         "span": [ordered[0].ref, ordered[-1].ref] if ordered else None,
         "images": len({r.path for r in records}),
-        # (content hash, name) once per image, as two lists: json and set() take them at C speed
-        "shas": [sha for sha, _ in pairs],
-        "refs": [ref for _, ref in pairs],
+        "digest": hashlib.sha256(canonical.encode()).hexdigest(),
+        "shas": [sha for sha, _ in pairs],  # once per (content hash, name): json and set() take them at C speed
         "buckets": [[list(b), len(rs), [r.ref for r in rs[: bk.SAMPLES]]] for b, rs in bk.by_bucket(records).items()],
         "conversions": dict(Counter(r.conversion for r in records if r.conversion)),
         "rejected": [r.model_dump() for r in rejected],
     }
-    return Part(head, memoryview(canonical.encode()), memoryview(lines.encode()))
+    refs = json.dumps([ref for _, ref in pairs], ensure_ascii=False).encode()
+    return Part(head, refs, lines.encode())
 
 
 def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[Part], int]:
@@ -123,7 +159,7 @@ def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finish
     cfg = ctx.cfg
     if not sources or not all(is_container(s) for s in sources) or controls.paired(cfg) or cfg.dataset.masks:
         return None
-    parts, out = [], Finished(lines=[], content="", accepted=0, conversions={})
+    parts, out = [], Finished(parts=[], content="", accepted=0, conversions={})
     for src in sources:
         got, reopened = _parts(ctx, src, recipe, build, save)
         parts += got
@@ -149,11 +185,8 @@ def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finish
         BucketRow(width=b[0], height=b[1], frames=b[2] if len(b) > 2 else None, count=n, samples=samples[b])
         for b, n in sorted(counts.items())
     ]
-    out.lines = [p.lines for p in ordered]
-    sha = hashlib.sha256(b'{"records":[')  # core.content_digest's canonical JSON, from the kept pieces
-    sha.update(b",".join(p.canonical for p in ordered))
-    sha.update(b"]}")
-    out.content = sha.hexdigest()[:16]
+    out.parts = ordered
+    out.content = digest({"parts": [p.head["digest"] for p in ordered]})
     out.accepted = sum(counts.values())
     conversions = sum((Counter(p.head["conversions"]) for p in parts), Counter())
     out.conversions = dict(sorted(conversions.items()))
@@ -164,12 +197,11 @@ def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finish
 def _groups(parts: list[Part]) -> list[list[str]]:
     """Identical-content groups across every part (bk.duplicate_groups over the records)."""
     shas = list(chain.from_iterable(p.head["shas"] for p in parts))
-    if len(set(shas)) == len(shas):  # the common case, decided without a set per image
+    if len(set(shas)) == len(shas):  # the common case: no image name is parsed
         return []
     groups: dict[str, set[str]] = defaultdict(set)
-    for p in parts:
-        for sha, ref in zip(p.head["shas"], p.head["refs"], strict=True):
-            groups[sha].add(ref)
+    for sha, ref in zip(shas, chain.from_iterable(json.loads(p.refs) for p in parts), strict=True):
+        groups[sha].add(ref)
     return sorted(sorted(g) for g in groups.values() if len(g) > 1)
 
 

@@ -4,6 +4,7 @@ read back by byte range exactly as the same images in a folder are."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -22,10 +23,12 @@ import yaml
 
 from tests.integration.test_scan_stage import config, noise, scan
 from tuneline.schemas.scan import ImageRecord, ScanManifest
+from tuneline.stages.common.hashing import canonical_json, digest
 from tuneline.stages.common.stage import StageContext, StageFailed, content_version
 from tuneline.stages.latents.encode import prepare, to_pixels
 from tuneline.stages.scan import STAGE
-from tuneline.stages.scan.core import content, content_digest
+from tuneline.stages.scan.controls import consumed
+from tuneline.stages.scan.core import content
 from tuneline.stages.scan.images import load_rgb
 
 
@@ -159,11 +162,14 @@ def test_an_incremental_scan_publishes_what_a_cold_scan_of_the_same_shards_does(
     assert version.name == cold.name
     assert rejected == rejected_cold and list(rejected) == ["000001.tar/bad.png"]
     assert manifest["duplicates"] == [["000000.tar/s0001.png", "000001.tar/same.png"]]
-    # The kept digest is the one the records themselves give (core.content_digest, as for folders).
+    # The version is the published records' own: per shard, the digest of what later stages consume of them.
     lines = (version / "images.jsonl").read_text().splitlines()
     assert len(lines) == 2 * len(records) == 14
-    digest = content_digest([ImageRecord.model_validate_json(x) for x in lines])
-    assert version.name == content_version(STAGE, manifest["code_version"], digest)
+    by_shard: dict[str, list[str]] = {}
+    for r in map(ImageRecord.model_validate_json, lines):
+        by_shard.setdefault(r.shard, []).append(canonical_json(consumed(r)))
+    parts = [hashlib.sha256(",".join(c).encode()).hexdigest() for _, c in sorted(by_shard.items())]
+    assert version.name == content_version(STAGE, manifest["code_version"], digest({"parts": parts}))
 
 
 def test_a_status_check_reads_a_new_shard_once_and_the_next_scan_not_again(tmp_path):
