@@ -350,7 +350,10 @@ def content_digest(records: list[ImageRecord]) -> str:
 
 def content(ctx) -> str | None:
     """The content digest a scan would publish now, writing nothing: files whose size and mtime the last scan
-    recorded are not reopened, so a touched file costs one hash. None when the scan would fail."""
+    recorded are not reopened, so a touched file costs one hash. None when the scan would fail, and before any
+    scan was published (no version to reuse: a status check then reads no image and no shard)."""
+    if ctx.store.latest("scan") is None:
+        return None
     sources = dataset_sources(ctx.cfg)
     try:
         if any(not is_container(src) and not src.root.is_dir() for src in sources):

@@ -179,9 +179,8 @@ def test_a_status_check_reads_a_new_shard_once_and_the_next_scan_not_again(tmp_p
     data.mkdir()
     write_shard(data / "000000.tar", 0, 2)
     cfg = config(tmp_path, data)
-    assert (
-        content(StageContext(cfg)) and not (cfg.workdir_path() / "artifacts").exists()
-    )  # before any scan: kept nowhere
+    assert content(StageContext(cfg)) is None  # before any scan: no version to reuse, nothing read
+    assert not (cfg.workdir_path() / "artifacts").exists()
     scan(cfg)
     write_shard(data / "000001.tar", 2, 2)
     predicted = content(StageContext(cfg))
