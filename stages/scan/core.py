@@ -230,12 +230,11 @@ def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[R
         captions = Captions(listing, _source_cfg(cfg, src))
         got = shardscan.Members(probes, captions, listing.problems, reopened)
     records, rejected = _built(cfg, src, got)
-    records, misfits = masks.attach(records, cfg)
-    return records, rejected + misfits, got.reopened
+    return records, rejected, got.reopened
 
 
 def _built(cfg: PipelineConfig, src: Source, got: shardscan.Members) -> tuple[list[ImageRecord], list[Rejected]]:
-    """A folder's or shards' records and rejections, before masks, controls and the bucket plan."""
+    """A folder's or shards' records (with their masks) and rejections, before controls and the bucket plan."""
     records, rejected, seen = [], [*got.problems, *got.captions.problems], set()
     for resolution, policy in policies(cfg):
         # With several folders records name their folder and their resolution (docs/design.md).
@@ -255,7 +254,8 @@ def _built(cfg: PipelineConfig, src: Source, got: shardscan.Members) -> tuple[li
                 rejected.append(r)
     if src.index is not None:  # rejections name the folder they came from
         rejected = [r.model_copy(update={"path": f"{src.index}//{r.path}"}) for r in rejected]
-    return records, rejected
+    records, misfits = masks.attach(records, cfg)
+    return records, rejected + misfits
 
 
 def _all_records(

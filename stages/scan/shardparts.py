@@ -157,7 +157,7 @@ def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[Part], int
 def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finished | None:
     """The scan of shard sources from kept parts; None where the dataset as a whole changes records."""
     cfg = ctx.cfg
-    if not sources or not all(is_container(s) for s in sources) or controls.paired(cfg) or cfg.dataset.masks:
+    if not sources or not all(is_container(s) for s in sources) or controls.paired(cfg):
         return None
     parts, out = [], Finished(parts=[], content="", accepted=0, conversions={})
     for src in sources:

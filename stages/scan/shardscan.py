@@ -24,6 +24,7 @@ from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.controls import source_roots
 from tuneline.stages.scan.images import Probe
 from tuneline.stages.scan.listing import Listing
+from tuneline.stages.scan.masks import ALPHA
 from tuneline.stages.scan.shardfs import ShardFile, detect, filesystem, list_shards
 from tuneline.stages.scan.shardindex import ShardIndex, index_parquet, index_tar
 
@@ -162,13 +163,16 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
 
 
 def _folders_only(cfg, src: Source, fmt: str) -> None:
-    """Masks and controls are matched to images as files beside them; shards and tables have none."""
+    """Mask and control folders are matched to images as files beside them; shards and tables have none (alpha
+    masks are the images' own alpha channel, read from the members)."""
     control, field = source_roots(cfg)[src.index]
-    used = (["dataset.masks"] if cfg.dataset.masks else []) + ([field] if control is not None else [])
+    folder_masks = cfg.dataset.masks not in (None, ALPHA)
+    used = (["dataset.masks"] if folder_masks else []) + ([field] if control is not None else [])
     if used:
         raise StageFailed(
             f"{src.field} {src.location} is a {fmt} source, and {' and '.join(used)} apply only to folders of "
-            f"image files: set {' and '.join(used)} to null, or unpack the source into a folder"
+            f"image files: set {' and '.join(used)} to null (dataset.masks may be alpha), or unpack the source "
+            f"into a folder"
         )
 
 

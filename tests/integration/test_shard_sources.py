@@ -20,12 +20,18 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 import yaml
+from PIL import Image
 
 from tests.integration.test_scan_stage import config, noise, scan
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.stages.common.hashing import canonical_json, digest
-from tuneline.stages.common.stage import StageContext, StageFailed, content_version
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import StageContext, StageFailed, content_version, run_stage
 from tuneline.stages.latents.encode import prepare, to_pixels
+from tuneline.stages.latents.masks import mask_file
+from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.scan import STAGE
 from tuneline.stages.scan.controls import consumed
 from tuneline.stages.scan.core import content
@@ -284,3 +290,33 @@ def test_masks_and_controls_with_a_shard_source_are_refused_naming_both_fields(t
     masks.mkdir()
     with pytest.raises(StageFailed, match=r"webdataset source, and dataset.masks apply only to folders .* set dataset"):
         scan(config(tmp_path, data, dataset={"masks": str(masks)}))
+
+
+def test_alpha_masks_of_shard_members_are_cached_from_their_byte_ranges(tmp_path):
+    """dataset.masks alpha with a webdataset source: a member's own alpha channel is its loss mask, read back by
+    byte range at caching time; a member without alpha weighs fully."""
+    alpha = np.zeros((64, 64), np.uint8)
+    alpha[:, 32:] = 255  # the right half is kept
+    rgba = np.dstack([np.asarray(noise((64, 64), seed=3)), alpha])
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
+    data = tmp_path / "shards"
+    data.mkdir()
+    with wds.TarWriter(str(data / "000000.tar")) as sink:
+        sink.write({"__key__": "cut", "png": buf.getvalue(), "txt": "a cut-out"})
+        sink.write({"__key__": "full", "png": png(size=(64, 64), seed=4), "txt": "a photo"})
+    raw = json.loads(json.dumps(DEMO_CONFIG))
+    raw |= {"workdir": str(tmp_path / "work"), "dataset": {"path": str(data), "demo": False, "masks": "alpha"}}
+    cfg = parse_config(raw, "<test>")
+    ctx = StageContext(cfg)
+    scan_dir, _ = run_stage(ctx, stage("scan"), PIPELINE)
+    kinds = {r["path"]: r["mask_kind"] for r in read_jsonl(scan_dir / "images.jsonl")}
+    assert kinds == {"000000.tar/cut.png": "alpha", "000000.tar/full.png": None}
+    lat, _ = run_stage(ctx, stage("latents"), PIPELINE)
+    manifest = json.loads((lat / "manifest.json").read_text())
+    assert manifest["masked"] == 1
+    rows = {r["path"]: r for r in read_jsonl(lat / "index.jsonl")}
+    planes = np.load(mask_file(lat, rows["000000.tar/cut.png"]["bucket"]))
+    cut, full = planes[rows["000000.tar/cut.png"]["row"]], planes[rows["000000.tar/full.png"]["row"]]
+    half = cut.shape[1] // 2
+    assert (cut[:, :half] == 0).all() and (cut[:, half:] == 1).all() and (full == 1).all()
