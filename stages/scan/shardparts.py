@@ -150,8 +150,7 @@ def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[Part], int
         ctx.cache.setdefault(shardscan.READ_KEY, []).extend(read)
         shardscan.prune(folder, shards)
         shardscan.prune(shardscan.index_dir(ctx, src), shards)
-    reopened = sum(len(i.members) for i in indexes if i.rel in set(read))
-    return [kept[s.rel] for s in shards], reopened
+    return [kept[s.rel] for s in shards], shardscan.reopened(indexes, read)
 
 
 def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finished | None:

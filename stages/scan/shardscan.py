@@ -26,7 +26,7 @@ from tuneline.stages.scan.images import Probe
 from tuneline.stages.scan.listing import Listing
 from tuneline.stages.scan.masks import ALPHA
 from tuneline.stages.scan.shardfs import ShardFile, detect, filesystem, list_shards
-from tuneline.stages.scan.shardindex import ShardIndex, index_parquet, index_tar
+from tuneline.stages.scan.shardindex import Progress, ShardIndex, index_parquet, index_tar
 
 # Shards are read whole and streamed: a few at once keep a network store busy while headers parse.
 WORKERS = min(4, 2 * (os.cpu_count() or 1))
@@ -73,6 +73,11 @@ def index_dir(ctx, src: Source) -> Path:
 
 def kept_file(folder: Path, shard: ShardFile) -> Path:
     return folder / f"{digest(shard.rel)}.json"
+
+
+def progress_file(folder: Path, shard: ShardFile) -> Path:
+    """How far an unfinished pass over the shard got (shardindex.Progress); pruned with the rest when it ends."""
+    return folder / f"{digest(shard.rel)}.progress.json"
 
 
 def load_kept(ctx, path: Path, identity: str) -> dict | None:
@@ -142,6 +147,11 @@ def members(ctx, src: Source, pairs: list[tuple[ShardFile, ShardIndex]]) -> Memb
     return out
 
 
+def reopened(indexes: list[ShardIndex], read: list[str]) -> int:
+    """Images read now: the members of the shards read, but for those a killed pass had read."""
+    return sum(len(i.members) - i.resumed for i in indexes if i.rel in set(read))
+
+
 def listed(ctx, src: Source) -> tuple[str, list[ShardFile]]:
     """The source's format and shards (masks and controls refused: they are matched to files beside images)."""
     fmt = detect(src)
@@ -155,7 +165,7 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
     indexes, read = shard_indexes(ctx, src, fmt, shards, keep=keeps(ctx, save))
     out = members(ctx, src, list(zip(shards, indexes, strict=True)))
     out.read = read
-    out.reopened = sum(len(i.members) for i in indexes if i.rel in set(read))
+    out.reopened = reopened(indexes, read)
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
         ctx.cache.setdefault(READ_KEY, []).extend(read)
         prune(index_dir(ctx, src), shards)
@@ -183,13 +193,21 @@ def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path |
     reported, done, out = time.monotonic(), 0, {}
 
     def one(shard: ShardFile) -> ShardIndex:
-        return index_tar(fs, shard, cfg) if fmt == "webdataset" else index_parquet(fs, shard, cfg)
+        if fmt != "webdataset":
+            return index_parquet(fs, shard, cfg)
+        if folder is None:
+            return index_tar(fs, shard, cfg)
+        partial = progress_file(folder, shard)
+        row = load_kept(ctx, partial, shard.identity)
+        resume = Progress(**row) if row is not None else None
+        return index_tar(fs, shard, cfg, resume, lambda p: save_kept(partial, json.dumps(p.as_json()).encode()))
 
     with ThreadPoolExecutor(WORKERS) as pool:
         for shard, index in zip(todo, pool.map(one, todo), strict=True):
             out[index.rel] = index
             if folder is not None:
                 save_kept(kept_file(folder, shard), json.dumps(index.as_json(), ensure_ascii=False).encode())
+                progress_file(folder, shard).unlink(missing_ok=True)
             done += 1
             if done == len(todo) or time.monotonic() - reported >= 0.5:
                 reported = time.monotonic()
