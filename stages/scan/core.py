@@ -305,10 +305,7 @@ class Scanned:
 
     def write(self, path: Path) -> int:
         """images.jsonl; returns the number of records."""
-        if self.finished is None:
-            return write_jsonl(path, self.records)
-        self.finished.write(path)
-        return self.finished.accepted
+        return write_jsonl(path, self.records) if self.finished is None else self.finished.write(path)
 
     def content(self) -> str:
         return self.finished.content if self.finished else content_digest(self.records)

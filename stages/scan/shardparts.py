@@ -76,10 +76,12 @@ class Finished:
     sources: list[dict] = field(default_factory=list)
     reopened: int = 0
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path) -> int:
+        """images.jsonl; returns the number of records."""
         with open(path, "wb", buffering=0) as out:
             for p in self.parts:
                 p.copy_to(out)
+        return self.accepted
 
 
 def _write(out, data: bytes) -> int:
