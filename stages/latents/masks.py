@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tuneline.schemas.scan import ImageRecord
+from tuneline.schemas.scan import ImageRecord, Location
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.scan.images import TRANSPOSE
+from tuneline.stages.scan.members import open_image
 
 FOLDER = "masks"
 
@@ -26,12 +27,12 @@ def mask_file(artifact_dir: Path, bucket: str) -> Path:
     return Path(artifact_dir) / FOLDER / f"{bucket}.npy"
 
 
-def _plane(rec: ImageRecord, image_root: Path, mask_root: Path | None, grid: tuple[int, int]) -> np.ndarray:
+def _plane(rec: ImageRecord, image_root: Path | Location, mask_root: Path | None, grid: tuple[int, int]) -> np.ndarray:
     """One record's mask cropped and averaged down to the (h, w) latent grid, values in [0, 1]."""
     if rec.mask_kind is None:
         return np.ones(grid, np.float16)
-    if rec.mask_kind == "alpha":
-        with Image.open(image_root / rec.path) as im:
+    if rec.mask_kind == "alpha":  # a file, or a shard's member read by its byte range
+        with Image.open(open_image(image_root, rec)) as im:
             mask = im.convert("RGBA").getchannel("A")
         if rec.orientation in TRANSPOSE:
             mask = mask.transpose(TRANSPOSE[rec.orientation])
@@ -52,7 +53,7 @@ def write_masks(
     work: Path,
     index: list[dict],
     records: list[ImageRecord],
-    roots: dict[int | None, Path],
+    roots: dict[int | None, Path | Location],
     mask_root: Path | None,
     vae_factor: int,
 ) -> int:

@@ -108,18 +108,19 @@ def fingerprint(found: dict[str, Folder]) -> str | None:
     return digest(prints[0] if len(prints) == 1 else prints)
 
 
-def consumed(r: ImageRecord) -> dict:
+def consumed(r: ImageRecord, dumped: dict | None = None) -> dict:
     """A record as later stages consume it: without control fields when it has no control, so a dataset without
     pairs keeps the scan version it had before paired datasets existed (and control_references when null, so one
-    control per image keeps its version too)."""
+    control per image keeps its version too). `dumped`: the record's JSON dump where the caller has made it."""
+    d = r.model_dump(mode="json") if dumped is None else dumped
     skip = {"mtime_ns"} | (set(FIELDS) if r.control_path is None else set())
     skip |= {"control_references"} if r.control_references is None else set()
     if r.shard is None:  # a folder's records keep their version
         skip |= set(MEMBER_FIELDS)
     else:
-        skip |= {f for f, v in r.model_dump(include=set(MEMBER_FIELDS)).items() if v is None}
+        skip |= {f for f in MEMBER_FIELDS if d[f] is None}
     skip |= set(CLIP_FIELDS) if r.frames is None else set()  # an image family's records keep their version
-    return r.model_dump(mode="json", exclude=skip)
+    return {k: v for k, v in d.items() if k not in skip}
 
 
 def _probe(path: Path, root: Path) -> ControlFile | str:

@@ -20,7 +20,7 @@ from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
 from tuneline.stages.common.stage import StageFailed
-from tuneline.stages.scan import buckets as bk, controls, images, masks, report, shardscan, video
+from tuneline.stages.scan import buckets as bk, controls, images, masks, report, shardparts, shardscan, video
 from tuneline.stages.scan.captions import CaptionError, Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
@@ -222,27 +222,32 @@ def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[R
     cfg = ctx.cfg
     if is_container(src):  # webdataset / parquet (stages/scan/shardscan.py)
         got = shardscan.scan_source(ctx, src, save=save)
-        probes, reopened, captions, problems, member = got.probes, got.reopened, got.captions, got.problems, got.fields
     else:
         listing = _listing(ctx, src)
         probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src))
         if save:
             save_probe_cache(ctx, src.root, probes)
         captions = Captions(listing, _source_cfg(cfg, src))
-        problems, member = listing.problems, {}
-    records, rejected, seen = [], [*problems, *captions.problems], set()
+        got = shardscan.Members(probes, captions, listing.problems, reopened)
+    records, rejected = _built(cfg, src, got)
+    return records, rejected, got.reopened
+
+
+def _built(cfg: PipelineConfig, src: Source, got: shardscan.Members) -> tuple[list[ImageRecord], list[Rejected]]:
+    """A folder's or shards' records (with their masks) and rejections, before controls and the bucket plan."""
+    records, rejected, seen = [], [*got.problems, *got.captions.problems], set()
     for resolution, policy in policies(cfg):
         # With several folders records name their folder and their resolution (docs/design.md).
         recorded = cfg.buckets.resolution if resolution is None and src.index is not None else resolution
-        for probe in probes:
-            r = make_record(probe, captions, policy, cfg)
+        for probe in got.probes:
+            r = make_record(probe, got.captions, policy, cfg)
             r = video.clips(r, probe, cfg) if isinstance(r, ImageRecord) else r  # a video family's clips
             if isinstance(r, list):
                 for c in r:
                     if (c.ref, c.bucket_width, c.bucket_height) in seen:  # two resolutions, one bucket: once
                         continue
                     seen.add((c.ref, c.bucket_width, c.bucket_height))
-                    update = {"resolution": recorded, "source": src.index, **member.get(c.path, {})}
+                    update = {"resolution": recorded, "source": src.index, **got.fields.get(c.path, {})}
                     records.append(c.model_copy(update=update))
             elif (r.path, r.reason) not in seen:  # an unreadable file is rejected once, not per resolution
                 seen.add((r.path, r.reason))
@@ -250,7 +255,7 @@ def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[R
     if src.index is not None:  # rejections name the folder they came from
         rejected = [r.model_copy(update={"path": f"{src.index}//{r.path}"}) for r in rejected]
     records, misfits = masks.attach(records, cfg)
-    return records, rejected + misfits, reopened
+    return records, rejected + misfits
 
 
 def _all_records(
@@ -296,6 +301,14 @@ class Scanned:
     groups: list[list[str]]
     plan: dict
     rows: list
+    finished: shardparts.Finished | None = None  # shard sources: images.jsonl and its digest, from kept parts
+
+    def write(self, path: Path) -> int:
+        """images.jsonl; returns the number of records."""
+        return write_jsonl(path, self.records) if self.finished is None else self.finished.write(path)
+
+    def content(self) -> str:
+        return self.finished.content if self.finished else content_digest(self.records)
 
 
 class NoBatch(Exception):
@@ -307,6 +320,9 @@ class NoBatch(Exception):
 def scanned(ctx, sources: list[Source], *, save: bool = True) -> Scanned:
     """Records, rejections and the bucket plan; `save` remembers the probes for the next scan."""
     cfg = ctx.cfg
+    recipe = [stage_config(cfg), str(facts(cfg.model.family))]
+    if fin := shardparts.finished(ctx, sources, recipe, partial(_built, cfg), save=save):
+        return Scanned([], fin.rejected, fin.reopened, fin.sources, [], fin.groups, fin.plan, fin.rows, fin)
     records, rejected, reopened, source_rows, unmatched = _all_records(ctx, sources, save=save)
     groups = bk.duplicate_groups(records)
     if cfg.dataset.duplicates == "reject":
@@ -331,7 +347,10 @@ def content_digest(records: list[ImageRecord]) -> str:
 
 def content(ctx) -> str | None:
     """The content digest a scan would publish now, writing nothing: files whose size and mtime the last scan
-    recorded are not reopened, so a touched file costs one hash. None when the scan would fail."""
+    recorded are not reopened, so a touched file costs one hash. None when the scan would fail, and before any
+    scan was published (no version to reuse: a status check then reads no image and no shard)."""
+    if ctx.store.latest("scan") is None:
+        return None
     sources = dataset_sources(ctx.cfg)
     try:
         if any(not is_container(src) and not src.root.is_dir() for src in sources):
@@ -339,7 +358,7 @@ def content(ctx) -> str | None:
     except StageFailed:
         return None
     try:
-        return content_digest(scanned(ctx, sources, save=False).records)
+        return scanned(ctx, sources, save=False).content()
     except (StageFailed, NoBatch):
         return None
 
@@ -360,26 +379,26 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     except NoBatch as err:
         write_jsonl(work / "rejected.jsonl", err.rejected)
         raise _no_batch(root, work, err.rejected, err.err) from None
-    records, rejected, unmatched = got.records, got.rejected, got.unmatched
-    write_jsonl(work / "images.jsonl", records)
+    records, rejected, unmatched, fin = got.records, got.rejected, got.unmatched, got.finished
+    accepted = got.write(work / "images.jsonl")
     write_jsonl(work / "rejected.jsonl", rejected)
-    report.publish(ctx, root, got.rows, got.plan, rejected, got.reopened, len(records), got.groups)
+    report.publish(ctx, root, got.rows, got.plan, rejected, got.reopened, accepted, got.groups)
     if unmatched:
         ctx.log.warning("scan: %d control images pair with no image, e.g. %s", len(unmatched), unmatched[0])
     return {
         "alignment": alignment(cfg),
         "dataset_root": sources[0].location,
-        "accepted": len(records),
+        "accepted": accepted,
         "rejected": len(rejected),
         "buckets": got.rows,
         "duplicates": got.groups,
         "rejected_by_kind": dict(sorted(Counter(r.kind for r in rejected).items())),
-        "conversions": bk.conversions(records),
+        "conversions": fin.conversions if fin else bk.conversions(records),
         "reopened": got.reopened,
         "sources": got.sources if sources[0].index is not None else [],
         "control_root": str(controls.control_root(cfg)) if cfg.dataset.control else None,
         "unmatched_controls": unmatched,
-        "content_digest": content_digest(records),
+        "content_digest": got.content(),
         "storage_options": {s.location: s.storage_options for s in sources if s.storage_options},
         "shards_read": ctx.cache.pop(shardscan.READ_KEY, []),
     }

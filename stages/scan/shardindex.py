@@ -14,6 +14,7 @@ import hashlib
 import json
 import posixpath
 import tarfile
+import time
 from dataclasses import dataclass, field
 
 from tuneline.schemas.scan import DatasetConfig, Rejected
@@ -22,7 +23,9 @@ from tuneline.stages.scan.captions import AUTO_FIELDS
 from tuneline.stages.scan.images import probe_bytes
 from tuneline.stages.scan.shardfs import ShardFile
 
-END_BLOCKS = 1024  # a tar archive ends with two zero blocks of 512 bytes
+BLOCK = 512  # a tar archive's unit: headers and padded member data
+END_BLOCKS = 2 * BLOCK  # a tar archive ends with two zero blocks
+CHECKPOINT_S = 5.0
 
 
 @dataclass
@@ -31,10 +34,11 @@ class ShardIndex:
 
     rel: str
     identity: str
-    sha256: str = ""  # the whole shard's (webdataset); parquet rows carry their own hashes
+    sha256: str = ""  # the whole shard's (webdataset, read in one pass); parquet rows carry their own hashes
     members: list[dict] = field(default_factory=list)  # a Probe's fields + offset | row_group, row
     captions: dict[str, list[str]] = field(default_factory=dict)  # image path -> [text, source]
     problems: list[dict] = field(default_factory=list)  # Rejected rows
+    resumed: int = 0  # members found by an earlier, killed pass (not read by this one)
 
     def as_json(self) -> dict:
         return dict(self.__dict__)
@@ -69,29 +73,44 @@ def split_key(name: str) -> tuple[str, str]:
     return posixpath.join(folder, stem), ext.lower()
 
 
-def index_tar(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
-    out = ShardIndex(shard.rel, shard.identity)
+@dataclass
+class Progress:
+    """How far a pass over a shard got: what it found so far and where the next member's header starts. Kept
+    every CHECKPOINT_S while a long shard is read, so a killed scan resumes inside it."""
+
+    rel: str
+    identity: str
+    at: int = 0  # byte offset of the next member's header
+    members: list[dict] = field(default_factory=list)
+    texts: dict[str, list[str]] = field(default_factory=dict)  # key -> [text, source]
+    problems: list[dict] = field(default_factory=list)
+    last: str | None = None  # the last member read
+
+    def as_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def index_tar(fs, shard: ShardFile, cfg: DatasetConfig, resume: Progress | None = None, keep=None) -> ShardIndex:
+    """One streaming pass over a webdataset shard, from where `resume` stopped; `keep(progress)` is called every
+    CHECKPOINT_S with how far it got."""
+    p = resume if resume is not None and resume.identity == shard.identity else Progress(shard.rel, shard.identity)
+    out = ShardIndex(shard.rel, shard.identity, members=p.members, problems=p.problems, resumed=len(p.members))
     images = {e.lower().lstrip(".") for e in cfg.extensions}
-    captions: dict[str, list[str]] = {}
-    texts: dict[str, tuple[str, str]] = {}
-    last = None
+    base, kept = p.at, time.monotonic()
     with fs.open(shard.path, "rb") as raw:
+        raw.seek(base)
         stream = _Hashing(raw)
         try:
             with tarfile.open(fileobj=stream, mode="r|") as tf:
                 for ti in tf:
                     if not ti.isfile() or posixpath.basename(ti.name).startswith("."):
                         continue
-                    last = ti.name
-                    data = tf.extractfile(ti).read()
-                    key, ext = split_key(ti.name)
-                    if ext in images:
-                        probe = probe_bytes(data, member_path(shard.rel, ti.name)).as_json()
-                        out.members.append(probe | {"offset": ti.offset_data, "key": key})
-                    elif ext == cfg.caption_extension.lower().lstrip("."):
-                        texts[key] = (_text(out, shard, ti.name, data), "sidecar")
-                    elif ext == "json":
-                        texts.setdefault(key, (_json_caption(out, shard, ti.name, data, cfg), "metadata"))
+                    p.last = ti.name
+                    _member(out, p, shard, ti, tf.extractfile(ti).read(), base + ti.offset_data, images, cfg)
+                    p.at = base + ti.offset_data + -(-ti.size // BLOCK) * BLOCK
+                    if keep is not None and time.monotonic() - kept >= CHECKPOINT_S:
+                        keep(p)
+                        kept = time.monotonic()
             stream.read()  # the shard's hash covers its padding too
             if not stream.ended():
                 raise tarfile.ReadError("no end-of-archive blocks")
@@ -101,7 +120,7 @@ def index_tar(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
                 "credentials (dataset.storage_options, TUNELINE_REMOTE_OPTIONS) and rerun `tuneline stage scan`"
             ) from err
         except (tarfile.TarError, EOFError) as err:
-            where = f"after member {last}" if last else "at its start"
+            where = f"after member {p.last}" if p.last else "at its start"
             out.problems.append(
                 _problem(
                     shard.name,
@@ -110,11 +129,21 @@ def index_tar(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
                     f"upload or copy; re-copy the shard (the members before the break are used)",
                 )
             )
-    for m in out.members:
-        if m["key"] in texts:
-            captions[m["path"]] = list(texts[m["key"]])
-    out.captions, out.sha256 = captions, stream.sha.hexdigest()
+    out.captions = {m["path"]: list(p.texts[m["key"]]) for m in out.members if m["key"] in p.texts}
+    out.sha256 = "" if base else stream.sha.hexdigest()
     return out
+
+
+def _member(out: ShardIndex, p: Progress, shard: ShardFile, ti, data: bytes, offset: int, images, cfg) -> None:
+    """One member: an image's probe and where its bytes are, or a caption of the key."""
+    key, ext = split_key(ti.name)
+    if ext in images:
+        probe = probe_bytes(data, member_path(shard.rel, ti.name)).as_json()
+        out.members.append(probe | {"offset": offset, "key": key})
+    elif ext == cfg.caption_extension.lower().lstrip("."):
+        p.texts[key] = [_text(out, shard, ti.name, data), "sidecar"]
+    elif ext == "json":
+        p.texts.setdefault(key, [_json_caption(out, shard, ti.name, data, cfg), "metadata"])
 
 
 def _problem(path: str, kind: str, reason: str) -> dict:

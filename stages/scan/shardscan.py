@@ -1,10 +1,9 @@
 """The scan of a webdataset or parquet source: shards whose identity the last scan recorded are not read again.
 
-The index of every shard (shardindex.py) is remembered beside the scan's versions, one file per source: a
+The index of every shard (shardindex.py) is remembered beside the scan's versions, one file per shard: a
 scheduled run over a bucket where one shard landed lists the prefix, reads that one shard and reuses the rest.
 A shard whose identity changed is read again; when its bytes did not change (a re-upload) it yields the same
-records, so the scan's version stays. A killed scan keeps the shards it finished (`.progress`) and resumes after
-them.
+records, so the scan's version stays. A killed scan keeps the shards it finished and resumes after them.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.controls import source_roots
 from tuneline.stages.scan.images import Probe
 from tuneline.stages.scan.listing import Listing
-from tuneline.stages.scan.probecache import load_rows, save_rows
+from tuneline.stages.scan.masks import ALPHA
 from tuneline.stages.scan.shardfs import ShardFile, detect, filesystem, list_shards
-from tuneline.stages.scan.shardindex import ShardIndex, index_parquet, index_tar
+from tuneline.stages.scan.shardindex import Progress, ShardIndex, index_parquet, index_tar
 
 # Shards are read whole and streamed: a few at once keep a network store busy while headers parse.
 WORKERS = min(4, 2 * (os.cpu_count() or 1))
@@ -65,88 +64,150 @@ def fingerprint(src: Source) -> dict:
     return {"dataset": src.location, "shards": len(shards), "listing": digest([(s.rel, s.identity) for s in shards])}
 
 
-def _cache_path(ctx, src: Source) -> Path:
-    """One index per source and per the settings that decide what an index holds."""
+def index_dir(ctx, src: Source) -> Path:
+    """One folder per source and per the settings that decide what an index holds; a file per shard in it."""
     d = ctx.cfg.dataset
     reads = [d.image_column, d.caption_column, src.caption_extension, d.metadata_caption_field, d.extensions]
-    return ctx.store.stage_dir("scan") / f".shards-{digest([src.location, reads, code_version('scan')])}.jsonl"
+    return ctx.store.stage_dir("scan") / f".shards-{digest([src.location, reads, code_version('scan')])}"
 
 
-def _load(ctx, src: Source) -> dict[str, ShardIndex]:
-    indexes = load_rows(ctx, _cache_path(ctx, src), lambda row: ShardIndex(**row), "every shard is read")
-    return {i.rel: i for i in indexes}
+def kept_file(folder: Path, shard: ShardFile) -> Path:
+    return folder / f"{digest(shard.rel)}.json"
 
 
-def scan_source(ctx, src: Source, *, save: bool) -> Members:
-    """Every member's probe and caption; shards with the recorded identity come from the saved index."""
-    fmt = detect(src)
-    _folders_only(ctx.cfg, src, fmt)
-    shards = list_shards(src, fmt)
-    progress = _cache_path(ctx, src).with_suffix(".progress")
-    previous = _load(ctx, src) | _resumed(progress)
-    todo = [s for s in shards if previous.get(s.rel) is None or previous[s.rel].identity != s.identity]
-    fresh = _index_all(ctx, src, fmt, todo, progress if save else None)
-    indexes = [fresh.get(s.rel) or previous[s.rel] for s in shards]
-    if save:
-        save_rows(_cache_path(ctx, src), [i.as_json() for i in indexes])
-        progress.unlink(missing_ok=True)
-    out = Members(read=[s.rel for s in todo])
+def progress_file(folder: Path, shard: ShardFile) -> Path:
+    """How far an unfinished pass over the shard got (shardindex.Progress); pruned with the rest when it ends."""
+    return folder / f"{digest(shard.rel)}.progress.json"
+
+
+def load_kept(ctx, path: Path, identity: str) -> dict | None:
+    """A shard's kept JSON object when it describes this identity; anything unreadable means the shard is read."""
+    try:
+        row = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        ctx.log.warning("scan: ignoring the cache %s (%s); its shard is read again", path, err)
+        return None
+    return row if isinstance(row, dict) and row.get("identity") == identity else None
+
+
+def save_kept(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # atomic: a killed scan leaves whole files only
+
+
+def prune(folder: Path, shards: list[ShardFile]) -> None:
+    """Drop what is kept for shards no longer listed (removed from the source), so a bucket's churn does not pile up."""
+    keep = {kept_file(folder, s).name for s in shards}
+    for path in folder.glob("*.json"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
+
+
+def keeps(ctx, save: bool) -> bool:
+    """Whether a scan keeps what it reads: a build does; a status check's dry scan does where a scan ran before (the
+    next check and the build then read nothing again), and creates no workdir."""
+    return save or ctx.store.stage_dir("scan").is_dir()
+
+
+def shard_indexes(
+    ctx, src: Source, fmt: str, shards: list[ShardFile], *, keep: bool
+) -> tuple[list[ShardIndex], list[str]]:
+    """Each shard's index, and the shards read now: with `keep`, an index is kept as soon as its shard is read (a
+    killed scan resumes after the shards it finished)."""
+    folder = index_dir(ctx, src)
+    previous = {}
+    for s in shards:
+        if (row := load_kept(ctx, kept_file(folder, s), s.identity)) is not None:
+            try:
+                previous[s.rel] = ShardIndex(**row)
+            except TypeError as err:
+                ctx.log.warning("scan: ignoring the cache of shard %s (%s); it is read again", s.name, err)
+    todo = [s for s in shards if s.rel not in previous]
+    fresh = _index_all(ctx, src, fmt, todo, folder if keep else None)
+    return [fresh.get(s.rel) or previous[s.rel] for s in shards], [s.rel for s in todo]
+
+
+def members(ctx, src: Source, pairs: list[tuple[ShardFile, ShardIndex]]) -> Members:
+    """The scan's view of these shards' members: probes, captions, problems, where each image is."""
+    out = Members()
     known: dict[str, list[str]] = {}
-    for shard, index in zip(shards, indexes, strict=True):
+    for shard, index in pairs:
         known |= index.captions
         out.problems += [Rejected(**p) for p in index.problems]
         for m in index.members:
             out.fields[m["path"]] = {k: m[k] for k in MEMBER_FIELDS if k in m} | {"shard": shard.rel}
             out.probes.append(Probe(**{k: v for k, v in m.items() if k not in (*MEMBER_FIELDS, "key")}))
-    out.reopened = sum(len(fresh[s.rel].members) for s in todo)
     out.captions = MemberCaptions(
         ctx.cfg.dataset.model_copy(update={"caption_extension": src.caption_extension}), known
     )
+    return out
+
+
+def reopened(indexes: list[ShardIndex], read: list[str]) -> int:
+    """Images read now: the members of the shards read, but for those a killed pass had read."""
+    return sum(len(i.members) - i.resumed for i in indexes if i.rel in set(read))
+
+
+def listed(ctx, src: Source) -> tuple[str, list[ShardFile]]:
+    """The source's format and shards (masks and controls refused: they are matched to files beside images)."""
+    fmt = detect(src)
+    _folders_only(ctx.cfg, src, fmt)
+    return fmt, list_shards(src, fmt)
+
+
+def scan_source(ctx, src: Source, *, save: bool) -> Members:
+    """Every member's probe and caption; shards with the recorded identity come from their kept index."""
+    fmt, shards = listed(ctx, src)
+    indexes, read = shard_indexes(ctx, src, fmt, shards, keep=keeps(ctx, save))
+    out = members(ctx, src, list(zip(shards, indexes, strict=True)))
+    out.read = read
+    out.reopened = reopened(indexes, read)
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
-        ctx.cache.setdefault(READ_KEY, []).extend(out.read)
+        ctx.cache.setdefault(READ_KEY, []).extend(read)
+        prune(index_dir(ctx, src), shards)
     return out
 
 
 def _folders_only(cfg, src: Source, fmt: str) -> None:
-    """Masks and controls are matched to images as files beside them; shards and tables have none."""
+    """Mask and control folders are matched to images as files beside them; shards and tables have none (alpha
+    masks are the images' own alpha channel, read from the members)."""
     control, field = source_roots(cfg)[src.index]
-    used = (["dataset.masks"] if cfg.dataset.masks else []) + ([field] if control is not None else [])
+    folder_masks = cfg.dataset.masks not in (None, ALPHA)
+    used = (["dataset.masks"] if folder_masks else []) + ([field] if control is not None else [])
     if used:
         raise StageFailed(
             f"{src.field} {src.location} is a {fmt} source, and {' and '.join(used)} apply only to folders of "
-            f"image files: set {' and '.join(used)} to null, or unpack the source into a folder"
+            f"image files: set {' and '.join(used)} to null (dataset.masks may be alpha), or unpack the source "
+            f"into a folder"
         )
 
 
-def _resumed(progress: Path) -> dict[str, ShardIndex]:
-    """Shards a killed scan finished indexing (one JSON line each, appended as each finished); a line cut by the
-    kill ends what is kept."""
-    out: dict[str, ShardIndex] = {}
-    try:
-        with open(progress, "rb") as f:
-            for line in f:
-                index = ShardIndex(**json.loads(line))
-                out[index.rel] = index
-    except (FileNotFoundError, ValueError, TypeError):  # none yet, or the line the kill cut
-        pass
-    return out
-
-
-def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], progress: Path | None) -> dict[str, ShardIndex]:
-    """Index the shards; each finished one is appended to `progress` at once, so a killed scan resumes after it."""
+def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path | None) -> dict[str, ShardIndex]:
+    """Index the shards; each finished one is kept at once, so a killed scan resumes after it."""
     fs, _ = filesystem(src.location, src.storage_options)
     cfg = ctx.cfg.dataset.model_copy(update={"caption_extension": src.caption_extension})
     reported, done, out = time.monotonic(), 0, {}
 
     def one(shard: ShardFile) -> ShardIndex:
-        return index_tar(fs, shard, cfg) if fmt == "webdataset" else index_parquet(fs, shard, cfg)
+        if fmt != "webdataset":
+            return index_parquet(fs, shard, cfg)
+        if folder is None:
+            return index_tar(fs, shard, cfg)
+        partial = progress_file(folder, shard)
+        row = load_kept(ctx, partial, shard.identity)
+        resume = Progress(**row) if row is not None else None
+        return index_tar(fs, shard, cfg, resume, lambda p: save_kept(partial, json.dumps(p.as_json()).encode()))
 
     with ThreadPoolExecutor(WORKERS) as pool:
-        for index in pool.map(one, todo):
+        for shard, index in zip(todo, pool.map(one, todo), strict=True):
             out[index.rel] = index
-            if progress is not None:
-                with open(progress, "ab") as f:
-                    f.write(json.dumps(index.as_json()).encode() + b"\n")
+            if folder is not None:
+                save_kept(kept_file(folder, shard), json.dumps(index.as_json(), ensure_ascii=False).encode())
+                progress_file(folder, shard).unlink(missing_ok=True)
             done += 1
             if done == len(todo) or time.monotonic() - reported >= 0.5:
                 reported = time.monotonic()

@@ -1,10 +1,12 @@
 """WebDataset shards in object storage (the suite's loopback moto server): the scan lists the prefix and reads
 shards through fsspec with secrets from the environment, a scheduled rescan reads only the shard that landed,
-and the latents stage caches every image from its byte range (the same pixels as from a local copy)."""
+the latents stage caches every image from its byte range (the same pixels as from a local copy), and the
+caches train."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from tests.integration.test_s3_remote import BUCKET, CREDS, s3  # noqa: F401  (s3: the moto server fixture)
 from tests.integration.test_shard_sources import write_parquet, write_shard
+from tests.trainer import steps, trainer_for
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.scan import ImageRecord, Location, ScanManifest
@@ -40,7 +43,7 @@ def _build(cfg, *names: str) -> dict[str, Path]:
     return {name: run_stage(ctx, stage(name), PIPELINE)[0] for name in names}
 
 
-def test_shards_on_s3_scan_incrementally_and_cache_the_same_latents_as_locally(tmp_path, s3):  # noqa: F811
+def test_shards_on_s3_scan_incrementally_cache_the_same_latents_as_locally_and_train(tmp_path, s3):  # noqa: F811
     local = tmp_path / "shards"
     local.mkdir()
     write_shard(local / "000000.tar", 0, 4)
@@ -68,6 +71,11 @@ def test_shards_on_s3_scan_incrementally_and_cache_the_same_latents_as_locally(t
     for rec in map(ImageRecord.model_validate, records):
         remote_pixels, local_pixels = prepare(roots[None], rec), prepare(local, rec)
         assert not isinstance(remote_pixels, str) and torch.equal(remote_pixels, local_pixels)
+
+    _build(cfg, "text")  # and it trains on them (the in-process trainer over the published caches)
+    trainer = trainer_for(cfg, StageContext(cfg))
+    steps(trainer, 2)
+    assert len(trainer.losses) == 2 and all(map(math.isfinite, trainer.losses))
 
     write_shard(local / "000002.tar", 8, 2)  # next week's shard lands in the bucket
     remote.fs.put_file(str(local / "000002.tar"), f"{BUCKET}/data/weekly/000002.tar")

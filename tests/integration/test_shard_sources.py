@@ -4,6 +4,7 @@ read back by byte range exactly as the same images in a folder are."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -19,11 +20,21 @@ import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 import yaml
+from PIL import Image
 
 from tests.integration.test_scan_stage import config, noise, scan
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.scan import ImageRecord, ScanManifest
-from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.common.hashing import canonical_json, digest
+from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.stage import StageContext, StageFailed, content_version, run_stage
 from tuneline.stages.latents.encode import prepare, to_pixels
+from tuneline.stages.latents.masks import mask_file
+from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.scan import STAGE
+from tuneline.stages.scan.controls import consumed
+from tuneline.stages.scan.core import content
 from tuneline.stages.scan.images import load_rgb
 
 
@@ -133,6 +144,61 @@ def test_mixed_folder_asks_for_a_format(tmp_path):
     assert json.dumps(records)  # records stay plain JSON
 
 
+def test_an_incremental_scan_publishes_what_a_cold_scan_of_the_same_shards_does(tmp_path):
+    """Unchanged shards' finished records are reused whole (stages/scan/shardparts.py): the rescan after a shard
+    landed publishes the cold scan's images.jsonl byte for byte and its version, at two resolutions, with a
+    rejected member and identical content across shards."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 3)
+    with wds.TarWriter(str(data / "000001.tar")) as sink:
+        sink.write({"__key__": "big", "png": png(size=(64, 40), seed=7), "txt": "wide"})
+        sink.write({"__key__": "same", "png": png(seed=1), "txt": "a copy of s0001"})
+        sink.write({"__key__": "bad", "png": b"not an image", "txt": "broken"})
+    sections = {"buckets": {"resolutions": [32, 48]}}
+    incremental = config(tmp_path / "incremental", data, **sections)
+    scan(incremental)
+    write_shard(data / "000002.tar", 3, 2, json_captions=True)  # the weekly shard lands
+    version, _, records, rejected, manifest = scan(incremental)
+    assert manifest["shards_read"] == ["000002.tar"] and manifest["reopened"] == 2
+    cold, _, _, rejected_cold, manifest_cold = scan(config(tmp_path / "cold", data, **sections))
+    assert sorted(manifest_cold["shards_read"]) == ["000000.tar", "000001.tar", "000002.tar"]
+    assert (version / "images.jsonl").read_bytes() == (cold / "images.jsonl").read_bytes()
+    assert len(list(version.parent.glob(".parts-*/*.json"))) == 3  # published from the shards' kept parts
+    assert version.name == cold.name
+    assert rejected == rejected_cold and list(rejected) == ["000001.tar/bad.png"]
+    assert manifest["duplicates"] == [["000000.tar/s0001.png", "000001.tar/same.png"]]
+    # The version is the published records' own: per shard, the digest of what later stages consume of them.
+    lines = (version / "images.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * len(records) == 14
+    by_shard: dict[str, list[str]] = {}
+    for r in map(ImageRecord.model_validate_json, lines):
+        by_shard.setdefault(r.shard, []).append(canonical_json(consumed(r)))
+    parts = [hashlib.sha256(",".join(c).encode()).hexdigest() for _, c in sorted(by_shard.items())]
+    assert version.name == content_version(STAGE, manifest["code_version"], digest({"parts": parts}))
+
+
+def test_a_status_check_reads_a_new_shard_once_and_the_next_scan_not_again(tmp_path):
+    """`tuneline status` asks the scan what it would publish (a dry scan, stages/scan/core.py content()): the new
+    shard's index and records are kept from the first check, so later checks and the build read it no more."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 2)
+    cfg = config(tmp_path, data)
+    assert content(StageContext(cfg)) is None  # before any scan: no version to reuse, nothing read
+    assert not (cfg.workdir_path() / "artifacts").exists()
+    scan(cfg)
+    write_shard(data / "000001.tar", 2, 2)
+    predicted = content(StageContext(cfg))
+    kept = {p: p.stat().st_mtime_ns for p in (cfg.workdir_path() / "artifacts" / "scan").glob(".*/*.json")}
+    assert len(kept) == 4  # both shards' index and part
+    assert content(StageContext(cfg)) == predicted
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the second check rewrote nothing
+    version, _, records, _, manifest = scan(cfg)
+    assert manifest["shards_read"] == [] and len(records) == 4
+    assert version.name == content_version(STAGE, manifest["code_version"], predicted)
+
+
 def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
     """docs/artifacts.md's rows for shards: the scan's version (what later stages are built from) moves only with
     the records, and only new or changed shards are read."""
@@ -167,9 +233,29 @@ KILLED_SCAN = """
 import sys
 from tuneline.schemas.config import load_config
 from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.scan import STAGE
+from tuneline.stages.scan import STAGE, shardindex
+shardindex.CHECKPOINT_S = float(sys.argv[2])  # how often a long shard's progress is kept (5 s), shorter for a test
 run_stage(StageContext(load_config(sys.argv[1])), STAGE, [STAGE])
 """
+
+
+def _killed_when(cfg, tmp_path: Path, kept: str, checkpoint_s: float = 5.0) -> Path:
+    """Start a scan of `cfg` in its own process and SIGKILL it once a file matching `kept` appears in the scan's
+    kept indexes (.shards-*); the scan's stage folder."""
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg.dump()))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SCAN, str(cfg_file), str(checkpoint_s)], start_new_session=True
+    )
+    scan_dir = cfg.workdir_path() / "artifacts" / "scan"
+    deadline = time.monotonic() + 240
+    while not any(scan_dir.glob(f".shards-*/{kept}")):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the scan ended before {kept} was kept"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not [p for p in scan_dir.iterdir() if not p.name.startswith(".")]  # killed: nothing published
+    return scan_dir
 
 
 def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
@@ -178,22 +264,27 @@ def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
     for i in range(8):
         write_shard(data / f"{i:06d}.tar", i * 600, 600)
     cfg = config(tmp_path, data)
-    cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.dump()))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCAN, str(cfg_file)], start_new_session=True)
-    scan_dir = cfg.workdir_path() / "artifacts" / "scan"
-    deadline = time.monotonic() + 240
-    while not any(p.read_bytes().count(b"\n") for p in scan_dir.glob(".shards-*.progress")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the scan ended before a shard was indexed"
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    finished = {json.loads(line)["rel"] for p in scan_dir.glob(".shards-*.progress") for line in p.open("rb")}
-    assert not [p for p in scan_dir.iterdir() if not p.name.startswith(".")]  # killed: nothing published
+    scan_dir = _killed_when(cfg, tmp_path, "[0-9a-f]*[0-9a-f].json")  # each shard's index, kept once it is read
+    finished = {json.loads(p.read_bytes())["rel"] for p in scan_dir.glob(".shards-*/*[0-9a-f].json")}
     assert 1 <= len(finished) < 8
     _, _, records, _, manifest = scan(cfg)
     assert sorted(manifest["shards_read"]) == sorted({f"{i:06d}.tar" for i in range(8)} - finished)
     assert len(records) == 4800
+
+
+def test_a_scan_killed_inside_a_long_shard_resumes_where_it_stopped(tmp_path):
+    """A shard's progress (its members so far, the next header's offset) is kept while it is read: the rerun
+    reads only the rest of it and publishes what an uninterrupted scan does."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    write_shard(data / "000000.tar", 0, 3000)
+    cfg = config(tmp_path / "killed", data)
+    scan_dir = _killed_when(cfg, tmp_path, "*.progress.json", checkpoint_s=0.05)
+    resumed, _, records, _, manifest = scan(cfg)
+    assert len(records) == 3000 and 0 < manifest["reopened"] < 3000  # the members before the kill: not read again
+    assert not list(scan_dir.glob(".shards-*/*.progress.json"))
+    whole, _, _, _, _ = scan(config(tmp_path / "whole", data))
+    assert (whole / "images.jsonl").read_bytes() == (resumed / "images.jsonl").read_bytes()
 
 
 def test_sources_of_three_formats_in_one_dataset(tmp_path):
@@ -224,3 +315,33 @@ def test_masks_and_controls_with_a_shard_source_are_refused_naming_both_fields(t
     masks.mkdir()
     with pytest.raises(StageFailed, match=r"webdataset source, and dataset.masks apply only to folders .* set dataset"):
         scan(config(tmp_path, data, dataset={"masks": str(masks)}))
+
+
+def test_alpha_masks_of_shard_members_are_cached_from_their_byte_ranges(tmp_path):
+    """dataset.masks alpha with a webdataset source: a member's own alpha channel is its loss mask, read back by
+    byte range at caching time; a member without alpha weighs fully."""
+    alpha = np.zeros((64, 64), np.uint8)
+    alpha[:, 32:] = 255  # the right half is kept
+    rgba = np.dstack([np.asarray(noise((64, 64), seed=3)), alpha])
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
+    data = tmp_path / "shards"
+    data.mkdir()
+    with wds.TarWriter(str(data / "000000.tar")) as sink:
+        sink.write({"__key__": "cut", "png": buf.getvalue(), "txt": "a cut-out"})
+        sink.write({"__key__": "full", "png": png(size=(64, 64), seed=4), "txt": "a photo"})
+    raw = json.loads(json.dumps(DEMO_CONFIG))
+    raw |= {"workdir": str(tmp_path / "work"), "dataset": {"path": str(data), "demo": False, "masks": "alpha"}}
+    cfg = parse_config(raw, "<test>")
+    ctx = StageContext(cfg)
+    scan_dir, _ = run_stage(ctx, stage("scan"), PIPELINE)
+    kinds = {r["path"]: r["mask_kind"] for r in read_jsonl(scan_dir / "images.jsonl")}
+    assert kinds == {"000000.tar/cut.png": "alpha", "000000.tar/full.png": None}
+    lat, _ = run_stage(ctx, stage("latents"), PIPELINE)
+    manifest = json.loads((lat / "manifest.json").read_text())
+    assert manifest["masked"] == 1
+    rows = {r["path"]: r for r in read_jsonl(lat / "index.jsonl")}
+    planes = np.load(mask_file(lat, rows["000000.tar/cut.png"]["bucket"]))
+    cut, full = planes[rows["000000.tar/cut.png"]["row"]], planes[rows["000000.tar/full.png"]["row"]]
+    half = cut.shape[1] // 2
+    assert (cut[:, :half] == 0).all() and (cut[:, half:] == 1).all() and (full == 1).all()
