@@ -10,6 +10,8 @@ aspect buckets), so decoding and resizing cost what they cost on real data. In o
          pool, encoding, checks, Zarr writes, index, manifest and publish;
   naive  decode one image, encode it alone, `torch.save` its latent to a `.pt` (SimpleTuner-style); timed on
          every third image and scaled, since it is the slow one.
+Before the RESULT line, bench/video_cache.py's `clips_per_s_vs_encoder` line: the stage caching Wan clips against
+Wan's VAE encoder alone.
 The machine is shared and its load swings by 3x within a minute, so limit and stage alternate for ROUNDS
 rounds (the stage on a fresh workdir each time) and the fastest of each counts.
 """
@@ -167,6 +169,9 @@ def main() -> None:
             f"rounds: encoder alone {', '.join(f'{t:.1f}' for t in limits)} s; "
             f"stage {', '.join(f'{t:.1f}' for t in stages)} s"
         )
+        import video_cache  # bench/video_cache.py: the same figure for Wan's clips, printed before the RESULT
+
+        print(video_cache.figure_line(*video_cache.measure()))
         report(min(stages), min(limits), t_naive)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

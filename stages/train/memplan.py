@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from tuneline.stages.common.sizing import latent_frames
 from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
-from tuneline.stages.train.memtrace import Trace, latent_frames
+from tuneline.stages.train.memtrace import Trace
 from tuneline.stages.train.metamodel import largest_fitting
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.planfacts import Facts
@@ -264,7 +265,7 @@ class Planner:
         positions are its latent frames' (video tokens: latent frames x h x w)."""
         params, trainable = self.facts.counts()["params"], self.facts.counts()["trainable"]
         side = s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)
-        positions = side * side * latent_frames(self.fam, s.frames)
+        positions = side * side * latent_frames(s.frames, self.fam.facts.temporal_factor)
         flops = (8 if s.checkpointing else 6) * params * positions
         return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tuneline.stages.common.sizing import latent_frames
 from tuneline.stages.train.swap import transformer_blocks
 
 
@@ -18,11 +19,6 @@ class Trace:
     blocks: list[int] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     float32_share: float = 1.0  # of all saved bytes, the share in float32 (autocast halves it)
-
-
-def latent_frames(fam, frames: int) -> int:
-    """Latent frames of a clip of `frames` (4k+1 for Wan: k+1); 1 for an image."""
-    return (frames - 1) // fam.facts.temporal_factor + 1 if fam.facts.video else 1
 
 
 def text_inputs(fam, den, batch: int) -> dict[str, torch.Tensor]:
@@ -115,7 +111,9 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype, contr
     hooks += [b.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)) for b in blocks]
     f = fam.facts
     lat = edge // f.vae_factor
-    x = torch.zeros(batch, f.latent_channels, lat * latent_frames(fam, frames), lat, device="meta", dtype=dtype)
+    x = torch.zeros(
+        batch, f.latent_channels, lat * latent_frames(frames, f.temporal_factor), lat, device="meta", dtype=dtype
+    )
     ts = torch.zeros(batch, device="meta", dtype=torch.float32 if f.prediction == "flow_matching" else torch.long)
     micro = [MicroCond((edge, edge), (0, 0), (edge, edge))] * batch
     try:
