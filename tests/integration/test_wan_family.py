@@ -157,3 +157,19 @@ def test_validation_renders_moving_clips_shown_inline(built, tmp_path):
 def test_validate_frames_follow_the_frame_rule(tmp_path):
     with pytest.raises(ValueError, match=r"validate.frames 8 breaks family 'wan'.*use 5"):
         parse_config({"model": {"family": "wan", "path": None}, "validate": {"frames": 8}}, workdir=str(tmp_path / "w"))
+
+
+def test_scan_to_validate_shows_the_lora_clips(built):
+    """train and validate after the module's caches: the validate stage renders the trained LoRA (loaded into the
+    stock WanPipeline) as clips, and its manifest names each clip's animated WebP and MP4."""
+    from tuneline.schemas.validate import ValidateManifest
+
+    tmp, ctx, _ = built
+    v = ctx.cfg.validate_.model_copy(update={"frames": 5, "steps": 2, "learning_check": False})
+    run = StageContext(ctx.cfg.model_copy(update={"validate_": v}))
+    paths = {name: run_stage(run, stage(name), PIPELINE)[0] for name in ("train", "validate")}
+    val = run.store.read(paths["validate"], ValidateManifest)
+    assert [(i.frames, i.clip) for i in val.images] == [(5, "000-seed0.mp4")]
+    with Image.open(paths["validate"] / val.images[0].file) as im:
+        assert im.n_frames == 5
+    assert (paths["validate"] / val.grid).is_file()
