@@ -18,7 +18,6 @@ import logging
 import shutil
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,14 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cache import alternate, time_encoder_alone  # noqa: E402  bench/cache.py: the latents stage timed on a fresh workdir
+
 from tuneline.schemas.config import parse_config  # noqa: E402
 from tuneline.schemas.scan import ImageRecord  # noqa: E402
 from tuneline.stages.common.jsonl import read_jsonl  # noqa: E402
-from tuneline.stages.common.stage import StageContext, run_stage  # noqa: E402
-from tuneline.stages.families import resolve as models  # noqa: E402
+from tuneline.stages.common.stage import StageContext  # noqa: E402
 from tuneline.stages.families.registry import get_family  # noqa: E402
 from tuneline.stages.latents.encode import prepare  # noqa: E402
-from tuneline.stages.pipeline import PIPELINE, stage  # noqa: E402
 
 N_CLIPS = 8
 ROUNDS = 2
@@ -50,11 +49,8 @@ def make_model(root: Path) -> Path:
     """Wan's tiny pipeline folder with AutoencoderKLWan at a sixth of the released width (random weights)."""
     from diffusers import AutoencoderKLWan
 
-    base = get_family("wan").ensure_model(None, root / "models")
-    folder = root / "bench-model"
-    shutil.copytree(base, folder)
-    shutil.rmtree(folder / "vae")
-    torch.manual_seed(0)
+    folder = get_family("wan").ensure_model(None, root / "models")
+    torch.manual_seed(0)  # the tiny VAE's weights replaced in place: model.path names this folder
     AutoencoderKLWan(base_dim=VAE_BASE, z_dim=16).save_pretrained(folder / "vae", safe_serialization=True)
     return folder
 
@@ -94,13 +90,6 @@ def context(work: Path, data: Path, model: Path) -> StageContext:
     return StageContext(cfg)
 
 
-def time_stage(ctx: StageContext) -> float:
-    t = time.perf_counter()
-    _, built = run_stage(ctx, stage("latents"), PIPELINE)
-    assert built
-    return time.perf_counter() - t
-
-
 def time_encoder(ctx: StageContext, data: Path) -> float:
     """The stage's own clip encoder alone, the stage's batches, frames decoded and sized beforehand."""
     recs = [ImageRecord.model_validate(r) for r in read_jsonl(ctx.store.latest("scan") / "images.jsonl")]
@@ -108,13 +97,7 @@ def time_encoder(ctx: StageContext, data: Path) -> float:
     by_bucket = defaultdict(list)
     for r in sorted(recs, key=lambda r: r.path):
         by_bucket[(r.bucket_width, r.bucket_height, r.frames)].append(prepare(data, r))
-    vae = models.family(ctx.cfg).load_vae_encoder(models.model_dir(ctx), torch.float32, torch.device("cpu"))
-    t = time.perf_counter()
-    with torch.no_grad():
-        for clips in by_bucket.values():
-            for i in range(0, len(clips), BATCH):
-                vae.encode(torch.stack(clips[i : i + BATCH])).latent_dist.mean.sum()
-    return time.perf_counter() - t
+    return time_encoder_alone(ctx, list(by_bucket.values()), BATCH)
 
 
 def measure() -> tuple[float, float]:
@@ -123,15 +106,8 @@ def measure() -> tuple[float, float]:
     try:
         model, data = make_model(tmp), tmp / "data"
         make_clips(data)
-        encoder, stages = [], []
-        for r in range(ROUNDS):
-            ctx = context(tmp / f"work{r}", data, model)
-            run_stage(ctx, stage("scan"), PIPELINE)
-            encoder.append(time_encoder(ctx, data))
-            stages.append(time_stage(ctx))
-        print(
-            f"rounds: encoder alone {', '.join(f'{t:.1f}' for t in encoder)} s; "
-            f"stage {', '.join(f'{t:.1f}' for t in stages)} s"
+        encoder, stages, _ = alternate(
+            lambda r: context(tmp / f"work{r}", data, model), lambda c: time_encoder(c, data), ROUNDS
         )
         return min(stages), min(encoder)
     finally:

@@ -14,9 +14,9 @@ from tests.integration import comfy_lora_keys
 from tests.integration.family_runs import lift_lora_up, tiny_models
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
-from tuneline.stages.families.encode import encode_strings
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.families.wan.lora import ORIGINAL
+from tuneline.stages.render.renderer import Renderer, Sample
 from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE
 from tuneline.stages.train.model import prepare_denoiser, save_final
 
@@ -38,19 +38,10 @@ def trained(tmp_path_factory):
 
 
 def _render(fam, pipe) -> torch.Tensor:
-    """A 5-frame clip's latents (1, 16, 2, 4, 4) for one prompt and a negative, 2 steps."""
-    enc = fam.text_encoders_of(pipe, LENGTH)
-    text, neg = encode_strings(fam, enc, ["a square moves left"]), encode_strings(fam, enc, ["blue"])
-    return pipe(
-        **fam.prompt_kwargs(text, neg),
-        num_frames=5,
-        width=32,
-        height=32,
-        num_inference_steps=2,
-        guidance_scale=3.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="latent",
-    ).frames
+    """The validation renderer's 5-frame clip latents (16, 2, 4, 4) from `pipe`, one prompt with a negative."""
+    renderer = Renderer(fam, pipe, fam.text_encoders_of(pipe, LENGTH), CPU)
+    sample = Sample("a square moves left", "blue", 0)
+    return renderer.render([sample], 32, 32, 2, 3.0, output_type="latent", frames=5)[0]
 
 
 def test_lora_file_in_stock_pipeline_renders_as_trained(trained):
@@ -61,7 +52,7 @@ def test_lora_file_in_stock_pipeline_renders_as_trained(trained):
         base = _render(fam, stock)
         stock.load_lora_weights(final, weight_name=DIFFUSERS_FILE)
         got = _render(fam, stock)
-    assert want.shape == (1, 16, 2, 4, 4)
+    assert want.shape == (16, 2, 4, 4)
     assert not torch.allclose(base, want, atol=1e-4), "the LoRA must change the render"
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
