@@ -10,6 +10,8 @@ aspect buckets), so decoding and resizing cost what they cost on real data. In o
          pool, encoding, checks, Zarr writes, index, manifest and publish;
   naive  decode one image, encode it alone, `torch.save` its latent to a `.pt` (SimpleTuner-style); timed on
          every third image and scaled, since it is the slow one.
+Before the RESULT line, bench/video_cache.py's `clips_per_s_vs_encoder` line: the stage caching Wan clips against
+Wan's VAE encoder alone.
 The machine is shared and its load swings by 3x within a minute, so limit and stage alternate for ROUNDS
 rounds (the stage on a fresh workdir each time) and the fastest of each counts.
 """
@@ -122,12 +124,18 @@ def time_limit(ctx: StageContext, data: Path) -> float:
     by_bucket = defaultdict(list)
     for r in sorted(records(ctx), key=lambda r: r.path):
         by_bucket[(r.bucket_width, r.bucket_height)].append(to_pixels(load_rgb(data / r.path, r), r))
+    return time_encoder_alone(ctx, list(by_bucket.values()), BATCH)
+
+
+def time_encoder_alone(ctx: StageContext, buckets: list[list[torch.Tensor]], batch: int) -> float:
+    """Seconds the stage's own encoder (the family's load_vae_encoder) takes over each bucket's pixel tensors,
+    `batch` at a time (bench/video_cache.py times clips with it too)."""
     vae = models.family(ctx.cfg).load_vae_encoder(models.model_dir(ctx), torch.float32, torch.device("cpu"))
     t = time.perf_counter()
     with torch.no_grad():
-        for pixels in by_bucket.values():
-            for i in range(0, len(pixels), BATCH):
-                vae.encode(torch.stack(pixels[i : i + BATCH])).latent_dist.mean.sum()
+        for pixels in buckets:
+            for i in range(0, len(pixels), batch):
+                vae.encode(torch.stack(pixels[i : i + batch])).latent_dist.mean.sum()
     return time.perf_counter() - t
 
 
@@ -156,20 +164,32 @@ def main() -> None:
         model = make_model(tmp)
         data = tmp / "data"
         make_images(data, range(N_IMAGES))
-        limits, stages = [], []
-        for r in range(ROUNDS):
-            ctx = context(tmp / f"work{r}", data, model)
-            run_stage(ctx, stage("scan"), PIPELINE)
-            limits.append(time_limit(ctx, data))
-            stages.append(time_stage(ctx))
-        t_naive = time_naive(ctx, data, tmp / "naive")
-        print(
-            f"rounds: encoder alone {', '.join(f'{t:.1f}' for t in limits)} s; "
-            f"stage {', '.join(f'{t:.1f}' for t in stages)} s"
+        limits, stages, ctx = alternate(
+            lambda r: context(tmp / f"work{r}", data, model), lambda c: time_limit(c, data), ROUNDS
         )
+        t_naive = time_naive(ctx, data, tmp / "naive")
+        import video_cache  # bench/video_cache.py: the same figure for Wan's clips, printed before the RESULT
+
+        print(video_cache.figure_line(*video_cache.measure()))
         report(min(stages), min(limits), t_naive)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def alternate(make_context, time_limit_of, rounds: int) -> tuple[list[float], list[float], StageContext]:
+    """The encoder alone and the stage, alternating for `rounds` rounds, each on a fresh workdir (its scan done
+    first, untimed); prints both series; (encoder seconds, stage seconds, the last round's context)."""
+    limits, stages = [], []
+    for r in range(rounds):
+        ctx = make_context(r)
+        run_stage(ctx, stage("scan"), PIPELINE)
+        limits.append(time_limit_of(ctx))
+        stages.append(time_stage(ctx))
+    print(
+        f"rounds: encoder alone {', '.join(f'{t:.1f}' for t in limits)} s; "
+        f"stage {', '.join(f'{t:.1f}' for t in stages)} s"
+    )
+    return limits, stages, ctx
 
 
 def report(t_stage: float, t_limit: float, t_naive: float) -> None:

@@ -23,6 +23,7 @@ THUMB_SIDE, THUMB_BYTES = 768, 150_000  # an artifact is stored in Prefect's dat
 # Per-image tiles beside their prompts: small, and only for the first prompts of a long list (the grid above
 # shows them all).
 TILE_SIDE, TILE_BYTES, MAX_TILES = 192, 30_000, 24
+CLIP_BYTES = 120_000  # a validation clip's animated tile (a video family)
 LEARNING = (
     "color_accuracy",
     "class_separation_accuracy",
@@ -56,6 +57,31 @@ def inline_png(file: Path, side: int = THUMB_SIDE, max_bytes: int = THUMB_BYTES)
         img = img.resize((max(1, img.width // 2), max(1, img.height // 2)))
 
 
+def inline_animation(file: Path, side: int = TILE_SIDE, max_bytes: int = CLIP_BYTES) -> str | None:
+    """A data:image/webp;base64 animated thumbnail of an animated WebP/GIF (a validation clip), frames dropped and
+    sizes halved until it fits max_bytes; None when unreadable."""
+    try:
+        with Image.open(file) as im:
+            durations = []
+            frames = []
+            for i in range(getattr(im, "n_frames", 1)):
+                im.seek(i)
+                frames.append(im.convert("RGB"))
+                durations.append(im.info.get("duration", 100))
+    except OSError:
+        return None
+    for f in frames:
+        f.thumbnail((side, side))
+    step = 1
+    while True:
+        buf = io.BytesIO()
+        kept = frames[::step]
+        kept[0].save(buf, "WEBP", save_all=True, append_images=kept[1:], duration=durations[0] * step, loop=0)
+        if buf.tell() <= max_bytes or len(kept) < 3:
+            return "data:image/webp;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+        step *= 2
+
+
 def grid_markdown(cfg: PipelineConfig, path: Path, m: dict) -> str:
     """The grid inline, then one row per image: its tile, prompt (an edit's instruction, beside its control),
     negative prompt and seed."""
@@ -83,7 +109,8 @@ def grid_markdown(cfg: PipelineConfig, path: Path, m: dict) -> str:
 
 
 def _tile(cfg: PipelineConfig, path: Path, rel: str, n: int) -> str:
-    thumb = inline_png(path / rel, TILE_SIDE, TILE_BYTES) if n < MAX_TILES else None
+    show = inline_animation if rel.endswith(".webp") else lambda f: inline_png(f, TILE_SIDE, TILE_BYTES)
+    thumb = show(path / rel) if n < MAX_TILES else None
     shown = f"![{rel}]({thumb})" if thumb else f"`{rel}`"
     url = image_url(cfg, "validate", path.name, rel)
     return f"[{shown}]({url})" if url else shown

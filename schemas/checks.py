@@ -329,12 +329,19 @@ def _frames(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     """A video family's frame budgets obey its VAE's rule (Wan: 4k+1 frames)."""
     k = fam.temporal_factor
     bad = [n for n in cfg.buckets.frames or () if k and (n - 1) % k]
-    if not bad:
-        return []
-    return [
-        f"buckets.frames {cfg.buckets.frames}: {bad} break family {fam.name!r}'s rule of {k}k+1 frames; use "
-        f"{[(n - 1) // k * k + 1 for n in bad]} instead, or null for the family's {list(fam.frame_buckets)}"
-    ]
+    out = []
+    if bad:
+        out.append(
+            f"buckets.frames {cfg.buckets.frames}: {bad} break family {fam.name!r}'s rule of {k}k+1 frames; use "
+            f"{[(n - 1) // k * k + 1 for n in bad]} instead, or null for the family's {list(fam.frame_buckets)}"
+        )
+    n = cfg.validate_.frames
+    if n is not None and k and (n - 1) % k:
+        out.append(
+            f"validate.frames {n} breaks family {fam.name!r}'s rule of {k}k+1 frames; use {(n - 1) // k * k + 1}, "
+            "or null for the shortest frame budget"
+        )
+    return out
 
 
 def _caption_clips(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:

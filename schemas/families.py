@@ -42,6 +42,11 @@ class FamilyFacts:
     checkpoint_components: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # A weightless config of the released model ships in stages/families/configs/<name>/ (model.config: <name>).
     shipped_config: str = ""  # its title, e.g. "SD1.5"; empty: none ships
+    # Further released sizes with a weightless config (model.config name -> title), each shipped in
+    # stages/families/configs/<name>/ with its shapes in the family's shipped_<name>.json.
+    shipped_sizes: tuple[tuple[str, str], ...] = ()
+    # The released models' usual training edge (pixels) where their VAE config names no sample_size; 0: 1024.
+    usual_resolution: int = 0
     # train.export_single_file writes the whole model in the original (LDM) layout.
     single_file_export: bool = False
     # train.text_encoder_lora: the adapter declares the text encoders' LoRA targets (Family.text_encoder_lora_targets).
@@ -333,13 +338,22 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         temporal_factor=4,
         fps=16.0,
         frame_buckets=(17, 33, 49, 81),
+        shipped_config="Wan2.1-T2V-14B",
+        shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
+        usual_resolution=480,  # 832x480, the size Wan LoRAs are usually trained at
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).
 FamilyName = Literal[tuple(FAMILY_FACTS)]  # type: ignore[valid-type]
 DEFAULT_FAMILY: str = next(iter(FAMILY_FACTS))
-# model.config names of the weightless shipped configs (stages/families/configs/<name>/), each its family's.
-SHIPPED_CONFIGS: dict[str, str] = {n: n for n, f in FAMILY_FACTS.items() if f.shipped_config}
+# model.config names of the weightless shipped configs (stages/families/configs/<name>/) -> their family: the
+# family's own name for its main size, then its further sizes; and each one's title.
+SHIPPED_CONFIGS: dict[str, str] = {n: n for n, f in FAMILY_FACTS.items() if f.shipped_config} | {
+    size: n for n, f in FAMILY_FACTS.items() for size, _ in f.shipped_sizes
+}
+SHIPPED_TITLES: dict[str, str] = {n: f.shipped_config for n, f in FAMILY_FACTS.items() if f.shipped_config} | {
+    size: title for f in FAMILY_FACTS.values() for size, title in f.shipped_sizes
+}
 
 
 def family_list(pick) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tuneline.schemas.base import ConfigPath, Strict
-from tuneline.schemas.families import DEFAULT_FAMILY, FAMILY_FACTS, SHIPPED_CONFIGS, FamilyName
+from tuneline.schemas.families import DEFAULT_FAMILY, SHIPPED_CONFIGS, SHIPPED_TITLES, FamilyName
 
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
@@ -27,7 +27,7 @@ class ModelConfig(Strict):
     config: Annotated[str | None, ConfigPath(keywords=tuple(SHIPPED_CONFIGS))] = Field(
         None,
         description="with model.path a single checkpoint file: a shipped config ("
-        + ", ".join(f"{n} = {FAMILY_FACTS[n].shipped_config}" for n in SHIPPED_CONFIGS)
+        + ", ".join(f"{n} = {t}" for n, t in SHIPPED_TITLES.items())
         + ": configs and tokenizers, no weights) or a local diffusers folder of the same model "
         "(./name for a folder so named) whose configs and tokenizers describe the file's model, "
         "so the file loads offline; components the file lacks (the VAE and text encoders of a "

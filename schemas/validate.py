@@ -38,6 +38,13 @@ class ValidateConfig(Strict):
     resolution_type: Literal["pixel", "area", "pixel_area"] | None = Field(None, description="null = buckets'")
     aspect: float = Field(1.0, ge=1 / 16, le=16, description="width/height of rendered images")
     steps: int = Field(20, ge=1, le=MAX_SAMPLER_STEPS, description="sampler steps")
+    frames: int | None = Field(
+        None,
+        ge=1,
+        le=257,
+        description="video families: frames of each validation clip (4k+1 for Wan), written as MP4 and animated "
+        "WebP; null = the shortest buckets.frames budget; 1 renders stills; image families ignore it",
+    )
     guidance_scale: float = Field(4.0, ge=0, le=MAX_GUIDANCE)
     controls: list[ValidationControl] | None = Field(
         None,
@@ -66,6 +73,9 @@ class RenderedImage(BaseModel):
     seed: int
     width: int
     height: int
+    # A video family's validation clip: `file` is its animated WebP (shown inline), `clip` the MP4 beside it.
+    frames: int | None = None
+    clip: str | None = None
 
 
 class ValidateManifest(Manifest):

@@ -17,10 +17,16 @@ CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
 UNET = "model.diffusion_model."
 
 
+def shapes_file(name: str) -> Path:
+    """stages/families/<family>/shipped.json for the family's own config, shipped_<name>.json for a further size."""
+    family = SHIPPED_CONFIGS[name]
+    return Path(__file__).resolve().parent / family / ("shipped.json" if name == family else f"shipped_{name}.json")
+
+
 def signature(name: str) -> dict[str, tuple[int, ...]]:
-    """Original-layout tensor name -> shape in the released model (stages/families/<name>/shipped.json): the
-    denoiser's first layer (latent channels), widths, the depth of the deepest stack, the text encoders' widths."""
-    data = json.loads((Path(__file__).resolve().parent / name / "shipped.json").read_text(encoding="utf-8"))
+    """Original-layout tensor name -> shape in the released model (shapes_file): the denoiser's first layer
+    (latent channels), widths, the depth of the deepest stack, the text encoders' widths."""
+    data = json.loads(shapes_file(name).read_text(encoding="utf-8"))
     return {k: tuple(v) for k, v in data["shapes"].items()}
 
 
@@ -75,7 +81,9 @@ def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[st
         return None, False
     if config is not None and config not in SHIPPED_CONFIGS:
         return config, False
-    name = config or family_name
+    # null: the family's shipped size whose shapes fit (Wan's 1.3B or 14B), else its own for the message
+    sizes = [n for n, fam in SHIPPED_CONFIGS.items() if fam == family_name]
+    name = config or next((n for n in sizes if not misfits(file, n)), family_name)
     problems = misfits(file, name)
     if problems:
         which = (

@@ -80,9 +80,17 @@ class Renderer:
         return cls(fam, pipe, encoders, device, autocast, prompt_cache)
 
     def render(
-        self, samples: Sequence[Sample], width: int, height: int, steps: int, guidance: float, output_type: str = "pil"
+        self,
+        samples: Sequence[Sample],
+        width: int,
+        height: int,
+        steps: int,
+        guidance: float,
+        output_type: str = "pil",
+        frames: int = 1,
     ) -> list:
-        """One output per sample, in order (PIL images, or latent tensors for output_type='latent')."""
+        """One output per sample, in order (PIL images, or latent tensors for output_type='latent'); a video
+        family's `frames` > 1: each a clip, its frames as a list of PIL images."""
         out: list = [None] * len(samples)
         # A sample without a negative prompt lets the pipeline use its own unconditional input, so those and the
         # ones with a negative render in separate calls (mixing them would change what "no negative" means).
@@ -95,7 +103,7 @@ class Renderer:
             for start in range(0, len(group), size):
                 idx = group[start : start + size]
                 for i, result in zip(
-                    idx, self._call([samples[i] for i in idx], width, height, steps, guidance, output_type)
+                    idx, self._call([samples[i] for i in idx], width, height, steps, guidance, output_type, frames)
                 ):
                     out[i] = result
         return out
@@ -111,7 +119,7 @@ class Renderer:
         return self.pipe.image_processor.postprocess(pixels.float(), output_type="pil")
 
     def _call(
-        self, batch: list[Sample], width: int, height: int, steps: int, guidance: float, output_type: str
+        self, batch: list[Sample], width: int, height: int, steps: int, guidance: float, output_type: str, frames: int
     ) -> list:
         amp = torch.autocast(self.device.type, self.autocast) if self.autocast else nullcontext()
         with torch.no_grad(), amp:
@@ -130,9 +138,11 @@ class Renderer:
             edit = self.fam.control_kwargs(images, width, height)
             kwargs = {**self.fam.prompt_kwargs(text, neg), **edit}
             pipe, kwargs = self.fam.edit_call(self.pipe, self.enc, kwargs, prompts, negatives)
+            # a clip: diffusers' video pipelines take num_frames and return frames (B, F, H, W, 3)
+            clip = {"num_frames": frames} if frames > 1 else self.fam.render_kwargs
             out = pipe(
                 **kwargs,
-                **self.fam.render_kwargs,
+                **clip,
                 width=width,
                 height=height,
                 num_inference_steps=steps,
@@ -140,11 +150,13 @@ class Renderer:
                 generator=gens,
                 output_type="np" if output_type == "pil" else output_type,
             )
-            images = self.fam.rendered(out)
+            images = self.fam.rendered(out) if frames == 1 else out.frames
         if output_type != "pil":
             return list(images)
         for s, img in zip(batch, images):
             check_render(img, s)
+        if frames > 1:
+            return [list(self.pipe.numpy_to_pil(clip)) for clip in images]
         return list(self.pipe.numpy_to_pil(images))
 
 

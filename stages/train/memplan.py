@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from tuneline.stages.common.sizing import latent_frames
 from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
 from tuneline.stages.train.memtrace import Trace
 from tuneline.stages.train.metamodel import largest_fitting
@@ -71,6 +72,13 @@ class Setting:
     batch: int
     edge: int
     shards: int | None = None  # train.parallelism fsdp over this many processes (None: DDP)
+    frames: int = 1  # a video family's clip length (its largest frame budget); 1 for images
+
+
+def planned_frames(cfg, fam) -> int:
+    """A video family's longest clip as trained (its largest buckets.frames budget: the plan reads the config, not
+    the scan), 1 for an image family."""
+    return max(cfg.buckets.frames or fam.facts.frame_buckets) if fam.facts.video else 1
 
 
 def planned_controls(cfg, fam) -> int:
@@ -162,10 +170,10 @@ class Planner:
             count, self.unsized = self.facts.render()
             self.render_bytes = count * torch.empty(0, dtype=render_dtype).element_size()
 
-    def trace(self, batch: int, edge: int) -> Trace:
+    def trace(self, batch: int, edge: int, frames: int = 1) -> Trace:
         """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
-        few shared ones), so one sample is traced per edge and scaled."""
-        one = self.facts.trace(edge)
+        few shared ones), so one sample is traced per edge (and clip length) and scaled."""
+        one = self.facts.trace(edge, frames)
         return Trace(
             one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
         )
@@ -187,6 +195,7 @@ class Planner:
             t.batch_size,
             largest_edge(self.cfg.buckets, self.alignment),
             t.processes * t.nodes if t.parallelism == "fsdp" else None,
+            planned_frames(self.cfg, self.fam),
         )
 
     def terms(self, s: Setting) -> list[tuple[str, int]]:
@@ -196,7 +205,7 @@ class Planner:
         r = len(per) - s.blocks_to_swap
         window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
         swapped_trainable = sum(x["trainable"] for x in per[r:]) if full and s.blocks_to_swap else 0
-        tr = self.trace(s.batch, s.edge)
+        tr = self.trace(s.batch, s.edge, s.frames)
         scale = (1 - tr.float32_share / 2) if self.autocast else 1.0
         kept = tr.outside + (
             sum(tr.blocks) if not s.checkpointing else 0 if s.checkpointing == "offload" else sum(tr.inputs)
@@ -212,7 +221,8 @@ class Planner:
             (f"optimizer state ({s.optimizer})", STATE_BYTES[s.optimizer] * (trainable - swapped_trainable)),
             ("EMA", 4 * trainable if t.ema else 0),
             (
-                f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge})",
+                f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge}"
+                + (f", {s.frames} frames)" if s.frames > 1 else ")"),
                 int(kept * scale),
             ),
             ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
@@ -251,9 +261,11 @@ class Planner:
 
     def step_figures(self, s: Setting) -> tuple[int, int]:
         """(FLOPs of one sample's step: 6 per parameter and latent position, 8 when checkpointing recomputes the
-        forward; bytes of a checkpoint). A UNet's lower levels see fewer positions: an over-estimate there."""
+        forward; bytes of a checkpoint). A UNet's lower levels see fewer positions: an over-estimate there. A clip's
+        positions are its latent frames' (video tokens: latent frames x h x w)."""
         params, trainable = self.facts.counts()["params"], self.facts.counts()["trainable"]
-        positions = (s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)) ** 2
+        side = s.edge // (self.fam.facts.vae_factor * self.fam.facts.patch_size)
+        positions = side * side * latent_frames(s.frames, self.fam.facts.temporal_factor)
         flops = (8 if s.checkpointing else 6) * params * positions
         return flops, trainable * (4 + STATE_BYTES[s.optimizer] + (4 if self.t.ema else 0))
 
@@ -302,6 +314,11 @@ class Planner:
                     replace(s, batch=batch),
                 )
             )
+        budgets = sorted(self.cfg.buckets.frames or self.fam.facts.frame_buckets)
+        frames = next((f for f in reversed(budgets) if f < s.frames and fits(replace(s, frames=f))), None)
+        if frames is not None:
+            kept = [f for f in budgets if f <= frames]
+            out.append(show(f"buckets.frames: {kept} (shorter clips)", replace(s, frames=frames)))
         edge = largest_fitting(fix_edges(s.edge, self.alignment), lambda e: fits(replace(s, edge=e)))
         if edge is not None:
             res = edge if self.cfg.buckets.resolution_type != "area" else round(edge * edge / 1024**2, 3)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tuneline.stages.common.sizing import latent_frames
 from tuneline.stages.train.swap import transformer_blocks
 
 
@@ -23,7 +24,7 @@ class Trace:
 def text_inputs(fam, den, batch: int) -> dict[str, torch.Tensor]:
     """Conditioning tensors of the shapes the family's text cache holds, from the denoiser's config."""
     c = den.config
-    width = c.get("cross_attention_dim") or c.get("joint_attention_dim") or c.get("cap_feat_dim")
+    width = c.get("cross_attention_dim") or c.get("joint_attention_dim") or c.get("cap_feat_dim") or c.get("text_dim")
     length = fam.facts.max_length + (77 if c.get("pooled_projection_dim") and "caption_projection_dim" in c else 0)
     out = {"prompt_embeds": torch.zeros(batch, length, width, device="meta")}
     for key in fam.prompt_keys:  # a family whose cache holds a token mask: every token real
@@ -70,10 +71,12 @@ def control_input(fam, batch: int, edge: int, controls: int, dtype: torch.dtype)
     return torch.zeros(shape, device="meta", dtype=dtype)
 
 
-def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype, controls: int = 0) -> Trace:
+def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype, controls: int = 0, frames: int = 1) -> Trace:
     """Bytes saved for backward by one training forward of `batch` images of `edge` x `edge` pixels, each with
     `controls` control images (a paired dataset of an edit family: their tokens join the target's, at the size the
-    latents stage caches them)."""
+    latents stage caches them); for a video family, clips of `frames` frames, their latent frames stacked along the
+    height as the latents stage caches them (every latent frame's tokens attend together)."""
+
     from tuneline.stages.families.base import MicroCond
 
     blocks = transformer_blocks(den, fam.block_stacks(den))
@@ -108,7 +111,9 @@ def trace_activations(fam, den, batch: int, edge: int, dtype: torch.dtype, contr
     hooks += [b.register_forward_hook(lambda m, a, o: where.__setitem__(0, -1)) for b in blocks]
     f = fam.facts
     lat = edge // f.vae_factor
-    x = torch.zeros(batch, f.latent_channels, lat, lat, device="meta", dtype=dtype)
+    x = torch.zeros(
+        batch, f.latent_channels, lat * latent_frames(frames, f.temporal_factor), lat, device="meta", dtype=dtype
+    )
     ts = torch.zeros(batch, device="meta", dtype=torch.float32 if f.prediction == "flow_matching" else torch.long)
     micro = [MicroCond((edge, edge), (0, 0), (edge, edge))] * batch
     try:

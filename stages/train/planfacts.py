@@ -126,6 +126,10 @@ def fingerprint(fam, model_dir: Path, t, dtype: torch.dtype, controls: int) -> s
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def trace_key(edge: int, frames: int) -> str:
+    return f"trace/{edge}" + (f"x{frames}f" if frames > 1 else "")
+
+
 def cache_file(key: str) -> Path | None:
     if os.environ.get("TUNELINE_PLAN_CACHE") == "off":
         return None
@@ -190,11 +194,12 @@ class Facts:
         per, outside, trainable = self.get(f"describe/{quantize}", compute)
         return per, outside, trainable
 
-    def trace(self, edge: int) -> Trace:
-        """The activations one sample of `edge` x `edge` pixels saves (memtrace.trace_activations)."""
+    def trace(self, edge: int, frames: int = 1) -> Trace:
+        """The activations one sample of `edge` x `edge` pixels (a clip: `frames` of them) saves
+        (memtrace.trace_activations)."""
         found = self.get(
-            f"trace/{edge}",
-            lambda: asdict(trace_activations(self.fam, self.den, 1, edge, self.dtype, self.controls)),
+            trace_key(edge, frames),
+            lambda: asdict(trace_activations(self.fam, self.den, 1, edge, self.dtype, self.controls, frames)),
         )
         return Trace(**found)
 
@@ -241,9 +246,9 @@ def ship(names: list[str]) -> None:
     for name in names:
         planner = planner_for(model_user_config(name, None), shipped_dir(name), True, SHIPPED_CONFIGS[name])
         planner.plan(24 * 1024**3, "a 24 GiB CUDA GPU")
-        edge = planner.current().edge
+        edge, frames = planner.current().edge, planner.current().frames
         for e in (edge, *fix_edges(edge, planner.alignment)):
-            planner.facts.trace(e)
+            planner.facts.trace(e, frames)
         for q in (None, "int8", "fp8"):
             planner.facts.describe(q)
         out[planner.facts.key] = planner.facts.data

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tuneline.stages.train.memplan import MemoryPlan
+from tuneline.stages.train.memplan import MemoryPlan, planned_frames
 
 # The card planned for when the plan is for CUDA and none is visible: a common size of a single training GPU.
 DEFAULT_GPU_GIB = 24.0
@@ -28,13 +28,18 @@ class PlanAnswer:
         return "\n".join(filter(None, [self.headline, self.pace, self.plan.text()]))  # the fixes stay last
 
 
-def usual_resolution(model_dir: Path) -> int:
-    """The model's usual training edge: its VAE's sample_size (512 for SD1.5, 1024 for SDXL, SD3, Flux…)."""
+def usual_resolution(model_dir: Path, family: str) -> int:
+    """The model's usual training edge: its VAE's sample_size (512 for SD1.5, 1024 for SDXL, SD3, Flux…), else the
+    family's (Wan: 480, for 832x480 clips)."""
+    from tuneline.schemas.families import FAMILY_FACTS
+
     try:
         size = json.loads((model_dir / "vae" / "config.json").read_text(encoding="utf-8")).get("sample_size")
     except (OSError, ValueError):
         size = None
-    return int(size) if isinstance(size, int) and size > 0 else FALLBACK_RESOLUTION
+    if isinstance(size, int) and size > 0:
+        return size
+    return FAMILY_FACTS[family].usual_resolution or FALLBACK_RESOLUTION
 
 
 def model_user_config(model_config: str, workdir: str | None):
@@ -46,8 +51,9 @@ def model_user_config(model_config: str, workdir: str | None):
     from tuneline.stages.families.shipped import shipped_dir
 
     data = json.loads(json.dumps(DEMO_CONFIG))
-    data["model"].update(family=SHIPPED_CONFIGS[model_config], dtype="bfloat16", device="cuda")
-    data["buckets"] = {"resolution": usual_resolution(shipped_dir(model_config)), "resolution_type": "pixel"}
+    family = SHIPPED_CONFIGS[model_config]
+    data["model"].update(family=family, dtype="bfloat16", device="cuda")
+    data["buckets"] = {"resolution": usual_resolution(shipped_dir(model_config), family), "resolution_type": "pixel"}
     data["train"].update(mode="lora", batch_size=1, processes=1)
     return parse_config(data, f"<plan for --model-config {model_config}>", workdir)
 
@@ -56,6 +62,10 @@ def headline(cfg, family: str, where: str) -> str:
     t, b = cfg.train, cfg.buckets
     what = f"LoRA (rank {t.lora_rank})" if t.mode == "lora" else "full fine-tune"
     size = f"{b.resolution:g} px edge" if b.resolution_type != "area" else f"{b.resolution:g} MP"
+    from tuneline.stages.families.registry import get_family
+
+    frames = planned_frames(cfg, get_family(family))
+    size += f", clips of {frames} frames" if frames > 1 else ""
     dtype = cfg.model.dtype if "CUDA" in where or "cuda" in where.lower() else "float32 (CPU)"
     return (
         f"planned: {family}, {what}, {dtype}, {size} ({b.resolution_type}), batch {t.batch_size} per process, "

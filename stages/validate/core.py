@@ -13,6 +13,7 @@ from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train.export import lora_loader
 from tuneline.stages.validate import edits as edits_mod
+from tuneline.stages.validate.clips import clip_frames, render_clips
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import log_image, render_check, separation, square_class_means
 
@@ -52,6 +53,8 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
     v = ctx.cfg.validate_
     width, height = render_size_for(ctx.cfg)
     samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+    if clip_frames(ctx.cfg) > 1:  # a video family: clips, and a contact sheet for the grid
+        return render_clips(ctx, renderer, work, samples, (width, height))
     ctx.log.info("validate: rendering %d prompts at %dx%d, %d steps", len(samples), width, height, v.steps)
     started = time.monotonic()
     images = renderer.render(samples, width, height, v.steps, v.guidance_scale)

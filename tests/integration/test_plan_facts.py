@@ -81,7 +81,7 @@ def test_the_shipped_facts_are_todays_for_every_default_plan(name):
     shipped = json.loads(planfacts.SHIPPED.read_text(encoding="utf-8"))
     assert key in shipped, f"{name}: plan_facts.json is stale; run `python -m tuneline.stages.train.planfacts`"
     planner = planner_for(cfg, model_dir, True, SHIPPED_CONFIGS[name])  # reads the shipped facts: builds nothing
-    edge = planner.current().edge
+    edge, frames = planner.current().edge, planner.current().frames
     edges = [edge, *fix_edges(edge, planner.alignment)]
-    wanted = {"counts", "render", "describe/None", "describe/fp8", *(f"trace/{e}" for e in edges)}
+    wanted = {"counts", "render", "describe/None", "describe/fp8", *(planfacts.trace_key(e, frames) for e in edges)}
     assert wanted <= set(shipped[key]) and "den" not in planner.facts.__dict__

@@ -118,3 +118,58 @@ def test_clip_every_cuts_a_file_into_consecutive_clips(tmp_path):
     left = [(r.ref, r.frames, r.start, r.end) for r in clips if r.path == "left.mp4"]
     # 1.5 s at 8 fps: two whole 5-frame clips of 0.625 s, each a record named by its time range
     assert left == [("left.mp4#t=0,0.625", 5, 0.0, 0.625), ("left.mp4#t=0.625,1.25", 5, 0.625, 1.25)]
+
+
+def test_validation_renders_moving_clips_shown_inline(built, tmp_path):
+    """The validate stage's renderer on the tiny flavor: each prompt a clip (validate.frames) written as MP4 and
+    animated WebP, the grid a contact sheet of frames, and the Prefect artifact's tile an animated WebP."""
+    import base64
+    import io
+
+    import av
+
+    from tuneline.flows.results import grid_markdown
+    from tuneline.stages.families import resolve as models
+    from tuneline.stages.validate.core import load_renderer, render_prompts
+
+    _, ctx, _ = built
+    cfg = ctx.cfg.model_copy(
+        update={"validate_": ctx.cfg.validate_.model_copy(update={"frames": 9, "steps": 2, "resolution": 32})}
+    )
+    run = StageContext(cfg)
+    rendered = render_prompts(run, load_renderer(run, models.model_dir(run)), tmp_path)
+    assert [(r.file, r.clip, r.frames) for r in rendered] == [("000-seed0.webp", "000-seed0.mp4", 9)]
+    with Image.open(tmp_path / rendered[0].file) as im:
+        assert (im.n_frames, im.size) == (9, (32, 32))
+        frames = [np.asarray(im.seek(i) or im.convert("RGB"), dtype=np.int16) for i in range(9)]
+    assert max(np.abs(f - frames[0]).max() for f in frames[1:]) > 0, "a clip whose frames never change"
+    with av.open(str(tmp_path / rendered[0].clip)) as f:
+        decoded = [x.to_ndarray(format="rgb24") for x in f.decode(video=0)]
+    assert len(decoded) == 9 and decoded[0].shape == (32, 32, 3)
+    with Image.open(tmp_path / "grid.png") as sheet:  # one row of 8 frames, evenly spaced
+        assert sheet.size == (8 * 32, 32)
+    manifest = {"grid": "grid.png", "images": [r.model_dump() for r in rendered]}
+    tile = grid_markdown(cfg, tmp_path, manifest).split("data:image/webp;base64,")[1].split(")")[0]
+    with Image.open(io.BytesIO(base64.b64decode(tile))) as inline:
+        assert inline.n_frames > 1
+
+
+def test_validate_frames_follow_the_frame_rule(tmp_path):
+    with pytest.raises(ValueError, match=r"validate.frames 8 breaks family 'wan'.*use 5"):
+        parse_config({"model": {"family": "wan", "path": None}, "validate": {"frames": 8}}, workdir=str(tmp_path / "w"))
+
+
+def test_scan_to_validate_shows_the_lora_clips(built):
+    """train and validate after the module's caches: the validate stage renders the trained LoRA (loaded into the
+    stock WanPipeline) as clips, and its manifest names each clip's animated WebP and MP4."""
+    from tuneline.schemas.validate import ValidateManifest
+
+    tmp, ctx, _ = built
+    v = ctx.cfg.validate_.model_copy(update={"frames": 5, "steps": 2, "learning_check": False})
+    run = StageContext(ctx.cfg.model_copy(update={"validate_": v}))
+    paths = {name: run_stage(run, stage(name), PIPELINE)[0] for name in ("train", "validate")}
+    val = run.store.read(paths["validate"], ValidateManifest)
+    assert [(i.frames, i.clip) for i in val.images] == [(5, "000-seed0.mp4")]
+    with Image.open(paths["validate"] / val.images[0].file) as im:
+        assert im.n_frames == 5
+    assert (paths["validate"] / val.grid).is_file()

@@ -1,5 +1,6 @@
-"""Each family's shipped.json (the released model's tensor shapes, data beside its adapter) against the shipped
-configs it describes: one file per shipped config, no file without one, shapes a checkpoint can have."""
+"""Each family's shipped.json and shipped_<size>.json (the released models' tensor shapes, data beside its
+adapter) against the shipped configs they describe: one file per shipped config, no file without one, shapes a
+checkpoint can have."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ FAMILIES = Path(shipped.__file__).resolve().parent
 
 
 def test_a_shapes_file_for_each_shipped_config_and_no_other():
-    assert {p.parent.name for p in FAMILIES.glob("*/shipped.json")} == set(SHIPPED_CONFIGS)
+    assert set(FAMILIES.glob("*/shipped*.json")) == {shipped.shapes_file(n) for n in SHIPPED_CONFIGS}
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_CONFIGS))
 def test_shapes_file_names_its_config_and_holds_whole_shapes(name):
-    data = json.loads((FAMILIES / name / "shipped.json").read_text(encoding="utf-8"))
+    data = json.loads(shipped.shapes_file(name).read_text(encoding="utf-8"))
     assert set(data) == {"about", "shapes"}
     assert f"stages/families/configs/{name}/" in data["about"]
     assert data["shapes"] and all(isinstance(k, str) and k.endswith(("weight", "pos_embed")) for k in data["shapes"])

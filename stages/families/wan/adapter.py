@@ -161,7 +161,8 @@ class WanFamily(DiffusersFamily):
         return {"prompt_embeds": hidden * mask.unsqueeze(-1).to(hidden.dtype)}
 
     # ---- validation --------------------------------------------------------------------------
-    # Renders are one-frame clips for now: the first frame, an image, is what validation shows and compares.
+    # In-training renders and the learning check take one-frame clips (an image, compared as one); the validate
+    # stage renders whole clips with num_frames (stages/validate/clips.py) and reads output.frames itself.
     render_kwargs: ClassVar[dict[str, Any]] = {"num_frames": 1}
 
     def rendered(self, output: Any) -> Any:
