@@ -19,7 +19,7 @@ from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere, StageStopped
 from tuneline.stages.families import resolve as models
-from tuneline.stages.train import checkpoint as ckpt, collectives, fsdpload, init_source
+from tuneline.stages.train import checkpoint as ckpt, collectives, fsdp, fsdpload, init_source
 from tuneline.stages.train.failcause import TRACEBACK, Causes, first_failure
 from tuneline.stages.train.hooks import CHECKPOINTS
 from tuneline.stages.train.memcheck import check_before_training
@@ -147,6 +147,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark
     env[PARENT_ENV] = str(os.getpid())
     env["OMP_NUM_THREADS"] = str(ctx.cfg.train.threads_per_process)
     env["PYTHONUNBUFFERED"] = "1"
+    env |= fsdp.host_memory_env(ctx.cfg.train, models.device(ctx.cfg), env)
     # The project root must be importable by the workers even when not installed (tests, dev checkouts).
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
