@@ -40,8 +40,9 @@ def wanted(t: TrainConfig) -> bool:
 # that size from its heap once its mmap threshold has risen (it raises it up to 32 MiB as large blocks are freed),
 # and keeps what they leave. Fixed at 128 KiB (its starting value), those tensors get pages of their own, returned
 # to the system when freed; as transparent huge pages (hugetlb=1), mapping them afresh each step costs little.
-# Measured on bench/fsdp.py's full fine-tune (2 CPU processes): peak 2,230 -> 1,806 MB per process, and steps
-# faster (12.7 -> 7.5 s); the threshold alone, where the kernel has transparent huge pages off, costs 1.5x (18.7 s).
+# Measured on bench/fsdp.py's full fine-tune (2 CPU processes): peak 2,230 -> 1,806 MB per process, steps about as
+# fast (side by side: 12.7 -> 7.5 s, 9.1 -> 10.2 s); the threshold alone (as where the kernel's transparent huge
+# pages are off) made them 1.4-1.6x slower (fresh 4 KiB pages every step).
 HOST_MALLOC = ("glibc.malloc.mmap_threshold=131072", "glibc.malloc.hugetlb=1")
 
 
