@@ -2,10 +2,13 @@
 
 The model is the flux family's tiny pipeline with its transformer widened to ~150M parameters (random weights,
 float32 on CPU), large enough that weights, gradients and AdamW's state (16 bytes per parameter under DDP)
-dominate the interpreter. Each side is 2 gloo processes under torchrun, running the trainer's own pieces: the
+dominate the interpreter. Each side is 2 gloo processes under torchrun in the environment the trainer's launcher
+gives it (under FSDP on the CPU: glibc's malloc tunables, stages/train/fsdp.py), running the trainer's own pieces: the
 denoiser loaded by prepare_denoiser, wrapped by collectives.wrap (DDP) or sharded by fsdp.shard (FSDP), the
 family's denoise on a batch of random latents and text, the MSE, backward, gradient clipping and an AdamW step.
-Each worker reports its own peak resident set size (getrusage) and its mean step time after the first step.
+Each worker reports its own peak resident set size (getrusage), what it held before loading the model (the
+interpreter with torch, diffusers and tuneline imported: the same on both sides, and the floor of the ratio) and its
+mean step time after the first step.
 
 Prints the larger rank's peak under each and the step-time ratio; the RESULT is FSDP's peak over DDP's.
 """
@@ -57,6 +60,7 @@ def worker(parallelism: str, model_dir: str, out: str) -> None:
     from tuneline.stages.train.model import prepare_denoiser
     from tuneline.stages.train.optimizers import build_optimizer
 
+    idle_mb = _peak_mb()
     cpu = torch.device("cpu")
     collectives.init(cpu)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -86,15 +90,25 @@ def worker(parallelism: str, model_dir: str, out: str) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     params_n = sum(p.numel() for p in unwrap(den).parameters())
-    result = {"peak_mb": peak_mb, "step_s": sum(times[1:]) / len(times[1:]), "params": params_n}
+    result = {"peak_mb": _peak_mb(), "idle_mb": idle_mb, "step_s": sum(times[1:]) / len(times[1:]), "params": params_n}
     Path(out, f"{parallelism}-{rank}.json").write_text(json.dumps(result), encoding="utf-8")
     collectives.close()
 
 
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def launch(parallelism: str, model_dir: Path, out: Path) -> list[dict]:
+    import torch
+
+    from tuneline.schemas.train import TrainConfig
+    from tuneline.stages.train.fsdp import host_memory_env
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # as the trainer's launcher sets it (stages/train/launch.py)
+    env |= host_memory_env(TrainConfig(parallelism=parallelism, validate_every=0), torch.device("cpu"), env)
     cmd = [sys.executable, "-m", "tuneline.stages.train.procwatch", "--standalone", "--nproc_per_node=2"]
     cmd += [str(Path(__file__).resolve()), "--worker", parallelism, str(model_dir), str(out)]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -108,6 +122,8 @@ def main() -> None:
     peak = {p: max(r["peak_mb"] for r in ranks) for p, ranks in got.items()}
     step = {p: max(r["step_s"] for r in ranks) for p, ranks in got.items()}
     print(f"model: flux transformer, {got['ddp'][0]['params'] / 1e6:.0f}M parameters, full fine-tune, 2 processes")
+    idle = max(r["idle_mb"] for ranks in got.values() for r in ranks)
+    print(f"before loading (interpreter and imports): {idle:.0f} MB per process")
     for p in ("ddp", "fsdp"):
         print(f"{p}: peak RSS per process {peak[p]:.0f} MB, step {step[p]:.3f} s")
     print(f"fsdp_vs_ddp_step_time {step['fsdp'] / step['ddp']:.3f}")

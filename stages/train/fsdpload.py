@@ -1,8 +1,9 @@
 """Loading a sharded denoiser (train.parallelism fsdp) without any rank holding the whole of it.
 
 1. `skeleton`: the denoiser built from its config with no weights. Each parameter is a stub: a view of one zero
-   element at every index (`expand`), on the CPU with the right shape and dtype. Buffers are real (some are
-   computed when the model is built). peft adds its adapters to the skeleton exactly as to the loaded model: the
+   element at every index (`expand`), on the CPU with the right shape and the dtype from_pretrained would give it
+   (the modules a model class keeps in float32 stay float32). Buffers are real (some are computed when the model
+   is built). peft adds its adapters to the skeleton exactly as to the loaded model: the
    same modules, the same random draws from the same seed, so the adapters start as DDP's do.
 2. `unload` (before `fully_shard`): the stubs become meta parameters, so sharding allocates nothing for them; the
    adapters' starting values are kept whole (they are small) with the buffers.
@@ -44,15 +45,27 @@ def skeleton(fam):
 
     def load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         cls = fam.denoiser_class
+        check_weights(model_dir / fam.denoiser_component, cls.__name__)
         with init_empty_weights():  # parameters on the meta device, buffers real
             den = cls.from_config(cls.load_config(model_dir, subfolder=fam.denoiser_component))
-        for module in den.modules():
+        fp32 = fp32_modules(cls)
+        for owner, module in den.named_modules():
             for name, p in list(module.named_parameters(recurse=False)):
-                stub = torch.nn.Parameter(_zero(dtype).expand(p.shape), requires_grad=p.requires_grad)
-                module.register_parameter(name, stub)
+                keep = fp32 & set(f"{owner}.{name}".split("."))
+                stub = _zero(torch.float32 if keep else dtype).expand(p.shape)
+                module.register_parameter(name, torch.nn.Parameter(stub, requires_grad=p.requires_grad))
         return den
 
     return load
+
+
+def fp32_modules(cls) -> set[str]:
+    """The module names whose parameters `cls.from_pretrained(dtype=...)` loads in float32 whatever the dtype
+    (Wan's time embedder, norms and modulation tables): diffusers' loader keeps a floating parameter float32 when
+    one of the dot-separated parts of its name is listed in the class's `_keep_in_fp32_modules`. diffusers offers
+    no public accessor for that list; tests/integration/test_fsdp_load.py compares every dtype with from_pretrained's,
+    so a change in diffusers' rule shows there."""
+    return set(getattr(cls, "_keep_in_fp32_modules", None) or ())
 
 
 def unload(den: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
@@ -103,20 +116,32 @@ def _rows(p: torch.Tensor, local: torch.Tensor) -> slice:
     return slice(start, stop)
 
 
+def check_weights(folder: Path, cls_name: str) -> None:
+    """ValueError naming `folder` (a denoiser's, holding a `cls_name`) and the fix unless its weights are
+    safetensors, which each process can read its rows of. File names only: the launcher asks before any process
+    starts (stages/train/launch.py), the skeleton again for callers without a launcher."""
+    if (folder / f"{WEIGHTS}.index.json").is_file() or (folder / WEIGHTS).is_file():
+        return
+    held = (
+        sorted(f.name for f in folder.iterdir() if f.is_file() and f.name != "config.json") if folder.is_dir() else []
+    )
+    raise ValueError(
+        f"train.parallelism fsdp: {folder} has no {WEIGHTS} (or its index), only {', '.join(held) or 'no files'}: "
+        f"each process reads its own rows of the weights from safetensors files. Save them as safetensors in "
+        f"that folder: python -c \"from diffusers import {cls_name} as M; M.from_pretrained('{folder}')"
+        f".save_pretrained('{folder}')\" (or set train.parallelism: ddp)"
+    )
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (a sharded folder's index, or the one file)."""
+    """Tensor name -> the safetensors file holding it (a sharded folder's index, or the one file: check_weights
+    has made sure of one)."""
     index = folder / f"{WEIGHTS}.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return {k: folder / f for k, f in weight_map.items()}
-    single = folder / WEIGHTS
-    if not single.is_file():
-        raise ValueError(
-            f"{folder}: no {WEIGHTS} (or its index): train.parallelism fsdp reads each rank's rows from "
-            f"safetensors weights; save the model folder with safetensors or set train.parallelism: ddp"
-        )
-    with safe_open(single, "pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    with safe_open(folder / WEIGHTS, "pt") as f:
+        return dict.fromkeys(f.keys(), folder / WEIGHTS)
 
 
 def _read(files: dict, key: str, rows: slice) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere, StageStopped
 from tuneline.stages.families import resolve as models
-from tuneline.stages.train import checkpoint as ckpt, collectives, init_source
+from tuneline.stages.train import checkpoint as ckpt, collectives, fsdp, fsdpload, init_source
 from tuneline.stages.train.failcause import TRACEBACK, Causes, first_failure
 from tuneline.stages.train.hooks import CHECKPOINTS
 from tuneline.stages.train.memcheck import check_before_training
@@ -147,6 +147,7 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark
     env[PARENT_ENV] = str(os.getpid())
     env["OMP_NUM_THREADS"] = str(ctx.cfg.train.threads_per_process)
     env["PYTHONUNBUFFERED"] = "1"
+    env |= fsdp.host_memory_env(ctx.cfg.train, models.device(ctx.cfg), env)
     # The project root must be importable by the workers even when not installed (tests, dev checkouts).
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -313,6 +314,9 @@ def build(ctx, work: Path, upstream: dict) -> dict:
             f.unlink(missing_ok=True)
     resume = resume_target(ctx, work)
     model_dir, initialized_from = previous_model(ctx, upstream)
+    if ctx.cfg.train.parallelism == "fsdp":  # its processes read their shards from safetensors files only
+        fam = models.family(ctx.cfg)
+        fsdpload.check_weights(model_dir / fam.denoiser_component, fam.denoiser_class.__name__)
     memory_plan = check_before_training(ctx, model_dir, dev)  # refuses in seconds what would run out of memory
     grace = (memory_plan or {}).get("grace") or STOP_GRACE_S
     ctx.log.info("train: a stop may take up to %d s to finish its step and checkpoint (docs/stopping.md)", grace)
