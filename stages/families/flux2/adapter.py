@@ -222,16 +222,17 @@ def tiny_mistral3(tokenizer: Any, width: int = TINY_TEXT_WIDTH):
 def tiny_transformer(facts: FamilyFacts, text_width: int, guidance: bool) -> torch.nn.Module:
     """The tiny flavors' FLUX.2 transformer: in_channels = 4 x the latent channels (patchified), head dim 16 =
     sum(axes_dims_rope), text features `text_width` wide; a guidance embedding for [dev] ([klein] samples with true
-    CFG)."""
+    CFG). Two double and two single blocks of 4 heads, as FLUX.1 Kontext's tiny flavor: with one of each and 2
+    heads the edit demo did not learn the instructed color in 1000 steps (bench/README.md)."""
     from diffusers import Flux2Transformer2DModel
 
     return Flux2Transformer2DModel(
         patch_size=1,
         in_channels=4 * facts.latent_channels,
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=2,
+        num_single_layers=2,
         attention_head_dim=16,
-        num_attention_heads=2,
+        num_attention_heads=4,
         joint_attention_dim=text_width,
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),
