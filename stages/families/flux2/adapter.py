@@ -247,7 +247,9 @@ class Flux2DevFamily(Flux2Family):
         # The released folder's tokenizer is a Pixtral processor (it needs torchvision); the pipeline only uses its
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
-        self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=True)
+        # No distilled-guidance embedding: a random-init one only ever sees the training value (1.0), and rendering
+        # at validate.guidance_scale would condition the model on a value it never learned.
+        self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=False)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As Flux2Pipeline._get_mistral_3_small_prompt_embeds: system message + caption through the chat template,
