@@ -225,6 +225,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         512,
         max_length_limit=1024,
+        tiny_revision="2",  # the tiny VAE's latent statistics measured on the demo's pictures
         negative_needs_guidance=False,
         pipeline="QwenImagePipeline",
         denoiser="transformer",
@@ -246,6 +247,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         1536,
         max_length_limit=4096,
+        tiny_revision="2",  # the tiny VAE's latent statistics measured on the demo's pictures
         negative_needs_guidance=False,
         pipeline="QwenImageEditPipeline",
         denoiser="transformer",
@@ -265,6 +267,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         1024,
         max_length_limit=4096,
+        tiny_revision="2",  # the tiny VAE's latent statistics measured on the demo's pictures
         negative_needs_guidance=False,
         pipeline="QwenImageEditPlusPipeline",
         denoiser="transformer",
@@ -299,6 +302,9 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         512,
         max_length_limit=512,
+        # FLUX.2's system message takes about 130 of the tiny tokenizer's tokens; the rest of 512 would be padding.
+        tiny_revision="2",
+        tiny_max_length=160,
         negative_needs_guidance=False,
         pipeline="Flux2Pipeline",
         denoiser="transformer",
@@ -315,6 +321,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         512,
         max_length_limit=512,
+        tiny_revision="2",
+        tiny_max_length=48,  # the chat template around a demo caption is about 30 tokens
         negative_needs_guidance=True,
         pipeline="Flux2KleinPipeline",
         denoiser="transformer",

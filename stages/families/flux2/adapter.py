@@ -19,6 +19,7 @@ from tuneline.stages.families.common import DiffusersFamily, dynamic_shift_sched
 from tuneline.stages.families.flux2 import latents as lat
 from tuneline.stages.families.flux2.references import reference_tokens
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, build_bpe_tokenizer
+from tuneline.stages.families.tiny.adapter import demo_pictures, demo_vae_widened_state
 
 CONTROL_KEY = "control_latents"  # the conditioning key the training loop fills for a family that takes control
 DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers
@@ -33,8 +34,12 @@ CHAT_TEMPLATE = (
 
 
 def tiny_vae(facts: FamilyFacts):
-    """AutoencoderKLFlux2 16-32 channels wide, with batch-norm statistics away from (0, 1) so the tiny flavor
-    exercises the normalisation the pipeline applies."""
+    """AutoencoderKLFlux2 with the demo's pretrained VAE (stages/families/tiny) widened to 32 channels and identity
+    quant convolutions, so latents carry the picture (a random-init VAE's tell the demo colors apart by about a tenth
+    of the noise, and the edit demo learns nothing) and renders show colors and shapes. Its batch-norm statistics
+    are measured as the released ones were gathered, over the latents of pictures of the demo's domain
+    (demo_pictures), so the normalised space is unit-wide and the pipeline's normalisation is exercised with
+    statistics away from (0, 1)."""
     from diffusers import AutoencoderKLFlux2
 
     vae = AutoencoderKLFlux2(
@@ -44,10 +49,17 @@ def tiny_vae(facts: FamilyFacts):
         norm_num_groups=8,
         sample_size=64,
     )
-    n = vae.bn.running_mean.numel()
+    state = demo_vae_widened_state(facts.latent_channels)
+    for name in ("quant_conv", "post_quant_conv"):
+        conv = getattr(vae, name)
+        state[f"{name}.weight"] = torch.eye(conv.in_channels).view(*conv.weight.shape)
+        state[f"{name}.bias"] = torch.zeros_like(conv.bias)
+    state |= {k: v for k, v in vae.state_dict().items() if k.startswith("bn.")}  # measured below
+    vae.load_state_dict(state, strict=True)
     with torch.no_grad():
-        vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, n))
-        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, n))
+        patches = lat.patchify(vae.encode(demo_pictures()).latent_dist.mean)
+        vae.bn.running_mean.copy_(patches.mean(dim=(0, 2, 3)))
+        vae.bn.running_var.copy_(patches.var(dim=(0, 2, 3)))
     return vae
 
 
@@ -210,16 +222,17 @@ def tiny_mistral3(tokenizer: Any, width: int = TINY_TEXT_WIDTH):
 def tiny_transformer(facts: FamilyFacts, text_width: int, guidance: bool) -> torch.nn.Module:
     """The tiny flavors' FLUX.2 transformer: in_channels = 4 x the latent channels (patchified), head dim 16 =
     sum(axes_dims_rope), text features `text_width` wide; a guidance embedding for [dev] ([klein] samples with true
-    CFG)."""
+    CFG). Two double and two single blocks of 4 heads, as FLUX.1 Kontext's tiny flavor: with one of each and 2
+    heads the edit demo did not learn the instructed color in 1000 steps (bench/README.md)."""
     from diffusers import Flux2Transformer2DModel
 
     return Flux2Transformer2DModel(
         patch_size=1,
         in_channels=4 * facts.latent_channels,
-        num_layers=1,
-        num_single_layers=1,
+        num_layers=2,
+        num_single_layers=2,
         attention_head_dim=16,
-        num_attention_heads=2,
+        num_attention_heads=4,
         joint_attention_dim=text_width,
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),
@@ -234,7 +247,9 @@ class Flux2DevFamily(Flux2Family):
         # The released folder's tokenizer is a Pixtral processor (it needs torchvision); the pipeline only uses its
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
-        self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=True)
+        # No distilled-guidance embedding: a random-init one only ever sees the training value (1.0), and rendering
+        # at validate.guidance_scale would condition the model on a value it never learned.
+        self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=False)
 
     def encode_text(self, enc: TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
         """As Flux2Pipeline._get_mistral_3_small_prompt_embeds: system message + caption through the chat template,

@@ -12,12 +12,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from tuneline.schemas.demo import DEMO_COLORS, RGB
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.flux.adapter import FluxFamily, image_ids, pack_latents, unpack_latents
-from tuneline.stages.families.tiny.adapter import demo_vae_widened
+from tuneline.stages.families.tiny.adapter import demo_pictures, demo_vae_widened
 
 # The conditioning key the training loop fills from the cached control latents (scaled like the targets).
 CONTROL_KEY = "control_latents"
@@ -50,11 +49,8 @@ class FluxKontextFamily(FluxFamily):
         projection of it. Scale and shift are measured the way the released 0.3611 / 0.1159 were chosen (mean and
         1 / std of the latents of a shape in each demo color on a grey ground)."""
         vae = demo_vae_widened(self.facts)
-        pictures = torch.full((len(DEMO_COLORS), 3, 64, 64), 220 / 127.5 - 1)
-        for i, color in enumerate(DEMO_COLORS):
-            pictures[i, :, 12:52, 12:52] = torch.tensor(RGB[color]).view(3, 1, 1) / 127.5 - 1
         with torch.no_grad():
-            latents = vae.encode(pictures).latent_dist.mean
+            latents = vae.encode(demo_pictures()).latent_dist.mean
         vae.register_to_config(shift_factor=float(latents.mean()), scaling_factor=float(1 / latents.std()))
         return vae
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from tuneline.schemas.demo import DEMO_COLORS, RGB
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.sd15.adapter import SD15Family, tiny_vae
 
@@ -37,18 +38,24 @@ def demo_vae_weights() -> tuple[dict[str, torch.Tensor], dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, json.loads((f.metadata() or {}).get("demo_vae", "{}"))
 
 
-def demo_vae_widened(facts: FamilyFacts):
-    """The demo VAE for a family of `facts.latent_channels` latents (a multiple of 4) and no quant convolutions
-    (SD3 / Flux layout): the quant convolutions are folded into the encoder's last and the decoder's first
-    convolution, each of the 4 latent channels is repeated, and the decoder averages the copies. It decodes the demo's
-    shapes as the 4-channel VAE does (the folded decoder bias differs only in the zero-padded border)."""
+def demo_pictures() -> torch.Tensor:
+    """A shape in each demo color on a grey ground, (colors, 3, 64, 64) in [-1, 1]: what a tiny flavor measures its
+    latent statistics on, the way released scales and shifts were measured on the images the model is for."""
+    pictures = torch.full((len(DEMO_COLORS), 3, 64, 64), 220 / 127.5 - 1)
+    for i, color in enumerate(DEMO_COLORS):
+        pictures[i, :, 12:52, 12:52] = torch.tensor(RGB[color]).view(3, 1, 1) / 127.5 - 1
+    return pictures
+
+
+def demo_vae_widened_state(latent_channels: int) -> dict[str, torch.Tensor]:
+    """The demo VAE's weights for `latent_channels` latents (a multiple of 4) without quant convolutions: they are
+    folded into the encoder's last and the decoder's first convolution, each of the 4 latent channels is repeated,
+    and the decoder averages the copies. It decodes the demo's shapes as the 4-channel VAE does (the folded decoder
+    bias differs only in the zero-padded border)."""
     state, _ = demo_vae_weights()
-    vae = tiny_vae(
-        facts.latent_channels, facts, shift_factor=facts.shift_factor, use_quant_conv=False, use_post_quant_conv=False
-    )
-    k, c = divmod(facts.latent_channels, 4)
+    k, c = divmod(latent_channels, 4)
     if c:
-        raise ValueError(f"the demo VAE widens to a multiple of 4 latent channels, not {facts.latent_channels}")
+        raise ValueError(f"the demo VAE widens to a multiple of 4 latent channels, not {latent_channels}")
     quant, quant_bias = state.pop("quant_conv.weight")[:4, :, 0, 0], state.pop("quant_conv.bias")[:4]
     post, post_bias = state.pop("post_quant_conv.weight")[:, :, 0, 0], state.pop("post_quant_conv.bias")
     enc_w = torch.einsum("oc,cikl->oikl", quant, state["encoder.conv_out.weight"])
@@ -58,7 +65,15 @@ def demo_vae_widened(facts: FamilyFacts):
     state["decoder.conv_in.weight"] = torch.einsum("ockl,ci->oikl", dec_w, post).repeat(1, k, 1, 1) / k
     state["encoder.conv_out.weight"] = torch.cat([enc_w.repeat(k, 1, 1, 1), torch.zeros_like(enc_w).repeat(k, 1, 1, 1)])
     state["encoder.conv_out.bias"] = torch.cat([enc_b.repeat(k), torch.full((k * 4,), POSTERIOR_LOGVAR)])
-    vae.load_state_dict(state, strict=True)
+    return state
+
+
+def demo_vae_widened(facts: FamilyFacts):
+    """The demo VAE (demo_vae_widened_state) as an AutoencoderKL of the SD3 / Flux layout (no quant convolutions)."""
+    vae = tiny_vae(
+        facts.latent_channels, facts, shift_factor=facts.shift_factor, use_quant_conv=False, use_post_quant_conv=False
+    )
+    vae.load_state_dict(demo_vae_widened_state(facts.latent_channels), strict=True)
     return vae
 
 
