@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpu_text import add_text_encoder
@@ -106,7 +107,7 @@ def full_model(family: str, out: Path) -> Path:
         if not (isinstance(entry, list) and (tmp / name / "config.json").is_file()) or name == "scheduler":
             continue
         cls = getattr(importlib.import_module(entry[0]), entry[1])
-        with init:
+        with init, bfloat16_default():  # float32 weights of a 20 B model would outgrow an H100
             model = build(cls, entry[0], tmp / name)
         model.to(torch.bfloat16).save_pretrained(tmp / name)
         del model
@@ -114,6 +115,18 @@ def full_model(family: str, out: Path) -> Path:
         add_text_encoder(family, tmp, init)
     tmp.rename(out)
     return out
+
+
+@contextmanager
+def bfloat16_default():
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def build(cls, library: str, folder: Path):

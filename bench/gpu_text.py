@@ -69,7 +69,9 @@ def add_text_encoder(family: str, folder: Path, init) -> None:
         cls, cfg = released_config(family, tiny)
         shutil.copytree(tiny / "tokenizer", folder / "tokenizer")
         tiny_index = json.loads((tiny / "model_index.json").read_text())
-    with init:
+    from gpu_setup import bfloat16_default
+
+    with init, bfloat16_default():
         model = cls(cfg)
     model.to(torch.bfloat16).save_pretrained(folder / "text_encoder")
     del model

@@ -98,7 +98,8 @@ class Renderer:
         # A pipeline whose input images are shared by every prompt of a call (FLUX.2's references) renders each
         # sample with its own images in a call of its own.
         shared = samples and samples[0].image is not None and self.fam.one_control_per_call
-        size = 1 if shared else MAX_BATCH
+        # A clip's activations are its frames' (81 frames of Wan 14B with guidance fill a large card): one per call.
+        size = 1 if shared or frames > 1 else MAX_BATCH
         for group in groups:
             for start in range(0, len(group), size):
                 idx = group[start : start + size]

@@ -49,11 +49,15 @@ class Part:
             _write(out, self.lines)
             return
         path, offset, length = self.kept
+        kernel = getattr(os, "copy_file_range", None)  # Linux only
         with open(path, "rb") as f:
             while length:
                 try:
-                    n = os.copy_file_range(f.fileno(), out.fileno(), length, offset)
+                    n = kernel(f.fileno(), out.fileno(), length, offset) if kernel else 0
                 except OSError:  # a filesystem or kernel without it (EXDEV, ENOSYS): copy through memory
+                    n = 0
+                if not n:  # none, or a kernel/filesystem pair that copies nothing: through memory
+                    kernel = None
                     f.seek(offset)
                     n = _write(out, f.read(length))
                 if not n:

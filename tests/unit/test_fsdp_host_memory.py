@@ -57,6 +57,6 @@ def test_only_sharded_runs_holding_state_on_the_host_get_them_and_a_users_tunabl
     assert host_memory_env(TrainConfig(), CPU, {}) == {}  # DDP keeps its processes as they were
     assert host_memory_env(fsdp, CUDA, {}) == {}  # the state is on the GPU
     offload = TrainConfig(parallelism="fsdp", fsdp_cpu_offload=True, validate_every=0)
-    assert host_memory_env(offload, CUDA, {}) == {"GLIBC_TUNABLES": ":".join(HOST_MALLOC)}
+    assert host_memory_env(offload, CUDA, {}) == {}  # unmeasured with the state offloaded from a GPU
     mine = host_memory_env(fsdp, CPU, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert mine == {"GLIBC_TUNABLES": ":".join(("glibc.malloc.arena_max=2", *HOST_MALLOC))}
