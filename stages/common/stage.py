@@ -24,6 +24,7 @@ from tuneline.stages.common.artifacts import ArtifactError, ArtifactStore, fix_h
 from tuneline.stages.common.codeident import library_versions, stage_code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.report import Reporter
+from tuneline.stages.common.staleness import problem, stale_reason
 
 TOOL_VERSION = "0.1.0"
 INDEX = ".index.json"
@@ -215,38 +216,6 @@ def expected_versions(
     return out
 
 
-def _diff(old: Any, new: Any, prefix: str) -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out: list[str] = []
-        for k in sorted(set(old) | set(new)):
-            out += _diff(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
-        return out
-    return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
-
-
-def _problem(err: ArtifactError, stage: str) -> str:
-    """What is wrong, without the rebuild hint: a status reason says why, and a refusal quoting it names its one
-    fix itself (a tampered captions.jsonl once read "run `... --force` ...); run `tuneline stage caption` first")."""
-    return str(err).removesuffix(f"; {fix_hint(stage)}")
-
-
-def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | None) -> str:
-    try:
-        m = ctx.store.read(latest, sd.manifest_cls)
-    except ArtifactError as err:
-        return _problem(err, sd.name)
-    if parts is None:
-        ups = ", ".join(sd.upstream)
-        return f"upstream ({ups}) is not fresh: rebuild it first"
-    changes = []
-    if m.code_version != parts["code_version"]:
-        changes.append(f"code version {m.code_version} -> {parts['code_version']}")
-    changes += [f"config {c}" for c in _diff(m.config, parts["config"], "")]
-    changes += [f"input {c}" for c in _diff(m.inputs, parts["inputs"], "")]
-    changes += [f"upstream {u} changed" for u in sd.upstream if m.upstream.get(u) != parts["upstream"].get(u)]
-    return "; ".join(changes[:6]) or "inputs changed"
-
-
 def status(ctx: StageContext, stages: list[StageDef], *, reuse: bool = False) -> list[StageStatus]:
     """Per stage, its state. With `reuse`, fresh means what the next run reuses: a scan whose listing changed
     (a touched file, a Thumbs.db, a moved folder) but whose rescan republishes a published version is fresh,
@@ -264,7 +233,7 @@ def status(ctx: StageContext, stages: list[StageDef], *, reuse: bool = False) ->
             try:
                 m = store.read(fresh_dir, sd.manifest_cls)
             except ArtifactError as err:
-                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), _problem(err, sd.name)))
+                rows.append(StageStatus(sd.name, "stale", version, str(fresh_dir), problem(err, sd.name)))
                 continue
             # Built from the right versions, but one of them no longer verifies: reading it would fail.
             bad = [r for r in rows if r.stage in sd.upstream and r.state != "fresh"]

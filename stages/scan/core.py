@@ -18,12 +18,13 @@ from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.common.lock import active_run
-from tuneline.stages.common.sizing import SizePolicy, bucket_size, crop_box, size_policy, size_problem
+from tuneline.stages.common.sizing import SizePolicy, size_policy
 from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan import buckets as bk, controls, images, masks, report, shardparts, shardscan, video
-from tuneline.stages.scan.captions import CaptionError, Captions
+from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
+from tuneline.stages.scan.records import make_record
 from tuneline.stages.scan.shardfs import is_container
 
 CODE_VERSION = code_version("scan")  # stages/code_versions.json
@@ -163,50 +164,6 @@ def probe_all(ctx, entries: list[Entry], previous: dict[str, images.Probe]) -> t
 
 def _probe_chunk(family: str, entries: list[Entry]) -> list[images.Probe]:
     return [video.probe(e, family) for e in entries]
-
-
-def make_record(
-    probe: images.Probe, captions: Captions, policy: SizePolicy, cfg: PipelineConfig
-) -> ImageRecord | Rejected:
-    def reject(kind: str, reason: str) -> Rejected:
-        return Rejected(path=probe.path, kind=kind, reason=reason)
-
-    if probe.error:
-        return reject(probe.kind, probe.error)
-    w, h, limit = probe.width, probe.height, cfg.dataset.max_image_pixels
-    if w * h > limit:
-        return reject(
-            "bomb",
-            f"decompression-bomb guard: {w}x{h} = {w * h} pixels exceeds "
-            f"dataset.max_image_pixels ({limit}); raise the limit if the image is genuine",
-        )
-    problem = size_problem(w, h, policy)
-    if problem:
-        return reject("too-small", problem)
-    try:
-        caption, source = captions.caption_for(probe.path)
-    except CaptionError as err:
-        return reject("caption", str(err))
-    bw, bh = bucket_size(w, h, policy)
-    return ImageRecord(
-        path=probe.path,
-        width=w,
-        height=h,
-        bucket_width=bw,
-        bucket_height=bh,
-        crop=crop_box(w, h, bw, bh, cfg.buckets.crop, cfg.buckets.seed, key=probe.path),
-        caption=caption,
-        caption_source=source,
-        sha256=probe.sha256,
-        size_bytes=probe.size_bytes,
-        mtime_ns=probe.mtime_ns,
-        format=probe.format,
-        mode=probe.mode,
-        orientation=probe.orientation,
-        conversion=probe.conversion,
-        trailer=probe.trailer,
-        background=cfg.dataset.background if probe.transparent else None,
-    )
 
 
 def policies(cfg: PipelineConfig) -> list[tuple[float | None, SizePolicy]]:

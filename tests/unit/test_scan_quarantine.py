@@ -12,9 +12,10 @@ from tuneline.schemas.config import load_config
 from tuneline.stages.common.hashing import HashCache, file_sha256
 from tuneline.stages.common.sizing import size_policy
 from tuneline.stages.scan.captions import Captions
-from tuneline.stages.scan.core import alignment, make_record
+from tuneline.stages.scan.core import alignment
 from tuneline.stages.scan.images import probe_file
 from tuneline.stages.scan.listing import walk
+from tuneline.stages.scan.records import make_record
 
 
 def _cfg(tmp_path, data):

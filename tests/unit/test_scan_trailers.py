@@ -58,8 +58,9 @@ def test_trailer_reaches_the_scan_record(tmp_path):
     from tuneline.schemas.config import load_config
     from tuneline.stages.common.sizing import size_policy
     from tuneline.stages.scan.captions import Captions
-    from tuneline.stages.scan.core import alignment, make_record
+    from tuneline.stages.scan.core import alignment
     from tuneline.stages.scan.listing import walk
+    from tuneline.stages.scan.records import make_record
 
     data = tmp_path / "data"
     data.mkdir()
