@@ -11,3 +11,35 @@ def test_fp8_refused_on_cpu_naming_the_field():
 
 def test_int8_accepted_on_cpu():
     check_supported("int8", torch.device("cpu"))
+
+
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves in module's forward, and the input's gradient."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    (grad,) = torch.autograd.grad(y, x, torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y))
+    return sum(saved), grad
+
+
+def test_int8_base_saves_no_dequantized_weight_and_gives_the_dequantized_gradient():
+    from tuneline.stages.train.quantize import quantize_base
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 128).to(torch.bfloat16).requires_grad_(False)
+    quantize_base(layer, "int8", torch.device("cpu"))
+    reference = torch.nn.Linear(256, 128).to(torch.bfloat16).requires_grad_(False)
+    reference.weight.copy_(layer.weight.dequantize())
+    reference.bias.copy_(layer.bias)
+    x = torch.randn(8, 256, dtype=torch.bfloat16, requires_grad=True)
+    ours, grad = saved_bytes(layer, x)
+    theirs, expected = saved_bytes(reference, x)
+    assert theirs >= 128 * 256 * 2  # autograd's own linear keeps the full-precision weight
+    assert ours == 0
+    torch.testing.assert_close(grad, expected, atol=1e-3, rtol=1.6e-2)
+    torch.testing.assert_close(layer(x.detach()), reference(x.detach()), atol=2e-2, rtol=2e-2)
