@@ -7,6 +7,7 @@ Rows without a mask are all ones.
 
 from __future__ import annotations
 
+import io
 from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
@@ -18,7 +19,7 @@ from PIL import Image
 from tuneline.schemas.scan import ImageRecord, Location
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.scan.images import TRANSPOSE
-from tuneline.stages.scan.members import open_image
+from tuneline.stages.scan.members import open_image, range_bytes
 
 FOLDER = "masks"
 
@@ -36,8 +37,9 @@ def _plane(rec: ImageRecord, image_root: Path | Location, mask_root: Path | None
             mask = im.convert("RGBA").getchannel("A")
         if rec.orientation in TRANSPOSE:
             mask = mask.transpose(TRANSPOSE[rec.orientation])
-    else:
-        with Image.open(mask_root / rec.mask_path) as im:
+    else:  # a mask file, or the sample's mask member read by its byte range
+        where = mask_root / rec.mask_path if rec.mask_kind == "file" else io.BytesIO(mask_bytes(image_root, rec))
+        with Image.open(where) as im:
             mask = im.convert("L")
     if mask.size != (rec.width, rec.height):
         raise ValueError(
@@ -47,6 +49,10 @@ def _plane(rec: ImageRecord, image_root: Path | Location, mask_root: Path | None
     # Float before averaging: an 8-bit average would round a half-covered position to 128 / 255.
     small = mask.crop(rec.crop).convert("F").resize((grid[1], grid[0]), Image.Resampling.BOX)
     return (np.asarray(small, np.float32) / 255.0).astype(np.float16)
+
+
+def mask_bytes(root: Path | Location, rec: ImageRecord) -> bytes:
+    return range_bytes(root, rec.shard, rec.mask_offset, rec.mask_size_bytes, rec.mask_path)
 
 
 def write_masks(

@@ -1,6 +1,6 @@
 """Reading one image of a webdataset shard or a parquet table by its scan record, wherever the shard lives.
 
-A shard member is a byte range (the record's offset and size): one ranged read, no extraction to disk, no
+A shard member is a byte range (the record's offset and size; a sample's mask and control members have theirs): one ranged read, no extraction to disk, no
 download of the whole shard. A parquet image is read with its row group's image column (parquet compresses
 column chunks, so a row has no byte range of its own); the last few row groups are kept, since a bucket's
 images come from the same row groups.
@@ -36,17 +36,34 @@ def open_image(root: Path | Location, rec: ImageRecord) -> Path | io.BytesIO:
 
 
 def member_bytes(root: Path | Location, rec: ImageRecord) -> bytes:
-    fs, path = shard_location(root, rec.shard)
     if rec.offset is not None:
-        data = fs.cat_file(path, start=rec.offset, end=rec.offset + rec.size_bytes)
-        if len(data) != rec.size_bytes:
-            raise OSError(f"shard {path} ends inside member {rec.path} (the shard changed since the scan)")
-        return data
+        return range_bytes(root, rec.shard, rec.offset, rec.size_bytes, rec.path)
+    fs, path = shard_location(root, rec.shard)
     cells = _row_group(fs, path, rec.row_group, rec.column)
     if rec.row >= len(cells):
         raise OSError(f"row group {rec.row_group} of {path} has no row {rec.row} (the table changed since the scan)")
     cell = cells[rec.row]
     return cell.get("bytes") if isinstance(cell, dict) else cell
+
+
+def range_bytes(root: Path | Location, shard: str, offset: int, size: int, name: str) -> bytes:
+    """One member's bytes (an image, or a sample's mask or control member: stages/scan/samples.py) by its range."""
+    fs, path = shard_location(root, shard)
+    data = fs.cat_file(path, start=offset, end=offset + size)
+    if len(data) != size:
+        raise OSError(f"shard {path} ends inside member {name} (the shard changed since the scan)")
+    return data
+
+
+def control_bytes(root: Path | Location, rec: ImageRecord) -> bytes:
+    """A record's control member (its sample's key.control.<ext>), checked against the scan's content hash."""
+    data = range_bytes(root, rec.shard, rec.control_offset, rec.control_size_bytes, rec.control_path)
+    if hashlib.sha256(data).hexdigest() != rec.control_sha256:
+        raise ValueError(
+            f"control member {rec.control_path} of {rec.path} changed since the scan (content hash differs): run "
+            f"`tuneline run --until latents` (it rescans, then caches the new control)"
+        )
+    return data
 
 
 @lru_cache(maxsize=ROW_GROUPS_KEPT)

@@ -2,8 +2,9 @@
 
 WebDataset (`000123.tar`): members are grouped by key (the member name up to the first '.' of its base name);
 `key.<image ext>` is the image, `key.txt` (dataset.caption_extension) its caption, else a field of `key.json`
-(dataset.metadata_caption_field, or the first of text / caption / prompt). Each image's data offset and size are
-recorded, so later stages read it by byte range. Parquet (as pyarrow or Hugging Face `datasets` write it): the
+(dataset.metadata_caption_field, or the first of text / caption / prompt); `key.mask.<ext>` and `key.control.<ext>`
+its mask and control members (stages/scan/samples.py). Each image's (and mask's, control's) data offset and size
+are recorded, so later stages read it by byte range. Parquet (as pyarrow or Hugging Face `datasets` write it): the
 image column holds bytes or {bytes, path} structs, read one row group at a time.
 Nothing is extracted to disk; one member (or one row group) is in memory at a time.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tuneline.schemas.scan import DatasetConfig, Rejected
 from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.scan import samples
 from tuneline.stages.scan.captions import AUTO_FIELDS
 from tuneline.stages.scan.images import probe_bytes
 from tuneline.stages.scan.shardfs import ShardFile
@@ -38,6 +40,7 @@ class ShardIndex:
     members: list[dict] = field(default_factory=list)  # a Probe's fields + offset | row_group, row
     captions: dict[str, list[str]] = field(default_factory=dict)  # image path -> [text, source]
     problems: list[dict] = field(default_factory=list)  # Rejected rows
+    parts: dict[str, dict] = field(default_factory=dict)  # image path -> its mask / control member (samples.py)
     resumed: int = 0  # members found by an earlier, killed pass (not read by this one)
 
     def as_json(self) -> dict:
@@ -83,6 +86,7 @@ class Progress:
     at: int = 0  # byte offset of the next member's header
     members: list[dict] = field(default_factory=list)
     texts: dict[str, list[str]] = field(default_factory=dict)  # key -> [text, source]
+    parts: dict[str, dict] = field(default_factory=dict)  # key -> {mask | control: the member's facts}
     problems: list[dict] = field(default_factory=list)
     last: str | None = None  # the last member read
 
@@ -130,6 +134,7 @@ def index_tar(fs, shard: ShardFile, cfg: DatasetConfig, resume: Progress | None 
                 )
             )
     out.captions = {m["path"]: list(p.texts[m["key"]]) for m in out.members if m["key"] in p.texts}
+    out.parts = {m["path"]: p.parts[m["key"]] for m in out.members if m["key"] in p.parts}
     out.sha256 = "" if base else stream.sha.hexdigest()
     return out
 
@@ -144,6 +149,8 @@ def _member(out: ShardIndex, p: Progress, shard: ShardFile, ti, data: bytes, off
         p.texts[key] = [_text(out, shard, ti.name, data), "sidecar"]
     elif ext == "json":
         p.texts.setdefault(key, [_json_caption(out, shard, ti.name, data, cfg), "metadata"])
+    elif (role := samples.role(ext, images)) is not None:
+        p.parts.setdefault(key, {})[role] = samples.facts(probe_bytes(data, member_path(shard.rel, ti.name)), offset)
 
 
 def _problem(path: str, kind: str, reason: str) -> dict:

@@ -15,11 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuneline.schemas.scan import MEMBER_FIELDS, Rejected
+from tuneline.schemas.scan import MEMBER_FIELDS, MEMBERS, Rejected
 from tuneline.schemas.sources import Source
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.scan import samples
 from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.controls import source_roots
 from tuneline.stages.scan.images import Probe
@@ -55,6 +56,7 @@ class Members:
     problems: list[Rejected] = field(default_factory=list)
     reopened: int = 0
     fields: dict[str, dict] = field(default_factory=dict)  # image path -> shard, offset | row_group, row
+    parts: dict[str, dict] = field(default_factory=dict)  # image path -> its mask / control member (samples.py)
     read: list[str] = field(default_factory=list)  # shards indexed now
 
 
@@ -68,6 +70,8 @@ def index_dir(ctx, src: Source) -> Path:
     """One folder per source and per the settings that decide what an index holds; a file per shard in it."""
     d = ctx.cfg.dataset
     reads = [d.image_column, d.caption_column, src.caption_extension, d.metadata_caption_field, d.extensions]
+    # Indexes kept before samples' mask / control members were recorded lack them: read again where they are used.
+    reads += ["members"] if samples.used(ctx.cfg, src) else []
     return ctx.store.stage_dir("scan") / f".shards-{digest([src.location, reads, code_version('scan')])}"
 
 
@@ -137,6 +141,7 @@ def members(ctx, src: Source, pairs: list[tuple[ShardFile, ShardIndex]]) -> Memb
     known: dict[str, list[str]] = {}
     for shard, index in pairs:
         known |= index.captions
+        out.parts |= index.parts
         out.problems += [Rejected(**p) for p in index.problems]
         for m in index.members:
             out.fields[m["path"]] = {k: m[k] for k in MEMBER_FIELDS if k in m} | {"shard": shard.rel}
@@ -153,9 +158,11 @@ def reopened(indexes: list[ShardIndex], read: list[str]) -> int:
 
 
 def listed(ctx, src: Source) -> tuple[str, list[ShardFile]]:
-    """The source's format and shards (masks and controls refused: they are matched to files beside images)."""
+    """The source's format and shards (mask and control folders refused: they are matched to files beside images;
+    a webdataset sample's own members are not)."""
     fmt = detect(src)
     _folders_only(ctx.cfg, src, fmt)
+    samples.check(ctx.cfg, src, fmt)
     return fmt, list_shards(src, fmt)
 
 
@@ -174,15 +181,15 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
 
 def _folders_only(cfg, src: Source, fmt: str) -> None:
     """Mask and control folders are matched to images as files beside them; shards and tables have none (alpha
-    masks are the images' own alpha channel, read from the members)."""
+    masks are the images' own alpha channel, read from the members; `members`: the samples' own members)."""
     control, field = source_roots(cfg)[src.index]
-    folder_masks = cfg.dataset.masks not in (None, ALPHA)
+    folder_masks = cfg.dataset.masks not in (None, ALPHA, MEMBERS)
     used = (["dataset.masks"] if folder_masks else []) + ([field] if control is not None else [])
     if used:
         raise StageFailed(
             f"{src.field} {src.location} is a {fmt} source, and {' and '.join(used)} apply only to folders of "
-            f"image files: set {' and '.join(used)} to null (dataset.masks may be alpha), or unpack the source "
-            f"into a folder"
+            f"image files: set {' and '.join(used)} to members (a webdataset sample's key.mask.<ext> / "
+            f"key.control.<ext> members) or null (dataset.masks may be alpha), or unpack the source into a folder"
         )
 
 
