@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -64,6 +65,29 @@ def control_bytes(root: Path | Location, rec: ImageRecord) -> bytes:
             f"`tuneline run --until latents` (it rescans, then caches the new control)"
         )
     return data
+
+
+@dataclass(frozen=True)
+class ControlMember:
+    """A record's control member, named and read like a control file by the text and validate stages."""
+
+    root: Path | Location
+    rec: ImageRecord
+
+    def read_bytes(self) -> bytes:
+        return control_bytes(self.root, self.rec)
+
+    def __str__(self) -> str:
+        return f"{str(self.root).rstrip('/')}/{self.rec.control_path}"
+
+
+def control_file(roots: dict[int | None, Path | Location], rec: dict) -> Path | ControlMember:
+    """Where a scan record (as JSON) has its control: a file or a folder of references under its control folder,
+    or its sample's control member (`roots`: ScanManifest.control_sources())."""
+    root = roots[rec.get("source")]
+    if rec.get("control_offset") is None:
+        return root / rec["control_path"]
+    return ControlMember(root, ImageRecord.model_validate(rec))
 
 
 @lru_cache(maxsize=ROW_GROUPS_KEPT)

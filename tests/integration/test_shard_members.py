@@ -16,11 +16,16 @@ from PIL import Image
 
 from tests.integration.test_scan_stage import noise
 from tuneline.schemas.config import parse_config
+from tuneline.schemas.scan import ScanManifest
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.stage import StageContext, StageFailed, run_stage
 from tuneline.stages.latents import controls
 from tuneline.stages.latents.masks import mask_file
 from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.scan.members import control_file
+from tuneline.stages.text.controls import load_control as text_control
+from tuneline.stages.validate.edits import load_control as validate_control
 
 KEYS = ("a", "b", "c")  # a: mask and control; b: control only; c: neither (rejected: no control)
 
@@ -69,24 +74,22 @@ def _config(workdir: Path, path: Path, masks: str | Path, control: str | Path | 
     return parse_config(raw, "<test>")
 
 
-def _build(cfg) -> tuple[dict, dict, Path, dict]:
-    """(scan records by path, rejections by path, the latents artifact, its index rows by image name)."""
+def _build(cfg) -> tuple[dict, dict, Path, dict, dict]:
+    """(scan records by path, rejections by path, the latents artifact, its index rows by image name, where each
+    source's controls are read)."""
     ctx = StageContext(cfg)
     scan, _ = run_stage(ctx, stage("scan"), PIPELINE)
     latents, _ = run_stage(ctx, stage("latents"), PIPELINE)
     rows = {Path(r["path"]).stem: r for r in read_jsonl(latents / "index.jsonl")}
-    return (
-        {r["path"]: r for r in read_jsonl(scan / "images.jsonl")},
-        {r["path"]: r for r in read_jsonl(scan / "rejected.jsonl")},
-        latents,
-        rows,
-    )
+    records = {r["path"]: r for r in read_jsonl(scan / "images.jsonl")}
+    roots = ScanManifest.model_validate_json((scan / "manifest.json").read_text()).control_sources()
+    return records, {r["path"]: r for r in read_jsonl(scan / "rejected.jsonl")}, latents, rows, roots
 
 
 def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_path):
     samples = _samples()
     shards = _as_shard(tmp_path / "shards", samples)
-    records, rejected, latents, rows = _build(_config(tmp_path / "w1", shards, "members", "members"))
+    records, rejected, latents, rows, roots = _build(_config(tmp_path / "w1", shards, "members", "members"))
     a, b = records["000000.tar/a.png"], records["000000.tar/b.png"]
     assert (a["mask_kind"], a["mask_path"], a["control_path"]) == (
         "member",
@@ -99,10 +102,15 @@ def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_pat
         assert f.read(a["mask_size_bytes"]) == samples["a"]["mask.png"]
         f.seek(a["control_offset"])
         assert f.read(a["control_size_bytes"]) == samples["a"]["control.png"]
+    # The text and validate stages read a record's control member as the latents stage does (by its range).
+    control = load_rgb(io.BytesIO(samples["a"]["control.png"]))
+    assert text_control(control_file(roots, a), a["control_sha256"]).tobytes() == control.tobytes()
+    shown = control.resize((64, 64), Image.Resampling.BICUBIC)
+    assert validate_control(control_file(roots, a), (64, 64)).tobytes() == shown.tobytes()
     assert list(rejected) == ["000000.tar/c.png"] and "c.control.<ext>" in rejected["000000.tar/c.png"]["reason"]
 
     data, masks, ctl = _as_folders(tmp_path / "folders", samples)
-    _, folder_rejected, folder_latents, folder_rows = _build(_config(tmp_path / "w2", data, masks, ctl))
+    _, folder_rejected, folder_latents, folder_rows, _ = _build(_config(tmp_path / "w2", data, masks, ctl))
     assert list(folder_rejected) == ["c.png"]  # the same rule: an image without its control
     manifest = json.loads((latents / "manifest.json").read_text())
     assert (manifest["masked"], manifest["controls"]) == (1, 2)
