@@ -351,6 +351,11 @@ class ScanManifest(Manifest):
         default_factory=list,
         description="webdataset/parquet files indexed by this build (the rest reused the previous scan's index)",
     )
+    shard_listing: dict[str, dict[str, list[str]]] = Field(
+        default_factory=dict,
+        description="webdataset/parquet sources: location -> {shard: [identity, digest of what the scan read from "
+        "it]} as this build listed them, so `tuneline status` names the shards added, replaced and removed since",
+    )
 
     def roots(self) -> dict[int | None, Path | Location]:
         """record.source -> the folder its path is relative to (a Location for an fsspec URL)."""

@@ -363,4 +363,5 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         "content_digest": got.content(),
         "storage_options": {s.location: s.storage_options for s in sources if s.storage_options},
         "shards_read": ctx.cache.pop(shardscan.READ_KEY, []),
+        "shard_listing": ctx.cache.pop(shardscan.LISTED_KEY, {}),
     }

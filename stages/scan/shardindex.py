@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
 from tuneline.stages.scan import samples
 from tuneline.stages.scan.captions import AUTO_FIELDS
@@ -45,6 +46,10 @@ class ShardIndex:
 
     def as_json(self) -> dict:
         return dict(self.__dict__)
+
+    def content(self) -> str:
+        """What the scan takes from the shard (a shard rewritten with the same samples keeps it)."""
+        return digest([self.members, self.captions, self.parts, self.problems])
 
 
 def member_path(shard: str, name: str) -> str:

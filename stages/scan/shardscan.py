@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneline.schemas.scan import MEMBER_FIELDS, MEMBERS, Rejected
-from tuneline.schemas.sources import Source
+from tuneline.schemas.sources import Source, dataset_sources
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.common.staleness import diff
 from tuneline.stages.scan import samples
 from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.controls import source_roots
@@ -32,6 +33,8 @@ from tuneline.stages.scan.shardindex import Progress, ShardIndex, index_parquet,
 # Shards are read whole and streamed: a few at once keep a network store busy while headers parse.
 WORKERS = min(4, 2 * (os.cpu_count() or 1))
 READ_KEY = "scan-shards-read"
+LISTED_KEY = "scan-shards-listed"
+NAMED = 3  # shards named per kind of change in a status reason
 
 
 class MemberCaptions(Captions):
@@ -176,7 +179,69 @@ def scan_source(ctx, src: Source, *, save: bool) -> Members:
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
         ctx.cache.setdefault(READ_KEY, []).extend(read)
         prune(index_dir(ctx, src), shards)
+        record_listing(ctx, src, {s.rel: [s.identity, i.content()] for s, i in zip(shards, indexes, strict=True)})
     return out
+
+
+def record_listing(ctx, src: Source, listing: dict[str, list[str]]) -> None:
+    """The build's shards with their identity and content, for its manifest's shard_listing (see explain)."""
+    ctx.cache.setdefault(LISTED_KEY, {})[src.location] = listing
+
+
+def explain(ctx, manifest, inputs: dict) -> list[str] | None:
+    """The scan's input changes since a published version (`tuneline status`): the shards added, replaced and
+    removed by name, then any other input that changed. None where that version recorded no shards."""
+    before = manifest.shard_listing
+    lines = []
+    for src in dataset_sources(ctx.cfg):
+        if src.location not in before:
+            continue
+        try:
+            now = list_shards(src, detect(src))
+        except StageFailed:
+            return None
+        lines += _shard_changes(src.location, before[src.location], _contents(ctx, src, before[src.location], now))
+    if not lines:
+        return None
+    return lines + [f"input {c}" for c in diff(_unlisted(manifest.inputs), _unlisted(inputs), "")]
+
+
+def _contents(ctx, src: Source, before: dict[str, list[str]], now: list[ShardFile]) -> dict[str, str]:
+    """Each listed shard's content digest: the recorded one while its identity holds, else its kept index's (the
+    status check's dry scan has just indexed it), else its new identity."""
+    out = {}
+    for s in now:
+        if s.rel in before and before[s.rel][0] == s.identity:
+            out[s.rel] = before[s.rel][1]
+        elif (row := load_kept(ctx, kept_file(index_dir(ctx, src), s), s.identity)) is not None:
+            out[s.rel] = ShardIndex(**row).content()
+        else:
+            out[s.rel] = s.identity
+    return out
+
+
+def _shard_changes(location: str, before: dict[str, list[str]], now: dict[str, str]) -> list[str]:
+    kinds = {
+        "added": sorted(now.keys() - before.keys()),
+        "replaced": sorted(r for r in now.keys() & before.keys() if now[r] != before[r][1]),
+        "removed": sorted(before.keys() - now.keys()),
+    }
+    out = []
+    for kind, rels in kinds.items():
+        if rels:
+            more = f" and {len(rels) - NAMED} more" if len(rels) > NAMED else ""
+            out.append(f"shards {kind} in {location}: {', '.join(r or location for r in rels[:NAMED])}{more}")
+    return out
+
+
+def _unlisted(inputs: dict) -> dict:
+    """The inputs without the shard listings' fingerprints (named shard by shard instead)."""
+
+    def strip(d):
+        return {k: v for k, v in d.items() if k not in ("shards", "listing")} if isinstance(d, dict) else d
+
+    out = strip(inputs)
+    return out | ({"sources": [strip(s) for s in out["sources"]]} if "sources" in out else {})
 
 
 def _folders_only(cfg, src: Source, fmt: str) -> None:

@@ -47,7 +47,7 @@ def _samples() -> dict[str, dict[str, bytes]]:
 
 
 def _as_shard(root: Path, samples: dict) -> Path:
-    root.mkdir()
+    root.mkdir(exist_ok=True)
     with wds.TarWriter(str(root / "000000.tar")) as sink:
         for key, sample in samples.items():
             sink.write({"__key__": key, **sample})
@@ -125,6 +125,16 @@ def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_pat
     half = got.shape[-1] // 2
     plane = np.load(mask_file(latents, rows["a"]["bucket"]))[rows["a"]["row"]]
     assert (plane[:, :half] == 0).all() and (plane[:, half:] == 1).all()
+
+    # docs/artifacts.md's row: an edited mask member is new scan content (a new version, the mask's new hash).
+    samples["a"]["mask.png"] = _png(Image.new("L", (64, 64), 255))
+    (shards / "000000.tar").unlink()
+    _as_shard(shards, samples)
+    cfg = _config(tmp_path / "w1", shards, "members", "members")
+    edited, _ = run_stage(StageContext(cfg), stage("scan"), PIPELINE)
+    again = {r["path"]: r for r in read_jsonl(edited / "images.jsonl")}
+    assert edited.name != manifest["upstream"]["scan"]
+    assert again["000000.tar/a.png"]["mask_sha256"] != a["mask_sha256"]
 
 
 def test_members_are_refused_for_a_folder_naming_the_field(tmp_path):

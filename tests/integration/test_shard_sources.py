@@ -28,7 +28,7 @@ from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.stages.common.hashing import canonical_json, digest
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.common.stage import StageContext, StageFailed, content_version, run_stage
+from tuneline.stages.common.stage import StageContext, StageFailed, content_version, run_stage, status as stage_status
 from tuneline.stages.latents.encode import prepare, to_pixels
 from tuneline.stages.latents.masks import mask_file
 from tuneline.stages.pipeline import PIPELINE, stage
@@ -227,6 +227,32 @@ def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
     (data / "000002.tar").unlink()
     removed, _, records, _, manifest = scan(cfg)
     assert removed.name != replaced.name and manifest["shards_read"] == [] and len(records) == 4
+
+
+def test_status_names_the_shards_added_replaced_and_removed(tmp_path):
+    """`tuneline status` (stage_status with reuse, as the command asks it) says which shards changed since the
+    published scan, by name; a shard re-uploaded with the same bytes changes nothing it reports."""
+    data = tmp_path / "shards"
+    data.mkdir()
+    for i in range(3):
+        write_shard(data / f"00000{i}.tar", 2 * i, 2)
+    cfg = config(tmp_path, data)
+    scan(cfg)
+    raw = (data / "000000.tar").read_bytes()
+    (data / "000000.tar").unlink()
+    (data / "000000.tar").write_bytes(raw)  # re-uploaded: same bytes, a new mtime
+    assert stage_status(StageContext(cfg), [STAGE], reuse=True)[0].state == "fresh"
+
+    write_shard(data / "000003.tar", 6, 1)
+    row = stage_status(StageContext(cfg), [STAGE], reuse=True)[0]
+    assert (row.state, row.reason) == ("stale", f"shards added in {data}: 000003.tar")
+    write_shard(data / "000001.tar", 20, 2)  # other samples under the same name
+    (data / "000002.tar").unlink()
+    row = stage_status(StageContext(cfg), [STAGE], reuse=True)[0]
+    assert row.reason == "; ".join(
+        f"shards {kind} in {data}: {name}"
+        for kind, name in (("added", "000003.tar"), ("replaced", "000001.tar"), ("removed", "000002.tar"))
+    )
 
 
 KILLED_SCAN = """
