@@ -88,9 +88,9 @@ class Progress:
 
     rel: str
     identity: str
-    at: int = 0  # byte offset of the next member's header
+    at: int = 0  # byte offset of the next member's header (parquet: the next row group)
     members: list[dict] = field(default_factory=list)
-    texts: dict[str, list[str]] = field(default_factory=dict)  # key -> [text, source]
+    texts: dict[str, list[str]] = field(default_factory=dict)  # key (parquet: image path) -> [text, source]
     parts: dict[str, dict] = field(default_factory=dict)  # key -> {mask | control: the member's facts}
     problems: list[dict] = field(default_factory=list)
     last: str | None = None  # the last member read
@@ -190,10 +190,14 @@ def _json_caption(out: ShardIndex, shard: ShardFile, name: str, data: bytes, cfg
     return value
 
 
-def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
+def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig, resume: Progress | None = None, keep=None) -> ShardIndex:
+    """One pass over a parquet table's row groups, from the one `resume` stopped at (those before it are not read
+    again); `keep(progress)` is called every CHECKPOINT_S with how far it got."""
     import pyarrow.parquet as pq
 
-    out = ShardIndex(shard.rel, shard.identity)
+    p = resume if resume is not None and resume.identity == shard.identity else Progress(shard.rel, shard.identity)
+    out = ShardIndex(shard.rel, shard.identity, members=p.members, problems=p.problems, resumed=len(p.members))
+    kept = time.monotonic()
     with fs.open(shard.path, "rb") as f:
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
@@ -208,16 +212,22 @@ def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
             )
             return out
         columns = [cfg.image_column] + ([cfg.caption_column] if cfg.caption_column in names else [])
-        for rg in range(pf.num_row_groups):
+        for rg in range(p.at, pf.num_row_groups):  # p.at: the next row group to read
             table = pf.read_row_group(rg, columns=columns)
             cells = table.column(cfg.image_column).to_pylist()
             texts = table.column(cfg.caption_column).to_pylist() if len(columns) > 1 else [None] * len(cells)
             for row, (cell, text) in enumerate(zip(cells, texts, strict=True)):
-                _parquet_row(out, shard, rg, row, cell, text, cfg)
+                _parquet_row(out, p, shard, (rg, row), cell, text, cfg)
+            p.at = rg + 1
+            if keep is not None and time.monotonic() - kept >= CHECKPOINT_S:
+                keep(p)
+                kept = time.monotonic()
+    out.captions = {name: list(text) for name, text in p.texts.items()}
     return out
 
 
-def _parquet_row(out: ShardIndex, shard: ShardFile, rg: int, row: int, cell, text, cfg: DatasetConfig) -> None:
+def _parquet_row(out: ShardIndex, p: Progress, shard: ShardFile, at: tuple[int, int], cell, text, cfg) -> None:
+    rg, row = at
     name = member_path(shard.rel, f"{rg}/{row}")
     data = cell.get("bytes") if isinstance(cell, dict) else cell
     if not isinstance(data, bytes):
@@ -233,4 +243,4 @@ def _parquet_row(out: ShardIndex, shard: ShardFile, rg: int, row: int, cell, tex
         return
     out.members.append(probe_bytes(data, name).as_json() | {"row_group": rg, "row": row, "column": cfg.image_column})
     if isinstance(text, str):
-        out.captions[name] = [text, "metadata"]
+        p.texts[name] = [text, "metadata"]

@@ -3,7 +3,8 @@
 The index of every shard (shardindex.py) is remembered beside the scan's versions, one file per shard: a
 scheduled run over a bucket where one shard landed lists the prefix, reads that one shard and reuses the rest.
 A shard whose identity changed is read again; when its bytes did not change (a re-upload) it yields the same
-records, so the scan's version stays. A killed scan keeps the shards it finished and resumes after them.
+records, so the scan's version stays. A killed scan keeps the shards it finished and resumes after them, inside a
+long shard (its members so far) or table (its row groups so far) where it stopped.
 """
 
 from __future__ import annotations
@@ -264,15 +265,15 @@ def _index_all(ctx, src: Source, fmt: str, todo: list[ShardFile], folder: Path |
     cfg = ctx.cfg.dataset.model_copy(update={"caption_extension": src.caption_extension})
     reported, done, out = time.monotonic(), 0, {}
 
+    reader = index_tar if fmt == "webdataset" else index_parquet
+
     def one(shard: ShardFile) -> ShardIndex:
-        if fmt != "webdataset":
-            return index_parquet(fs, shard, cfg)
         if folder is None:
-            return index_tar(fs, shard, cfg)
+            return reader(fs, shard, cfg)
         partial = progress_file(folder, shard)
         row = load_kept(ctx, partial, shard.identity)
         resume = Progress(**row) if row is not None else None
-        return index_tar(fs, shard, cfg, resume, lambda p: save_kept(partial, json.dumps(p.as_json()).encode()))
+        return reader(fs, shard, cfg, resume, lambda p: save_kept(partial, json.dumps(p.as_json()).encode()))
 
     with ThreadPoolExecutor(WORKERS) as pool:
         for shard, index in zip(todo, pool.map(one, todo), strict=True):
