@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+from bisect import bisect_right
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +22,9 @@ from tuneline.stages.common.hashing import file_sha256
 from tuneline.stages.scan.shardfs import shard_location
 
 ROW_GROUPS_KEPT = 8
+# Members read together (read_ranges): ranges less than GAP apart are one read, of MOST bytes at most.
+GAP = 1 << 20
+MOST = 64 << 20
 
 
 def image_source(root: Path | Location, rec: ImageRecord) -> tuple[str, Path | io.BytesIO]:
@@ -54,6 +59,35 @@ def range_bytes(root: Path | Location, shard: str, offset: int, size: int, name:
     if len(data) != size:
         raise OSError(f"shard {path} ends inside member {name} (the shard changed since the scan)")
     return data
+
+
+def coalesce(spans: list[tuple[int, int]], gap: int = GAP, most: int = MOST) -> list[tuple[int, int]]:
+    """(start, end) of the reads that cover these (offset, size) ranges: sorted, and merged where the next range
+    starts less than `gap` after the read's end and the read stays under `most` bytes."""
+    out: list[tuple[int, int]] = []
+    for offset, size in sorted(spans):
+        if out and offset - out[-1][1] < gap and offset + size - out[-1][0] <= most:
+            out[-1] = (out[-1][0], max(out[-1][1], offset + size))
+        else:
+            out.append((offset, offset + size))
+    return out
+
+
+def read_ranges(root: Path | Location, ranges: list[tuple[str, int, int]]) -> dict[tuple[str, int], bytes]:
+    """Members' bytes by (shard, offset), from (shard, offset, size) ranges: each shard's in a few sequential reads
+    (`coalesce`), not one request per member, which on object storage costs a round trip each."""
+    by_shard: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    for shard, offset, size in ranges:
+        by_shard[shard].add((offset, size))
+    out = {}
+    for shard, spans in by_shard.items():
+        reads = coalesce(list(spans))
+        data = {start: range_bytes(root, shard, start, end - start, f"bytes {start}-{end}") for start, end in reads}
+        starts = [start for start, _ in reads]
+        for offset, size in spans:
+            start = starts[bisect_right(starts, offset) - 1]
+            out[shard, offset] = data[start][offset - start : offset - start + size]
+    return out
 
 
 def control_bytes(root: Path | Location, rec: ImageRecord) -> bytes:

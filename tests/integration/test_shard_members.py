@@ -1,7 +1,8 @@
 """Masks and controls as WebDataset members of their own (`key.mask.png`, `key.control.png`; dataset.masks and
-dataset.control `members`), in a shard written by webdataset's TarWriter: the scan pairs them by key as folders
-pair files by stem, and the latents stage reads them by byte range into the same mask planes and control latents
-as the same files in a mask folder and a control folder give."""
+dataset.control `members`), in a shard written by webdataset's TarWriter and kept in object storage (the suite's
+moto server): the scan pairs them by key as folders pair files by stem, and the latents stage reads them by byte
+range (a shard's masks in a few sequential reads) into the same mask planes and control latents as the same files
+in a mask folder and a control folder give."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+from tests.integration.test_s3_remote import BUCKET, CREDS, s3  # noqa: F401  (s3: the moto server fixture)
 from tests.integration.test_scan_stage import noise
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.scan import ScanManifest
 from tuneline.stages.common.jsonl import read_jsonl
+from tuneline.stages.common.remote import OPTIONS_ENV, Remote
 from tuneline.stages.common.stage import StageContext, StageFailed, run_stage
 from tuneline.stages.latents import controls
 from tuneline.stages.latents.masks import mask_file
@@ -36,7 +39,7 @@ def _png(im: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def _samples() -> dict[str, dict[str, bytes]]:
+def member_samples() -> dict[str, dict[str, bytes]]:
     mask = np.zeros((64, 64), np.uint8)
     mask[:, 32:] = 255  # the right half is trained
     out = {k: {"png": _png(noise((64, 64), seed=i)), "txt": f"make {k} red".encode()} for i, k in enumerate(KEYS)}
@@ -46,7 +49,7 @@ def _samples() -> dict[str, dict[str, bytes]]:
     return out
 
 
-def _as_shard(root: Path, samples: dict) -> Path:
+def write_member_shard(root: Path, samples: dict) -> Path:
     root.mkdir(exist_ok=True)
     with wds.TarWriter(str(root / "000000.tar")) as sink:
         for key, sample in samples.items():
@@ -68,8 +71,14 @@ def _as_folders(root: Path, samples: dict) -> tuple[Path, Path, Path]:
     return data, masks, ctl
 
 
-def _config(workdir: Path, path: Path, masks: str | Path, control: str | Path | None):
+@pytest.fixture(autouse=True)
+def _credentials(monkeypatch):
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps(CREDS))
+
+
+def _config(workdir: Path, path: Path | str, masks: str | Path, control: str | Path | None, options=None):
     dataset = {"path": str(path), "masks": str(masks), "control": control and str(control)}
+    dataset |= {"storage_options": options} if options else {}
     raw = {"workdir": str(workdir), "dataset": dataset, "buckets": {"resolution": 32}, "model": {"device": "cpu"}}
     return parse_config(raw, "<test>")
 
@@ -86,10 +95,18 @@ def _build(cfg) -> tuple[dict, dict, Path, dict, dict]:
     return records, {r["path"]: r for r in read_jsonl(scan / "rejected.jsonl")}, latents, rows, roots
 
 
-def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_path):
-    samples = _samples()
-    shards = _as_shard(tmp_path / "shards", samples)
-    records, rejected, latents, rows, roots = _build(_config(tmp_path / "w1", shards, "members", "members"))
+def _upload(shards: Path, endpoint: str) -> str:
+    Remote(f"s3://{BUCKET}/members", {"endpoint_url": endpoint}).fs.put_file(
+        str(shards / "000000.tar"), f"{BUCKET}/members/000000.tar"
+    )
+    return f"s3://{BUCKET}/members"
+
+
+def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_path, s3):  # noqa: F811
+    samples = member_samples()
+    shards = write_member_shard(tmp_path / "shards", samples)
+    cfg = _config(tmp_path / "w1", _upload(shards, s3), "members", "members", {"endpoint_url": s3})
+    records, rejected, latents, rows, roots = _build(cfg)
     a, b = records["000000.tar/a.png"], records["000000.tar/b.png"]
     assert (a["mask_kind"], a["mask_path"], a["control_path"]) == (
         "member",
@@ -129,8 +146,8 @@ def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_pat
     # docs/artifacts.md's row: an edited mask member is new scan content (a new version, the mask's new hash).
     samples["a"]["mask.png"] = _png(Image.new("L", (64, 64), 255))
     (shards / "000000.tar").unlink()
-    _as_shard(shards, samples)
-    cfg = _config(tmp_path / "w1", shards, "members", "members")
+    write_member_shard(shards, samples)
+    _upload(shards, s3)
     edited, _ = run_stage(StageContext(cfg), stage("scan"), PIPELINE)
     again = {r["path"]: r for r in read_jsonl(edited / "images.jsonl")}
     assert edited.name != manifest["upstream"]["scan"]
@@ -138,6 +155,6 @@ def test_mask_and_control_members_cache_what_mask_and_control_folders_do(tmp_pat
 
 
 def test_members_are_refused_for_a_folder_naming_the_field(tmp_path):
-    data, _, _ = _as_folders(tmp_path, _samples())
+    data, _, _ = _as_folders(tmp_path, member_samples())
     with pytest.raises(StageFailed, match=r"dataset.masks is `members` .* is a folder source: point dataset.masks"):
         run_stage(StageContext(_config(tmp_path / "w", data, "members", None)), stage("scan"), PIPELINE)
