@@ -30,7 +30,12 @@ def mask_file(artifact_dir: Path, bucket: str) -> Path:
 
 
 def _plane(
-    rec: ImageRecord, image_root: Path | Location, mask_root: Path | None, grid: tuple[int, int], data: bytes | None
+    rec: ImageRecord,
+    image_root: Path | Location,
+    mask_root: Path | None,
+    grid: tuple[int, int],
+    *,
+    data: bytes | None = None,
 ) -> np.ndarray:
     """One record's mask cropped and averaged down to the (h, w) latent grid, values in [0, 1]. `data`: the bytes
     of the shard member holding it, read with its neighbours' (_span)."""
@@ -100,7 +105,7 @@ def write_masks(
             data = _members(recs, roots)
             for row, rec in zip(part, recs, strict=True):
                 got = data.get((rec.source, *span[:2])) if (span := _span(rec)) else None
-                planes[row["row"]] = _plane(rec, roots[rec.source], mask_root, grid, got)
+                planes[row["row"]] = _plane(rec, roots[rec.source], mask_root, grid, data=got)
         np.save(mask_file(work, bucket), planes)
     return len(rows)
 
