@@ -19,6 +19,8 @@ CLIP_FIELDS = ("frames", "fps", "start", "end", "source_frames", "source_fps")
 PIL_BOMB_LIMIT = 178_956_970
 Channel = Annotated[int, Field(ge=0, le=255)]
 SourceFormat = Literal["folder", "webdataset", "parquet"]
+# dataset.masks / dataset.control (or a source's control): a webdataset sample's own mask / control members.
+MEMBERS = "members"
 FORMAT_DOC = (
     "folder (image files + captions), webdataset (.tar shards: key.jpg + key.txt / key.json) or parquet "
     "(an image column of bytes or {bytes, path} structs + a caption column); null = detected from the path"
@@ -43,10 +45,10 @@ class SourceConfig(Strict):
     caption_extension: str | None = Field(
         None, description="sidecar caption extension of this folder; null = dataset.caption_extension"
     )
-    control: Annotated[str | None, ConfigPath()] = Field(
+    control: Annotated[str | None, ConfigPath(keywords=(MEMBERS,))] = Field(
         None,
-        description="this folder's control (input) images, paired as dataset.control pairs them; null = "
-        "dataset.control",
+        description="this folder's control (input) images, paired as dataset.control pairs them (`members`: a "
+        "webdataset source's key.control.<ext> members); null = dataset.control",
     )
     format: SourceFormat | None = Field(None, description=FORMAT_DOC)
     storage_options: StorageOptions = Field(default_factory=dict, description=STORAGE_DOC)
@@ -109,19 +111,21 @@ class DatasetConfig(Strict):
         description="images with identical content are always "
         "reported; `reject` keeps only the first path of each group",
     )
-    masks: Annotated[str | None, ConfigPath(keywords=("alpha",))] = Field(
+    masks: Annotated[str | None, ConfigPath(keywords=("alpha", MEMBERS))] = Field(
         None,
-        description="loss masks (train.masked_loss): `alpha` = each image's alpha channel, or a folder of "
+        description="loss masks (train.masked_loss): `alpha` = each image's alpha channel, `members` = a "
+        "webdataset sample's key.mask.<ext> member, or a folder of "
         "mask images matched by file stem (white = train, black = ignore; same size as the "
         "image; relative: against the workdir); images without one weigh fully. null = none",
     )
 
-    control: Annotated[str | None, ConfigPath()] = Field(
+    control: Annotated[str | None, ConfigPath(keywords=(MEMBERS,))] = Field(
         None,
         description="paired (editing) datasets: a folder of control (input) images, one per image, matched by "
         "path without extension (cat.png -> <control>/cat.png, any image extension; relative: against the "
         "workdir), or several references as <control>/cat/*.png (sorted by name) for families that take several "
-        "(FLUX.2 [dev] and [klein], Qwen-Image-Edit Plus). The caption is the edit instruction; an image without its control is rejected. "
+        "(FLUX.2 [dev] and [klein], Qwen-Image-Edit Plus); `members`: a webdataset sample's key.control.<ext> "
+        "member. The caption is the edit instruction; an image without its control is rejected. "
         "With dataset.sources, a source's own `control` replaces it for that source. null = none",
     )
 
@@ -200,6 +204,8 @@ class ControlFile(BaseModel):
 
 # Where a webdataset / parquet record's bytes are (null on a folder's records).
 MEMBER_FIELDS = ("shard", "offset", "row_group", "row", "column")
+# Where a webdataset record's mask and control members are (null unless dataset.masks / control is `members`).
+PART_FIELDS = ("mask_offset", "mask_size_bytes", "control_offset")
 
 
 class ImageRecord(BaseModel):
@@ -239,8 +245,12 @@ class ImageRecord(BaseModel):
         description="the buckets.resolutions entry this record is sized for "
         "(one record per image and resolution); null without buckets.resolutions",
     )
-    mask_kind: Literal["alpha", "file"] | None = Field(None, description="where the loss mask comes from, if any")
-    mask_path: str | None = Field(None, description="mask file relative to dataset.masks (mask_kind file)")
+    mask_kind: Literal["alpha", "file", "member"] | None = Field(
+        None, description="where the loss mask comes from, if any (member: the sample's key.mask.<ext> member)"
+    )
+    mask_path: str | None = Field(
+        None, description="mask file relative to dataset.masks (mask_kind file); the mask member's path (member)"
+    )
     mask_sha256: str | None = Field(None, description="content of the mask file, so a changed mask is new content")
     control_path: str | None = Field(None, description="control image relative to dataset.control (paired data)")
     control_sha256: str | None = Field(
@@ -275,6 +285,11 @@ class ImageRecord(BaseModel):
     row_group: int | None = Field(None, description="parquet: the row group holding the image")
     row: int | None = Field(None, description="parquet: the image's row within its row group")
     column: str | None = Field(None, description="parquet: the column the image's bytes are read from")
+    mask_offset: int | None = Field(None, description="webdataset: byte offset of the mask member's data")
+    mask_size_bytes: int | None = Field(None, description="webdataset: size of the mask member")
+    control_offset: int | None = Field(
+        None, description="webdataset: byte offset of the control member's data (control_path: the member's path)"
+    )
 
     @property
     def ref(self) -> str:
@@ -336,6 +351,11 @@ class ScanManifest(Manifest):
         default_factory=list,
         description="webdataset/parquet files indexed by this build (the rest reused the previous scan's index)",
     )
+    shard_listing: dict[str, dict[str, list[str]]] = Field(
+        default_factory=dict,
+        description="webdataset/parquet sources: location -> {shard: [identity, digest of what the scan read from "
+        "it]} as this build listed them, so `tuneline status` names the shards added, replaced and removed since",
+    )
 
     def roots(self) -> dict[int | None, Path | Location]:
         """record.source -> the folder its path is relative to (a Location for an fsspec URL)."""
@@ -346,6 +366,12 @@ class ScanManifest(Manifest):
         """record.source -> the folder its control_path is relative to (None: that folder has no controls)."""
         plain = None if self.control_root is None else Path(self.control_root)
         return {None: plain, **{i: Path(s.control) if s.control else None for i, s in enumerate(self.sources)}}
+
+    def control_sources(self) -> dict[int | None, Path | Location]:
+        """record.source -> where its controls are read: its control folder, or for a source without one (whose
+        records pair with their samples' control members, `control_offset`) the source itself."""
+        images = self.roots()
+        return {k: folder if folder is not None else images[k] for k, folder in self.control_roots().items()}
 
 
 @dataclass(frozen=True)

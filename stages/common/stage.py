@@ -90,6 +90,9 @@ class StageDef:
     # publishing (None when it cannot tell). Status asks it when the inputs' key is new (a touched file), so a
     # change that rebuilds nothing leaves every version the next run reuses fresh (and gc keeps them).
     content: Callable[[StageContext], str | None] | None = None
+    # explain(ctx, manifest, inputs): how the inputs changed since that published version, in the stage's own
+    # words (scan: the shards added, replaced, removed), or None for the field-by-field difference
+    explain: Callable[[StageContext, Manifest, dict], list[str] | None] | None = None
     # enabled(cfg): whether the stage is part of this config's pipeline (None = always; caption: caption.model set)
     enabled: Callable[[PipelineConfig], bool] | None = None
     # Stages read only when they are on (text reads the caption stage's captions when it runs): then upstream.

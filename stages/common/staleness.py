@@ -12,11 +12,11 @@ if TYPE_CHECKING:
     from tuneline.stages.common.stage import StageContext, StageDef
 
 
-def _diff(old: Any, new: Any, prefix: str) -> list[str]:
+def diff(old: Any, new: Any, prefix: str) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         out: list[str] = []
         for k in sorted(set(old) | set(new)):
-            out += _diff(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
+            out += diff(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
         return out
     return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
 
@@ -38,7 +38,8 @@ def stale_reason(ctx: StageContext, sd: StageDef, latest: Path, parts: dict | No
     changes = []
     if m.code_version != parts["code_version"]:
         changes.append(f"code version {m.code_version} -> {parts['code_version']}")
-    changes += [f"config {c}" for c in _diff(m.config, parts["config"], "")]
-    changes += [f"input {c}" for c in _diff(m.inputs, parts["inputs"], "")]
+    changes += [f"config {c}" for c in diff(m.config, parts["config"], "")]
+    named = sd.explain(ctx, m, parts["inputs"]) if sd.explain is not None else None
+    changes += named if named is not None else [f"input {c}" for c in diff(m.inputs, parts["inputs"], "")]
     changes += [f"upstream {u} changed" for u in sd.upstream if m.upstream.get(u) != parts["upstream"].get(u)]
     return "; ".join(changes[:6]) or "inputs changed"

@@ -15,6 +15,7 @@ again.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,7 +26,7 @@ import torch
 from PIL import Image
 
 from tuneline.schemas.latents import LatentsManifest
-from tuneline.schemas.scan import ImageRecord
+from tuneline.schemas.scan import ImageRecord, Location
 from tuneline.stages.common.artifacts import ArtifactError, safe_join
 from tuneline.stages.common.hashing import digest, file_sha256
 from tuneline.stages.common.stage import reusable_previous
@@ -33,6 +34,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.latents.encode import check_latents, to_pixels
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.scan.members import control_bytes
 
 FOLDER = "controls"
 
@@ -74,17 +76,23 @@ def references(rec: ImageRecord) -> list[tuple[str, str, int, int]]:
     return [(f.path, f.sha256, f.width, f.height) for f in rec.control_references]
 
 
-def pixels(rec: ImageRecord, root: Path, ref: int = 0, size: tuple[int, int] | None = None) -> torch.Tensor:
+def pixels(rec: ImageRecord, root: Path | Location, ref: int = 0, size: tuple[int, int] | None = None) -> torch.Tensor:
     """Control `ref` as the target's pixels: resized to the image's size, then the image's crop and bucket (or
-    `size`)."""
+    `size`). `root`: the control folder, or for a sample's control member the image's source."""
     rel, sha, width, height = references(rec)[ref]
-    path = safe_join(root, rel)
-    if file_sha256(path) != sha:
-        raise ArtifactError(
-            f"control image {path} of {rec.path} changed since the scan (content hash differs): run "
-            f"`tuneline run --until latents` (it rescans, then caches the new control)"
-        )
-    img = load_rgb(path)
+    if rec.control_offset is not None:  # the sample's control member, by its byte range in the image's shard
+        try:
+            img, path = load_rgb(io.BytesIO(control_bytes(root, rec))), rec.control_path
+        except ValueError as err:
+            raise ArtifactError(str(err)) from None
+    else:
+        path = safe_join(root, rel)
+        if file_sha256(path) != sha:
+            raise ArtifactError(
+                f"control image {path} of {rec.path} changed since the scan (content hash differs): run "
+                f"`tuneline run --until latents` (it rescans, then caches the new control)"
+            )
+        img = load_rgb(path)
     if img.size != (width, height):
         raise ArtifactError(f"control image {path} is {img.size}, the scan recorded it otherwise: rescan")
     return to_pixels(img.resize((rec.width, rec.height), Image.Resampling.BICUBIC), rec, size)

@@ -117,7 +117,7 @@ def write_controls(
     """Control latents of a paired dataset beside the targets (stages/latents/controls.py)."""
     index = [row for r in results for row in r.index]
     shapes = {j.key: j.shape for j in jobs}
-    return controls.write_controls(ctx, work, index, records, scan.control_roots(), encoder, shapes, identity)
+    return controls.write_controls(ctx, work, index, records, scan.control_sources(), encoder, shapes, identity)
 
 
 def write_masks(ctx, work: Path, results: list[BucketResult], records: list[ImageRecord], scan: ScanManifest) -> int:

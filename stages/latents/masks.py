@@ -7,6 +7,7 @@ Rows without a mask are all ones.
 
 from __future__ import annotations
 
+import io
 from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
@@ -18,26 +19,35 @@ from PIL import Image
 from tuneline.schemas.scan import ImageRecord, Location
 from tuneline.stages.latents.store import bucket_key
 from tuneline.stages.scan.images import TRANSPOSE
-from tuneline.stages.scan.members import open_image
+from tuneline.stages.scan.members import open_image, read_ranges
 
 FOLDER = "masks"
+READ_ROWS = 64  # rows whose shard members are read together: in a few sequential reads, a bounded memory
 
 
 def mask_file(artifact_dir: Path, bucket: str) -> Path:
     return Path(artifact_dir) / FOLDER / f"{bucket}.npy"
 
 
-def _plane(rec: ImageRecord, image_root: Path | Location, mask_root: Path | None, grid: tuple[int, int]) -> np.ndarray:
-    """One record's mask cropped and averaged down to the (h, w) latent grid, values in [0, 1]."""
+def _plane(
+    rec: ImageRecord,
+    image_root: Path | Location,
+    mask_root: Path | None,
+    grid: tuple[int, int],
+    *,
+    data: bytes | None = None,
+) -> np.ndarray:
+    """One record's mask cropped and averaged down to the (h, w) latent grid, values in [0, 1]. `data`: the bytes
+    of the shard member holding it, read with its neighbours' (_span)."""
     if rec.mask_kind is None:
         return np.ones(grid, np.float16)
-    if rec.mask_kind == "alpha":  # a file, or a shard's member read by its byte range
-        with Image.open(open_image(image_root, rec)) as im:
+    if rec.mask_kind == "alpha":  # a file, or a shard's member
+        with Image.open(io.BytesIO(data) if data is not None else open_image(image_root, rec)) as im:
             mask = im.convert("RGBA").getchannel("A")
         if rec.orientation in TRANSPOSE:
             mask = mask.transpose(TRANSPOSE[rec.orientation])
-    else:
-        with Image.open(mask_root / rec.mask_path) as im:
+    else:  # a mask file, or the sample's mask member
+        with Image.open(mask_root / rec.mask_path if data is None else io.BytesIO(data)) as im:
             mask = im.convert("L")
     if mask.size != (rec.width, rec.height):
         raise ValueError(
@@ -47,6 +57,25 @@ def _plane(rec: ImageRecord, image_root: Path | Location, mask_root: Path | None
     # Float before averaging: an 8-bit average would round a half-covered position to 128 / 255.
     small = mask.crop(rec.crop).convert("F").resize((grid[1], grid[0]), Image.Resampling.BOX)
     return (np.asarray(small, np.float32) / 255.0).astype(np.float16)
+
+
+def _span(rec: ImageRecord) -> tuple[str, int, int] | None:
+    """(shard, offset, size) of the webdataset member a record's mask is read from; None for files and tables."""
+    if rec.mask_kind == "member":
+        return rec.shard, rec.mask_offset, rec.mask_size_bytes
+    if rec.mask_kind == "alpha" and rec.offset is not None:
+        return rec.shard, rec.offset, rec.size_bytes
+    return None
+
+
+def _members(recs: list[ImageRecord], roots: dict[int | None, Path | Location]) -> dict[tuple, bytes]:
+    """The mask members of these records by (source, shard, offset), each shard's read in a few sequential reads
+    (read_ranges), not one request per member."""
+    wanted: dict[int | None, list[tuple[str, int, int]]] = defaultdict(list)
+    for r in recs:
+        if (span := _span(r)) is not None:
+            wanted[r.source].append(span)
+    return {(src, *k): v for src, spans in wanted.items() for k, v in read_ranges(roots[src], spans).items()}
 
 
 def write_masks(
@@ -70,9 +99,13 @@ def write_masks(
         first = sized[members[0]["path"], bucket]
         grid = (first.bucket_height // vae_factor, first.bucket_width // vae_factor)
         planes = np.ones((len(members), *grid), np.float16)
-        for row in members:
-            rec = sized[row["path"], bucket]
-            planes[row["row"]] = _plane(rec, roots[rec.source], mask_root, grid)
+        members = sorted(members, key=lambda row: row["row"])
+        for part in (members[i : i + READ_ROWS] for i in range(0, len(members), READ_ROWS)):
+            recs = [sized[row["path"], bucket] for row in part]
+            data = _members(recs, roots)
+            for row, rec in zip(part, recs, strict=True):
+                got = data.get((rec.source, *span[:2])) if (span := _span(rec)) else None
+                planes[row["row"]] = _plane(rec, roots[rec.source], mask_root, grid, data=got)
         np.save(mask_file(work, bucket), planes)
     return len(rows)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from tuneline.schemas.scan import ScanManifest
 from tuneline.stages.common.stage import StageDef
 from tuneline.stages.scan.core import CODE_VERSION, build, content, stage_config, stage_inputs
+from tuneline.stages.scan.shardscan import explain
 
 STAGE = StageDef(
     name="scan",
@@ -19,6 +20,7 @@ STAGE = StageDef(
     build=build,
     content_addressed=True,
     content=content,
+    explain=explain,
 )
 
 __all__ = ["STAGE"]

@@ -18,10 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.scan import CLIP_FIELDS, IMAGE_EXTENSIONS, MEMBER_FIELDS, ControlFile, ImageRecord, Rejected
+from tuneline.schemas.scan import (
+    CLIP_FIELDS,
+    IMAGE_EXTENSIONS,
+    MEMBER_FIELDS,
+    MEMBERS,
+    PART_FIELDS,
+    ControlFile,
+    ImageRecord,
+    Rejected,
+)
 from tuneline.schemas.sources import dataset_sources
 from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.scan import samples
 from tuneline.stages.scan.images import probe_file
 from tuneline.stages.scan.listing import Listing, walk
 
@@ -29,25 +39,27 @@ FIELDS = ("control_path", "control_sha256", "control_size_bytes", "control_width
 
 
 def control_root(cfg: PipelineConfig) -> Path | None:
+    """dataset.control's folder; None without one (null, or `members`: stages/scan/samples.py)."""
     c = cfg.dataset.control
-    return None if c is None else cfg.resolve(c)
+    return None if c in (None, MEMBERS) else cfg.resolve(c)
 
 
 def source_roots(cfg: PipelineConfig) -> dict[int | None, tuple[Path | None, str]]:
     """Per record source index: (its control folder or None, the config field naming it)."""
     out: dict[int | None, tuple[Path | None, str]] = {}
-    own = [s.control for s in cfg.dataset.sources or []]
     for src in dataset_sources(cfg):
-        mine = own[src.index] if src.index is not None and src.index < len(own) else None
-        out[src.index] = (
-            (cfg.resolve(mine), f"dataset.sources[{src.index}].control")
-            if mine
-            else (control_root(cfg), "dataset.control")
-        )
+        value, field = samples.control_setting(cfg, src.index)
+        out[src.index] = (None if value in (None, MEMBERS) else cfg.resolve(value), field)
     return out
 
 
+def by_members(cfg: PipelineConfig) -> set[int | None]:
+    """The record source indexes whose controls are their samples' own members (stages/scan/samples.py)."""
+    return {s.index for s in dataset_sources(cfg) if samples.control_setting(cfg, s.index)[0] == MEMBERS}
+
+
 def paired(cfg: PipelineConfig) -> bool:
+    """Whether a control folder pairs any source (members pair inside their shards: samples.py)."""
     return any(root is not None for root, _ in source_roots(cfg).values())
 
 
@@ -116,9 +128,9 @@ def consumed(r: ImageRecord, dumped: dict | None = None) -> dict:
     skip = {"mtime_ns"} | (set(FIELDS) if r.control_path is None else set())
     skip |= {"control_references"} if r.control_references is None else set()
     if r.shard is None:  # a folder's records keep their version
-        skip |= set(MEMBER_FIELDS)
-    else:
-        skip |= {f for f in MEMBER_FIELDS if d[f] is None}
+        skip |= set(MEMBER_FIELDS + PART_FIELDS)
+    else:  # and a shard's without mask or control members
+        skip |= {f for f in MEMBER_FIELDS + PART_FIELDS if d[f] is None}
     skip |= set(CLIP_FIELDS) if r.frames is None else set()  # an image family's records keep their version
     return {k: v for k, v in d.items() if k not in skip}
 
@@ -219,12 +231,15 @@ def attach(
     control folders the scan's inputs were fingerprinted from, so the scan pairs what it fingerprinted."""
     if not paired(cfg):
         return records, [], []
-    roots = source_roots(cfg)
+    roots, members = source_roots(cfg), by_members(cfg)
     found = folders(cfg, walked)
     kept, rejected, probed, used, named = [], [], {}, {}, set()
     for r in records:
         root, _ = roots[r.source]
         stem = Path(r.path).with_suffix("").as_posix()
+        if root is None and r.source in members:  # paired with its sample's member by the scan of its shard
+            kept.append(r)
+            continue
         if root is None:  # other folders of the dataset are paired, this one not
             got = Rejected(
                 path=r.ref,

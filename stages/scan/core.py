@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tuneline.schemas.config import PipelineConfig
 from tuneline.schemas.families import facts
-from tuneline.schemas.scan import ImageRecord, Rejected
+from tuneline.schemas.scan import MEMBERS, ImageRecord, Rejected
 from tuneline.schemas.sources import Source, dataset_sources
 from tuneline.stages.common.codeident import code_version
 from tuneline.stages.common.hashing import digest
@@ -20,7 +20,7 @@ from tuneline.stages.common.jsonl import write_jsonl
 from tuneline.stages.common.lock import active_run
 from tuneline.stages.common.sizing import SizePolicy, size_policy
 from tuneline.stages.common.stage import StageFailed
-from tuneline.stages.scan import buckets as bk, controls, images, masks, report, shardparts, shardscan, video
+from tuneline.stages.scan import buckets as bk, controls, images, masks, report, samples, shardparts, shardscan, video
 from tuneline.stages.scan.captions import Captions
 from tuneline.stages.scan.listing import Entry, Listing, walk
 from tuneline.stages.scan.probecache import load_probe_cache, save_probe_cache
@@ -55,6 +55,9 @@ def stage_config(cfg: PipelineConfig) -> dict:
     dataset = cfg.dataset.model_dump(mode="json", exclude={"path", "demo", "sources", "control"})
     # Which folders and how each is captioned; their paths are inputs, how training uses them is train's key.
     dataset["sources"] = [{"role": s.role, "caption_extension": s.caption_extension} for s in dataset_sources(cfg)]
+    # Controls read from the samples' own members (stages/scan/samples.py) shape the records: config, not input.
+    for row, src in zip(dataset["sources"], dataset_sources(cfg), strict=True):
+        row |= {"control": MEMBERS} if src.index in controls.by_members(cfg) else {}
     # The clip keys shape a video family's records only: an image family's scan keeps its version.
     clip_keys = set() if facts(cfg.model.family).video else {"fps", "frames", "clip"}
     buckets = cfg.buckets.model_dump(mode="json", exclude=clip_keys) | {"alignment": alignment(cfg)}
@@ -180,6 +183,7 @@ def _records(ctx, src: Source, *, save: bool) -> tuple[list[ImageRecord], list[R
     if is_container(src):  # webdataset / parquet (stages/scan/shardscan.py)
         got = shardscan.scan_source(ctx, src, save=save)
     else:
+        samples.check(cfg, src, "folder")
         listing = _listing(ctx, src)
         probes, reopened = probe_all(ctx, listing.images, load_probe_cache(ctx, src))
         if save:
@@ -212,7 +216,8 @@ def _built(cfg: PipelineConfig, src: Source, got: shardscan.Members) -> tuple[li
     if src.index is not None:  # rejections name the folder they came from
         rejected = [r.model_copy(update={"path": f"{src.index}//{r.path}"}) for r in rejected]
     records, misfits = masks.attach(records, cfg)
-    return records, rejected + misfits
+    records, unfit = samples.attach(records, got.parts, cfg, src)  # a webdataset sample's mask / control members
+    return records, rejected + misfits + unfit
 
 
 def _all_records(
@@ -353,9 +358,10 @@ def build(ctx, work: Path, upstream: dict) -> dict:
         "conversions": fin.conversions if fin else bk.conversions(records),
         "reopened": got.reopened,
         "sources": got.sources if sources[0].index is not None else [],
-        "control_root": str(controls.control_root(cfg)) if cfg.dataset.control else None,
+        "control_root": str(root) if (root := controls.control_root(cfg)) else None,
         "unmatched_controls": unmatched,
         "content_digest": got.content(),
         "storage_options": {s.location: s.storage_options for s in sources if s.storage_options},
         "shards_read": ctx.cache.pop(shardscan.READ_KEY, []),
+        "shard_listing": ctx.cache.pop(shardscan.LISTED_KEY, {}),
     }

@@ -1,6 +1,7 @@
 """Loss masks (dataset.masks): which mask each accepted image has, checked against its image's size.
 
-`alpha` takes the image's own alpha channel (images without one weigh fully); a folder is matched by file stem.
+`alpha` takes the image's own alpha channel (images without one weigh fully); a folder is matched by file stem;
+`members` are a webdataset sample's own `key.mask.<ext>` members (stages/scan/samples.py).
 The mask file's hash goes into the record, so a changed mask is new scan content and the latents re-cache it.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from PIL import Image
 
 from tuneline.schemas.config import PipelineConfig
-from tuneline.schemas.scan import IMAGE_EXTENSIONS, ImageRecord, Rejected
+from tuneline.schemas.scan import IMAGE_EXTENSIONS, MEMBERS, ImageRecord, Rejected
 from tuneline.stages.common.hashing import digest, file_sha256
 from tuneline.stages.common.stage import StageFailed
 
@@ -19,9 +20,9 @@ ALPHA = "alpha"
 
 
 def mask_root(cfg: PipelineConfig) -> Path | None:
-    """The mask folder, or None for alpha / no masks."""
+    """The mask folder, or None for alpha / members / no masks."""
     m = cfg.dataset.masks
-    return None if m in (None, ALPHA) else cfg.resolve(m)
+    return None if m in (None, ALPHA, MEMBERS) else cfg.resolve(m)
 
 
 def _index(root: Path) -> dict[str, Path]:
@@ -44,7 +45,7 @@ def fingerprint(cfg: PipelineConfig) -> str | None:
 
 def attach(records: list[ImageRecord], cfg: PipelineConfig) -> tuple[list[ImageRecord], list[Rejected]]:
     """Records with their mask fields set; images whose mask does not fit them are rejected naming both."""
-    if cfg.dataset.masks is None:
+    if cfg.dataset.masks in (None, MEMBERS):  # members: attached with the shard's records (samples.py)
         return records, []
     if cfg.dataset.masks == ALPHA:
         return [r.model_copy(update={"mask_kind": ALPHA}) if r.background is not None else r for r in records], []

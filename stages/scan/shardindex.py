@@ -2,8 +2,9 @@
 
 WebDataset (`000123.tar`): members are grouped by key (the member name up to the first '.' of its base name);
 `key.<image ext>` is the image, `key.txt` (dataset.caption_extension) its caption, else a field of `key.json`
-(dataset.metadata_caption_field, or the first of text / caption / prompt). Each image's data offset and size are
-recorded, so later stages read it by byte range. Parquet (as pyarrow or Hugging Face `datasets` write it): the
+(dataset.metadata_caption_field, or the first of text / caption / prompt); `key.mask.<ext>` and `key.control.<ext>`
+its mask and control members (stages/scan/samples.py). Each image's (and mask's, control's) data offset and size
+are recorded, so later stages read it by byte range. Parquet (as pyarrow or Hugging Face `datasets` write it): the
 image column holds bytes or {bytes, path} structs, read one row group at a time.
 Nothing is extracted to disk; one member (or one row group) is in memory at a time.
 """
@@ -18,7 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from tuneline.schemas.scan import DatasetConfig, Rejected
+from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.stage import StageFailed
+from tuneline.stages.scan import samples
 from tuneline.stages.scan.captions import AUTO_FIELDS
 from tuneline.stages.scan.images import probe_bytes
 from tuneline.stages.scan.shardfs import ShardFile
@@ -38,10 +41,15 @@ class ShardIndex:
     members: list[dict] = field(default_factory=list)  # a Probe's fields + offset | row_group, row
     captions: dict[str, list[str]] = field(default_factory=dict)  # image path -> [text, source]
     problems: list[dict] = field(default_factory=list)  # Rejected rows
+    parts: dict[str, dict] = field(default_factory=dict)  # image path -> its mask / control member (samples.py)
     resumed: int = 0  # members found by an earlier, killed pass (not read by this one)
 
     def as_json(self) -> dict:
         return dict(self.__dict__)
+
+    def content(self) -> str:
+        """What the scan takes from the shard (a shard rewritten with the same samples keeps it)."""
+        return digest([self.members, self.captions, self.parts, self.problems])
 
 
 def member_path(shard: str, name: str) -> str:
@@ -80,9 +88,10 @@ class Progress:
 
     rel: str
     identity: str
-    at: int = 0  # byte offset of the next member's header
+    at: int = 0  # byte offset of the next member's header (parquet: the next row group)
     members: list[dict] = field(default_factory=list)
-    texts: dict[str, list[str]] = field(default_factory=dict)  # key -> [text, source]
+    texts: dict[str, list[str]] = field(default_factory=dict)  # key (parquet: image path) -> [text, source]
+    parts: dict[str, dict] = field(default_factory=dict)  # key -> {mask | control: the member's facts}
     problems: list[dict] = field(default_factory=list)
     last: str | None = None  # the last member read
 
@@ -130,6 +139,7 @@ def index_tar(fs, shard: ShardFile, cfg: DatasetConfig, resume: Progress | None 
                 )
             )
     out.captions = {m["path"]: list(p.texts[m["key"]]) for m in out.members if m["key"] in p.texts}
+    out.parts = {m["path"]: p.parts[m["key"]] for m in out.members if m["key"] in p.parts}
     out.sha256 = "" if base else stream.sha.hexdigest()
     return out
 
@@ -144,6 +154,8 @@ def _member(out: ShardIndex, p: Progress, shard: ShardFile, ti, data: bytes, off
         p.texts[key] = [_text(out, shard, ti.name, data), "sidecar"]
     elif ext == "json":
         p.texts.setdefault(key, [_json_caption(out, shard, ti.name, data, cfg), "metadata"])
+    elif (role := samples.role(ext, images)) is not None:
+        p.parts.setdefault(key, {})[role] = samples.facts(probe_bytes(data, member_path(shard.rel, ti.name)), offset)
 
 
 def _problem(path: str, kind: str, reason: str) -> dict:
@@ -178,10 +190,14 @@ def _json_caption(out: ShardIndex, shard: ShardFile, name: str, data: bytes, cfg
     return value
 
 
-def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
+def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig, resume: Progress | None = None, keep=None) -> ShardIndex:
+    """One pass over a parquet table's row groups, from the one `resume` stopped at (those before it are not read
+    again); `keep(progress)` is called every CHECKPOINT_S with how far it got."""
     import pyarrow.parquet as pq
 
-    out = ShardIndex(shard.rel, shard.identity)
+    p = resume if resume is not None and resume.identity == shard.identity else Progress(shard.rel, shard.identity)
+    out = ShardIndex(shard.rel, shard.identity, members=p.members, problems=p.problems, resumed=len(p.members))
+    kept = time.monotonic()
     with fs.open(shard.path, "rb") as f:
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
@@ -196,16 +212,22 @@ def index_parquet(fs, shard: ShardFile, cfg: DatasetConfig) -> ShardIndex:
             )
             return out
         columns = [cfg.image_column] + ([cfg.caption_column] if cfg.caption_column in names else [])
-        for rg in range(pf.num_row_groups):
+        for rg in range(p.at, pf.num_row_groups):  # p.at: the next row group to read
             table = pf.read_row_group(rg, columns=columns)
             cells = table.column(cfg.image_column).to_pylist()
             texts = table.column(cfg.caption_column).to_pylist() if len(columns) > 1 else [None] * len(cells)
             for row, (cell, text) in enumerate(zip(cells, texts, strict=True)):
-                _parquet_row(out, shard, rg, row, cell, text, cfg)
+                _parquet_row(out, p, shard, (rg, row), cell, text, cfg)
+            p.at = rg + 1
+            if keep is not None and time.monotonic() - kept >= CHECKPOINT_S:
+                keep(p)
+                kept = time.monotonic()
+    out.captions = {name: list(text) for name, text in p.texts.items()}
     return out
 
 
-def _parquet_row(out: ShardIndex, shard: ShardFile, rg: int, row: int, cell, text, cfg: DatasetConfig) -> None:
+def _parquet_row(out: ShardIndex, p: Progress, shard: ShardFile, at: tuple[int, int], cell, text, cfg) -> None:
+    rg, row = at
     name = member_path(shard.rel, f"{rg}/{row}")
     data = cell.get("bytes") if isinstance(cell, dict) else cell
     if not isinstance(data, bytes):
@@ -221,4 +243,4 @@ def _parquet_row(out: ShardIndex, shard: ShardFile, rg: int, row: int, cell, tex
         return
     out.members.append(probe_bytes(data, name).as_json() | {"row_group": rg, "row": row, "column": cfg.image_column})
     if isinstance(text, str):
-        out.captions[name] = [text, "metadata"]
+        p.texts[name] = [text, "metadata"]

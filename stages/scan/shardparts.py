@@ -114,7 +114,7 @@ def load_part(ctx, path: Path, identity: str) -> Part | None:
     return Part(head, refs, kept=(path, offset, size - offset))
 
 
-def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected]) -> Part:
+def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected], content: str) -> Part:
     """A shard's finished output, its records in the order the published list has them (by name, stable over
     buckets: bk.apply_plan's order restricted to this shard)."""
     ordered = sorted((r for rs in bk.by_bucket(records).values() for r in rs), key=lambda r: r.ref)
@@ -125,6 +125,7 @@ def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected])
     head = {
         "rel": shard.rel,
         "identity": shard.identity,
+        "content": content,  # the shard index's (shardindex.ShardIndex.content): status names a replaced shard
         "span": [ordered[0].ref, ordered[-1].ref] if ordered else None,
         "images": len({r.path for r in records}),
         "digest": hashlib.sha256(canonical.encode()).hexdigest(),
@@ -149,11 +150,12 @@ def _parts(ctx, src: Source, recipe, build, save: bool) -> tuple[list[Part], int
     for shard, index in zip(missing, indexes, strict=True):
         got = shardscan.members(ctx, src, [(shard, index)])
         records, rejected = build(src, got)
-        kept[shard.rel] = part(shard, records, rejected)
+        kept[shard.rel] = part(shard, records, rejected, index.content())
         if keep:
             shardscan.save_kept(shardscan.kept_file(folder, shard), kept[shard.rel].dump())
     if save:  # what this build read, for its manifest (a status check's dry scan is not a build)
         ctx.cache.setdefault(shardscan.READ_KEY, []).extend(read)
+        shardscan.record_listing(ctx, src, {s.rel: [s.identity, kept[s.rel].head["content"]] for s in shards})
         shardscan.prune(folder, shards)
         shardscan.prune(shardscan.index_dir(ctx, src), shards)
     return [kept[s.rel] for s in shards], shardscan.reopened(indexes, read)

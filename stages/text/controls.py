@@ -15,6 +15,7 @@ Other families, and this one without pairs (dataset.control null), build the pla
 from __future__ import annotations
 
 import hashlib
+import io
 from pathlib import Path
 
 from tuneline.schemas.scan import IMAGE_EXTENSIONS, ScanManifest
@@ -23,6 +24,7 @@ from tuneline.stages.common.hashing import digest
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
 from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.scan.members import ControlMember, control_file
 from tuneline.stages.text.store import CONTROLS, SEP, pair_key
 from tuneline.stages.text.variants import TagAugment
 
@@ -46,9 +48,7 @@ def paired_captions(ctx, scan: ScanManifest, upstream: dict) -> tuple[list[tuple
     if not sees_control(models.family(ctx.cfg)):
         return None
     scan_dir = models.artifact_dir(ctx, scan)
-    roots = scan.control_roots()  # record.source -> its control folder (dataset.sources[i].control or dataset.control)
-    if not any(roots.values()):
-        return None
+    roots = scan.control_sources()  # record.source -> its control folder, or its source (a sample's control member)
     captions = upstream_captions(ctx, upstream) or {}
     pairs: dict[tuple[str, str], None] = {}
     files: dict[str, Path] = {}
@@ -57,7 +57,7 @@ def paired_captions(ctx, scan: ScanManifest, upstream: dict) -> tuple[list[tuple
         sha = r.get("control_sha256")
         pairs.setdefault((captions.get(ref, r["caption"]), sha), None)
         if sha:
-            files.setdefault(sha, roots[r.get("source")] / r["control_path"])
+            files.setdefault(sha, control_file(roots, r))
     return (list(pairs), files) if files else None
 
 
@@ -74,9 +74,11 @@ def index_pairs(pairs: list[tuple[str, str | None]], augment: TagAugment) -> tup
     return list(rows_of), index
 
 
-def load_control(path: Path, sha256: str):
+def load_control(path: Path | ControlMember, sha256: str):
     """The control image (RGB, upright), or a folder's reference images in name order (the scan's control_sha256
     is then the digest of theirs); refused when the content is no longer what the scan hashed."""
+    if isinstance(path, ControlMember):  # a sample's control member, read by its byte range (hash checked)
+        return load_rgb(io.BytesIO(path.read_bytes()))
     path = Path(path)
     if path.is_dir():
         # The scan's references: image files in name order, hidden files left out (stages/scan/controls.py).

@@ -82,12 +82,12 @@ def planned_frames(cfg, fam) -> int:
 
 
 def planned_controls(cfg, fam) -> int:
-    """Control images per sample the training feeds: one for a paired dataset (dataset.control, the edit demo's
-    included) of a family that takes control, else none. Folders of several references are not counted (the plan
+    """Control images per sample the training feeds: one for a paired dataset (dataset.control, a folder or the
+    samples' members, the edit demo's included) of a family that takes control, else none. Folders of several references are not counted (the plan
     reads the config, not the scan): each adds one control's tokens."""
-    from tuneline.stages.scan.controls import paired
+    from tuneline.stages.scan.controls import by_members, paired
 
-    return int(fam.takes_control and paired(cfg))
+    return int(fam.takes_control and (paired(cfg) or bool(by_members(cfg))))
 
 
 def size(b: int) -> str:

@@ -13,6 +13,7 @@ class separation, stages/validate/learning.py), for the trained and the untraine
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.scan.images import load_rgb
+from tuneline.stages.scan.members import ControlMember, control_file
 from tuneline.stages.validate.learning import log_image, separation, square_class_means
 
 
@@ -36,21 +38,23 @@ def takes_control(cfg) -> bool:
 def _training_pairs(ctx, upstream: dict, n: int) -> list[tuple[Path, str]]:
     """(control file, caption) of the first `n` training pairs, in record order."""
     scan_dir = ctx.store.version_dir("scan", upstream["latents"].upstream["scan"])
-    roots = ScanManifest.model_validate_json((scan_dir / "manifest.json").read_text()).control_roots()
-    if not any(roots.values()):
-        return []
+    roots = ScanManifest.model_validate_json((scan_dir / "manifest.json").read_text()).control_sources()
     captions = upstream_captions(ctx, upstream) or {}
     seen, out = set(), []
     for r in read_jsonl(scan_dir / "images.jsonl"):
         ref = r["path"] if r.get("source") is None else f"{r['source']}//{r['path']}"
-        if r.get("control_path") and ref not in seen and len(out) < n:
+        if len(out) == n:
+            break
+        if r.get("control_path") and ref not in seen:
             seen.add(ref)
-            out.append((roots[r.get("source")] / r["control_path"], captions.get(ref, r["caption"])))
+            out.append((control_file(roots, r), captions.get(ref, r["caption"])))
     return out
 
 
-def load_control(path: Path, size: tuple[int, int]) -> Image.Image | list[Image.Image]:
+def load_control(path: Path | ControlMember, size: tuple[int, int]) -> Image.Image | list[Image.Image]:
     """The control image at `size`, or a folder's reference images (name order) each at `size`."""
+    if isinstance(path, ControlMember):  # a sample's control member, read by its byte range
+        return load_rgb(io.BytesIO(path.read_bytes())).resize(size, Image.Resampling.BICUBIC)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
         if not files:

@@ -7,11 +7,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +14,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
-import yaml
 from PIL import Image
 
 from tests.integration.test_scan_stage import config, noise, scan
@@ -28,7 +22,7 @@ from tuneline.schemas.demo import DEMO_CONFIG
 from tuneline.schemas.scan import ImageRecord, ScanManifest
 from tuneline.stages.common.hashing import canonical_json, digest
 from tuneline.stages.common.jsonl import read_jsonl
-from tuneline.stages.common.stage import StageContext, StageFailed, content_version, run_stage
+from tuneline.stages.common.stage import StageContext, StageFailed, content_version, run_stage, status as stage_status
 from tuneline.stages.latents.encode import prepare, to_pixels
 from tuneline.stages.latents.masks import mask_file
 from tuneline.stages.pipeline import PIPELINE, stage
@@ -229,62 +223,30 @@ def test_rebuild_rows_a_shard_reuploaded_added_replaced_and_removed(tmp_path):
     assert removed.name != replaced.name and manifest["shards_read"] == [] and len(records) == 4
 
 
-KILLED_SCAN = """
-import sys
-from tuneline.schemas.config import load_config
-from tuneline.stages.common.stage import StageContext, run_stage
-from tuneline.stages.scan import STAGE, shardindex
-shardindex.CHECKPOINT_S = float(sys.argv[2])  # how often a long shard's progress is kept (5 s), shorter for a test
-run_stage(StageContext(load_config(sys.argv[1])), STAGE, [STAGE])
-"""
-
-
-def _killed_when(cfg, tmp_path: Path, kept: str, checkpoint_s: float = 5.0) -> Path:
-    """Start a scan of `cfg` in its own process and SIGKILL it once a file matching `kept` appears in the scan's
-    kept indexes (.shards-*); the scan's stage folder."""
-    cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(yaml.safe_dump(cfg.dump()))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SCAN, str(cfg_file), str(checkpoint_s)], start_new_session=True
-    )
-    scan_dir = cfg.workdir_path() / "artifacts" / "scan"
-    deadline = time.monotonic() + 240
-    while not any(scan_dir.glob(f".shards-*/{kept}")):
-        assert proc.poll() is None and time.monotonic() < deadline, f"the scan ended before {kept} was kept"
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not [p for p in scan_dir.iterdir() if not p.name.startswith(".")]  # killed: nothing published
-    return scan_dir
-
-
-def test_a_killed_scan_resumes_after_the_shards_it_finished(tmp_path):
+def test_status_names_the_shards_added_replaced_and_removed(tmp_path):
+    """`tuneline status` (stage_status with reuse, as the command asks it) says which shards changed since the
+    published scan, by name; a shard re-uploaded with the same bytes changes nothing it reports."""
     data = tmp_path / "shards"
     data.mkdir()
-    for i in range(8):
-        write_shard(data / f"{i:06d}.tar", i * 600, 600)
+    for i in range(3):
+        write_shard(data / f"00000{i}.tar", 2 * i, 2)
     cfg = config(tmp_path, data)
-    scan_dir = _killed_when(cfg, tmp_path, "[0-9a-f]*[0-9a-f].json")  # each shard's index, kept once it is read
-    finished = {json.loads(p.read_bytes())["rel"] for p in scan_dir.glob(".shards-*/*[0-9a-f].json")}
-    assert 1 <= len(finished) < 8
-    _, _, records, _, manifest = scan(cfg)
-    assert sorted(manifest["shards_read"]) == sorted({f"{i:06d}.tar" for i in range(8)} - finished)
-    assert len(records) == 4800
+    scan(cfg)
+    raw = (data / "000000.tar").read_bytes()
+    (data / "000000.tar").unlink()
+    (data / "000000.tar").write_bytes(raw)  # re-uploaded: same bytes, a new mtime
+    assert stage_status(StageContext(cfg), [STAGE], reuse=True)[0].state == "fresh"
 
-
-def test_a_scan_killed_inside_a_long_shard_resumes_where_it_stopped(tmp_path):
-    """A shard's progress (its members so far, the next header's offset) is kept while it is read: the rerun
-    reads only the rest of it and publishes what an uninterrupted scan does."""
-    data = tmp_path / "shards"
-    data.mkdir()
-    write_shard(data / "000000.tar", 0, 3000)
-    cfg = config(tmp_path / "killed", data)
-    scan_dir = _killed_when(cfg, tmp_path, "*.progress.json", checkpoint_s=0.05)
-    resumed, _, records, _, manifest = scan(cfg)
-    assert len(records) == 3000 and 0 < manifest["reopened"] < 3000  # the members before the kill: not read again
-    assert not list(scan_dir.glob(".shards-*/*.progress.json"))
-    whole, _, _, _, _ = scan(config(tmp_path / "whole", data))
-    assert (whole / "images.jsonl").read_bytes() == (resumed / "images.jsonl").read_bytes()
+    write_shard(data / "000003.tar", 6, 1)
+    row = stage_status(StageContext(cfg), [STAGE], reuse=True)[0]
+    assert (row.state, row.reason) == ("stale", f"shards added in {data}: 000003.tar")
+    write_shard(data / "000001.tar", 20, 2)  # other samples under the same name
+    (data / "000002.tar").unlink()
+    row = stage_status(StageContext(cfg), [STAGE], reuse=True)[0]
+    assert row.reason == "; ".join(
+        f"shards {kind} in {data}: {name}"
+        for kind, name in (("added", "000003.tar"), ("replaced", "000001.tar"), ("removed", "000002.tar"))
+    )
 
 
 def test_sources_of_three_formats_in_one_dataset(tmp_path):
