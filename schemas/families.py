@@ -60,6 +60,10 @@ class FamilyFacts:
     # Video families' bucket defaults: the frame rate clips are trained at and the frame budgets.
     fps: float = 0.0
     frame_buckets: tuple[int, ...] = ()
+    # Timestep experts (Wan 2.2 A14B): the pipeline components that each denoise a share of the schedule, the
+    # high-noise one first, with the file suffix each one's LoRA gets; model.expert picks which train. (): one
+    # denoiser, and model.expert is refused.
+    experts: tuple[tuple[str, str], ...] = ()
 
     @property
     def video(self) -> bool:
@@ -349,6 +353,26 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         shipped_config="Wan2.1-T2V-14B",
         shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
         usual_resolution=480,  # 832x480, the size Wan LoRAs are usually trained at
+    ),
+    "wan22": FamilyFacts(
+        "wan22",
+        8,
+        2,
+        16,
+        1.0,
+        0.0,
+        "flow_matching",
+        512,
+        max_length_limit=512,
+        pipeline="WanPipeline",
+        denoiser="transformer",
+        temporal_factor=4,
+        fps=16.0,
+        frame_buckets=(17, 33, 49, 81),
+        usual_resolution=480,
+        # WanPipeline: `transformer` denoises timesteps >= boundary_ratio * 1000, `transformer_2` the rest; the
+        # LoRA files are named as Wan 2.2 LoRAs are distributed for ComfyUI (..._high_noise, ..._low_noise).
+        experts=(("transformer", "high_noise"), ("transformer_2", "low_noise")),
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).
