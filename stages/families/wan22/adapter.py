@@ -1,5 +1,5 @@
 """Wan 2.2 text-to-video, the A14B layout: Wan 2.1's text encoder, VAE, latents and denoiser call
-(stages/families/wan/adapter.py) with two timestep experts, WanPipeline's `transformer` (high noise) and
+(the Wan 2.1 family's adapter, imported below) with two timestep experts, WanPipeline's `transformer` (high noise) and
 `transformer_2` (low noise), split at the folder's `boundary_ratio` (model_index.json). model.expert picks which
 train (stages/families/wan22/experts.py): one expert on its share of the timesteps, or both as one run, each
 sample's timestep picking its expert; each expert gets its own LoRA files."""

@@ -1,7 +1,7 @@
 """The denoiser a Wan 2.2 A14B run trains: the timestep experts it holds, by pipeline component, each sample routed
 to the expert WanPipeline would denoise it with.
 
-WanPipeline (diffusers' pipelines/wan/pipeline_wan.py) runs `transformer` (high noise) at timesteps
+WanPipeline (diffusers' pipeline_wan.py) runs `transformer` (high noise) at timesteps
 t >= boundary_ratio * num_train_timesteps and `transformer_2` (low noise) below; training routes the same way, so
 each expert learns only the share of the schedule it denoises. A run of one expert holds only that one (half the
 weights) and draws its timesteps from its share (Family.sigma_range).
