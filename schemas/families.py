@@ -369,6 +369,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         temporal_factor=4,
         fps=16.0,
         frame_buckets=(17, 33, 49, 81),
+        shipped_config="Wan2.2-T2V-A14B",
         usual_resolution=480,
         # WanPipeline: `transformer` denoises timesteps >= boundary_ratio * 1000, `transformer_2` the rest; the
         # LoRA files are named as Wan 2.2 LoRAs are distributed for ComfyUI (..._high_noise, ..._low_noise).
