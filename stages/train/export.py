@@ -6,6 +6,8 @@ Files (under the train artifact's `final/`):
 - `lora_kohya.safetensors`: kohya sd-scripts layout (stages/train/kohya.py), for ComfyUI `models/loras`,
   A1111/Forge `models/Lora`; for train.adapter lokr/loha/dora the LyCORIS layout (stages/train/adapters.py), the
   only file for lokr/loha, which diffusers cannot load.
+- a family with timestep experts (FamilyFacts.experts): each LoRA file once per trained expert, its stem suffixed
+  with the expert's name (`pytorch_lora_weights_high_noise.safetensors`, `lora_kohya_low_noise.safetensors`);
 - a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
   `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile_export.py).
 """
@@ -27,6 +29,7 @@ from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"
+LAYOUTS = ((DIFFUSERS_FILE, "diffusers"), (KOHYA_FILE, "kohya"))
 
 
 def _header_facts(family: str) -> tuple[str, str, str]:
@@ -260,8 +263,8 @@ def exports(root: Path, final: Path, mode: str) -> list[dict]:
                 }
             )
         return out
-    stems = [(f, "diffusers") for f in sorted(final.glob(named(DIFFUSERS_FILE, "*")))]
-    found = [(f.name, fmt) for f, fmt in stems + [(f, "kohya") for f in sorted(final.glob(named(KOHYA_FILE, "*")))]]
+    # Each file once per trained timestep expert (named(..., suffix)), or once
+    found = [(f.name, fmt) for file, fmt in LAYOUTS for f in sorted(final.glob(named(file, "*")))]
     return [
         {
             "file": f"{rel}/{name}",
