@@ -4,11 +4,13 @@ DDP processes (gloo, torchrun) through the train stage's worker, 2 optimizer ste
 Per cell:
 
 (a) on every rank every trainable parameter has a gradient at step 1 (DDP's reducer saw it) and a finite,
-    non-zero one at step 2 (adapters start with one factor at zero, so step 1 may be zero);
+    non-zero one at step 2 (adapters start with one factor at zero, so step 1 may be zero); of a family with
+    timestep experts, an expert that no sample of a step drew has none in that step, but each learns in one;
 (b) the 2-process weights after step 2 equal a 1-process replay of the same global batch within REPLAY_TOLERANCE;
 (c) resuming from the step-1 checkpoint gives bit-identical step-2 weights;
 (d) the exports load: the diffusers file (or a full fine-tune's pipeline folder) in the stock diffusers pipeline,
-    holding exactly the trained weights; the kohya/LyCORIS file with only stems ComfyUI maps for the family.
+    holding exactly the trained weights (each expert's file in its component); the kohya/LyCORIS file(s) with only
+    stems ComfyUI maps for the family.
 
 The FSDP column (cells `<family>-<factor>-fsdp`) asserts the same with train.parallelism fsdp: gradients judged
 whole (gathered from the shards), weights gathered whole (tuneline.stages.train.fsdp.full) equal the 1-process
