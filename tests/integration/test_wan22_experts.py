@@ -109,3 +109,16 @@ def test_each_experts_comfy_file_uses_only_keys_comfyui_maps_for_wan(trained, co
     )
     want = (ALPHA / RANK) * mod.lora_B["default"].weight @ mod.lora_A["default"].weight
     torch.testing.assert_close(state["lora_unet_blocks_0_self_attn_q.alpha"] / RANK * up @ down, want.detach())
+
+
+def test_a_folder_with_one_transformer_trains_it_on_every_timestep_and_refuses_an_expert(tmp_path):
+    """A Wan 2.2 folder without experts (TI2V 5B's layout: one transformer, no boundary_ratio)."""
+    import json
+
+    from tuneline.stages.families.wan22.adapter import chosen_experts
+
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index | {"transformer_2": [None, None]}))
+    assert chosen_experts(tmp_path, None) == (("transformer",), None)
+    with pytest.raises(ValueError, match=r"model.expert low: .*one transformer and no boundary_ratio.*remove model"):
+        chosen_experts(tmp_path, "low")
