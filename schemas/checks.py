@@ -290,6 +290,26 @@ def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     return out
 
 
+def _experts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    expert, out = cfg.model.expert, []
+    if expert is not None and not fam.experts:
+        out.append(
+            f"model.expert {expert}: model.family {fam.name} has one denoiser, no timestep experts (families with "
+            f"experts: {family_list(lambda f: bool(f.experts)) or 'none'}); remove model.expert"
+        )
+    if fam.experts and cfg.train.parallelism == "fsdp":
+        out.append(
+            f"train.parallelism fsdp: model.family {fam.name}'s timestep experts are not sharded yet; set "
+            f"train.parallelism ddp (with model.expert high or low one expert's weights are held at a time)"
+        )
+    if fam.experts and cfg.train.blocks_to_swap:
+        out.append(
+            f"train.blocks_to_swap {cfg.train.blocks_to_swap}: model.family {fam.name}'s timestep experts do not "
+            f"swap blocks yet; set train.blocks_to_swap 0 (model.expert high or low holds one expert at a time)"
+        )
+    return out
+
+
 def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     q = cfg.model.quantize
     if q is None:
@@ -371,6 +391,7 @@ RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
     _prompts,
     _objective,
     _masks,
+    _experts,
     _quantize,
     _cpu_dtype,
     _frames,

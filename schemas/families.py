@@ -60,6 +60,10 @@ class FamilyFacts:
     # Video families' bucket defaults: the frame rate clips are trained at and the frame budgets.
     fps: float = 0.0
     frame_buckets: tuple[int, ...] = ()
+    # Timestep experts (Wan 2.2 A14B): the pipeline components that each denoise a share of the schedule, the
+    # high-noise one first, with the file suffix each one's LoRA gets; model.expert picks which train. (): one
+    # denoiser, and model.expert is refused.
+    experts: tuple[tuple[str, str], ...] = ()
 
     @property
     def video(self) -> bool:
@@ -69,6 +73,30 @@ class FamilyFacts:
     def alignment(self) -> int:
         """Smallest pixel multiple a bucket edge may have: one latent patch."""
         return self.vae_factor * self.patch_size
+
+
+def _wan_video(name: str, **more) -> FamilyFacts:
+    """Wan's text-to-video layout: a causal video VAE (8x spatial, 4x temporal: clips of 4k+1 frames) normalised per
+    channel, 1x2x2 patches, UMT5 captions of up to 512 tokens, flow matching with the scheduler's fixed shift,
+    trained at 832x480 as Wan LoRAs usually are."""
+    return FamilyFacts(
+        name,
+        8,
+        2,
+        16,
+        1.0,
+        0.0,
+        "flow_matching",
+        512,
+        max_length_limit=512,
+        pipeline="WanPipeline",
+        denoiser="transformer",
+        temporal_factor=4,
+        fps=16.0,
+        frame_buckets=(17, 33, 49, 81),
+        usual_resolution=480,
+        **more,
+    )
 
 
 # Scaling/shift factors are the published SD/SDXL/SD3/Flux VAE values (tiny: measured on its pretrained demo VAE,
@@ -329,26 +357,19 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         checkpoint_marker="double_stream_modulation_img.",
         shipped_config="FLUX.2-klein-4B",
     ),
-    # Wan 2.1 text-to-video: a causal video VAE (8x spatial, 4x temporal: clips of 4k+1 frames) normalised per
-    # channel, 1x2x2 patches, UMT5 captions of up to 512 tokens, flow matching with the scheduler's fixed shift.
-    "wan": FamilyFacts(
+    # Wan 2.1 text-to-video (the layout _wan_video describes)
+    "wan": _wan_video(
         "wan",
-        8,
-        2,
-        16,
-        1.0,
-        0.0,
-        "flow_matching",
-        512,
-        max_length_limit=512,
-        pipeline="WanPipeline",
-        denoiser="transformer",
-        temporal_factor=4,
-        fps=16.0,
-        frame_buckets=(17, 33, 49, 81),
         shipped_config="Wan2.1-T2V-14B",
         shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
-        usual_resolution=480,  # 832x480, the size Wan LoRAs are usually trained at
+    ),
+    # Wan 2.2 A14B: Wan 2.1's layout with two timestep experts. WanPipeline's `transformer` denoises timesteps
+    # >= boundary_ratio * 1000, `transformer_2` the rest; the LoRA files are named as Wan 2.2 LoRAs are distributed
+    # for ComfyUI (..._high_noise, ..._low_noise).
+    "wan22": _wan_video(
+        "wan22",
+        shipped_config="Wan2.2-T2V-A14B",
+        experts=(("transformer", "high_noise"), ("transformer_2", "low_noise")),
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).

@@ -60,6 +60,13 @@ class ModelConfig(Strict):
         "fp8 needs a CUDA GPU with float8 support",
     )
 
+    expert: Literal["high", "low", "both"] | None = Field(
+        None,
+        description="a family with timestep experts (Wan 2.2 A14B): train the high-noise expert, the low-noise one, "
+        "or both as one run (each sample's timestep picks its expert), one LoRA per expert; null = both. "
+        "Refused for families with one denoiser",
+    )
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _no_fp8(cls, v: object) -> object:

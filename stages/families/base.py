@@ -127,7 +127,22 @@ class Family(Protocol):
     prompt_keys: tuple[str, ...]
 
     # Training --------------------------------------------------------------------------------
-    def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module: ...
+    def load_denoiser(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
+    ) -> torch.nn.Module:
+        """The denoiser training holds; `expert` (model.expert) picks the timestep experts of a family that has
+        them (facts.experts; the config refuses it for the others)."""
+
+    def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The pipeline components a training denoiser holds, by component name: the denoiser itself, or the
+        timestep experts it trains (each gets its own LoRA files, named by facts.experts)."""
+
+    def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
+        """The noise levels (sigma, [lo, hi)) training draws for this denoiser: all, or one expert's share."""
+
+    def lora_load_kwargs(self, component: str) -> dict[str, Any]:
+        """load_lora_weights' arguments that put a LoRA file into the pipeline component `component` (an expert
+        other than the denoiser's own component)."""
 
     def load_noise_scheduler(self, model_dir: Path) -> Any: ...
 

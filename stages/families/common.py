@@ -96,6 +96,16 @@ class DiffusersFamily:
     def unused_modules(self, model: torch.nn.Module, component: str) -> tuple[str, ...]:
         return ()
 
+    # ---- timestep experts (facts.experts) ----------------------------------------------------
+    def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        return {self.denoiser_component: denoiser}
+
+    def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
+        return 0.0, 1.0
+
+    def lora_load_kwargs(self, component: str) -> dict[str, Any]:
+        return {}
+
     # A transformer's stacks of repeated blocks, in the order its forward runs them (SD3, FLUX, Qwen-Image).
     BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 
@@ -228,7 +238,9 @@ class DiffusersFamily:
             float(shift) if shift is not None else self.facts.shift_factor,
         )
 
-    def load_denoiser(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    def load_denoiser(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
+    ) -> torch.nn.Module:
         return self.denoiser_class.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
@@ -245,12 +257,13 @@ class DiffusersFamily:
     ) -> Any:
         """The folder's pipeline; a given live `denoiser` (training's) takes the place of the folder's own, which
         is then never loaded. Its text encoders serve the renderer too (text_encoders_of): loaded once."""
-        parts: dict[str, Any] = {self.denoiser_component: denoiser} if denoiser is not None else {}
+        parts: dict[str, Any] = self.denoiser_parts(denoiser) if denoiser is not None else {}
         pipe = self.pipeline_class.from_pretrained(model_dir, dtype=dtype, **parts, **self.pipeline_load_kwargs())
         # A live denoiser stays where training keeps it: block swap holds some of its weights in CPU memory
         # (tuneline.stages.train.swap), which moving the whole pipeline would copy onto the GPU.
+        live = [id(p) for p in parts.values()]
         for part in pipe.components.values():
-            if isinstance(part, torch.nn.Module) and part is not denoiser:
+            if isinstance(part, torch.nn.Module) and id(part) not in live:
                 part.to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -297,16 +310,18 @@ class DiffusersFamily:
     def save_pipeline(self, model_dir: Path, denoiser: torch.nn.Module, out_dir: Path) -> None:
         model_dir, out_dir = Path(model_dir), Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        parts = self.denoiser_parts(unwrap(denoiser))
         for item in model_dir.iterdir():
-            if item.name == self.denoiser_component or item.name.startswith("."):
+            if item.name in parts or item.name.startswith("."):
                 continue
             if item.is_dir():
                 shutil.copytree(item, out_dir / item.name, copy_function=_copy, dirs_exist_ok=True)
             else:
                 _copy(item, out_dir / item.name)
-        # A stale denoiser folder could hold shards the new save does not overwrite; start it empty.
-        shutil.rmtree(out_dir / self.denoiser_component, ignore_errors=True)
-        unwrap(denoiser).save_pretrained(out_dir / self.denoiser_component, safe_serialization=True)
+        for name, part in parts.items():
+            # A stale denoiser folder could hold shards the new save does not overwrite; start it empty.
+            shutil.rmtree(out_dir / name, ignore_errors=True)
+            part.save_pretrained(out_dir / name, safe_serialization=True)
 
     # ---- validation --------------------------------------------------------------------------
     def prompt_kwargs(self, text: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ _ADAPTERS: dict[str, str] = {
     "flux2": "Flux2DevFamily",
     "flux2_klein": "Flux2KleinFamily",
     "wan": "WanFamily",
+    "wan22": "Wan22Family",
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

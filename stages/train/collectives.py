@@ -60,7 +60,9 @@ def shares_gpus() -> bool:
     return cuda_backend() == "gloo"
 
 
-def wrap(module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device: torch.device) -> DDP:
+def wrap(
+    module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device: torch.device, routed: bool = False
+) -> DDP:
     """DDP over `module` in which only the trainable parameters take part.
 
     Every rank loads the same frozen base from the same files, so there is nothing of it to broadcast, and a
@@ -70,7 +72,10 @@ def wrap(module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device:
     holds: it skips parameters without requires_grad) are broadcast from rank 0 here instead, and buffers (frozen,
     identical on every rank) are not re-broadcast before each forward. Ignoring the frozen parameters by name
     would need DDP's private `_set_params_and_buffers_to_ignore_for_model`; reducing the gradients by hand would
-    re-implement DDP's bucketing and its overlap with the backward pass."""
+    re-implement DDP's bucketing and its overlap with the backward pass.
+
+    `routed`: a step may not use every trainable parameter (timestep experts), which DDP must look for after each
+    forward (find_unused_parameters); those get zero gradients from that rank."""
     broadcast(list(params.values()))
     no_buffer_sync = (
         {"forward_sync_buffers": False}
@@ -84,6 +89,7 @@ def wrap(module: torch.nn.Module, params: dict[str, torch.nn.Parameter], device:
         device_ids=[device.index] if device.type == "cuda" else None,
         init_sync=False,
         gradient_as_bucket_view=True,
+        find_unused_parameters=routed,
         **no_buffer_sync,
     )
 

@@ -6,6 +6,8 @@ Files (under the train artifact's `final/`):
 - `lora_kohya.safetensors`: kohya sd-scripts layout (stages/train/kohya.py), for ComfyUI `models/loras`,
   A1111/Forge `models/Lora`; for train.adapter lokr/loha/dora the LyCORIS layout (stages/train/adapters.py), the
   only file for lokr/loha, which diffusers cannot load.
+- a family with timestep experts (FamilyFacts.experts): each LoRA file once per trained expert, its stem suffixed
+  with the expert's name (`pytorch_lora_weights_high_noise.safetensors`, `lora_kohya_low_noise.safetensors`);
 - a full fine-tune: the diffusers pipeline folder `final/` itself, and with train.export_single_file
   `final/model.safetensors`, the whole model in the original (LDM) layout (stages/train/singlefile_export.py).
 """
@@ -27,6 +29,7 @@ from tuneline.stages.train.singlefile_export import SINGLE_FILE
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save/load_lora_weights use
 KOHYA_FILE = "lora_kohya.safetensors"
+LAYOUTS = ((DIFFUSERS_FILE, "diffusers"), (KOHYA_FILE, "kohya"))
 
 
 def _header_facts(family: str) -> tuple[str, str, str]:
@@ -145,10 +148,12 @@ def save_lora(
     out: Path,
     info: ExportInfo | None,
     text=None,
+    suffix: str = "",
 ) -> None:
     """Write the LoRA file(s) `train.lora_format` asks for into `out` (final/); with `text` (trained text
     encoders, train.text_encoder_lora) their LoRA too: `text_encoder.`/`text_encoder_2.` keys in the diffusers
-    file, kohya's `lora_te_`/`lora_te1_`/`lora_te2_` modules in the kohya one."""
+    file, kohya's `lora_te_`/`lora_te1_`/`lora_te2_` modules in the kohya one. `suffix` ends the files' stems (a
+    timestep expert's: `_high_noise`)."""
     import diffusers
 
     fmt = getattr(t, "lora_format", "both")
@@ -166,12 +171,12 @@ def save_lora(
             te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
         getattr(diffusers, pipe_name).save_lora_weights(
             out,
-            weight_name=DIFFUSERS_FILE,
+            weight_name=named(DIFFUSERS_FILE, suffix),
             **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": adapter_meta},
             **te_kwargs,
         )
         if info is not None:
-            add_metadata(out / DIFFUSERS_FILE, metadata(info, t, family, "diffusers"))
+            add_metadata(out / named(DIFFUSERS_FILE, suffix), metadata(info, t, family, "diffusers"))
     if fmt in ("kohya", "both"):
         from safetensors.torch import save_file
 
@@ -185,22 +190,46 @@ def save_lora(
         if te_layers:
             state |= textlora.kohya_state(family, te_layers, adapter_meta["lora_alpha"])
         meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
-        save_file(state, str(out / KOHYA_FILE), metadata=meta)
+        save_file(state, str(out / named(KOHYA_FILE, suffix)), metadata=meta)
+
+
+def named(file: str, suffix: str) -> str:
+    """A LoRA file's name with `suffix` (a timestep expert's) at the end of its stem."""
+    stem, ext = file.rsplit(".", 1)
+    return f"{stem}{suffix}.{ext}"
+
+
+def lora_parts(family: str, final: Path) -> list[tuple[str | None, str]]:
+    """(pipeline component, file suffix) of each LoRA in final/: one per trained timestep expert
+    (FamilyFacts.experts), else (None, "") for the denoiser's."""
+    experts = FAMILY_FACTS[family].experts if family in FAMILY_FACTS else ()
+    found = [
+        (comp, f"_{name}")
+        for comp, name in experts
+        if any((final / named(f, f"_{name}")).is_file() for f in (DIFFUSERS_FILE, KOHYA_FILE))
+    ]
+    return found or [(None, "")]
 
 
 def load_lora(pipe, family: str, final: Path) -> None:
-    """Apply final/'s adapter to a diffusers pipeline: load_lora_weights for LoRA/DoRA files; a lokr/loha file
-    (no diffusers loader) is merged into the denoiser's weights with ComfyUI's formulas (stages/train/adapters.py)."""
+    """Apply final/'s adapter(s) to a diffusers pipeline: load_lora_weights for LoRA/DoRA files; a lokr/loha file
+    (no diffusers loader) is merged into the denoiser's weights with ComfyUI's formulas (stages/train/adapters.py).
+    A run of timestep experts has files per expert, each loaded into its component."""
     from safetensors import safe_open
 
-    folder, weight_name = lora_source(final)
-    if weight_name == KOHYA_FILE:
-        with safe_open(str(folder / KOHYA_FILE), framework="pt") as f:
-            if any(".lokr_" in k or ".hada_" in k for k in f.keys()):
-                den = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
-                adapters.apply_file(family, den, {k: f.get_tensor(k) for k in f.keys()})
-                return
-    pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}))
+    from tuneline.stages.families.registry import get_family
+
+    for comp, suffix in lora_parts(family, final):
+        folder, weight_name = lora_source(final, suffix)
+        if weight_name == named(KOHYA_FILE, suffix):
+            with safe_open(str(folder / weight_name), framework="pt") as f:
+                if any(".lokr_" in k or ".hada_" in k for k in f.keys()):
+                    den = pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+                    den = getattr(pipe, comp) if comp else den
+                    adapters.apply_file(family, den, {k: f.get_tensor(k) for k in f.keys()})
+                    continue
+        kwargs = get_family(family).lora_load_kwargs(comp) if comp else {}
+        pipe.load_lora_weights(folder, **({"weight_name": weight_name} if weight_name else {}), **kwargs)
 
 
 def lora_loader(family: str, final: Path):
@@ -208,11 +237,13 @@ def lora_loader(family: str, final: Path):
     return lambda pipe: load_lora(pipe, family, final)
 
 
-def lora_source(final: Path) -> tuple[Path, str | None]:
-    """(folder, weight_name) for load_lora_weights: the diffusers file when written, else the kohya one."""
-    if (final / DIFFUSERS_FILE).is_file() or not (final / KOHYA_FILE).is_file():
-        return final, None
-    return final, KOHYA_FILE
+def lora_source(final: Path, suffix: str = "") -> tuple[Path, str | None]:
+    """(folder, weight_name) for load_lora_weights: the diffusers file when written, else the kohya one (a
+    timestep expert's, with its `suffix`, always by name)."""
+    diffusers_file, kohya_file = named(DIFFUSERS_FILE, suffix), named(KOHYA_FILE, suffix)
+    if (final / diffusers_file).is_file() or not (final / kohya_file).is_file():
+        return final, diffusers_file if suffix else None
+    return final, kohya_file
 
 
 def exports(root: Path, final: Path, mode: str) -> list[dict]:
@@ -232,7 +263,8 @@ def exports(root: Path, final: Path, mode: str) -> list[dict]:
                 }
             )
         return out
-    found = [(DIFFUSERS_FILE, "diffusers"), (KOHYA_FILE, "kohya")]
+    # Each file once per trained timestep expert (named(..., suffix)), or once
+    found = [(f.name, fmt) for file, fmt in LAYOUTS for f in sorted(final.glob(named(file, "*")))]
     return [
         {
             "file": f"{rel}/{name}",

@@ -155,7 +155,7 @@ class Trainer:
         load = fsdpload.skeleton(fam) if self.sharded else None  # sharded: each rank loads its own shard only
         shards = world if self.sharded else 1
         self.denoiser, self.params = prepare_denoiser(
-            fam, model_dir, self.t, base, device, cfg.model.quantize, shards, load
+            fam, model_dir, self.t, base, device, cfg.model.quantize, shards, load, cfg.model.expert
         )
         if self.sharded:
             self.params = fsdp.shard(self.denoiser, fam, self.t, device, self.autocast, model_dir)
@@ -176,7 +176,7 @@ class Trainer:
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema else None
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
-        self.sigmas = SigmaSampler.from_train(self.t)
+        self.sigmas = SigmaSampler.from_train(self.t, fam.sigma_range(unwrap(self.denoiser)))
         self.step, self.position, self.losses = 0, Position(), []
         if resume is not None:
             self.restore(resume)
@@ -186,7 +186,9 @@ class Trainer:
         # With a text-encoder LoRA, DDP wraps both (its reducer then averages both LoRAs' gradients).
         joint = Joint(self.denoiser, self.text.enc.encoders) if self.text is not None else self.denoiser
         wrap = collectives.active(world) and not self.sharded  # FSDP reduces the gradients itself
-        self.model = collectives.wrap(joint, self.params, device) if wrap else self.denoiser
+        # Timestep experts: each sample's timestep picks one, so a micro-batch may leave an expert without gradients.
+        routed = len(fam.denoiser_parts(unwrap(self.denoiser))) > 1
+        self.model = collectives.wrap(joint, self.params, device, routed) if wrap else self.denoiser
 
     def param_groups(self) -> list:
         """The optimizer's parameters: one group, or with train.text_encoder_lora a second for the text encoders

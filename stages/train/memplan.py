@@ -179,7 +179,11 @@ class Planner:
         )
 
     def describe(self, quantize: str | None) -> tuple[list[dict], int, int]:
-        return self.facts.describe(quantize)
+        """Per block, outside the blocks, trainable: of every timestep expert the run holds (each one denoiser of
+        the planned shape; model.expert both holds them all, one at a time a single one)."""
+        per, outside, trainable = self.facts.describe(quantize)
+        n = max(1, len(self.fam.facts.experts)) if self.cfg.model.expert in (None, "both") else 1
+        return [{k: v * n for k, v in x.items()} for x in per], outside * n, trainable * n
 
     @property
     def blocks(self) -> int:
@@ -333,6 +337,8 @@ class Planner:
                     + ([f"model.quantize: {quant}"] if quant else [])
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
+        if self.fam.facts.experts:  # what the config refuses for timestep experts (schemas/checks.py)
+            out = [f for f in out if "train.blocks_to_swap" not in f and "train.parallelism" not in f]
         return allowed(out, s.shards)
 
 

@@ -7,6 +7,7 @@ family name, so every family trains the same way.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,16 +78,18 @@ def prepare_denoiser(
     quantize: str | None = None,
     shards: int = 1,
     load=None,
+    expert: str | None = None,
 ) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
     """(denoiser ready to train, its trainable parameters by name). `shards`: the processes FSDP will split the
     model over (1: DDP, every process holds all of it); `load`: how the denoiser is built (default
-    fam.load_denoiser; FSDP's builds a skeleton whose weights each rank loads as its shard).
+    fam.load_denoiser, with model.expert `expert`; FSDP's builds a skeleton whose weights each rank loads as its
+    shard).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
     `base_dtype` to save memory, the adapter weights in float32.
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
-    load = load or fam.load_denoiser
+    load = load or partial(fam.load_denoiser, expert=expert)
     if t.mode == "full":
         fam.check_full_finetune(model_dir, shards)  # a denoiser too large even when split is refused before it loads
         den = load(model_dir, torch.float32, device).requires_grad_(True)
@@ -147,12 +150,16 @@ def save_final(
         return exports(out.parent, out, t.mode)
     from peft.utils import get_peft_model_state_dict
 
-    pipe_name, comp = denoiser_component(model_dir, denoiser)
-    layers = {
-        k: v.detach().to("cpu", torch.float32).contiguous()
-        for k, v in get_peft_model_state_dict(unwrap(denoiser)).items()
-    }
-    meta = lora_config(t, fam, denoiser).to_dict()
-    meta["target_modules"] = sorted(meta["target_modules"])
-    save_lora(fam, pipe_name, comp, unwrap(denoiser), layers, meta, t, out, info, text)
+    suffixes = dict(fam.facts.experts)
+    for component, part in fam.denoiser_parts(unwrap(denoiser)).items():
+        # Each timestep expert's LoRA in files of its own (..._high_noise, ..._low_noise), keyed as the denoiser's
+        # (diffusers' loader puts a file into another expert by a load_lora_weights argument: lora_load_kwargs).
+        pipe_name, comp = denoiser_component(model_dir, part)
+        layers = {
+            k: v.detach().to("cpu", torch.float32).contiguous() for k, v in get_peft_model_state_dict(part).items()
+        }
+        meta = lora_config(t, fam, part).to_dict()
+        meta["target_modules"] = sorted(meta["target_modules"])
+        suffix = f"_{suffixes[component]}" if component in suffixes else ""
+        save_lora(fam, pipe_name, comp, part, layers, meta, t, out, info, text, suffix=suffix)
     return exports(out.parent, out, t.mode)

@@ -27,13 +27,15 @@ class SigmaSampler:
     std: float = 1.0
     mode_scale: float = 1.29
     shift: float | None = None  # None: resolution-dependent, from the scheduler config (auto)
+    # The noise levels drawn, [lo, hi]: a timestep expert trains only its share (Family.sigma_range).
+    span: tuple[float, float] = (0.0, 1.0)
 
     @classmethod
-    def from_train(cls, t) -> SigmaSampler:
+    def from_train(cls, t, span: tuple[float, float] = (0.0, 1.0)) -> SigmaSampler:
         shift = None if t.timestep_shift == "auto" else float(t.timestep_shift)
         if t.timestep_sampling == "sigmoid":
-            return cls(kind="logit_normal", mean=0.0, std=t.sigmoid_scale, mode_scale=t.mode_scale, shift=shift)
-        return cls(kind=t.timestep_sampling, mean=t.logit_mean, std=t.logit_std, mode_scale=t.mode_scale, shift=shift)
+            return cls("logit_normal", 0.0, t.sigmoid_scale, t.mode_scale, shift, span)
+        return cls(t.timestep_sampling, t.logit_mean, t.logit_std, t.mode_scale, shift, span)
 
     def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n unshifted sigmas in (0, 1)."""
@@ -47,9 +49,11 @@ class SigmaSampler:
         raise ValueError(f"train.timestep_sampling: unknown sampler {self.kind!r}")
 
     def sample(self, n: int, generator: torch.Generator, scheduler_config, tokens: int) -> torch.Tensor:
-        """n sigmas for images of `tokens` latent patches, shifted as configured."""
+        """n sigmas for images of `tokens` latent patches, shifted as configured, then scaled into `span` (an
+        expert's share keeps the sampler's shape within it, as musubi-tuner's timestep bounds do)."""
         shift = self.shift if self.shift is not None else auto_shift(scheduler_config, tokens)
-        return shift_sigmas(self.draw(n, generator), shift)
+        lo, hi = self.span
+        return lo + (hi - lo) * shift_sigmas(self.draw(n, generator), shift)
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:

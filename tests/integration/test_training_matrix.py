@@ -4,11 +4,13 @@ DDP processes (gloo, torchrun) through the train stage's worker, 2 optimizer ste
 Per cell:
 
 (a) on every rank every trainable parameter has a gradient at step 1 (DDP's reducer saw it) and a finite,
-    non-zero one at step 2 (adapters start with one factor at zero, so step 1 may be zero);
+    non-zero one at step 2 (adapters start with one factor at zero, so step 1 may be zero); of a family with
+    timestep experts, an expert that no sample of a step drew has none in that step, but each learns in one;
 (b) the 2-process weights after step 2 equal a 1-process replay of the same global batch within REPLAY_TOLERANCE;
 (c) resuming from the step-1 checkpoint gives bit-identical step-2 weights;
 (d) the exports load: the diffusers file (or a full fine-tune's pipeline folder) in the stock diffusers pipeline,
-    holding exactly the trained weights; the kohya/LyCORIS file with only stems ComfyUI maps for the family.
+    holding exactly the trained weights (each expert's file in its component); the kohya/LyCORIS file(s) with only
+    stems ComfyUI maps for the family.
 
 The FSDP column (cells `<family>-<factor>-fsdp`) asserts the same with train.parallelism fsdp: gradients judged
 whole (gathered from the shards), weights gathered whole (tuneline.stages.train.fsdp.full) equal the 1-process
@@ -22,6 +24,7 @@ cells (the first training cell of the part to run starts it); each cell is its o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -35,7 +38,7 @@ from tests.integration import comfy_lora_keys
 from tests.integration.matrix_cells import Cell, cells, dataset, launch, refusal
 from tests.matrix_worker import TRAINED
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.train.export import DIFFUSERS_FILE
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, lora_parts, named
 
 # fp32 weights after 2 AdamW steps at the default learning rate: DDP sums the ranks' gradients in another order
 # than one process accumulating all 4 micro-batches, which moves the weights by float rounding only (seen: <3e-6).
@@ -87,14 +90,18 @@ def test_cell(cell: Cell, request, stock, upstream_store, tmp_path):
     data = upstream_store.dataset("matrix", dataset)
     refused = refusal(cell, data, tmp_path)
     if refused is not None:
-        # FSDP's own refusals name train.parallelism too; a twin DDP refuses is refused for its own reason
-        fields = [cell.field] + ["train.parallelism"] * (cell.fsdp and refusal(cell.ddp_twin, data, tmp_path) is None)
+        # FSDP's own refusals name train.parallelism too; a twin DDP refuses is refused for its own reason; a family
+        # FSDP cannot shard at all (its base FSDP cell is refused) is refused naming train.parallelism alone
+        twin_trains = cell.fsdp and refusal(cell.ddp_twin, data, tmp_path) is None
+        base = dataclasses.replace(cell, name="lora", section="", change={})
+        whole_family = twin_trains and refusal(base, data, tmp_path) is not None
+        fields = ["train.parallelism"] if whole_family else [cell.field] + ["train.parallelism"] * twin_trains
         assert all(f in refused for f in fields) and re.search(r"\b(set|use)\b", refused), refused
         return
     root, outs = request.getfixturevalue("launches")(cell.part)  # not for a refusal: it trains nothing
     out = outs[cell.id]
     ranks = [_result(root, out, r) for r in range(2)]
-    _assert_gradients(ranks)
+    _assert_gradients(ranks, tuple(f"experts.{c}." for c, _ in get_family(cell.family).facts.experts))
     errors = [f"rank {r}: {res['error']}" for r, res in enumerate(ranks) if "error" in res]
     assert not errors, "the cell stopped:\n" + "\n".join(errors) + "\n" + ranks[0].get("traceback", "")
     tolerance = FSDP_REPLAY_TOLERANCE if cell.fsdp else REPLAY_TOLERANCE
@@ -114,16 +121,23 @@ def _result(root: Path, out: Path, rank: int) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _assert_gradients(ranks: list[dict]) -> None:
-    bad = []
+def _assert_gradients(ranks: list[dict], experts: tuple[str, ...] = ()) -> None:
+    """`experts`: the parameter-name prefixes of timestep experts, each sample's timestep picking one. A step none
+    of whose samples (on any rank) drew an expert's timesteps leaves every parameter of that expert without a
+    gradient (DDP looks for unused parameters there); every expert must still learn in some step, and whole."""
+    bad, active = [], set()
     for r, res in enumerate(ranks):
-        steps = res["grads"]
-        if steps:
-            none = sorted(n for n, s in steps[0].items() if s == "none")
-            bad += [f"rank {r} step 1: no gradient for {len(none)} parameters: {none}"] if none else []
-        if len(steps) > 1:
-            wrong = sorted(f"{n} ({s})" for n, s in steps[1].items() if s != "ok")
-            bad += [f"rank {r} step 2: {len(wrong)} parameters zero or non-finite: {wrong}"] if wrong else []
+        for i, states in enumerate(res["grads"][:2]):
+            idle = [p for p in experts if all(s == "none" for n, s in states.items() if n.startswith(p))]
+            active |= set(experts) - set(idle)
+            states = {n: s for n, s in states.items() if not n.startswith(tuple(idle))}
+            if i == 0:
+                none = sorted(n for n, s in states.items() if s == "none")
+                bad += [f"rank {r} step 1: no gradient for {len(none)} parameters: {none}"] if none else []
+            else:
+                wrong = sorted(f"{n} ({s})" for n, s in states.items() if s != "ok")
+                bad += [f"rank {r} step 2: {len(wrong)} parameters zero or non-finite: {wrong}"] if wrong else []
+    bad += [f"expert {p} learned in no step" for p in experts if p not in active and ranks[0]["grads"]]
     assert not bad, "\n".join(bad)
 
 
@@ -139,8 +153,13 @@ def _assert_exports(cell: Cell, out: Path, stock) -> None:
         return
     assert "kohya" in files, f"no kohya/LyCORIS file among the exports: {result['exports']}"
     pipe = stock(fam, model_dir)
+    final = files["kohya"].parent
+    # One file per trained timestep expert (each loaded into its component), else the denoiser's
+    parts = lora_parts(cell.family, final)
     if "diffusers" in files:
-        pipe.load_lora_weights(files["diffusers"].parent, weight_name=DIFFUSERS_FILE)
+        for comp, suffix in parts:
+            kwargs = fam.lora_load_kwargs(comp) if comp else {}
+            pipe.load_lora_weights(final, weight_name=named(DIFFUSERS_FILE, suffix), **kwargs)
         try:
             _assert_holds(pipe, fam, trained)
         finally:
@@ -150,16 +169,20 @@ def _assert_exports(cell: Cell, out: Path, stock) -> None:
     encoders = [getattr(pipe, c) for c in fam.facts.text_encoders]
     if result["text_encoder_lora"]:
         mapped |= comfy_lora_keys.clip_stems([e.config.num_hidden_layers for e in encoders])
-    got = comfy_lora_keys.stems(load_file(files["kohya"]))
-    assert got and got <= mapped, f"stems ComfyUI maps no weight for: {sorted(got - mapped)[:10]}"
+    for _, suffix in parts:
+        got = comfy_lora_keys.stems(load_file(final / named(KOHYA_FILE, suffix)))
+        assert got and got <= mapped, f"stems ComfyUI maps no weight for: {sorted(got - mapped)[:10]}"
 
 
 def _assert_holds(pipe, fam, trained: dict[str, torch.Tensor]) -> None:
     """Every trained tensor is in the loaded pipeline under its name (a text encoder's with its component's
-    prefix, the adapter's name aside), with the trained value."""
+    prefix, a timestep expert's with the training denoiser's `experts.<component>.`, the adapter's name aside), with
+    the trained value."""
     held = {}
-    for comp in (fam.denoiser_component, *fam.facts.text_encoders):
-        prefix = "" if comp == fam.denoiser_component else f"{comp}."
+    experts = [comp for comp, _ in fam.facts.experts]
+    for comp in (*(experts or [fam.denoiser_component]), *fam.facts.text_encoders):
+        prefix = f"experts.{comp}." if experts and comp in experts else ""
+        prefix = f"{comp}." if comp in fam.facts.text_encoders else prefix
         held |= {prefix + ADAPTER_NAME.sub("", n): p for n, p in getattr(pipe, comp).named_parameters()}
     missing = [n for n in trained if ADAPTER_NAME.sub("", n) not in held]
     assert not missing, f"the loaded pipeline lacks {len(missing)} trained tensors: {missing[:8]}"

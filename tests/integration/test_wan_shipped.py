@@ -38,6 +38,17 @@ def test_shipped_wan_configs_build_the_released_sizes(name):
     assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(state[k].shape) for k in converted}
 
 
+def test_shipped_wan22_config_has_two_14b_experts_split_at_0_875():
+    """Wan2.2-T2V-A14B: both experts of the 14B's size and shapes, WanPipeline's boundary_ratio in its model index."""
+    import json
+
+    for expert in ("transformer", "transformer_2"):
+        den = _meta(WanTransformer3DModel, "wan22", expert)
+        assert sum(p.numel() for p in den.parameters()) == COUNTS["wan"]
+    assert SIGNATURES["wan22"] == SIGNATURES["wan"]
+    assert json.loads((shipped_dir("wan22") / "model_index.json").read_text())["boundary_ratio"] == 0.875
+
+
 def test_a_wan_file_is_matched_to_its_released_size(tmp_path):
     for name in COUNTS:
         f = tmp_path / f"{name}.safetensors"

@@ -23,9 +23,7 @@ from tuneline.stages.families.vocab import (
 )
 
 # Every registered family; the UNet families (4-channel latents, epsilon) and FLUX.2 (32 channels).
-FAMILIES = (
-    "tiny sd15 sdxl sd3 flux flux_kontext qwen_image qwen_image_edit qwen_image_edit_plus z_image flux2 flux2_klein wan"
-)
+FAMILIES = "tiny sd15 sdxl sd3 flux flux_kontext qwen_image qwen_image_edit qwen_image_edit_plus z_image flux2 flux2_klein wan wan22"
 UNETS = {"tiny", "sd15", "sdxl"}
 FLUX2 = {"flux2", "flux2_klein"}
 

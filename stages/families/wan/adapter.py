@@ -85,11 +85,30 @@ class WanFamily(DiffusersFamily):
 
     # ---- tiny flavor -------------------------------------------------------------------------
     def build_tiny(self, out_dir: Path) -> None:
-        from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+        self.pipeline_class(**self.tiny_components(out_dir)).save_pretrained(out_dir, safe_serialization=True)
+
+    def tiny_components(self, out_dir: Path) -> dict[str, Any]:
+        """The tiny pipeline's components (its tokenizer built into out_dir/tokenizer)."""
+        from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
         tok = build_t5_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit)
+        # Built in this order (transformer, VAE, text encoder): the seeded weights stay the ones the flavor had.
+        transformer = self.tiny_transformer()
+        # Released Wan's layout (4x temporal downsampling in the last two levels), 8 channels wide.
+        vae = AutoencoderKLWan(base_dim=8, z_dim=self.facts.latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+        return {
+            "tokenizer": tok,
+            "transformer": transformer,
+            "vae": vae,
+            "text_encoder": tiny_umt5(tok, TINY_TEXT_WIDTH),
+            "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=DEFAULT_SHIFT),
+        }
+
+    def tiny_transformer(self) -> torch.nn.Module:
+        from diffusers import WanTransformer3DModel
+
         # head dim 24: Wan's rotary embedding splits it into time (8), height (8) and width (8) parts.
-        transformer = WanTransformer3DModel(
+        return WanTransformer3DModel(
             patch_size=(1, self.facts.patch_size, self.facts.patch_size),
             num_attention_heads=2,
             in_channels=self.facts.latent_channels,
@@ -101,17 +120,6 @@ class WanFamily(DiffusersFamily):
             ffn_dim=64,
             rope_max_seq_len=64,
         )
-        # Released Wan's layout (4x temporal downsampling in the last two levels), 8 channels wide.
-        vae = AutoencoderKLWan(base_dim=8, z_dim=self.facts.latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=DEFAULT_SHIFT)
-        pipe = self.pipeline_class(
-            tokenizer=tok,
-            text_encoder=tiny_umt5(tok, TINY_TEXT_WIDTH),
-            vae=vae,
-            scheduler=scheduler,
-            transformer=transformer,
-        )
-        pipe.save_pretrained(out_dir, safe_serialization=True)
 
     # ---- latents -----------------------------------------------------------------------------
     def latent_stats(self, vae: torch.nn.Module) -> tuple[list[float], list[float]]:

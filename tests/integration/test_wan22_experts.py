@@ -1,0 +1,124 @@
+"""Wan 2.2's two timestep experts: each sample goes to the expert WanPipeline would denoise it with, a one-expert run
+draws only its share of the timesteps, and a run of both writes one LoRA per expert that the stock WanPipeline
+loads into `transformer` / `transformer_2` and renders as trained; each expert's ComfyUI file holds only keys
+ComfyUI maps for Wan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.integration import comfy_lora_keys
+from tests.integration.family_runs import lift_lora_up, tiny_models
+from tuneline.schemas.train import TrainConfig
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.wan22.adapter import TINY_BOUNDARY
+from tuneline.stages.render.renderer import Renderer, Sample
+from tuneline.stages.train.export import DIFFUSERS_FILE, KOHYA_FILE, exports, named
+from tuneline.stages.train.model import prepare_denoiser, save_final
+from tuneline.stages.train.timesteps import SigmaSampler
+
+CPU = torch.device("cpu")
+RANK, ALPHA, LENGTH = 4, 2.0, 16
+HIGH, LOW = "_high_noise", "_low_noise"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan22")
+    return get_family("wan22"), tiny_models(root)("wan22"), root
+
+
+@pytest.fixture(scope="module")
+def trained(built):
+    """Both experts with a LoRA of random nonzero up weights, saved as the train stage saves them."""
+    fam, model_dir, root = built
+    t = TrainConfig(mode="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_format="both")
+    den, trainable = prepare_denoiser(fam, model_dir, t, torch.float32, CPU)
+    lift_lora_up(trainable, 0.2)
+    save_final(fam, model_dir, den, t, root / "final")
+    return den.eval(), root / "final"
+
+
+def test_each_sample_goes_to_its_timesteps_expert(trained):
+    den, _ = trained
+    gen = torch.Generator().manual_seed(0)
+    x, text = torch.randn(4, 16, 2, 4, 4, generator=gen), torch.randn(4, 8, 32, generator=gen)
+    t = torch.tensor([999.0, 100.0, TINY_BOUNDARY * 1000, 874.0])  # WanPipeline: t >= boundary -> high noise
+    with torch.no_grad():
+        got = den(x, t, text)[0]
+        high = den.experts["transformer"](x, t, text, return_dict=False)[0]
+        low = den.experts["transformer_2"](x, t, text, return_dict=False)[0]
+    assert not torch.allclose(high, low, atol=1e-4), "the two experts must differ for the routing to show"
+    torch.testing.assert_close(got, torch.stack([high[0], low[1], high[2], low[3]]))
+
+
+@pytest.mark.parametrize("expert, comps", [("high", ["transformer"]), ("low", ["transformer_2"])])
+def test_one_expert_holds_and_draws_only_its_share(built, expert, comps):
+    fam, model_dir, _ = built
+    den = fam.load_denoiser(model_dir, torch.float32, CPU, expert=expert)
+    assert list(den.experts) == comps
+    span = fam.sigma_range(den)
+    sigmas = SigmaSampler(kind="logit_normal", shift=3.0, span=span).sample(2000, torch.Generator(), {}, 16)
+    t = sigmas * 1000
+    high = t >= TINY_BOUNDARY * 1000
+    assert bool(high.all()) if expert == "high" else not bool(high.any())
+    assert float(sigmas.max() - sigmas.min()) > 0.5 * (span[1] - span[0]), "the share is drawn over, not a point"
+
+
+def _render(fam, pipe) -> torch.Tensor:
+    """5-frame clip latents (16, 2, 4, 4) over enough steps that both experts denoise (boundary 0.875)."""
+    renderer = Renderer(fam, pipe, fam.text_encoders_of(pipe, LENGTH), CPU)
+    return renderer.render([Sample("a square moves left", "blue", 0)], 32, 32, 4, 3.0, output_type="latent", frames=5)[
+        0
+    ]
+
+
+def test_each_experts_lora_loads_into_its_transformer_and_renders_as_trained(built, trained):
+    fam, model_dir, _ = built
+    den, final = trained
+    assert {e["file"].rsplit("/", 1)[1] for e in exports(final.parent, final, "lora")} == {
+        named(f, s) for f in (DIFFUSERS_FILE, KOHYA_FILE) for s in (HIGH, LOW)
+    }
+    with torch.no_grad():
+        want = _render(fam, fam.load_pipeline(model_dir, torch.float32, CPU, denoiser=den))
+        stock = fam.load_pipeline(model_dir, torch.float32, CPU)
+        base = _render(fam, stock)
+        stock.load_lora_weights(final, weight_name=named(DIFFUSERS_FILE, HIGH))
+        high_only = _render(fam, stock)
+        stock.load_lora_weights(final, weight_name=named(DIFFUSERS_FILE, LOW), load_into_transformer_2=True)
+        got = _render(fam, stock)
+    assert not torch.allclose(base, high_only, atol=1e-4), "the high-noise LoRA must change the render"
+    assert not torch.allclose(high_only, got, atol=1e-4), "the low-noise LoRA must change the render"
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("comp, suffix", [("transformer", HIGH), ("transformer_2", LOW)])
+def test_each_experts_comfy_file_uses_only_keys_comfyui_maps_for_wan(trained, comp, suffix):
+    den, final = trained
+    expert = den.experts[comp]
+    state = load_file(final / named(KOHYA_FILE, suffix))
+    stems = comfy_lora_keys.stems(state)
+    assert stems and stems <= comfy_lora_keys.unet_stems(expert), sorted(stems - comfy_lora_keys.unet_stems(expert))
+    blocks = expert.blocks[0]
+    mod = blocks.attn1.to_q
+    up, down = (
+        state["lora_unet_blocks_0_self_attn_q.lora_up.weight"],
+        state["lora_unet_blocks_0_self_attn_q.lora_down.weight"],
+    )
+    want = (ALPHA / RANK) * mod.lora_B["default"].weight @ mod.lora_A["default"].weight
+    torch.testing.assert_close(state["lora_unet_blocks_0_self_attn_q.alpha"] / RANK * up @ down, want.detach())
+
+
+def test_a_folder_with_one_transformer_trains_it_on_every_timestep_and_refuses_an_expert(tmp_path):
+    """A Wan 2.2 folder without experts (TI2V 5B's layout: one transformer, no boundary_ratio)."""
+    import json
+
+    from tuneline.stages.families.wan22.adapter import chosen_experts
+
+    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index | {"transformer_2": [None, None]}))
+    assert chosen_experts(tmp_path, None) == (("transformer",), None)
+    with pytest.raises(ValueError, match=r"model.expert low: .*one transformer and no boundary_ratio.*remove model"):
+        chosen_experts(tmp_path, "low")

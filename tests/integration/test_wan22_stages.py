@@ -1,0 +1,68 @@
+"""Wan 2.2's tiny flavor (two experts) through the train and validate stages over the session's upstream store:
+both experts trained as one run write a LoRA per expert (diffusers and ComfyUI files, listed in the manifest's
+exports) that the validate stage renders as clips through the stock WanPipeline; a run of one expert holds only
+that expert and draws only its share of the timesteps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from PIL import Image
+
+from tests.clips import write_clip
+from tests.trainer import steps, trainer_for
+from tuneline.schemas.config import parse_config
+from tuneline.schemas.validate import ValidateManifest
+from tuneline.stages.common.stage import run_stage
+from tuneline.stages.families.common import unwrap
+from tuneline.stages.families.wan22.adapter import TINY_BOUNDARY
+from tuneline.stages.pipeline import PIPELINE, stage
+
+
+def _clips(root):
+    write_clip(root / "left.mp4", frames=24, fps=16, size=(32, 32))
+    write_clip(root / "right.mp4", frames=24, fps=16, size=(32, 32))
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(root / "still.png")
+    for name, caption in {"left": "a square moves left", "right": "a square moves right", "still": "a square"}.items():
+        (root / f"{name}.txt").write_text(caption, encoding="utf-8")
+
+
+def _config(tmp, data, **model):
+    return parse_config(
+        {
+            "dataset": {"path": str(data)},
+            "model": {"family": "wan22", "path": None, "device": "cpu", **model},
+            "buckets": {"resolution": 32, "fps": 8, "frames": [5]},
+            "text": {"max_length": 16},
+            "train": {"steps": 2, "batch_size": 1, "processes": 1, "mode": "lora", "lora_rank": 4},
+            "validate": {"frames": 5, "steps": 2, "learning_check": False},
+        },
+        workdir=str(tmp / "work"),
+    )
+
+
+def test_both_experts_train_as_one_run_and_validate_renders_their_loras(tmp_path, upstream_store):
+    ctx = upstream_store.upstream(_config(tmp_path, upstream_store.dataset("wan22-clips", _clips)))
+    paths = {name: run_stage(ctx, stage(name), PIPELINE)[0] for name in ("train", "validate")}
+    manifest = json.loads((paths["train"] / "manifest.json").read_text(encoding="utf-8"))
+    assert sorted((e["file"], e["format"]) for e in manifest["exports"]) == [
+        ("final/lora_kohya_high_noise.safetensors", "kohya"),
+        ("final/lora_kohya_low_noise.safetensors", "kohya"),
+        ("final/pytorch_lora_weights_high_noise.safetensors", "diffusers"),
+        ("final/pytorch_lora_weights_low_noise.safetensors", "diffusers"),
+    ]
+    val = ctx.store.read(paths["validate"], ValidateManifest)
+    assert [(i.frames, i.clip) for i in val.images] == [(5, "000-seed0.mp4")]
+    with Image.open(paths["validate"] / val.images[0].file) as im:
+        assert im.n_frames == 5
+
+
+def test_one_expert_holds_only_itself_and_trains_on_its_share(tmp_path, upstream_store):
+    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", _clips), expert="low")
+    trainer = trainer_for(cfg, upstream_store.upstream(cfg))
+    assert list(unwrap(trainer.denoiser).experts) == ["transformer_2"]
+    assert trainer.sigmas.span == (0.0, TINY_BOUNDARY)
+    assert trainer.names and all(n.startswith("experts.transformer_2.") for n in trainer.names)
+    steps(trainer, 1)
+    assert trainer.losses and math.isfinite(trainer.losses[0])
