@@ -360,6 +360,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # Wan 2.1 text-to-video (the layout _wan_video describes)
     "wan": _wan_video(
         "wan",
+        # Wan's original layout (the diffusion_models/ files ComfyUI distributes): the output head's modulation
+        checkpoint_marker="head.modulation",
         shipped_config="Wan2.1-T2V-14B",
         shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
     ),

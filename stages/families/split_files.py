@@ -26,6 +26,7 @@ from tuneline.stages.families.fp8 import read_weights
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 WEIGHTS = (".safetensors", ".bin")
+TOKENIZER_TENSOR = "spiece_model"
 
 
 def checkpoint_family(keys: list[str]) -> str | None:
@@ -179,6 +180,9 @@ def _component_class(out: Path, comp: str) -> type:
 def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
     field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(comp, "model.text_encoder_path")
     sd = read_weights(path, field)
+    # ComfyUI's T5/UMT5 files use transformers' names and may carry their SentencePiece tokenizer as a byte tensor
+    # (`spiece_model`, comfy/sd.py): the tokenizer comes from model.config, so it is not a weight.
+    sd.pop(TOKENIZER_TENSOR, None)
     if comp == family.denoiser_component:
         check_fits(family, path, checkpoint_family(list(sd)), "transformer file")
         sd = {next((k.removeprefix(p) for p in PREFIXES if k.startswith(p)), k): v for k, v in sd.items()}

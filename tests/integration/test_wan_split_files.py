@@ -1,0 +1,104 @@
+"""Wan 2.1 as ComfyUI distributes it: the `diffusion_models/` transformer in Wan's original layout (under
+`model.diffusion_model.`, float32 or scaled fp8), the UMT5 encoder file (transformers' names, scaled fp8, with the
+SentencePiece tokenizer as a `spiece_model` tensor) and the VAE in Wan's original layout, given as model.path,
+model.text_encoder_path and model.vae_path over a weightless model.config folder. The assembled transformer and VAE
+compute exactly what the modules they were written from compute; the fp8 transformer holds exactly the file's fp8
+values times their scales. A Wan file given to another family, or another family's file given to wan, is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.integration import comfy_layout
+from tests.integration.test_split_files import _assert_fp8_close, _weightless
+from tuneline.schemas.config import parse_config
+from tuneline.stages.common.stage import StageContext
+from tuneline.stages.families import resolve
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.split_files import check_fits, checkpoint_family
+
+CPU = torch.device("cpu")
+F32 = torch.float32
+
+
+def _released_structure_vae() -> torch.nn.Module:
+    """A VAE of the released model's structure (2 resnets per level, widths 1-2-4-4 times the base) at the tiny
+    flavor's base width: diffusers' Wan VAE converter (convert_wan_vae_to_diffusers) groups the decoder's blocks by
+    that structure, which every released Wan 2.1 VAE file has."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(1)
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2).eval()
+
+
+def _comfy_files(fam, tiny: Path, out: Path, vae: torch.nn.Module) -> dict[str, Path]:
+    out.mkdir()
+    den = fam.load_denoiser(tiny, F32, CPU).state_dict()
+    original = {comfy_layout.PREFIX + k: v.contiguous() for k, v in comfy_layout.wan_transformer(den).items()}
+    files = {n: out / f"{n}.safetensors" for n in ("transformer", "transformer_fp8", "umt5", "vae")}
+    save_file(original, str(files["transformer"]))
+    save_file(comfy_layout.scaled_fp8(comfy_layout.wan_transformer(den)), str(files["transformer_fp8"]))
+    te = fam.load_text_encoders(tiny, F32, CPU).encoders[0].state_dict()
+    te.pop("encoder.embed_tokens.weight")  # ComfyUI's T5 keeps the embedding once, as `shared.weight`
+    umt5 = comfy_layout.scaled_fp8(te, prefix="") | {
+        "spiece_model": torch.tensor(list(b"\n\x05hello"), dtype=torch.uint8)
+    }
+    save_file(umt5, str(files["umt5"]))
+    save_file({k: v.contiguous() for k, v in comfy_layout.wan_vae(vae.state_dict()).items()}, str(files["vae"]))
+    return files
+
+
+def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
+    fam = get_family("wan")
+    tiny = fam.ensure_model(None, tmp_path / "models")
+    vae = _released_structure_vae()
+    files = _comfy_files(fam, tiny, tmp_path / "comfy", vae)
+    config = _weightless(tiny, tmp_path / "config")
+    vae.save_config(config / "vae")
+    (tmp_path / "data").mkdir()
+    model = {"family": "wan", "config": str(config), "device": "cpu", "path": str(files["transformer"])}
+    model |= {"text_encoder_path": str(files["umt5"]), "vae_path": str(files["vae"])}
+    cfg = parse_config({"dataset": {"path": str(tmp_path / "data")}, "model": model}, workdir=str(tmp_path / "work"))
+    assembled = resolve.model_dir(StageContext(cfg))
+
+    torch.manual_seed(0)
+    x, t, text = torch.randn(1, 16, 2, 4, 4), torch.tensor([500]), torch.randn(1, 8, 32)
+    want = fam.load_denoiser(tiny, F32, CPU)(x, t, text, return_dict=False)[0]
+    got = fam.load_denoiser(assembled, F32, CPU)(x, t, text, return_dict=False)[0]
+    assert torch.equal(got, want)
+    clip = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    with torch.no_grad():
+        want = vae.encode(clip).latent_dist.mean
+        got = fam.load_vae(assembled, F32, CPU).encode(clip).latent_dist.mean
+    assert torch.equal(got, want) and got.shape == (1, 16, 2, 2, 2)
+    te = fam.load_text_encoders(assembled, F32, CPU).encoders[0].state_dict()
+    exact = comfy_layout.dequantized(comfy_layout.scaled_fp8(_te_state(fam, tiny), prefix=""), prefix="")
+    assert all(torch.equal(te[k], v) for k, v in exact.items())
+    _assert_fp8_close({k: te[k] for k in exact}, _te_state(fam, tiny))
+
+    # the scaled fp8 transformer: exactly its fp8 values times their scales, in the same assembled layout
+    fp8 = fam.ensure_model(str(files["transformer_fp8"]), tmp_path / "cache", str(config), str(files["umt5"]),
+                           str(files["vae"]))  # fmt: skip
+    loaded = comfy_layout.wan_transformer(fam.load_denoiser(fp8, F32, CPU).state_dict())
+    file_sd = comfy_layout.scaled_fp8(comfy_layout.wan_transformer(fam.load_denoiser(tiny, F32, CPU).state_dict()))
+    assert all(torch.equal(loaded[k], v.float()) for k, v in comfy_layout.dequantized(file_sd).items())
+
+
+def _te_state(fam, model_dir: Path) -> dict[str, torch.Tensor]:
+    te = fam.load_text_encoders(model_dir, F32, CPU).encoders[0].state_dict()
+    te.pop("encoder.embed_tokens.weight")
+    return te
+
+
+def test_wan_transformer_files_are_told_from_other_families():
+    wan_keys = [comfy_layout.PREFIX + k for k in ("head.modulation", "blocks.0.self_attn.q.weight")]
+    assert checkpoint_family(wan_keys) == "wan"
+    with pytest.raises(ValueError, match="is a wan transformer file.*model.family is qwen_image.*set model.family wan"):
+        check_fits(get_family("qwen_image"), Path("wan.safetensors"), checkpoint_family(wan_keys), "transformer file")
+    flux2 = checkpoint_family(["double_stream_modulation_img.lin.weight", "double_blocks.0.img_attn.qkv.weight"])
+    with pytest.raises(ValueError, match=f"is a {flux2} transformer file.*model.family is wan"):
+        check_fits(get_family("wan"), Path("flux2.safetensors"), flux2, "transformer file")
