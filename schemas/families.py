@@ -370,6 +370,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # for ComfyUI (..._high_noise, ..._low_noise).
     "wan22": _wan_video(
         "wan22",
+        checkpoint_marker="head.modulation",  # each transformer file (an expert, or TI2V 5B's) is in Wan's layout
         shipped_config="Wan2.2-T2V-A14B",
         experts=(("transformer", "high_noise"), ("transformer_2", "low_noise")),
     ),

@@ -84,7 +84,22 @@ def convert_split_files(
             f"scheduler must come from a diffusers folder; set model.config to a local diffusers folder of the "
             f"{family.facts.name} model"
         )
+    check_one_denoiser(family, file, Path(folder))
     return assemble(family, file, cache_dir, Path(folder), parts)
+
+
+def check_one_denoiser(family: Any, file: Path, folder: Path) -> None:
+    """Refuse one transformer file for a model with several timestep experts (facts.experts, all in the folder's
+    model_index.json): the file would replace the first expert only, and the others would keep the folder's weights
+    (or have none)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    present = [c for c, _ in family.facts.experts if isinstance(index.get(c), list) and index[c][0] is not None]
+    if len(present) > 1:
+        raise ValueError(
+            f"model.path: {file} is one transformer file, but the model of model.config {folder} has "
+            f"{len(present)} timestep experts ({', '.join(present)}), distributed as one file each; set model.path to "
+            f"a local diffusers folder of the model holding every expert's weights"
+        )
 
 
 def part_files(family: Any, text_encoder_path: str | None, vae_path: str | None) -> dict[str, Path]:

@@ -19,7 +19,8 @@ from tuneline.schemas.config import parse_config
 from tuneline.stages.common.stage import StageContext
 from tuneline.stages.families import resolve
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.families.split_files import check_fits, checkpoint_family
+from tuneline.stages.families.shipped import shipped_dir
+from tuneline.stages.families.split_files import check_fits, check_one_denoiser, checkpoint_family
 
 CPU = torch.device("cpu")
 F32 = torch.float32
@@ -102,3 +103,12 @@ def test_wan_transformer_files_are_told_from_other_families():
     flux2 = checkpoint_family(["double_stream_modulation_img.lin.weight", "double_blocks.0.img_attn.qkv.weight"])
     with pytest.raises(ValueError, match=f"is a {flux2} transformer file.*model.family is wan"):
         check_fits(get_family("wan"), Path("flux2.safetensors"), flux2, "transformer file")
+
+
+def test_one_transformer_file_is_refused_for_timestep_experts():
+    """Wan 2.2 A14B's experts are distributed as one file each: one model.path file would replace the high-noise
+    expert only. A Wan 2.2 model with one transformer (TI2V 5B) and Wan 2.1 take one."""
+    with pytest.raises(ValueError, match="2 timestep experts \\(transformer, transformer_2\\).*local diffusers folder"):
+        check_one_denoiser(get_family("wan22"), Path("high_noise.safetensors"), shipped_dir("wan22"))
+    check_one_denoiser(get_family("wan"), Path("wan.safetensors"), shipped_dir("wan"))
+    check_one_denoiser(get_family("wan22"), Path("wan.safetensors"), shipped_dir("wan"))
