@@ -7,20 +7,24 @@ values times their scales. A Wan file given to another family, or another family
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import save_file
 
 from tests.integration import comfy_layout
 from tests.integration.test_split_files import _assert_fp8_close, _weightless
+from tests.trainer import steps, trainer_for
 from tuneline.schemas.config import parse_config
-from tuneline.stages.common.stage import StageContext
+from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families import resolve
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.families.shipped import shipped_dir
 from tuneline.stages.families.split_files import check_fits, check_one_denoiser, checkpoint_family
+from tuneline.stages.pipeline import PIPELINE, stages_for
 
 CPU = torch.device("cpu")
 F32 = torch.float32
@@ -53,6 +57,22 @@ def _comfy_files(fam, tiny: Path, out: Path, vae: torch.nn.Module) -> dict[str, 
     return files
 
 
+def _config(tmp_path: Path, config: Path, files: dict[str, Path]):
+    """Two captioned stills (one-frame clips) and the split files over the weightless `config`, LoRA, one step."""
+    (tmp_path / "data").mkdir()
+    for i in range(2):
+        Image.new("RGB", (32, 32), (200 * i, 60, 120)).save(tmp_path / "data" / f"{i}.png")
+        (tmp_path / "data" / f"{i}.txt").write_text(f"a square {i}", encoding="utf-8")
+    model = {"family": "wan", "config": str(config), "device": "cpu", "path": str(files["transformer"])}
+    model |= {"text_encoder_path": str(files["umt5"]), "vae_path": str(files["vae"])}
+    train = {"steps": 1, "batch_size": 1, "processes": 1, "mode": "lora", "lora_rank": 4}
+    return parse_config(
+        {"dataset": {"path": str(tmp_path / "data")}, "model": model, "buckets": {"resolution": 32},
+         "text": {"max_length": 16}, "train": train},
+        workdir=str(tmp_path / "work"),
+    )  # fmt: skip
+
+
 def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
     fam = get_family("wan")
     tiny = fam.ensure_model(None, tmp_path / "models")
@@ -60,11 +80,17 @@ def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
     files = _comfy_files(fam, tiny, tmp_path / "comfy", vae)
     config = _weightless(tiny, tmp_path / "config")
     vae.save_config(config / "vae")
-    (tmp_path / "data").mkdir()
-    model = {"family": "wan", "config": str(config), "device": "cpu", "path": str(files["transformer"])}
-    model |= {"text_encoder_path": str(files["umt5"]), "vae_path": str(files["vae"])}
-    cfg = parse_config({"dataset": {"path": str(tmp_path / "data")}, "model": model}, workdir=str(tmp_path / "work"))
-    assembled = resolve.model_dir(StageContext(cfg))
+    cfg = _config(tmp_path, config, files)
+    ctx = StageContext(cfg)
+    assembled = resolve.model_dir(ctx)
+    # The stages before training run on the assembled model, and the real training loop takes a step on them (caches
+    # built here, not by upstream_store: the model is this test's own split files).
+    for sd in stages_for(cfg):
+        if sd.name in ("scan", "latents", "text"):
+            run_stage(ctx, sd, PIPELINE)
+    trainer = trainer_for(cfg, ctx)
+    steps(trainer, 1)
+    assert len(trainer.losses) == 1 and all(math.isfinite(x) for x in trainer.losses)
 
     torch.manual_seed(0)
     x, t, text = torch.randn(1, 16, 2, 4, 4), torch.tensor([500]), torch.randn(1, 8, 32)
