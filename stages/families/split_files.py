@@ -85,7 +85,23 @@ def convert_split_files(
             f"{family.facts.name} model"
         )
     check_one_denoiser(family, file, Path(folder))
+    check_configs(family, Path(folder), parts)
     return assemble(family, file, cache_dir, Path(folder), parts)
+
+
+def check_configs(family: Any, folder: Path, parts: dict[str, Path]) -> None:
+    """Refuse, before any weights are read, a folder without the config of a component a file is given for (e.g. a
+    shipped config, which holds no text encoder)."""
+    for comp in (family.denoiser_component, *parts):
+        if not (folder / comp / "config.json").is_file():
+            field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(
+                comp, "model.text_encoder_path"
+            )
+            raise ValueError(
+                f"{field}: model.config {folder} has no {comp}/config.json to build the {comp} from; set "
+                f"model.config to a local diffusers folder of the {family.facts.name} model (its configs and "
+                f"tokenizers are read, not its weights)"
+            )
 
 
 def check_one_denoiser(family: Any, file: Path, folder: Path) -> None:
@@ -201,11 +217,6 @@ def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
     if comp == family.denoiser_component:
         check_fits(family, path, checkpoint_family(list(sd)), "transformer file")
         sd = {next((k.removeprefix(p) for p in PREFIXES if k.startswith(p)), k): v for k, v in sd.items()}
-    if not (out / comp / "config.json").is_file():
-        raise ValueError(
-            f"{field}: model.config has no {comp}/config.json to build the {comp} from; set model.config to a "
-            f"local diffusers folder of the {family.facts.name} model (its configs and tokenizers are read)"
-        )
     cls = _component_class(out, comp)
     dtype = _dtype(sd)
     model = _load_named(cls, out / comp, sd, dtype)

@@ -138,3 +138,19 @@ def test_one_transformer_file_is_refused_for_timestep_experts():
         check_one_denoiser(get_family("wan22"), Path("high_noise.safetensors"), shipped_dir("wan22"))
     check_one_denoiser(get_family("wan"), Path("wan.safetensors"), shipped_dir("wan"))
     check_one_denoiser(get_family("wan22"), Path("wan.safetensors"), shipped_dir("wan"))
+
+
+def test_shipped_config_without_a_text_encoder_is_refused_before_reading_weights(tmp_path):
+    """A released Wan 2.1 1.3B transformer file (its shapes) with model.config null is matched to the shipped
+    wan_1_3b config, which holds no text encoder: a UMT5 file is refused up front, naming model.config."""
+    from tuneline.stages.families.shipped import SIGNATURES
+
+    shapes = SIGNATURES["wan_1_3b"]
+    file = tmp_path / "wan2.1_t2v_1.3B_fp8_e4m3fn.safetensors"
+    save_file(
+        {comfy_layout.PREFIX + k: torch.zeros(s, dtype=torch.float8_e4m3fn) for k, s in shapes.items()}, str(file)
+    )
+    umt5 = tmp_path / "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+    save_file({"shared.weight": torch.zeros(4, 4)}, str(umt5))
+    with pytest.raises(ValueError, match="model.text_encoder_path: model.config .*wan_1_3b has no text_encoder/config"):
+        get_family("wan").ensure_model(str(file), tmp_path / "cache", None, str(umt5))
