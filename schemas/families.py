@@ -34,6 +34,10 @@ class FamilyFacts:
     # Caption tokens of the tiny flavor (model.path null) when text.max_length is null; 0: max_length. Short
     # captions ("make it red") padded to 512 tokens would be most of what a tiny model's joint attention sees.
     tiny_max_length: int = 0
+    # Pixels the tiny flavor's edit pipelines scale an input image to, for the VAE and the text encoder alike; 0:
+    # the released pipeline's own (Qwen-Image-Edit: about 1 MP whatever the output size, so a 64 x 64 demo pair
+    # would train beside 4,096 control tokens).
+    tiny_input_area: int = 0
     # Released checkpoints exist (single files are recognised by checkpoint_marker, a tensor-name prefix only this
     # family's original layout has; "model.diffusion_model." is looked through) and their weighted components
     # other than the denoiser, by original-layout prefix.
@@ -276,6 +280,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         1536,
         max_length_limit=4096,
         tiny_revision="2",  # the tiny VAE's latent statistics measured on the demo's pictures
+        tiny_input_area=64 * 64,  # the demo's image size
+        tiny_max_length=48,  # the template's kept tokens and a 64 x 64 input's vision tokens: about 20-25
         negative_needs_guidance=False,
         pipeline="QwenImageEditPipeline",
         denoiser="transformer",
@@ -296,6 +302,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         1024,
         max_length_limit=4096,
         tiny_revision="2",  # the tiny VAE's latent statistics measured on the demo's pictures
+        tiny_input_area=64 * 64,  # the demo's image size
+        tiny_max_length=48,  # the template's kept tokens and a 64 x 64 input's vision tokens: about 20-25
         negative_needs_guidance=False,
         pipeline="QwenImageEditPlusPipeline",
         denoiser="transformer",
@@ -330,9 +338,10 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         512,
         max_length_limit=512,
-        # FLUX.2's system message takes about 130 of the tiny tokenizer's tokens; the rest of 512 would be padding.
-        tiny_revision="2",
-        tiny_max_length=160,
+        # FLUX.2's system message and a demo caption take about 50 of the tiny tokenizer's tokens (its words are
+        # whole tokens); the rest of 512 would be padding.
+        tiny_revision="3",
+        tiny_max_length=64,
         negative_needs_guidance=False,
         pipeline="Flux2Pipeline",
         denoiser="transformer",

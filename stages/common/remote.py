@@ -17,8 +17,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import fsspec
-
 from tuneline.schemas.base import FileEntry
 from tuneline.stages.common.artifacts import (
     MANIFEST,
@@ -55,6 +53,8 @@ class Remote:
     def __init__(self, url: str, options: dict[str, Any] | None = None):
         self.url = url.rstrip("/")
         self.options = storage_options(options)
+        import fsspec  # here: a local scan imports this module for storage_options and never opens a URL
+
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.options)
 
     def version_url(self, stage: str, version: str) -> str:
@@ -147,6 +147,8 @@ def read_remote_manifest(url: str, cls: type[M], options: dict[str, Any] | None 
     """
     url = url.rstrip("/")
     stage, version = url.rsplit("/", 2)[-2:]
+    import fsspec
+
     fs, root = fsspec.core.url_to_fs(url, **(options or {}))
     fs.invalidate_cache(root)  # a listing cached before a re-push would report stale sizes
     try:

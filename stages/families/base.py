@@ -46,6 +46,8 @@ class TextEncoders:
     encoders: list[torch.nn.Module]
     max_length: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # Pixels an edit family's pipeline scales its input images to (resolve.input_area); None: the pipeline's own.
+    input_area: int | None = None
 
 
 @dataclass(frozen=True)
@@ -219,9 +221,10 @@ class Family(Protocol):
     # The pipeline shares one call's input images between its prompts: each sample renders in a call of its own.
     one_control_per_call: bool
 
-    def control_size(self, width: int, height: int) -> tuple[int, int]:
+    def control_size(self, width: int, height: int, area: int | None = None) -> tuple[int, int]:
         """The pixel size the latents stage caches a control of a (width, height) bucket at (default: the
-        bucket's; Qwen-Image-Edit's pipelines encode inputs at about 1 MP whatever the output size)."""
+        bucket's; Qwen-Image-Edit's pipelines encode inputs at about 1 MP whatever the output size, or at `area`
+        pixels where the run sets one: resolve.input_area)."""
 
     def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:
         """The pipeline's input-image arguments for one render call (default: none)."""

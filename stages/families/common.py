@@ -129,7 +129,7 @@ class DiffusersFamily:
         )
 
     # ---- edit families -----------------------------------------------------------------------
-    def control_size(self, width: int, height: int) -> tuple[int, int]:
+    def control_size(self, width: int, height: int, area: int | None = None) -> tuple[int, int]:
         return width, height
 
     def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:

@@ -34,10 +34,15 @@ def build_qwen_tokenizer(folder: Path, model_max_length: int):
 
 
 def build_bpe_tokenizer(
-    folder: Path, model_max_length: int, specials: tuple[str, ...], chat_template: str, eos: str | None = None
+    folder: Path,
+    model_max_length: int,
+    specials: tuple[str, ...],
+    chat_template: str,
+    eos: str | None = None,
+    words: tuple[str, ...] = WORDS,
 ):
     """A byte-level BPE fast tokenizer (pad = specials[0]) with `chat_template`, written to `folder` and loaded back.
-    Words are learned with GPT-2's leading-space marker so " red" is one token."""
+    `words` are learned with GPT-2's leading-space marker so " red" is one token."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -45,7 +50,7 @@ def build_bpe_tokenizer(
     byte_map = bytes_to_unicode()
     space = byte_map[ord(" ")]
     alphabet = list(byte_map.values())
-    merges = learn_bpe_merges(tuple(space + w for w in WORDS))
+    merges = learn_bpe_merges(tuple(space + w for w in words))
     # learn_bpe_merges marks word ends with </w>; byte-level BPE has no end marker: drop it from the merges.
     merges = [(a.replace("</w>", ""), b.replace("</w>", "")) for a, b in merges]
     vocab = {t: i for i, t in enumerate(alphabet)}

@@ -30,6 +30,12 @@ def family(cfg: PipelineConfig) -> Family:
     return get_family(cfg.model.family)
 
 
+def input_area(cfg: PipelineConfig) -> int | None:
+    """Pixels an edit family's pipeline scales its input images to in this run: the tiny flavor's
+    (FamilyFacts.tiny_input_area) when model.path is null, else None: the pipeline's own."""
+    return (facts(cfg.model.family).tiny_input_area if cfg.model.path is None else 0) or None
+
+
 def model_dir(ctx) -> Path:
     """The diffusers folder of the configured model (the tiny flavor is built once under the workdir)."""
     return ctx.memo("model_dir", lambda: _model_dir(ctx.cfg, ctx.workdir / "models"))

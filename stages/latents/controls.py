@@ -56,15 +56,15 @@ def row_key(rec: ImageRecord, identity: dict, sha256: str | None = None, size: t
     return digest({"control": sha256 or rec.control_sha256, "size": sizes, **identity}, length=32)
 
 
-def control_size(fam, width: int, height: int) -> tuple[int, int]:
-    """The pixel size a control of a (width, height) bucket is encoded at: the family's control_size, or the
-    bucket's."""
-    return tuple(fam.control_size(width, height))
+def control_size(fam, width: int, height: int, area: int | None = None) -> tuple[int, int]:
+    """The pixel size a control of a (width, height) bucket is encoded at: the family's control_size (for the
+    run's input area: resolve.input_area), or the bucket's."""
+    return tuple(fam.control_size(width, height, area))
 
 
-def control_shape(fam, width: int, height: int) -> tuple[int, int, int]:
+def control_shape(fam, width: int, height: int, area: int | None = None) -> tuple[int, int, int]:
     """The (C, h, w) latents of a control of a (width, height) bucket, encoded at control_size."""
-    w, h = control_size(fam, width, height)
+    w, h = control_size(fam, width, height, area)
     f = fam.facts.vae_factor
     return (fam.facts.latent_channels, h // f, w // f)
 
@@ -152,13 +152,13 @@ def write_controls(
         buckets.setdefault(row["bucket"], []).append(row)
     previous, counts = _Previous(ctx, ctx.cfg.latents.flip), {"encoded": 0, "reused": 0}
     (work / FOLDER).mkdir(exist_ok=True)
-    fam, shapes = models.family(ctx.cfg), {}
+    fam, shapes, area = models.family(ctx.cfg), {}, models.input_area(ctx.cfg)
     for bucket, members in buckets.items():
         members.sort(key=lambda row: row["row"])
         recs = [sized[row["path"], bucket] for row in members]
         width, height = recs[0].bucket_width, recs[0].bucket_height
-        shapes[bucket] = control_shape(fam, width, height)
-        at = _Bucket(bucket, recs, shapes[bucket], control_size(fam, width, height))
+        shapes[bucket] = control_shape(fam, width, height, area)
+        at = _Bucket(bucket, recs, shapes[bucket], control_size(fam, width, height, area))
         keys = _write_bucket(ctx, work, at, roots, encoder, identity, previous, counts)
         _keys_file(work, bucket).write_text(json.dumps(keys if n > 1 else [k[0] for k in keys]))
     ctx.log.info(

@@ -64,11 +64,13 @@ class Renderer:
         autocast: torch.dtype | None = None,
         max_length: int | None = None,
         prompt_cache: tuple[Path, str] | None = None,
+        input_area: int | None = None,
     ) -> Renderer:
         """The pipeline in `model_dir`, changed by `adapt` (validate loads the trained LoRA weights with it:
         stages/train/export.load_lora, which this layer below the stages does not import), or with a live `denoiser` (in training)
         in place of the folder's own. `max_length` must be the one training used, so prompts condition alike;
-        `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py)."""
+        `prompt_cache` = (file, key): encoded prompts kept across runs (stages/render/prompts.py); `input_area`:
+        the pixels an edit family's input images are scaled to, as training's were (resolve.input_area)."""
         pipe = fam.load_pipeline(model_dir, dtype, device, unwrap(denoiser) if denoiser is not None else None)
         if adapt is not None:
             adapt(pipe)
@@ -77,6 +79,7 @@ class Renderer:
             pipe.vae.encoder = torch.nn.Module()
         pipe.set_progress_bar_config(disable=True)
         encoders = fam.text_encoders_of(pipe, max_length)
+        encoders.input_area = input_area
         return cls(fam, pipe, encoders, device, autocast, prompt_cache)
 
     def render(

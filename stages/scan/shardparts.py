@@ -129,7 +129,7 @@ def part(shard: ShardFile, records: list[ImageRecord], rejected: list[Rejected],
         "span": [ordered[0].ref, ordered[-1].ref] if ordered else None,
         "images": len({r.path for r in records}),
         "digest": hashlib.sha256(canonical.encode()).hexdigest(),
-        "shas": [sha for sha, _ in pairs],  # once per (content hash, name): json and set() take them at C speed
+        "shas": "".join(sha for sha, _ in pairs),  # once per (content hash, name), one string: parsed at C speed
         "buckets": [[list(b), len(rs), [r.ref for r in rs[: bk.SAMPLES]]] for b, rs in bk.by_bucket(records).items()],
         "conversions": dict(Counter(r.conversion for r in records if r.conversion)),
         "rejected": [r.model_dump() for r in rejected],
@@ -203,9 +203,13 @@ def finished(ctx, sources: list[Source], recipe, build, *, save: bool) -> Finish
 
 def _groups(parts: list[Part]) -> list[list[str]]:
     """Identical-content groups across every part (bk.duplicate_groups over the records)."""
-    shas = list(chain.from_iterable(p.head["shas"] for p in parts))
-    if len(set(shas)) == len(shas):  # the common case: no image name is parsed
+    digests = [bytes.fromhex(p.head["shas"]) for p in parts]
+    firsts: set[int] = set()  # each hash's first 8 bytes, taken at C speed: all distinct, no two images are alike
+    for d in digests:
+        firsts.update(memoryview(d).cast("Q")[::4])
+    if len(firsts) == sum(len(d) for d in digests) // 32:  # the common case: no image name is parsed
         return []
+    shas = [d[i : i + 32].hex() for d in digests for i in range(0, len(d), 32)]
     groups: dict[str, set[str]] = defaultdict(set)
     for sha, ref in zip(shas, chain.from_iterable(json.loads(p.refs) for p in parts), strict=True):
         groups[sha].add(ref)

@@ -123,6 +123,7 @@ class Encoders:
             self.enc = fam.load_text_encoders(
                 models.model_dir(self.ctx), models.dtype(cfg, dev), dev, max_length=effective_max_length(cfg)
             )
+            self.enc.input_area = models.input_area(cfg)
         if self.files is not None:  # (instruction, control image) pair keys
             out = encode_keys(fam, self.enc, new, self.files, len(new))
         else:

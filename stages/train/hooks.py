@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tuneline.stages.families.resolve import dtypes
+from tuneline.stages.families.resolve import dtypes, input_area
 from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
@@ -122,6 +122,7 @@ class Hooks:
             denoiser=tr.denoiser,
             autocast=tr.autocast,
             max_length=effective_max_length(cfg),
+            input_area=input_area(cfg),
         )
         if tr.text is not None:  # train.text_encoder_lora: prompts encoded by the encoders being trained
             renderer.enc = tr.text.enc

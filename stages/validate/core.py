@@ -38,6 +38,7 @@ def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_tex
         adapt=None if lora is None else lora_loader(cfg.model.family, lora),
         max_length=length,
         prompt_cache=None if trained_text else cache,
+        input_area=models.input_area(cfg),
     )
 
 

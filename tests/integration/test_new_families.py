@@ -27,7 +27,7 @@ from tuneline.stages.train.model import prepare_denoiser, save_final
 CPU = torch.device("cpu")
 FAMILIES = ["z_image", "flux2_klein", "flux2"]
 # Caption tokens: FLUX.2 [dev] prefixes its system message (138 tokens with the tiny vocabulary).
-LENGTH = {"z_image": 48, "flux2_klein": 48, "flux2": 160}
+LENGTH = {"z_image": 48, "flux2_klein": 48, "flux2": 64}
 RANK, ALPHA = 4, 2.0
 
 

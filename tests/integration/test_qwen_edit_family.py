@@ -57,11 +57,14 @@ def _write_pairs(workdir: Path) -> None:
         _shape(src, shape).save(workdir / "pairs-controls" / f"{i}.png")
 
 
-def _config(workdir: Path, control: str | None = "pairs-controls"):
+def _config(workdir: Path, control: str | None = "pairs-controls", family: str = FAMILY):
     data = copy.deepcopy(DEMO_CONFIG)
     data["workdir"] = str(workdir)
     data["dataset"] = {"path": "pairs", "control": control}
-    data["model"] = {"family": FAMILY, "path": None, "device": "cpu"}
+    # The tiny flavor as a model folder: the run encodes input images at the pipeline's own 1 MP, as released sizes
+    # do (with model.path null, at the tiny flavor's 64 x 64: tests/unit/test_edit_input_area.py).
+    tiny = get_family(family).ensure_model(None, workdir / "models")
+    data["model"] = {"family": family, "path": str(tiny), "device": "cpu"}
     data["text"] = {"max_length": 64}  # the tiny processor's 16 vision tokens and a short instruction
     data["train"] |= {"steps": STEPS, "processes": 1, "mode": "lora", "batch_size": 2}
     data["train"] |= {"checkpoint_every": STEPS, "validate_every": 0, "learning_rate": 5e-2}

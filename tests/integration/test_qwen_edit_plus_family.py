@@ -41,8 +41,7 @@ def _write_pairs(workdir: Path) -> None:
 
 
 def _plus_config(workdir: Path):
-    data = _config(workdir).model_dump(by_alias=True)
-    data["model"]["family"] = FAMILY
+    data = _config(workdir, family=FAMILY).model_dump(by_alias=True)
     data["text"]["max_length"] = 128  # two images' 16 vision tokens each, their "Picture i" blocks, the instruction
     return parse_config(data)
 

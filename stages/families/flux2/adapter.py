@@ -8,6 +8,7 @@ negative prompt, so a negative is dropped. Both take reference images (dataset.c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ from tuneline.stages.families.flux2 import latents as lat
 from tuneline.stages.families.flux2.references import reference_tokens
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, build_bpe_tokenizer
 from tuneline.stages.families.tiny.adapter import demo_pictures, demo_vae_widened_state
+from tuneline.stages.families.vocab import WORDS
 
 CONTROL_KEY = "control_latents"  # the conditioning key the training loop fills for a family that takes control
 DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers
@@ -186,15 +188,17 @@ class Flux2Family(DiffusersFamily):
 
 
 def tiny_mistral3(tokenizer: Any, width: int = TINY_TEXT_WIDTH):
-    """Mistral3ForConditionalGeneration with 30 text layers (so layers 10, 20, 30 exist) `width` wide and a
-    one-layer Pixtral vision tower (never fed images here)."""
+    """Mistral3ForConditionalGeneration with 31 text layers `width` wide and a one-layer Pixtral vision tower (never
+    fed images here). 31, so the pipeline's hidden states 10, 20, 30 are all taken before the final norm, as in the
+    released 40-layer model: with 30, state 30 was the final norm's output, about 20 times the length of states 10
+    and 20 at every position, and it outweighed them in the features the transformer reads."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
     text = MistralConfig(
         vocab_size=len(tokenizer),
         hidden_size=width,
         intermediate_size=2 * width,
-        num_hidden_layers=30,
+        num_hidden_layers=31,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
@@ -246,7 +250,14 @@ class Flux2DevFamily(Flux2Family):
     def build_tiny(self, out_dir: Path) -> None:
         # The released folder's tokenizer is a Pixtral processor (it needs torchvision); the pipeline only uses its
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
-        tok = build_bpe_tokenizer(out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE)
+        from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE
+
+        # The system message's words are whole tokens, as in the released tokenizer: spelled out in bytes they took
+        # about 130 of a demo caption's 140 positions (now about 50 of 64: FAMILY_FACTS' tiny_max_length).
+        words = tuple(dict.fromkeys(WORDS + tuple(re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE))))
+        tok = build_bpe_tokenizer(
+            out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE, words=words
+        )
         # No distilled-guidance embedding: a random-init one only ever sees the training value (1.0), and rendering
         # at validate.guidance_scale would condition the model on a value it never learned.
         self.save_tiny(out_dir, tok, lambda: tiny_mistral3(tok), len(DEV_LAYERS), guidance=False)

@@ -41,20 +41,19 @@ from tuneline.stages.families.qwen_image_edit.vocab import (
 
 # The conditioning key the training loop fills from the cached control latents (scaled like the targets).
 CONTROL_KEY = "control_latents"
-# QwenImageEditPipeline resizes the input image to this area (calculate_dimensions(1024 * 1024, ratio)).
-PROMPT_IMAGE_AREA = 1024 * 1024
 # QwenImagePipeline refuses longer prompt embeddings (check_inputs); its text-only rows are padding past that.
 T2I_LIMIT = 1024
 
 
-def prompt_image(image):
+def prompt_image(image, area: int | None = None):
     """The control image as QwenImageEditPipeline hands it to the text encoder: resized by its image processor's
-    resize to calculate_dimensions(1024 * 1024, width / height)."""
+    resize to calculate_dimensions(1024 * 1024, width / height), or to `area` pixels (inputs.py)."""
     from diffusers.image_processor import VaeImageProcessor
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    from tuneline.stages.families.qwen_image_edit.inputs import PIPELINE_AREA, scaled_size
 
     image = image.convert("RGB")
-    width, height, _ = calculate_dimensions(PROMPT_IMAGE_AREA, image.width / image.height)
+    width, height = scaled_size(area or PIPELINE_AREA, image.width, image.height)
     return VaeImageProcessor(vae_scale_factor=16).resize(image, height, width)
 
 
@@ -83,14 +82,13 @@ class QwenImageEditFamily(QwenImageFamily):
         )
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
-    def control_size(self, width: int, height: int) -> tuple[int, int]:
+    def control_size(self, width: int, height: int, area: int | None = None) -> tuple[int, int]:
         """The pixel size the latents stage caches a control at, for a target bucket of (width, height): the
         pipeline's calculate_dimensions(1024 * 1024, ratio), the size it VAE-encodes an input image of the target's
-        aspect ratio at (the control is aligned to its target first: same crop)."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+        aspect ratio at (the control is aligned to its target first: same crop), or `area` pixels (inputs.py)."""
+        from tuneline.stages.families.qwen_image_edit.inputs import PIPELINE_AREA, scaled_size
 
-        w, h, _ = calculate_dimensions(PROMPT_IMAGE_AREA, width / height)
-        return w, h
+        return scaled_size(area or PIPELINE_AREA, width, height)
 
     def check_folder(self, folder: Path) -> None:
         super().check_folder(folder)
@@ -134,7 +132,7 @@ class QwenImageEditFamily(QwenImageFamily):
         if len(images) != len(captions):
             raise ValueError(f"{len(images)} control images for {len(captions)} instructions")
         te, dev = enc.encoders[0], module_device(enc.encoders[0])
-        texts, pictures = self.edit_inputs(captions, images)
+        texts, pictures = self.edit_inputs(captions, images, enc.input_area)
         inputs = enc.extra["processor"](
             text=texts,
             images=pictures,
@@ -163,10 +161,12 @@ class QwenImageEditFamily(QwenImageFamily):
             embeds[i, : len(kept)], mask[i, : len(kept)] = kept, 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def edit_inputs(self, captions: list[str], images: list[Any]) -> tuple[list[str], list[Any]]:
+    def edit_inputs(
+        self, captions: list[str], images: list[Any], area: int | None = None
+    ) -> tuple[list[str], list[Any]]:
         """The processor's texts and images: the edit template around each instruction, and each control image
-        resized as the pipeline resizes it for its text encoder."""
-        return [EDIT_TEMPLATE.format(c) for c in captions], [prompt_image(im) for im in images]
+        resized as the pipeline resizes it for its text encoder (to `area` pixels where the run sets one)."""
+        return [EDIT_TEMPLATE.format(c) for c in captions], [prompt_image(im, area) for im in images]
 
     # ---- training ----------------------------------------------------------------------------
     def denoise(
@@ -208,11 +208,14 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def edit_call(self, pipe: Any, enc: TextEncoders, kwargs: dict, prompts: list[str], negatives: list[str]):
         """(pipeline, call arguments) for one render batch. With input images: the stock edit pipeline, its prompts
-        encoded with those images (encode_text, as the text cache encoded them for training). Without: text to
+        encoded with those images (encode_text, as the text cache encoded them for training), called with the
+        images scaled to the run's input area where it sets one (inputs.py). Without: text to
         image through QwenImagePipeline on the same components, the text-only prompts already encoded."""
         images = kwargs.get("image")
         if images is None:
             return text_to_image(pipe), trim_padding(kwargs)
+        from tuneline.stages.families.qwen_image_edit.inputs import with_input_area
+
         dev = pipe._execution_device
         kwargs = {k: v for k, v in kwargs.items() if not k.endswith(("prompt_embeds", "prompt_embeds_mask"))}
         kwargs.pop("max_sequence_length", None)  # QwenImageEditPipeline only checks it against 1024
@@ -220,7 +223,7 @@ class QwenImageEditFamily(QwenImageFamily):
             if texts:
                 out = self.encode_text(enc, texts, images)
                 kwargs |= {f"{prefix}{k}": out[k].to(dev) for k in self.prompt_keys}
-        return pipe, kwargs
+        return with_input_area(pipe, enc.input_area), kwargs
 
     def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
         """The pipeline's output_type="latent" result (B, tokens, C*4) as (B, C, H, W) denoiser-space latents."""

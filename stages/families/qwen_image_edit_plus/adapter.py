@@ -31,13 +31,16 @@ PLUS_TEMPLATE = EDIT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end
 PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 
 
-def condition_image(image):
+def condition_image(image, area: int | None = None):
     """An input image as QwenImageEditPlusPipeline hands it to the text encoder: resized by its image processor to
-    calculate_dimensions(CONDITION_IMAGE_SIZE, width / height)."""
+    calculate_dimensions(CONDITION_IMAGE_SIZE, width / height), or to `area` pixels where the run sets one (the
+    edit family's inputs.py: then the VAE's input too)."""
     from diffusers.image_processor import VaeImageProcessor
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
 
-    width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
+    from tuneline.stages.families.qwen_image_edit.inputs import scaled_size
+
+    width, height = scaled_size(area or CONDITION_IMAGE_SIZE, image.width, image.height)
     return VaeImageProcessor(vae_scale_factor=16).resize(image.convert("RGB"), height, width)
 
 
@@ -50,14 +53,16 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
     multiple_references: ClassVar[bool] = True  # several per image: <control>/<stem>/*.png (stages/scan/controls.py)
     one_control_per_call: ClassVar[bool] = True
 
-    def edit_inputs(self, captions: list[str], images: list[Any]) -> tuple[list[str], list[Any]]:
+    def edit_inputs(
+        self, captions: list[str], images: list[Any], area: int | None = None
+    ) -> tuple[list[str], list[Any]]:
         """Per caption, its control image or list of references: the Plus template with one "Picture i" vision
         block per image, and those images at the condition size (the processor takes them flat, in order)."""
         texts, pictures = [], []
         for caption, refs in zip(captions, images):
             refs = as_list(refs)
             texts.append(PLUS_TEMPLATE.format("".join(PICTURE.format(i + 1) for i in range(len(refs))) + caption))
-            pictures += [condition_image(im) for im in refs]
+            pictures += [condition_image(im, area) for im in refs]
         return texts, pictures
 
     def control_kwargs(self, images: list[Any] | None, width: int, height: int) -> dict[str, Any]:
