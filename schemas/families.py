@@ -369,6 +369,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # Wan 2.1 text-to-video (the layout _wan_video describes)
     "wan": _wan_video(
         "wan",
+        # Wan's original layout (the diffusion_models/ files ComfyUI distributes): the output head's modulation
+        checkpoint_marker="head.modulation",
         shipped_config="Wan2.1-T2V-14B",
         shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
     ),
@@ -377,6 +379,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # for ComfyUI (..._high_noise, ..._low_noise).
     "wan22": _wan_video(
         "wan22",
+        checkpoint_marker="head.modulation",  # each transformer file (an expert, or TI2V 5B's) is in Wan's layout
         shipped_config="Wan2.2-T2V-A14B",
         experts=(("transformer", "high_noise"), ("transformer_2", "low_noise")),
     ),

@@ -26,6 +26,7 @@ from tuneline.stages.families.fp8 import read_weights
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 WEIGHTS = (".safetensors", ".bin")
+TOKENIZER_TENSOR = "spiece_model"
 
 
 def checkpoint_family(keys: list[str]) -> str | None:
@@ -83,7 +84,38 @@ def convert_split_files(
             f"scheduler must come from a diffusers folder; set model.config to a local diffusers folder of the "
             f"{family.facts.name} model"
         )
+    check_one_denoiser(family, file, Path(folder))
+    check_configs(family, Path(folder), parts)
     return assemble(family, file, cache_dir, Path(folder), parts)
+
+
+def check_configs(family: Any, folder: Path, parts: dict[str, Path]) -> None:
+    """Refuse, before any weights are read, a folder without the config of a component a file is given for (e.g. a
+    shipped config, which holds no text encoder)."""
+    for comp in (family.denoiser_component, *parts):
+        if not (folder / comp / "config.json").is_file():
+            field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(
+                comp, "model.text_encoder_path"
+            )
+            raise ValueError(
+                f"{field}: model.config {folder} has no {comp}/config.json to build the {comp} from; set "
+                f"model.config to a local diffusers folder of the {family.facts.name} model (its configs and "
+                f"tokenizers are read, not its weights)"
+            )
+
+
+def check_one_denoiser(family: Any, file: Path, folder: Path) -> None:
+    """Refuse one transformer file for a model with several timestep experts (facts.experts, all in the folder's
+    model_index.json): the file would replace the first expert only, and the others would keep the folder's weights
+    (or have none)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    present = [c for c, _ in family.facts.experts if isinstance(index.get(c), list) and index[c][0] is not None]
+    if len(present) > 1:
+        raise ValueError(
+            f"model.path: {file} is one transformer file, but the model of model.config {folder} has "
+            f"{len(present)} timestep experts ({', '.join(present)}), distributed as one file each; set model.path to "
+            f"a local diffusers folder of the model holding every expert's weights"
+        )
 
 
 def part_files(family: Any, text_encoder_path: str | None, vae_path: str | None) -> dict[str, Path]:
@@ -179,14 +211,12 @@ def _component_class(out: Path, comp: str) -> type:
 def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
     field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(comp, "model.text_encoder_path")
     sd = read_weights(path, field)
+    # ComfyUI's T5/UMT5 files use transformers' names and may carry their SentencePiece tokenizer as a byte tensor
+    # (`spiece_model`, comfy/sd.py): the tokenizer comes from model.config, so it is not a weight.
+    sd.pop(TOKENIZER_TENSOR, None)
     if comp == family.denoiser_component:
         check_fits(family, path, checkpoint_family(list(sd)), "transformer file")
         sd = {next((k.removeprefix(p) for p in PREFIXES if k.startswith(p)), k): v for k, v in sd.items()}
-    if not (out / comp / "config.json").is_file():
-        raise ValueError(
-            f"{field}: model.config has no {comp}/config.json to build the {comp} from; set model.config to a "
-            f"local diffusers folder of the {family.facts.name} model (its configs and tokenizers are read)"
-        )
     cls = _component_class(out, comp)
     dtype = _dtype(sd)
     model = _load_named(cls, out / comp, sd, dtype)

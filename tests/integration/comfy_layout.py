@@ -83,6 +83,40 @@ def wan(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# diffusers' module names -> Wan's original ones, applied in order: the inverse of the T2V renames in diffusers'
+# convert_wan_transformer_to_diffusers (norm2 and norm3 trade places: a placeholder keeps them apart).
+_WAN_TRANSFORMER = (
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn1", "self_attn"),
+    ("attn2", "cross_attn"),
+    (".to_out.0.", ".o."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("proj_out", "head.head"),
+    ("norm2", "norm__placeholder"),
+    ("norm3", "norm2"),
+    ("norm__placeholder", "norm3"),
+)
+
+
+def wan_transformer(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A WanTransformer3DModel's weights in Wan's original layout (ComfyUI's `diffusion_models/` Wan 2.1 files)."""
+    out = {}
+    for k, v in sd.items():
+        for new, old in _WAN_TRANSFORMER:
+            k = k.replace(new, old)
+        k = "head.modulation" if k == "scale_shift_table" else k.replace(".scale_shift_table", ".modulation")
+        out[k] = v
+    return out
+
+
 def _swap_halves(w: torch.Tensor) -> torch.Tensor:
     a, b = w.chunk(2, dim=0)
     return torch.cat([b, a])
