@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tuneline.schemas.expert_checks import expert_eval, experts
 from tuneline.schemas.families import FamilyFacts, facts, family_list
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module, never the other way round
@@ -290,26 +291,6 @@ def _objective(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     return out
 
 
-def _experts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
-    expert, out = cfg.model.expert, []
-    if expert is not None and not fam.experts:
-        out.append(
-            f"model.expert {expert}: model.family {fam.name} has one denoiser, no timestep experts (families with "
-            f"experts: {family_list(lambda f: bool(f.experts)) or 'none'}); remove model.expert"
-        )
-    if fam.experts and cfg.train.parallelism == "fsdp":
-        out.append(
-            f"train.parallelism fsdp: model.family {fam.name}'s timestep experts are not sharded yet; set "
-            f"train.parallelism ddp (with model.expert high or low one expert's weights are held at a time)"
-        )
-    if fam.experts and cfg.train.blocks_to_swap:
-        out.append(
-            f"train.blocks_to_swap {cfg.train.blocks_to_swap}: model.family {fam.name}'s timestep experts do not "
-            f"swap blocks yet; set train.blocks_to_swap 0 (model.expert high or low holds one expert at a time)"
-        )
-    return out
-
-
 def _quantize(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     q = cfg.model.quantize
     if q is None:
@@ -391,7 +372,8 @@ RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
     _prompts,
     _objective,
     _masks,
-    _experts,
+    experts,
+    expert_eval,
     _quantize,
     _cpu_dtype,
     _frames,

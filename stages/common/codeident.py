@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "stages" / "code_versions.json"
 FAMILY_RECORD = ROOT / "stages" / "family_versions.json"
 # The generic family code (top-level files only: each family's folder is hashed for that family alone).
-FAMILIES = ("stages/families/*.py", "schemas/families.py")
+FAMILIES = ("stages/families/*.py", "schemas/famil*.py")
 SOURCES: dict[str, tuple[str, ...]] = {
     "scan": ("stages/scan/*.py", "stages/common/sizing.py", "schemas/scan.py"),
     "latents": ("stages/latents/*.py", "stages/common/sizing.py", *FAMILIES),

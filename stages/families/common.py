@@ -106,6 +106,15 @@ class DiffusersFamily:
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         return {}
 
+    def lora_suffixes(self, denoiser: torch.nn.Module) -> dict[str, str]:
+        """Component -> the suffix of its LoRA files' stems (a timestep expert's: `high_noise`); none: no suffix."""
+        return {}
+
+    def expert_split(self, model_dir: Path, expert: str | None) -> tuple[int, tuple[str, ...]]:
+        """(how many denoisers a run of model.expert `expert` holds, the folder's other denoiser components: an
+        in-training render loads those too, load_pipeline)."""
+        return 1, ()
+
     # A transformer's stacks of repeated blocks, in the order its forward runs them (SD3, FLUX, Qwen-Image).
     BLOCK_STACKS: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
 

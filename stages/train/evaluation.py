@@ -17,6 +17,7 @@ import hashlib
 import numpy as np
 import torch
 
+from tuneline.stages.families.common import unwrap
 from tuneline.stages.text.store import pair_key
 from tuneline.stages.train import collectives, fsdp
 from tuneline.stages.train.loop import Trainer, control_cond, micro_cond
@@ -42,11 +43,26 @@ def _noised(x0: torch.Tensor, noise: torch.Tensor, t: int, prediction: str, sche
     return noisy, ts, target
 
 
+def trained_timesteps(trainer: Trainer, timesteps: list[int]) -> list[int]:
+    """Those of `timesteps` in the noise levels the run trains (a timestep expert's share: Family.sigma_range), as
+    the expert routing reads them (t >= boundary * 1000 is the high-noise expert's); ValueError naming the fix
+    where none is (the config check sees only the shipped folder's boundary)."""
+    lo, hi = trainer.fam.sigma_range(unwrap(trainer.denoiser))
+    kept = [t for t in timesteps if lo * 1000 <= t and (t < hi * 1000 or hi >= 1.0)]
+    if not kept:
+        raise ValueError(
+            f"train.eval.timesteps {timesteps}: none is in the noise levels this run trains (t from {lo * 1000:g} "
+            f"to {hi * 1000:g}, model.expert {trainer.cfg.model.expert}); set train.eval.timesteps inside them, "
+            f"e.g. [{round(lo * 1000 + (hi - lo) * 500)}]"
+        )
+    return kept
+
+
 class Evaluator:
     """Mean squared error of the held-out images at each of `timesteps`, on the cached latent means."""
 
     def __init__(self, trainer: Trainer, held: Rows, timesteps: list[int], batch_size: int = 1):
-        self.trainer, self.timesteps = trainer, timesteps
+        self.trainer, self.timesteps = trainer, trained_timesteps(trainer, timesteps)
         batches = [
             (bucket, rows[i : i + batch_size])
             for bucket, rows in sorted(held.items())

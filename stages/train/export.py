@@ -154,43 +154,53 @@ def save_lora(
     encoders, train.text_encoder_lora) their LoRA too: `text_encoder.`/`text_encoder_2.` keys in the diffusers
     file, kohya's `lora_te_`/`lora_te1_`/`lora_te2_` modules in the kohya one. `suffix` ends the files' stems (a
     timestep expert's: `_high_noise`)."""
-    import diffusers
-
     fmt = getattr(t, "lora_format", "both")
-    family = fam.facts.name
     out.mkdir(parents=True, exist_ok=True)
-    adapter = adapters.adapter_of(t)
-    if adapter not in adapters.DIFFUSERS_LOADS:
+    if adapters.adapter_of(t) not in adapters.DIFFUSERS_LOADS:
         fmt = "kohya"  # no diffusers loader: the LyCORIS file only (the manifest's not_exported says so)
     te_layers = text.layers() if text is not None else {}
     if fmt in ("diffusers", "both"):
-        te_kwargs = {}
-        for name, state in te_layers.items():
-            te_meta = text.configs[name].to_dict()
-            te_meta["target_modules"] = sorted(te_meta["target_modules"])
-            te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
-        getattr(diffusers, pipe_name).save_lora_weights(
-            out,
-            weight_name=named(DIFFUSERS_FILE, suffix),
-            **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": adapter_meta},
-            **te_kwargs,
-        )
-        if info is not None:
-            add_metadata(out / named(DIFFUSERS_FILE, suffix), metadata(info, t, family, "diffusers"))
+        path = out / named(DIFFUSERS_FILE, suffix)
+        _save_diffusers(fam, pipe_name, comp, layers, adapter_meta, t, path, info, text, te_layers)
     if fmt in ("kohya", "both"):
-        from safetensors.torch import save_file
+        _save_kohya(fam, den, layers, adapter_meta, te_layers, t, out / named(KOHYA_FILE, suffix), info)
 
-        # A family whose ComfyUI loader reads its own layout writes it itself (Family.comfy_lora_state).
-        if adapter != "lora":
-            state = adapters.to_lycoris(family, den, layers, t)
-        else:
-            state = fam.comfy_lora_state(den, layers, adapter_meta["lora_alpha"])
-            if state is None:
-                state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
-        if te_layers:
-            state |= textlora.kohya_state(family, te_layers, adapter_meta["lora_alpha"])
-        meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
-        save_file(state, str(out / named(KOHYA_FILE, suffix)), metadata=meta)
+
+def _save_diffusers(fam, pipe_name, comp, layers, adapter_meta, t, path: Path, info, text, te_layers) -> None:
+    """The diffusers file: the pipeline's save_lora_weights, the text encoders' LoRA beside the denoiser's."""
+    import diffusers
+
+    te_kwargs = {}
+    for name, state in te_layers.items():
+        te_meta = text.configs[name].to_dict()
+        te_meta["target_modules"] = sorted(te_meta["target_modules"])
+        te_kwargs |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": te_meta}
+    getattr(diffusers, pipe_name).save_lora_weights(
+        path.parent,
+        weight_name=path.name,
+        **{f"{comp}_lora_layers": layers, f"{comp}_lora_adapter_metadata": adapter_meta},
+        **te_kwargs,
+    )
+    if info is not None:
+        add_metadata(path, metadata(info, t, fam.facts.name, "diffusers"))
+
+
+def _save_kohya(fam, den, layers, adapter_meta, te_layers, t, path: Path, info) -> None:
+    """The kohya/ComfyUI file (a LyCORIS one for the other adapters)."""
+    from safetensors.torch import save_file
+
+    family, adapter = fam.facts.name, adapters.adapter_of(t)
+    # A family whose ComfyUI loader reads its own layout writes it itself (Family.comfy_lora_state).
+    if adapter != "lora":
+        state = adapters.to_lycoris(family, den, layers, t)
+    else:
+        state = fam.comfy_lora_state(den, layers, adapter_meta["lora_alpha"])
+        if state is None:
+            state = kohya.to_kohya(family, den, layers, adapter_meta["lora_alpha"])
+    if te_layers:
+        state |= textlora.kohya_state(family, te_layers, adapter_meta["lora_alpha"])
+    meta = {"format": "pt", **(metadata(info, t, family, "kohya") if info is not None else {})}
+    save_file(state, str(path), metadata=meta)
 
 
 def named(file: str, suffix: str) -> str:

@@ -40,7 +40,7 @@ from tuneline.stages.train.optimizers import build_optimizer, restore_state, set
 from tuneline.stages.train.plan import MicroBatch, Position, device_seed, shard, step_seed
 from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.schedule import lr_at
-from tuneline.stages.train.swap import BlockSwapper
+from tuneline.stages.train.swap import block_swapper
 from tuneline.stages.train.textlora import Joint, TrainedText
 from tuneline.stages.train.timesteps import SigmaSampler
 
@@ -163,13 +163,7 @@ class Trainer:
         if self.text is not None:
             self.params.update(self.text.params())
         self.names = list(self.params)
-        # train.blocks_to_swap (tuneline.stages.train.swap); before the optimizer, EMA and DDP see the weights
-        stacks = self.fam.block_stacks(unwrap(self.denoiser))
-        self.swapper = (
-            BlockSwapper(self.denoiser, stacks, self.t.blocks_to_swap, device, self.t.mode == "full")
-            if self.t.blocks_to_swap
-            else None
-        )
+        self.swapper = block_swapper(fam, self.denoiser, self.t, device)  # before the optimizer, EMA and DDP
         self.opt = build_optimizer(self.param_groups(), self.t)
         self.scaler = grad_scaler(self.autocast)
         # On every rank (rank 0 saves it; under FSDP each rank its own shard): in-training validation renders the EMA weights on every rank.
@@ -183,12 +177,17 @@ class Trainer:
         self.flags = torch.zeros(1, 0)  # every rank's stop/checkpoint flags of the last step (train_step)
         # Wrapped after the restore: wrapping broadcasts rank 0's trainable weights, so every rank (on every node)
         # must already hold the checkpoint's by then, or the ranks' optimizer states and weights would disagree.
-        # With a text-encoder LoRA, DDP wraps both (its reducer then averages both LoRAs' gradients).
+        self.model = self.wrapped()
+
+    def wrapped(self) -> torch.nn.Module:
+        """The model a step calls: under DDP the wrapped denoiser (with a text-encoder LoRA, both: its reducer
+        then averages both LoRAs' gradients); FSDP reduces the gradients itself."""
+        if not collectives.active(self.world) or self.sharded:
+            return self.denoiser
         joint = Joint(self.denoiser, self.text.enc.encoders) if self.text is not None else self.denoiser
-        wrap = collectives.active(world) and not self.sharded  # FSDP reduces the gradients itself
         # Timestep experts: each sample's timestep picks one, so a micro-batch may leave an expert without gradients.
-        routed = len(fam.denoiser_parts(unwrap(self.denoiser))) > 1
-        self.model = collectives.wrap(joint, self.params, device, routed) if wrap else self.denoiser
+        routed = len(self.fam.denoiser_parts(unwrap(self.denoiser))) > 1
+        return collectives.wrap(joint, self.params, self.device, routed)
 
     def param_groups(self) -> list:
         """The optimizer's parameters: one group, or with train.text_encoder_lora a second for the text encoders

@@ -48,11 +48,12 @@ def meta_params(fam, model_dir: Path, component: str, skip: tuple[str, ...] = ()
     return sum(p.numel() for n, p in model.named_parameters() if not n.startswith(skip))
 
 
-def render_params(fam, model_dir: Path) -> tuple[int, list[str]]:
-    """(parameters of the VAE decoder and the text encoders a render loads, the components whose folder has
-    neither weights nor a config to size them: the shipped configs of the newer families carry no text encoder)."""
+def render_params(fam, model_dir: Path, idle: tuple[str, ...] = ()) -> tuple[int, list[str]]:
+    """(parameters of the VAE decoder, the text encoders and the `idle` denoiser components (timestep experts the
+    run does not hold) a render loads, the components whose folder has neither weights nor a config to size them:
+    the shipped configs of the newer families carry no text encoder)."""
     total, unsized = 0, []
-    for comp, skip in [(VAE, DECODER_ONLY), *[(c, ()) for c in fam.text_components]]:
+    for comp, skip in [(VAE, DECODER_ONLY), *[(c, ()) for c in (*fam.text_components, *idle)]]:
         n = stored_params(Path(model_dir) / comp, skip)
         if n is None and not (Path(model_dir) / comp / "config.json").is_file():
             unsized.append(comp)

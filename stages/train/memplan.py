@@ -165,9 +165,12 @@ class Planner:
         self.facts = Facts(fam, model_dir, self.t, self.dtype, planned_controls(cfg, fam))
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
+        # The folder's denoisers a run holds (model.expert high or low: one of two timestep experts); a render
+        # loads the others too (Family.load_pipeline), beside the VAE decoder and text encoders.
+        self.held, idle = fam.expert_split(model_dir, cfg.model.expert)
         self.render_bytes, self.unsized = 0, []
         if cfg.train.effective_validate_every():
-            count, self.unsized = self.facts.render()
+            count, self.unsized = self.facts.render(idle)
             self.render_bytes = count * torch.empty(0, dtype=render_dtype).element_size()
 
     def trace(self, batch: int, edge: int, frames: int = 1) -> Trace:
@@ -182,7 +185,7 @@ class Planner:
         """Per block, outside the blocks, trainable: of every timestep expert the run holds (each one denoiser of
         the planned shape; model.expert both holds them all, one at a time a single one)."""
         per, outside, trainable = self.facts.describe(quantize)
-        n = max(1, len(self.fam.facts.experts)) if self.cfg.model.expert in (None, "both") else 1
+        n = self.held
         return [{k: v * n for k, v in x.items()} for x in per], outside * n, trainable * n
 
     @property

@@ -150,7 +150,7 @@ def save_final(
         return exports(out.parent, out, t.mode)
     from peft.utils import get_peft_model_state_dict
 
-    suffixes = dict(fam.facts.experts)
+    suffixes = fam.lora_suffixes(unwrap(denoiser))
     for component, part in fam.denoiser_parts(unwrap(denoiser)).items():
         # Each timestep expert's LoRA in files of its own (..._high_noise, ..._low_noise), keyed as the denoiser's
         # (diffusers' loader puts a file into another expert by a load_lora_weights argument: lora_load_kwargs).

@@ -39,7 +39,7 @@ SOURCES = (
     "stages/train/swap.py",
     "stages/train/memcheck.py",
     "stages/families/*.py",
-    "schemas/families.py",
+    "schemas/famil*.py",
 )
 # What computes the facts: the denoiser's traced activations and every module's tensors come from torch and the
 # diffusers model code. transformers and peft give only parameter counts, which the component configs (in the key)
@@ -225,11 +225,13 @@ class Facts:
 
         return self.get("counts", compute)
 
-    def render(self) -> tuple[int, list[str]]:
-        """(parameters of the models an in-training render loads, the components nothing here can size)."""
+    def render(self, idle: tuple[str, ...] = ()) -> tuple[int, list[str]]:
+        """(parameters of the models an in-training render loads, with the `idle` denoiser components the run
+        does not hold; the components nothing here can size)."""
         from tuneline.stages.train.memcheck import render_params
 
-        count, missing = self.get("render", lambda: list(render_params(self.fam, self.model_dir)))
+        key = "+".join(("render", *idle))
+        count, missing = self.get(key, lambda: list(render_params(self.fam, self.model_dir, idle)))
         return count, missing
 
 

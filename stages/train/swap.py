@@ -247,3 +247,10 @@ class BlockSwapper:
             for p, slot, _, _, _ in entries:
                 p.data = slot
                 self._show(p, slot, i in self.loaded or i in self.pending)
+
+
+def block_swapper(fam, denoiser: torch.nn.Module, t, device: torch.device) -> BlockSwapper | None:
+    """train.blocks_to_swap's swapper of `denoiser`'s block stacks; None when it is 0."""
+    if not t.blocks_to_swap:
+        return None
+    return BlockSwapper(denoiser, fam.block_stacks(unwrap(denoiser)), t.blocks_to_swap, device, t.mode == "full")

@@ -111,14 +111,74 @@ def test_each_experts_comfy_file_uses_only_keys_comfyui_maps_for_wan(trained, co
     torch.testing.assert_close(state["lora_unet_blocks_0_self_attn_q.alpha"] / RANK * up @ down, want.detach())
 
 
-def test_a_folder_with_one_transformer_trains_it_on_every_timestep_and_refuses_an_expert(tmp_path):
-    """A Wan 2.2 folder without experts (TI2V 5B's layout: one transformer, no boundary_ratio)."""
+def _one_transformer(model_dir, out):
+    """`model_dir` without its low-noise expert and boundary: a Wan 2.2 folder of one transformer."""
     import json
 
+    out.mkdir()
+    for part in model_dir.iterdir():
+        if part.name != "model_index.json":
+            (out / part.name).symlink_to(part)
+    index = json.loads((model_dir / "model_index.json").read_text())
+    index = {k: v for k, v in index.items() if k != "boundary_ratio"} | {"transformer_2": [None, None]}
+    (out / "model_index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_a_folder_with_one_transformer_trains_it_on_every_timestep_and_refuses_an_expert(built, tmp_path):
+    """Its LoRA files are the whole model's: no expert suffix."""
     from tuneline.stages.families.wan22.adapter import chosen_experts
 
-    index = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}
-    (tmp_path / "model_index.json").write_text(json.dumps(index | {"transformer_2": [None, None]}))
-    assert chosen_experts(tmp_path, None) == (("transformer",), None)
-    with pytest.raises(ValueError, match=r"model.expert low: .*one transformer and no boundary_ratio.*remove model"):
-        chosen_experts(tmp_path, "low")
+    fam, model_dir, _ = built
+    one = _one_transformer(model_dir, tmp_path / "one")
+    assert chosen_experts(one, None) == (("transformer",), None)
+    with pytest.raises(ValueError, match=r"model.expert low: .*one transformer, so there is no.*remove model"):
+        chosen_experts(one, "low")
+    t = TrainConfig(mode="lora", lora_rank=RANK, lora_alpha=ALPHA, lora_format="both")
+    den, _ = prepare_denoiser(fam, one, t, torch.float32, CPU)
+    assert fam.sigma_range(den) == (0.0, 1.0)
+    save_final(fam, one, den, t, tmp_path / "final")
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == sorted([DIFFUSERS_FILE, KOHYA_FILE])
+
+
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        ({"transformer_2": ["diffusers", "WanTransformer3DModel"]}, r"boundary_ratio is missing.*add .*0.875"),
+        ({"expand_timesteps": True}, r"expand_timesteps is true.*TI2V 5B.*not train.*Wan2.2-T2V-A14B"),
+    ],
+)
+def test_a_folder_wan22_cannot_train_is_refused_naming_the_fix(tmp_path, index, match):
+    import json
+
+    from tuneline.stages.families.wan22.adapter import folder_experts
+
+    base = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(base | index))
+    with pytest.raises(ValueError, match=rf"model_index.json: .*{match}"):
+        folder_experts(tmp_path)
+
+
+def _planner(model_dir, tmp_path, expert):
+    from tuneline.schemas.config import parse_config
+    from tuneline.stages.train.memplan import planner_for
+
+    model = {"family": "wan22", "path": str(model_dir), "device": "cpu", "expert": expert}
+    train = {"mode": "lora", "steps": 2, "validate_every": 1}
+    data = {"model": model, "train": train, "buckets": {"resolution": 32, "frames": [5]}, "text": {"max_length": 16}}
+    return planner_for(parse_config(data, workdir=str(tmp_path)), model_dir, False)
+
+
+def test_the_plan_counts_the_experts_a_run_holds_and_renders_with(built, tmp_path):
+    """A one-expert run's render loads the other expert too (Family.load_pipeline); a one-transformer folder
+    holds one denoiser."""
+    from tuneline.stages.train.memcheck import stored_params
+
+    _, model_dir, _ = built
+    both, low = _planner(model_dir, tmp_path, None), _planner(model_dir, tmp_path, "low")
+    one = _planner(_one_transformer(model_dir, tmp_path / "one"), tmp_path, None)
+    assert (both.held, low.held, one.held) == (2, 1, 1)
+    high_noise = stored_params(model_dir / "transformer")
+    assert low.render_bytes - both.render_bytes == 4 * high_noise > 0  # float32 on the CPU
+    assert one.render_bytes == both.render_bytes
+    assert one.describe(None)[2] == low.describe(None)[2] == both.describe(None)[2] // 2

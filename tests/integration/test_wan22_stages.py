@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from PIL import Image
 
 from tests.clips import write_clip
@@ -18,6 +19,7 @@ from tuneline.stages.common.stage import run_stage
 from tuneline.stages.families.common import unwrap
 from tuneline.stages.families.wan22.adapter import TINY_BOUNDARY
 from tuneline.stages.pipeline import PIPELINE, stage
+from tuneline.stages.train.evaluation import trained_timesteps
 
 
 def _clips(root):
@@ -63,6 +65,10 @@ def test_one_expert_holds_only_itself_and_trains_on_its_share(tmp_path, upstream
     trainer = trainer_for(cfg, upstream_store.upstream(cfg))
     assert list(unwrap(trainer.denoiser).experts) == ["transformer_2"]
     assert trainer.sigmas.span == (0.0, TINY_BOUNDARY)
+    # held-out eval loss only at the timesteps it trains (WanPipeline's rule: t >= 875 is the other expert's)
+    assert trained_timesteps(trainer, [200, 874, 875, 900]) == [200, 874]
+    with pytest.raises(ValueError, match=r"train.eval.timesteps \[900\]: none is in .*model.expert low"):
+        trained_timesteps(trainer, [900])
     assert trainer.names and all(n.startswith("experts.transformer_2.") for n in trainer.names)
     steps(trainer, 1)
     assert trainer.losses and math.isfinite(trainer.losses[0])

@@ -35,3 +35,15 @@ def test_a_family_without_experts_refuses_the_key(tmp_path, family):
 def test_what_experts_do_not_support_yet_is_refused_naming_the_fix(tmp_path, train, field):
     with pytest.raises(ValueError, match=rf"{field}.*wan22.*set {field}"):
         _parse(tmp_path, "wan22", train=train)
+
+
+def test_an_experts_eval_timesteps_must_meet_its_share_of_the_schedule(tmp_path):
+    """The A14B's boundary 0.875: the default [200, 500, 800] are all the low-noise expert's."""
+    with pytest.raises(
+        ValueError,
+        match=r"train.eval.timesteps \[200, 500, 800\]: none is in model.expert high's "
+        r"share.*>= 875.*set train.eval.timesteps \[900, 950, 990\]",
+    ):
+        _parse(tmp_path, "wan22", {"expert": "high"}, {"eval": {}})
+    assert _parse(tmp_path, "wan22", {"expert": "low"}, {"eval": {}}).train.eval.timesteps == [200, 500, 800]
+    assert _parse(tmp_path, "wan22", {"expert": "high"}, {"eval": {"timesteps": [500, 900]}}).model.expert == "high"

@@ -16,28 +16,45 @@ from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.wan.adapter import WanFamily
 from tuneline.stages.families.wan22.experts import HIGH, LOW, Experts
 
-# Wan2.2-T2V-A14B's boundary_ratio: the high-noise expert denoises t >= 875 of 1000.
-TINY_BOUNDARY = 0.875
+# Split as Wan2.2-T2V-A14B's (its boundary_ratio): the high-noise expert denoises t >= 875 of 1000.
+TINY_BOUNDARY = FAMILY_FACTS["wan22"].expert_boundary
 
 
 def folder_experts(model_dir: Path) -> tuple[tuple[str, ...], float | None]:
-    """(the expert components a pipeline folder has, high-noise first; its boundary_ratio)."""
-    index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+    """(the expert components a pipeline folder has, high-noise first; its boundary_ratio). ValueError naming
+    the fix for a folder this family cannot train: TI2V 5B's (expand_timesteps), or two experts without the
+    boundary that splits the schedule between them."""
+    index_file = Path(model_dir) / "model_index.json"
+    index = json.loads(index_file.read_text(encoding="utf-8"))
     present = tuple(c for c in (HIGH, LOW) if (index.get(c) or [None])[0] is not None)
-    return present, index.get("boundary_ratio")
+    if index.get("expand_timesteps"):
+        raise ValueError(
+            f"{index_file}: expand_timesteps is true, the Wan 2.2 TI2V 5B layout, which model.family wan22 does "
+            f"not train (it trains the A14B layout: transformer and transformer_2); use a Wan2.2-T2V-A14B folder"
+        )
+    boundary = index.get("boundary_ratio")
+    if len(present) == 2 and boundary is None:
+        raise ValueError(
+            f"{index_file}: two transformers (transformer, transformer_2) but boundary_ratio is "
+            f"{'null' if 'boundary_ratio' in index else 'missing'}, so nothing says which timesteps each one "
+            f'denoises; add the A14B\'s "boundary_ratio": {TINY_BOUNDARY} to model_index.json'
+        )
+    return present, boundary
 
 
 def chosen_experts(model_dir: Path, expert: str | None) -> tuple[tuple[str, ...], float | None]:
     """The components model.expert trains (null: both) and the boundary; ValueError naming the fix where the
     folder has no such expert."""
     present, boundary = folder_experts(model_dir)
+    if len(present) < 2:  # one transformer denoises every timestep, whatever boundary the folder names
+        if expert in (None, "both"):
+            return present, None
+        raise ValueError(
+            f"model.expert {expert}: {model_dir}/model_index.json has one transformer, so there is no "
+            f"{expert}-noise expert to pick; remove model.expert"
+        )
     if expert in (None, "both"):
         return present, boundary
-    if boundary is None or len(present) < 2:
-        raise ValueError(
-            f"model.expert {expert}: {model_dir}/model_index.json has one transformer and no boundary_ratio (a "
-            f"TI2V 5B folder?), so there is no {expert}-noise expert to pick; remove model.expert"
-        )
     return ((HIGH,) if expert == "high" else (LOW,)), boundary
 
 
@@ -67,6 +84,17 @@ class Wan22Family(WanFamily):
         if isinstance(model, Experts):
             return tuple(f"experts.{c}.blocks" for c in model.experts)
         return super().block_stacks(model)
+
+    def expert_split(self, model_dir: Path, expert: str | None) -> tuple[int, tuple[str, ...]]:
+        held = chosen_experts(model_dir, expert)[0]
+        return len(held), tuple(c for c in folder_experts(model_dir)[0] if c not in held)
+
+    def lora_suffixes(self, denoiser: torch.nn.Module) -> dict[str, str]:
+        """Only a folder of two experts (a boundary) names its files by expert: one transformer's LoRA is the
+        whole model's."""
+        if isinstance(denoiser, Experts) and denoiser.boundary is not None:
+            return dict(self.facts.experts)
+        return {}
 
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         """diffusers' Wan LoRA loader puts a file's `transformer.` weights into transformer_2 when told to."""
