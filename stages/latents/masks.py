@@ -7,6 +7,7 @@ Rows without a mask are all ones.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections import defaultdict
 from functools import lru_cache
@@ -47,6 +48,11 @@ def _plane(
         if rec.orientation in TRANSPOSE:
             mask = mask.transpose(TRANSPOSE[rec.orientation])
     else:  # a mask file, or the sample's mask member
+        if data is not None and hashlib.sha256(data).hexdigest() != rec.mask_sha256:
+            raise ValueError(
+                f"mask member {rec.mask_path} of {rec.path} changed since the scan (content hash differs): run "
+                f"`tuneline run --until latents` (it rescans, then caches the new mask)"
+            )
         with Image.open(mask_root / rec.mask_path if data is None else io.BytesIO(data)) as im:
             mask = im.convert("L")
     if mask.size != (rec.width, rec.height):

@@ -199,7 +199,7 @@ def explain(ctx, manifest, inputs: dict) -> list[str] | None:
             continue
         try:
             now = list_shards(src, detect(src))
-        except StageFailed:
+        except (StageFailed, OSError):  # a store that cannot be listed now: status shows the inputs' difference
             return None
         lines += _shard_changes(src.location, before[src.location], _contents(ctx, src, before[src.location], now))
     if not lines:

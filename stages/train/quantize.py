@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def check_supported(quantize: str, device: torch.device) -> None:
@@ -34,8 +35,8 @@ def quantize_base(module: torch.nn.Module, quantize: str, device: torch.device) 
 
     config = Int8WeightOnlyConfig() if quantize == "int8" else Float8WeightOnlyConfig()
     quantize_(module, config, filter_fn=lambda m, _fqn: isinstance(m, torch.nn.Linear))
-    for layer in module.modules():
-        if type(layer) is torch.nn.Linear:
+    for layer in module.modules():  # the layers quantize_ converted (it leaves some plain, e.g. odd shapes)
+        if type(layer) is torch.nn.Linear and is_traceable_wrapper_subclass(layer.weight):
             layer.__class__ = FrozenQuantizedLinear
 
 
@@ -49,11 +50,13 @@ class _LinearOverQuantized(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         # An attribute, not save_for_backward: saved-tensor hooks (offloaded activations) would copy the weight.
         ctx.weight = weight
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        ctx.dtype = out.dtype  # the backward's matmul in the forward's (autocast's) dtype, as autograd's linear
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad @ ctx.weight.dequantize().to(grad.dtype), None, None
+        return grad.to(ctx.dtype) @ ctx.weight.dequantize().to(ctx.dtype), None, None
 
 
 class FrozenQuantizedLinear(torch.nn.Linear):

@@ -34,3 +34,21 @@ def test_a_folder_mask_with_partial_cover_gives_fractional_weights(tmp_path):
 
 def test_an_image_without_a_mask_weighs_fully(tmp_path):
     assert _plane(_record("c.png"), tmp_path, None, (2, 3)).tolist() == [[1, 1, 1]] * 2
+
+
+def test_a_mask_member_changed_since_the_scan_is_refused_naming_the_rerun(tmp_path):
+    import hashlib
+    import io
+
+    import pytest
+
+    def png(value: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(np.full((32, 64), value, np.uint8), "L").save(out, "PNG")
+        return out.getvalue()
+
+    scanned = png(255)
+    rec = _record("s.jpg", mask_kind="member", mask_path="s.mask.png", mask_sha256=hashlib.sha256(scanned).hexdigest())
+    assert _plane(rec, tmp_path, None, (4, 4), data=scanned).tolist() == [[1] * 4] * 4
+    with pytest.raises(ValueError, match=r"s\.mask\.png .*changed since the scan.*tuneline run --until latents"):
+        _plane(rec, tmp_path, None, (4, 4), data=png(0))

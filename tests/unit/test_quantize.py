@@ -43,3 +43,26 @@ def test_int8_base_saves_no_dequantized_weight_and_gives_the_dequantized_gradien
     assert ours == 0
     torch.testing.assert_close(grad, expected, atol=1e-3, rtol=1.6e-2)
     torch.testing.assert_close(layer(x.detach()), reference(x.detach()), atol=2e-2, rtol=2e-2)
+
+
+def test_under_autocast_a_float32_input_gets_the_gradient_autograd_gives():
+    """bf16 autocast over float32 layers, as a float32 base trains under train.mixed_precision bf16: the backward's
+    matmul runs in the dtype the forward's ran in, and the input's gradient comes back float32."""
+    from tuneline.stages.train.quantize import FrozenQuantizedLinear, quantize_base
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 64)).requires_grad_(False)
+    quantize_base(model, "int8", torch.device("cpu"))
+    assert all(type(m) is FrozenQuantizedLinear for m in model)
+    reference = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 64)).requires_grad_(False)
+    for ours, theirs in zip(model, reference, strict=True):
+        theirs.weight.copy_(ours.weight.dequantize())
+        theirs.bias.copy_(ours.bias)
+    x = torch.randn(4, 256, requires_grad=True)
+    grads = []
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        grads.append(torch.autograd.grad(y, x, torch.ones_like(y))[0])
+    assert grads[0].dtype == torch.float32
+    torch.testing.assert_close(grads[0], grads[1], atol=2e-2, rtol=2e-2)
