@@ -349,6 +349,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         shipped_config="Wan2.1-T2V-14B",
         shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
         usual_resolution=480,  # 832x480, the size Wan LoRAs are usually trained at
+        tiny_revision="2",  # the tiny VAE's latent statistics measured on the video demo's clips
+        tiny_max_length=32,  # the video demo's captions ("a yellow square moving right") are about 17 tokens
     ),
 }
 # The type of model.family: exactly the rows above (the first row is the default, the demo's tiny flavor).

@@ -76,6 +76,21 @@ def tiny_umt5(tokenizer: Any, d_model: int):
     return UMT5EncoderModel(UMT5Config(**{k: v for k, v in config.items() if k != "model_type"}))
 
 
+def demo_latent_stats(vae: torch.nn.Module) -> dict[str, list[float]]:
+    """Per-channel latents_mean / latents_std of a random-init VAE, measured on the video demo's clips. The released
+    ones were measured on the released VAE; on random weights they leave the demo's four directions of motion about
+    a hundredth of the noise apart, and the video demo learns nothing. Measured the same way on clips of the demo's
+    domain, they are about a tenth of it apart."""
+    from tuneline.stages.scan.video_demo import demo_clips
+
+    with torch.no_grad():
+        latents = vae.encode(demo_clips()).latent_dist.mean
+    return {
+        "latents_mean": latents.mean(dim=(0, 2, 3, 4)).tolist(),
+        "latents_std": latents.std(dim=(0, 2, 3, 4)).tolist(),
+    }
+
+
 class WanFamily(DiffusersFamily):
     facts: ClassVar[FamilyFacts] = FAMILY_FACTS["wan"]
     # Every linear layer of the blocks' self- and cross-attention and feed-forward: musubi-tuner's and
@@ -103,6 +118,7 @@ class WanFamily(DiffusersFamily):
         )
         # Released Wan's layout (4x temporal downsampling in the last two levels), 8 channels wide.
         vae = AutoencoderKLWan(base_dim=8, z_dim=self.facts.latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+        vae.register_to_config(**demo_latent_stats(vae))
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=DEFAULT_SHIFT)
         pipe = self.pipeline_class(
             tokenizer=tok,
