@@ -108,6 +108,21 @@ def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.nda
     return hits / max(1, len(colors))
 
 
+def trained_and_untrained(ctx, name: str, what: str, trained: Renderer, load_untrained, measure) -> dict:
+    """{name, untrained_<name>}: `measure(renderer)` for the trained and the untrained model (same seeds and
+    settings), or {} (logged as `what` skipped) when it gives None: rendered latents not laid out like the cache."""
+    facts = {}
+    for prefix, renderer in (("", trained), ("untrained_", None)):
+        ctx.log.info("%s: rendering with the %s model", what, "untrained" if prefix else "trained")
+        acc = measure(renderer or load_untrained())
+        if acc is None:
+            ctx.log.warning("%s skipped: rendered latents are not laid out like the cached ones", what)
+            return {}
+        facts[f"{prefix}{name}"] = acc
+    ctx.log.info("%s: %s trained %.2f, untrained %.2f", what, name, facts[name], facts[f"untrained_{name}"])
+    return facts
+
+
 def log_image(ctx, i: int, total: int, name: str, s: Sample, started: float) -> None:
     """One line per rendered validation image, for the prompts and the edits alike (a batch's images are logged as
     the batch finishes)."""

@@ -22,7 +22,7 @@ from tuneline.stages.caption import upstream_captions
 from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, render_size_for
 from tuneline.stages.validate.clips import clip_frames
-from tuneline.stages.validate.learning import CHECK_SEED, class_means, separation
+from tuneline.stages.validate.learning import CHECK_SEED, class_means, separation, trained_and_untrained
 
 
 def direction_means(ctx, upstream: dict, size: tuple[int, int], frames: int) -> dict | None:
@@ -65,17 +65,8 @@ def check_motion(ctx, trained: Renderer, upstream: dict, load_untrained) -> dict
     size, frames = render_size_for(ctx.cfg, aspect=1.0), clip_frames(ctx.cfg)
     if (means := direction_means(ctx, upstream, size, frames)) is None:
         return {}
-    facts = {}
-    for prefix, renderer in (("", trained), ("untrained_", None)):
-        ctx.log.info("motion check: rendering clips with the %s model", "untrained" if prefix else "trained")
-        acc = motion_accuracy(renderer or load_untrained(), ctx.cfg, size, frames, means)
-        if acc is None:
-            ctx.log.warning("motion check skipped: rendered clips are not laid out like the cached ones")
-            return {}
-        facts[f"{prefix}motion_accuracy"] = acc
-    ctx.log.info(
-        "motion check: prompted direction trained %.2f, untrained %.2f",
-        facts["motion_accuracy"],
-        facts["untrained_motion_accuracy"],
-    )
-    return facts
+
+    def measure(renderer: Renderer) -> float | None:
+        return motion_accuracy(renderer, ctx.cfg, size, frames, means)
+
+    return trained_and_untrained(ctx, "motion_accuracy", "motion check", trained, load_untrained, measure)

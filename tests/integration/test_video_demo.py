@@ -1,8 +1,8 @@
 """The video demo (dataset.demo: video) and the suite's cheap check of its learning check: a short full fine-tune of
 the wan tiny flavor, in this process (tests/trainer.py) on the session's cached upstreams of the video demo, makes
 the clips rendered for "a <color> square moving <direction>" move the prompted way clearly more often than the
-untrained model's (validate's motion_accuracy, stages/validate/motion.py). With the learning rate at 0 the same
-test fails (trained equals untrained). Whole-demo runs are bench/learning.py's (`--only video`).
+untrained model's (validate's motion_accuracy, stages/validate/motion.py). Measured: 1200 steps pass; with no step
+taken the test fails (0.25 trained, 0.25 untrained). Whole-demo runs are bench/learning.py's (`--only video`).
 """
 
 from __future__ import annotations
