@@ -12,23 +12,26 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
 from PIL import Image, ImageDraw
 
-from tuneline.schemas.demo import DEMO_COLORS, RGB
+from tuneline.schemas.demo import (
+    DEMO_COLORS,
+    RGB,
+    VIDEO_BACKGROUND,
+    VIDEO_DIRECTIONS,
+    VIDEO_EDGE,
+    VIDEO_FPS,
+    VIDEO_FRAMES,
+    VIDEO_SIZE,
+    VIDEO_TRAVEL,
+)
+from tuneline.stages.render.clipfile import write_mp4
 from tuneline.stages.scan import demo
 
 VIDEO_VERSION = "video-1"
-SIZE = (64, 64)
-FRAMES, FPS = 17, 16  # Wan's shortest frame budget (4k+1) at its training frame rate: one second
-# Unit steps (x, y) in image coordinates (y grows downwards), in the order the showcase and the check take them.
-DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
-# One square size, near the middle across the motion, on a dark background: the tiny Wan flavor's VAE is random
-# init, so its latents keep the motion only where little else varies (and a bright square on dark varies most).
-EDGE = 20  # pixels: large enough to survive the VAE's 8x downsampling
+SIZE, FRAMES, FPS, EDGE, TRAVEL = (VIDEO_SIZE, VIDEO_SIZE), VIDEO_FRAMES, VIDEO_FPS, VIDEO_EDGE, VIDEO_TRAVEL
+DIRECTIONS = VIDEO_DIRECTIONS
 JITTER = 4  # pixels the square's place across the motion varies by
-BACKGROUND = (20, 60)  # grey levels
-TRAVEL = 34  # pixels the square moves over the clip (2 per frame): several latent cells
 VARIANTS = 3  # per (color, direction): 4 x 4 x 3 = 48 clips, one bucket
 
 
@@ -40,7 +43,7 @@ def draw_clip(color: str, direction: str, rng: random.Random) -> list[Image.Imag
     """FRAMES frames of one square crossing the frame in `direction` at a constant speed."""
     w, h = SIZE
     dx, dy = DIRECTIONS[direction]
-    bg, edge = rng.randint(*BACKGROUND), EDGE
+    bg, edge = rng.randint(*VIDEO_BACKGROUND), EDGE
     # Along the motion the square starts where the whole travel stays inside the frame; across it near the middle.
     x0 = (w - edge - TRAVEL) // 2 + (TRAVEL if dx < 0 else 0) if dx else (w - edge) // 2 + rng.randint(-JITTER, JITTER)
     y0 = (h - edge - TRAVEL) // 2 + (TRAVEL if dy < 0 else 0) if dy else (h - edge) // 2 + rng.randint(-JITTER, JITTER)
@@ -52,17 +55,6 @@ def draw_clip(color: str, direction: str, rng: random.Random) -> list[Image.Imag
         ImageDraw.Draw(img).rectangle((left, top, left + edge - 1, top + edge - 1), fill=RGB[color])
         frames.append(img)
     return frames
-
-
-def demo_clips() -> torch.Tensor:
-    """One clip per direction, the colors in turn, (4, 3, FRAMES, 64, 64) in [-1, 1]: what the tiny Wan flavor
-    measures its latent statistics on, the way released ones were measured on the videos the model is for."""
-    import numpy as np
-
-    rng = random.Random(1)
-    clips = [draw_clip(DEMO_COLORS[i], d, rng) for i, d in enumerate(DIRECTIONS)]
-    pixels = torch.from_numpy(np.stack([np.stack([np.asarray(f) for f in c]) for c in clips]))
-    return pixels.permute(0, 4, 1, 2, 3).float() / 127.5 - 1
 
 
 def clips() -> list[tuple[str, str, str]]:
@@ -90,8 +82,6 @@ def showcase(n: int) -> list[str]:
 
 
 def _write(root: Path) -> None:
-    from tuneline.stages.validate.clips import write_mp4
-
     rng = random.Random(0)
     written = []
     for stem, color, direction in clips():
