@@ -354,6 +354,16 @@ def _caption_clips(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     return []
 
 
+def _video_demo(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
+    """The video demo writes clips, which an image family rejects: the scan would accept nothing."""
+    if cfg.dataset.demo == "video" and not fam.video:
+        return [
+            f"dataset.demo video writes clips, and model.family {fam.name!r} trains on images: set model.family to "
+            f"a video family ({family_list(lambda f: f.video)}), or dataset.demo true for the image demo"
+        ]
+    return []
+
+
 def _cpu_dtype(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if cfg.model.dtype == "float16" and cfg.model.device == "cpu":
         return ["model.dtype float16 is not supported with model.device cpu: use float32 or bfloat16"]
@@ -377,4 +387,5 @@ RULES: tuple[Callable[[PipelineConfig, FamilyFacts], list[str]], ...] = (
     _quantize,
     _cpu_dtype,
     _frames,
+    _video_demo,
 )

@@ -65,7 +65,7 @@ class PipelineConfig(Strict):
             return data  # refused by the field's own validation
         demo = dataset.demo if isinstance(dataset, DatasetConfig) else (dataset or {}).get("demo", False)
         section = data.get(key)
-        if demo in (True, "edit") or section is None:
+        if demo in (True, "edit", "video") or section is None:
             return data
         if isinstance(section, ValidateConfig):
             return {**data, key: section.model_copy(update={"learning_check": False})}

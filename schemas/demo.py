@@ -8,6 +8,15 @@ DEMO_COLORS = ("red", "green", "blue", "yellow")
 DEMO_SHAPES = ("square", "circle")
 # Each class's fill colour in the demo images; the colour check (stages/validate/colors.py) looks for it in renders.
 RGB = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (235, 215, 30)}
+# The video demo (dataset.demo: video, stages/scan/video_demo.py): a square crossing the frame in each direction,
+# (x, y) unit steps in image coordinates (y grows downwards). One square size near the middle across the motion, on a
+# dark ground: the tiny Wan flavor's VAE is random-init, so its latents keep the motion only where little else
+# varies (and a bright square on dark varies most).
+VIDEO_DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+VIDEO_SIZE, VIDEO_FRAMES, VIDEO_FPS = 64, 17, 16  # Wan's shortest frame budget (4k+1) at its frame rate: one second
+VIDEO_EDGE = 20  # pixels: large enough to survive the VAE's 8x downsampling
+VIDEO_TRAVEL = 34  # pixels the square moves over a clip (2 per frame): several latent cells
+VIDEO_BACKGROUND = (20, 60)  # grey levels
 
 DEMO_CONFIG: dict = {
     "workdir": "./tuneline-work",

@@ -37,6 +37,8 @@ WAN_FACTS: dict[str, FamilyFacts] = {
         checkpoint_marker="head.modulation",
         shipped_config="Wan2.1-T2V-14B",
         shipped_sizes=(("wan_1_3b", "Wan2.1-T2V-1.3B"),),
+        tiny_revision="2",  # the tiny VAE's latent statistics measured on the video demo's clips
+        tiny_max_length=32,  # the video demo's captions ("a yellow square moving right") are about 17 tokens
     ),
     # Wan 2.2 A14B: Wan 2.1's layout with two timestep experts. WanPipeline's `transformer` denoises timesteps
     # >= boundary_ratio * 1000, `transformer_2` the rest; the LoRA files are named as Wan 2.2 LoRAs are distributed

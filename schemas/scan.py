@@ -77,10 +77,11 @@ class DatasetConfig(Strict):
     image_column: str = Field("image", min_length=1, description="parquet: the column holding each image's bytes")
     caption_column: str = Field("caption", min_length=1, description="parquet: the column holding each caption")
     storage_options: StorageOptions = Field(default_factory=dict, description=STORAGE_DOC)
-    demo: bool | Literal["edit"] = Field(
+    demo: bool | Literal["edit", "video"] = Field(
         False,
         description="write the demo's generated dataset to `path` first; `edit`: pairs of shapes whose instruction "
-        'changes the color ("make it red"), the controls in dataset.control (null: `<path>-controls`)',
+        'changes the color ("make it red"), the controls in dataset.control (null: `<path>-controls`); `video` '
+        '(a video family): clips of a colored square whose caption names its motion ("a red square moving left")',
     )
     caption_extension: str = Field(".txt", description="sidecar caption file extension")
     recursive: bool = True

@@ -53,7 +53,8 @@ class ValidateConfig(Strict):
     )
     learning_check: bool = Field(
         False,
-        description="demo only: measure class separation in latent space and whether renders show the prompted color",
+        description="demo only: measure class separation in latent space and whether renders show the prompted color "
+        "(the edit demo: the instructed color; the video demo: the prompted direction of motion)",
     )
     check_seeds: int = Field(4, ge=1, le=MAX_CHECK_SEEDS, description="seeds per class for the learning check")
     check_steps: int = Field(
@@ -96,3 +97,6 @@ class ValidateManifest(Manifest):
     edit_color_accuracy: float | None = None
     untrained_edit_color_accuracy: float | None = None
     controls: list[str] = Field(default_factory=list, description="per image: its control image's file, if an edit")
+    # The video demo's check: share of new clips whose nearest direction mean (cached clips) is the prompted one.
+    motion_accuracy: float | None = None
+    untrained_motion_accuracy: float | None = None

@@ -285,8 +285,11 @@ def open_arrays(
     return {name: _open_raw(join(root, STORE, bucket, name), storage_options) for name in names}
 
 
-def open_bucket(root: Path | str, width: int, height: int, storage_options: dict | None = None) -> zarr.Group:
-    return zarr.open_group(str(join(root, STORE, bucket_key(width, height))), mode="r", storage_options=storage_options)
+def open_bucket(
+    root: Path | str, width: int, height: int, storage_options: dict | None = None, *, frames: int | None = None
+) -> zarr.Group:
+    key = bucket_key(width, height, frames)
+    return zarr.open_group(str(join(root, STORE, key)), mode="r", storage_options=storage_options)
 
 
 def read_index(root: Path | str, storage_options: dict | None = None) -> Iterator[dict]:

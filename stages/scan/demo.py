@@ -179,9 +179,13 @@ def build_into(roots: list[Path], write) -> None:
 
 
 def write_demo_for(cfg) -> None:
-    """The demo dataset `cfg.dataset.demo` asks for: the colored shapes, or (edit) pairs in dataset.path and
-    dataset.control."""
-    if cfg.dataset.demo == "edit":
+    """The demo dataset `cfg.dataset.demo` asks for: the colored shapes, (edit) pairs in dataset.path and
+    dataset.control, or (video) moving squares."""
+    if cfg.dataset.demo == "video":
+        from tuneline.stages.scan.video_demo import write_video_demo
+
+        write_video_demo(cfg.resolve(cfg.dataset.path))
+    elif cfg.dataset.demo == "edit":
         from tuneline.stages.scan.edit_demo import write_edit_demo
 
         write_edit_demo(cfg.resolve(cfg.dataset.path), cfg.resolve(cfg.dataset.control))

@@ -11,6 +11,7 @@ from PIL import Image
 
 from tuneline.schemas.families import facts
 from tuneline.schemas.validate import RenderedImage
+from tuneline.stages.render.clipfile import write_mp4
 from tuneline.stages.render.renderer import Renderer, Sample, grid
 from tuneline.stages.validate.learning import log_image
 
@@ -24,21 +25,6 @@ def clip_frames(cfg) -> int:
     if not facts(cfg.model.family).video:
         return 1
     return cfg.validate_.frames or frame_policy(cfg).budgets[0]
-
-
-def write_mp4(frames: list[Image.Image], path: Path, fps: float) -> None:
-    """H.264 in yuv420p (what browsers and players decode), which needs even sizes: odd edges lose a pixel."""
-    import av
-    import numpy as np
-
-    w, h = frames[0].width // 2 * 2, frames[0].height // 2 * 2
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=round(fps))
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        for f in frames:
-            pixels = np.asarray(f.convert("RGB"))[:h, :w]
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")))
-        out.mux(stream.encode())
 
 
 def write_webp(frames: list[Image.Image], path: Path, fps: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 from tuneline.schemas.demo import DEMO_COLORS
@@ -16,6 +17,7 @@ from tuneline.stages.validate import edits as edits_mod
 from tuneline.stages.validate.clips import clip_frames, render_clips
 from tuneline.stages.validate.colors import color_accuracy
 from tuneline.stages.validate.learning import log_image, render_check, separation, square_class_means
+from tuneline.stages.validate.motion import check_motion
 
 
 def load_renderer(ctx, model_dir: Path, *, lora: Path | None = None, trained_text: bool = False) -> Renderer:
@@ -54,6 +56,11 @@ def render_prompts(ctx, renderer: Renderer, work: Path) -> list[RenderedImage]:
     v = ctx.cfg.validate_
     width, height = render_size_for(ctx.cfg)
     samples = [Sample(p.prompt, p.negative_prompt, p.seed) for p in v.prompts]
+    if ctx.cfg.dataset.demo == "video":  # the video demo's showcase: every direction of motion, the seeds in turn
+        from tuneline.stages.scan.video_demo import DIRECTIONS, showcase
+
+        texts = showcase(max(len(v.prompts), len(DIRECTIONS)))
+        samples = [Sample(text, "", v.prompts[i % len(v.prompts)].seed) for i, text in enumerate(texts)]
     if clip_frames(ctx.cfg) > 1:  # a video family: clips, and a contact sheet for the grid
         return render_clips(ctx, renderer, work, samples, (width, height))
     ctx.log.info("validate: rendering %d prompts at %dx%d, %d steps", len(samples), width, height, v.steps)
@@ -133,8 +140,11 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     )
     if upstream["train"].text_encoder_lora:  # prompts encoded live by the LoRA file's text encoders
         facts["prompts_encoded_by"] = "trained text encoders"
+    untrained = partial(load_renderer, ctx, models.model_dir(ctx))
     if v.learning_check and ctx.cfg.dataset.demo == "edit":
-        facts |= edits_mod.check_edits(ctx, renderer, upstream, lambda: load_renderer(ctx, models.model_dir(ctx)))
+        facts |= edits_mod.check_edits(ctx, renderer, upstream, untrained)
+    elif v.learning_check and ctx.cfg.dataset.demo == "video":
+        facts |= check_motion(ctx, renderer, upstream, untrained)
     elif v.learning_check:
         facts |= check_learning(ctx, renderer, upstream)
     ctx.reporter.progress("validate-progress", 1.0, "done")
@@ -167,5 +177,10 @@ def report(ctx, work: Path, rendered: list[RenderedImage], facts: dict, train) -
         text += (
             f"\n\nEdit learning check: instructed color {facts['edit_color_accuracy']:.2f} trained, "
             f"{facts['untrained_edit_color_accuracy']:.2f} untrained (chance {1 / len(DEMO_COLORS):.2f})"
+        )
+    if "motion_accuracy" in facts:
+        text += (
+            f"\n\nMotion learning check: prompted direction {facts['motion_accuracy']:.2f} trained, "
+            f"{facts['untrained_motion_accuracy']:.2f} untrained (chance 0.25)"
         )
     ctx.reporter.markdown("validate-images", text, "validation images")

@@ -28,7 +28,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.scan.images import load_rgb
 from tuneline.stages.scan.members import ControlMember, control_file
-from tuneline.stages.validate.learning import log_image, separation, square_class_means
+from tuneline.stages.validate.learning import log_image, separation, square_class_means, trained_and_untrained
 
 
 def takes_control(cfg) -> bool:
@@ -176,16 +176,8 @@ def check_edits(ctx, trained: Renderer, upstream: dict, load_untrained) -> dict:
     if (got := square_class_means(ctx, upstream, "edit learning check")) is None:
         return {}
     width, height, means = got
-    facts = {}
-    for prefix, renderer in (("", trained), ("untrained_", None)):
-        acc = instructed_accuracy(renderer or load_untrained(), ctx.cfg, (width, height), means)
-        if acc is None:
-            ctx.log.warning("edit learning check skipped: rendered latents are not (C, H, W) like the cache")
-            return {}
-        facts[f"{prefix}edit_color_accuracy"] = acc
-    ctx.log.info(
-        "edit learning check: instructed color trained %.2f, untrained %.2f",
-        facts["edit_color_accuracy"],
-        facts["untrained_edit_color_accuracy"],
-    )
-    return facts
+
+    def measure(renderer: Renderer) -> float | None:
+        return instructed_accuracy(renderer, ctx.cfg, (width, height), means)
+
+    return trained_and_untrained(ctx, "edit_color_accuracy", "edit learning check", trained, load_untrained, measure)

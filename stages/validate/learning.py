@@ -17,6 +17,7 @@ import torch
 
 from tuneline.schemas.demo import DEMO_COLORS, DEMO_SHAPES
 from tuneline.schemas.latents import LatentsManifest
+from tuneline.schemas.scan import ImageRecord
 from tuneline.stages.caption import upstream_captions
 from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.families import resolve as models
@@ -33,11 +34,14 @@ def class_means(
     scan_dir: Path,
     shape: tuple[int, int, int],
     captions: dict[str, str] | None = None,
+    classes: tuple[str, ...] = DEMO_COLORS,
 ) -> dict[str, np.ndarray]:
-    """Per demo class, the mean scaled latent of the cached images whose latent has `shape` (C, H, W); classes
-    from `captions` (by image ref: the caption stage's, when on) or the scan's records."""
+    """Per class (a word of the caption: a demo color, or the video demo's direction), the mean scaled latent of
+    the cached images whose latent has `shape` (C, H, W); captions from `captions` (by image ref: the caption
+    stage's, when on) or the scan's records."""
     if captions is None:
-        captions = {r["path"]: r["caption"] for r in read_jsonl(scan_dir / "images.jsonl")}
+        records = (ImageRecord.model_validate(r) for r in read_jsonl(scan_dir / "images.jsonl"))
+        captions = {r.ref: r.caption for r in records}  # by ref, as the cache's index names a clip's time range
     buckets = {b.array: b for b in manifest.buckets if tuple(b.shape) == tuple(shape)}
     if not buckets:
         raise ValueError(
@@ -46,14 +50,14 @@ def class_means(
         )
     blocks = {}
     for key, b in buckets.items():
-        mean, _ = store.read_block(store.open_bucket(latents_dir, b.width, b.height), 0, b.count)
+        mean, _ = store.read_block(store.open_bucket(latents_dir, b.width, b.height, frames=b.frames), 0, b.count)
         blocks[key] = scale_latents(torch.from_numpy(mean.astype(np.float32)), *latent_affine(manifest)).numpy()
     found: dict[str, list[np.ndarray]] = defaultdict(list)
     for row in read_jsonl(latents_dir / store.INDEX):
         words = captions.get(row["path"], "").split()
-        for color in DEMO_COLORS:
-            if row["bucket"] in blocks and color in words:
-                found[color].append(blocks[row["bucket"]][row["row"]])
+        for name in classes:
+            if row["bucket"] in blocks and name in words:
+                found[name].append(blocks[row["bucket"]][row["row"]])
     return {c: np.mean(v, axis=0) for c, v in found.items()}
 
 
@@ -102,6 +106,21 @@ def separation(latents: torch.Tensor, colors: list[str], means: dict[str, np.nda
     dist = ((centers.reshape(len(names), -1)[None] - latents.flatten(1).numpy()[:, None]) ** 2).sum(axis=2)
     hits = sum(names[int(n)] == c for n, c in zip(dist.argmin(axis=1), colors))
     return hits / max(1, len(colors))
+
+
+def trained_and_untrained(ctx, name: str, what: str, trained: Renderer, load_untrained, measure) -> dict:
+    """{name, untrained_<name>}: `measure(renderer)` for the trained and the untrained model (same seeds and
+    settings), or {} (logged as `what` skipped) when it gives None: rendered latents not laid out like the cache."""
+    facts = {}
+    for prefix, renderer in (("", trained), ("untrained_", None)):
+        ctx.log.info("%s: rendering with the %s model", what, "untrained" if prefix else "trained")
+        acc = measure(renderer or load_untrained())
+        if acc is None:
+            ctx.log.warning("%s skipped: rendered latents are not laid out like the cached ones", what)
+            return {}
+        facts[f"{prefix}{name}"] = acc
+    ctx.log.info("%s: %s trained %.2f, untrained %.2f", what, name, facts[name], facts[f"untrained_{name}"])
+    return facts
 
 
 def log_image(ctx, i: int, total: int, name: str, s: Sample, started: float) -> None:

@@ -31,6 +31,7 @@ ARTIFACT_READERS = {
     "tuneline.stages.scan.masks",  # where the scan's mask images are
     "tuneline.stages.scan.controls",  # where the scan's control images are (paired datasets)
     "tuneline.stages.scan.edit_demo",  # the edit demo's pairs: its learning check draws new controls alike
+    "tuneline.stages.scan.video_demo",  # the video demo's captions: its learning check prompts every direction alike
     "tuneline.stages.caption",  # the stage definition and its captions by image (text, train, validate read them)
     "tuneline.stages.latents",  # the stage definition
     "tuneline.stages.latents.reader",
