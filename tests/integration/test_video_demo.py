@@ -40,7 +40,7 @@ def _config(workdir, **train):
 
 def test_an_image_family_is_refused_with_the_fix():
     data = copy.deepcopy(DEMO_CONFIG) | {"dataset": {"path": "demo-data", "demo": "video"}}
-    with pytest.raises(ConfigError, match=r"dataset.demo video .* model.family 'tiny' .* \(wan\)"):
+    with pytest.raises(ConfigError, match=r"dataset.demo video .* model.family 'tiny' .* \(wan, wan22\)"):
         parse_config(data)
 
 
