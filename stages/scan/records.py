@@ -33,21 +33,10 @@ def make_record(
         return reject("caption", str(err))
     bw, bh = bucket_size(w, h, policy)
     return ImageRecord(
-        path=probe.path,
-        width=w,
-        height=h,
+        **probe.record_facts(cfg.dataset.background),
         bucket_width=bw,
         bucket_height=bh,
         crop=crop_box(w, h, bw, bh, cfg.buckets.crop, cfg.buckets.seed, key=probe.path),
         caption=caption,
         caption_source=source,
-        sha256=probe.sha256,
-        size_bytes=probe.size_bytes,
-        mtime_ns=probe.mtime_ns,
-        format=probe.format,
-        mode=probe.mode,
-        orientation=probe.orientation,
-        conversion=probe.conversion,
-        trailer=probe.trailer,
-        background=cfg.dataset.background if probe.transparent else None,
     )

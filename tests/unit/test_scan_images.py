@@ -34,23 +34,8 @@ def probe(path: Path):
 
 
 def record(p, background=BG) -> ImageRecord:
-    return ImageRecord(
-        path=p.path,
-        width=p.width,
-        height=p.height,
-        bucket_width=8,
-        bucket_height=8,
-        crop=(0, 0, p.width, p.height),
-        caption="",
-        sha256=p.sha256,
-        size_bytes=p.size_bytes,
-        mtime_ns=p.mtime_ns,
-        format=p.format,
-        mode=p.mode,
-        orientation=p.orientation,
-        conversion=p.conversion,
-        background=background if p.transparent else None,
-    )
+    facts = dict(bucket_width=8, bucket_height=8, crop=(0, 0, p.width, p.height), caption="")
+    return ImageRecord(**p.record_facts(background), **facts)
 
 
 def save(tmp_path: Path, name: str, img: Image.Image, **kw) -> Path:
