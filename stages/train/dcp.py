@@ -20,8 +20,6 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dist_cp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from tuneline.stages.common.artifacts import fsync_file
 from tuneline.stages.common.hashing import file_sha256
@@ -49,6 +47,9 @@ def save(root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], sta
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
     collectives.barrier(world)
+    import torch.distributed.checkpoint as dist_cp  # only sharded runs write these (see fsdp.py: the import's cost)
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
     flat = {f"{group}/{name}": t.detach() for group, named in tensors.items() for name, t in named.items()}
     dist_cp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True))
     collectives.barrier(world)  # every rank's files are complete
@@ -72,6 +73,9 @@ def save(root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], sta
 def load(path: Path, trainer) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
     """(state, tensors by group) of a sharded checkpoint, each tensor laid out as `trainer` holds its parameter
     (sharded or whole), after checking every file against state.json."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
     state = json.loads((path / STATE).read_text(encoding="utf-8"))
     check_files(path, state)
     reader = HuggingFaceStorageReader(str(path / SHARDS))

@@ -14,13 +14,11 @@ dtype of train.mixed_precision and reduces gradients in float32. CPU trains in f
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from tuneline.schemas.train import TrainConfig
 from tuneline.stages.families.common import unwrap
@@ -56,8 +54,21 @@ def host_memory_env(t: TrainConfig, device: torch.device, env: dict[str, str]) -
     return {"GLIBC_TUNABLES": ":".join(filter(None, [env.get("GLIBC_TUNABLES"), *HOST_MALLOC]))}
 
 
-def policy(autocast: torch.dtype | None) -> MixedPrecisionPolicy:
+# torch.distributed.fsdp and .tensor are imported where a run shards, not with this module: their import (DTensor's
+# operator tables, sympy) costs each process about 1.5 CPU-s, which a DDP or one-process run never needs. Until
+# something imported them, no tensor is a DTensor and no module an FSDP unit (_loaded).
+
+
+def _loaded(module: str, name: str) -> type | None:
+    """The class `name` of `module` once anything imported that module, else None (nothing can be one yet)."""
+    mod = sys.modules.get(module)
+    return getattr(mod, name) if mod is not None else None
+
+
+def policy(autocast: torch.dtype | None):
     """Gather parameters in the autocast dtype (none: as stored), reduce gradients in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(param_dtype=autocast, reduce_dtype=torch.float32)
 
 
@@ -75,6 +86,9 @@ def shard(
 
     fully_shard replaces each parameter by a sharded one, so anything holding the old ones (the optimizer, EMA)
     must be built from the returned dict."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     den = unwrap(denoiser)
     kept = fsdpload.unload(den)  # nothing whole is allocated from here on
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -96,18 +110,20 @@ def reshard(denoiser: torch.nn.Module) -> None:
     False: a backward frees them). After forwards without a backward (validation renders, evaluation) that ran on
     swapped-in weights (EMA's, schedule-free's average), the next forward must gather the restored shards again,
     not reuse what it gathered then. Nothing to do unsharded."""
-    for module in unwrap(denoiser).modules():
-        if isinstance(module, FSDPModule):
+    unit = _loaded("torch.distributed.fsdp", "FSDPModule")
+    for module in unwrap(denoiser).modules() if unit else ():
+        if isinstance(module, unit):
             module.reshard()
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor)
+    dtensor = _loaded("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on the CPU (a collective for a sharded one: every rank must call it)."""
-    value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    value = tensor.full_tensor() if is_sharded(tensor) else tensor
     return value.detach().to("cpu")
 
 

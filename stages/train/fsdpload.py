@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 # One zero per dtype, viewed by every stub: a stub is known by sharing its storage.
@@ -82,6 +81,8 @@ def unload(den: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
 
 def materialize(den: torch.nn.Module, folder: Path, kept: dict, device: torch.device) -> None:
     """Allocate this rank's shards on `device` and fill them (stubs from `folder`'s safetensors files)."""
+    from torch.distributed.tensor import DTensor  # imported by sharding, which precedes this (fsdp.py)
+
     den.to_empty(device=device)
     paths = _weight_files(folder)
     persistent = set(den.state_dict())
@@ -106,6 +107,8 @@ def materialize(den: torch.nn.Module, folder: Path, kept: dict, device: torch.de
 
 def _rows(p: torch.Tensor, local: torch.Tensor) -> slice:
     """The rows of the whole parameter this rank holds: torch.chunk's split of dim 0 over the mesh."""
+    from torch.distributed.tensor import DTensor
+
     if not isinstance(p, DTensor) or p.dim() == 0:
         return slice(None)
     n, world, rank = p.shape[0], p.device_mesh.size(), p.device_mesh.get_local_rank()
