@@ -20,6 +20,7 @@ def _wan_video(name: str, **more) -> FamilyFacts:
         512,
         max_length_limit=512,
         pipeline="WanPipeline",
+        denoiser_model="WanTransformer3DModel",
         denoiser="transformer",
         temporal_factor=4,
         fps=16.0,

@@ -24,6 +24,9 @@ class FamilyFacts:
     # Folder layout (diffusers pipeline class and component subfolders): read without loading anything.
     pipeline: str = "StableDiffusionPipeline"
     denoiser: str = "unet"
+    # The denoiser's diffusers class (the pipeline's signature names it too; tests/unit/test_family_folders.py
+    # checks they agree): a training process builds it by name, never importing the pipeline and its processors.
+    denoiser_model: str = "UNet2DConditionModel"
     text_encoders: tuple[str, ...] = ("text_encoder",)
     tokenizers: tuple[str, ...] = ("tokenizer",)
     # Bump when the tiny flavor's configs or tokenizer change, so stale cached folders are not reused.

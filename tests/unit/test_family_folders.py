@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.stages.common import codeident
+from tuneline.stages.families.registry import family_names, get_family
 
 ROOT = Path(__file__).resolve().parents[2]
 # Config examples (the demo's config) and the shipped weightless configs with their derivation script.
@@ -141,3 +142,12 @@ def test_every_family_has_every_protocol_member():
     assert {"unused_modules", "takes_control", "check_full_finetune", "comfy_lora_state"} <= members
     missing = {n: sorted(m for m in members if not hasattr(get_family(n), m)) for n in family_names()}
     assert not any(missing.values()), missing
+
+
+def test_each_denoiser_class_is_the_one_its_pipeline_names():
+    """facts.denoiser_model, by which training builds the denoiser, is the class the pipeline loads it as."""
+    for name in family_names():
+        fam = get_family(name)
+        named = fam.pipeline_class._get_signature_types()
+        for component in (fam.denoiser_component, *(c for c, _ in fam.facts.experts)):
+            assert fam.denoiser_class in named[component], (name, component, fam.denoiser_class, named[component])
