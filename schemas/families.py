@@ -298,3 +298,22 @@ def facts(name: str) -> FamilyFacts:
         return FAMILY_FACTS[name]
     except KeyError:
         raise ValueError(f"model.family: unknown family {name!r}; known: {', '.join(FAMILY_FACTS)}") from None
+
+
+def variant_family(family: str, config: str | None, path: str | None) -> str | None:
+    """The row of `family`'s other layout (FamilyFacts.variant_of) that model.config names, or whose flag the
+    model_index.json of model.path (a diffusers folder) sets; None: the family's own row."""
+    import json
+    from pathlib import Path
+
+    variants = {n: f for n, f in FAMILY_FACTS.items() if f.variant_of == family}
+    if config in variants:
+        return config
+    index = Path(path).expanduser() / "model_index.json" if path and "://" not in path else None
+    if not variants or index is None or not index.is_file():
+        return None
+    try:
+        flags = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the folder check reports an unreadable model index with its fix
+        return None
+    return next((n for n, f in variants.items() if isinstance(flags, dict) and flags.get(f.variant_flag)), None)

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tuneline.schemas.base import ConfigPath, Strict
-from tuneline.schemas.families import DEFAULT_FAMILY, SHIPPED_CONFIGS, SHIPPED_TITLES, FamilyName
+from tuneline.schemas.families import DEFAULT_FAMILY, SHIPPED_CONFIGS, SHIPPED_TITLES, FamilyName, variant_family
 
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
@@ -66,6 +66,19 @@ class ModelConfig(Strict):
         "or both as one run (each sample's timestep picks its expert), one LoRA per expert; null = both. "
         "Refused for families with one denoiser",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _variant(cls, data: object) -> object:
+        """A family's other layout (Wan 2.2's TI2V 5B under wan22) is trained as its own row: picked by model.config
+        naming it (with model.path null: its tiny flavor) or by the model folder's model_index.json."""
+        if not isinstance(data, dict):
+            return data
+        variant = variant_family(data.get("family", DEFAULT_FAMILY), data.get("config"), data.get("path"))
+        if variant is None:
+            return data
+        tiny = data.get("path") is None and data.get("config") == variant
+        return {**data, "family": variant} | ({"config": None} if tiny else {})
 
     @field_validator("dtype", mode="before")
     @classmethod
