@@ -53,10 +53,11 @@ WAN_FACTS: dict[str, FamilyFacts] = {
         experts=(("transformer", "high_noise"), ("transformer_2", "low_noise")),
         expert_boundary=0.875,  # Wan2.2-T2V-A14B's: the high-noise expert denoises t >= 875 of 1000
     ),
-    # Wan 2.2 TI2V 5B (text-to-video here): one transformer on the Wan 2.2 VAE's 48 channels, 16x spatial (2x2
-    # patchified pixels, then 8x), 4x temporal like Wan 2.1's; released at 1280x704, 121 frames at 24 fps. Picked
-    # under model.family wan22 by model.config wan22_ti2v or a folder whose model_index.json has expand_timesteps.
     "wan22_ti2v": replace(
+        # Wan 2.2 TI2V 5B (text-to-video here): one transformer on the Wan 2.2 VAE's 48 channels, 16x spatial (2x2
+        # patchified pixels, then 8x), 4x temporal like Wan 2.1's; released at 1280x704, 121 frames at 24 fps.
+        # Picked under the family it is a layout of by model.config naming this row, or by a folder whose
+        # model_index.json has expand_timesteps (WanPipeline's per-token timesteps).
         _wan_video(
             "wan22_ti2v",
             checkpoint_marker="head.modulation",

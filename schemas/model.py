@@ -70,8 +70,8 @@ class ModelConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _variant(cls, data: object) -> object:
-        """A family's other layout (Wan 2.2's TI2V 5B under wan22) is trained as its own row: picked by model.config
-        naming it (with model.path null: its tiny flavor) or by the model folder's model_index.json."""
+        """A family's other layout (FamilyFacts.variant_of: Wan 2.2's TI2V 5B) is trained as its own row: picked by
+        model.config naming it (with model.path null: its tiny flavor) or by the model folder's model_index.json."""
         if not isinstance(data, dict):
             return data
         variant = variant_family(data.get("family", DEFAULT_FAMILY), data.get("config"), data.get("path"))

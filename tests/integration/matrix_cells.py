@@ -95,9 +95,11 @@ def cells() -> list[Cell]:
     column = [(name, section, change) for name, section, change in every if name in FSDP_FACTORS]
     main = [fam for fam in family_names() if not get_family(fam).facts.variant_of]
     variants = [Cell(fam, *every[0]) for fam in family_names() if fam not in main]
-    return [Cell(fam, *f) for fam in main for f in every] + variants + [
-        Cell(fam, *f, fsdp=True) for fam in main for f in column
-    ]
+    return (
+        [Cell(fam, *f) for fam in main for f in every]
+        + variants
+        + [Cell(fam, *f, fsdp=True) for fam in main for f in column]
+    )
 
 
 def dataset(folder: Path) -> None:

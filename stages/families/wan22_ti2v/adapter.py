@@ -20,7 +20,7 @@ from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.wan.adapter import Micro, WanFamily, demo_latent_stats, fold, unfold
 
 Tensor = torch.Tensor
-# The release's own text-to-video inference shift (sample_shift in Wan 2.2's wan/configs/wan_ti2v_5B.py): training
+# The release's own text-to-video inference shift (sample_shift of Wan 2.2's ti2v_5B config): training
 # draws its flow-matching noise levels with the folder's scheduler shift, as for Wan 2.1.
 TI2V_SHIFT = 5.0
 
