@@ -32,7 +32,8 @@ class ModelConfig(Strict):
         "(./name for a folder so named) whose configs and tokenizers describe the file's model, "
         "so the file loads offline; components the file lacks (the VAE and text encoders of a "
         "transformer-only file) are loaded from that folder's weights; null = the family's "
-        "shipped config when the file's shapes fit it",
+        "shipped config when the file's shapes fit it. A shipped config of another layout of model.family (Wan "
+        "2.2's TI2V 5B) also picks that layout; with model.path null, its tiny flavor",
     )
     text_encoder_path: Annotated[str | None, ConfigPath()] = Field(
         None,
