@@ -15,9 +15,9 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.clips import write_clip
 from tests.integration import comfy_lora_keys
 from tests.integration.family_runs import lift_lora_up, tiny_models
+from tests.integration.test_wan22_stages import write_clips
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.schemas.train import TrainConfig
@@ -85,16 +85,8 @@ def test_the_plan_counts_48_channel_latents_at_16x():
     assert "704 px edge, clips of 121 frames" in answer.headline and answer.plan.blocks == 30, answer.headline
 
 
-def _clips(root):
-    write_clip(root / "left.mp4", frames=24, fps=16, size=(64, 64))
-    write_clip(root / "right.mp4", frames=24, fps=16, size=(64, 64))
-    Image.new("RGB", (64, 64), (200, 40, 40)).save(root / "still.png")
-    for name, caption in {"left": "a square moves left", "right": "a square moves right", "still": "a square"}.items():
-        (root / f"{name}.txt").write_text(caption, encoding="utf-8")
-
-
 def test_the_tiny_flavor_goes_scan_to_validate(tmp_path, upstream_store):
-    data = upstream_store.dataset("wan22-ti2v-clips", _clips)
+    data = upstream_store.dataset("wan22-ti2v-clips", lambda root: write_clips(root, 64))
     cfg = parse_config(
         {
             "dataset": {"path": str(data)},
