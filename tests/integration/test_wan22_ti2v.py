@@ -40,7 +40,7 @@ TRANSFORMER, VAE = 4_999_787_712, 704_688_668
 
 
 def _model(**model):
-    return parse_config({"model": {"family": "wan22", **model}}, workdir="/tmp/ti2v-unused").model
+    return parse_config({"model": {"family": "wan22"} | model}, workdir="/tmp/ti2v-unused").model
 
 
 def test_model_config_or_the_folder_picks_ti2v(tmp_path):
@@ -54,6 +54,9 @@ def test_model_config_or_the_folder_picks_ti2v(tmp_path):
         folder.mkdir()
         (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": flag}))
         assert _model(path=str(folder)).family == family
+        # split files: the transformer file beside a local diffusers folder of the model as model.config
+        assert _model(path=str(tmp_path / "t.safetensors"), config=str(folder)).family == family
+    assert _model(family=TI2V, path=None, config=TI2V).config is None  # the row named directly: its tiny flavor too
     with pytest.raises(ValueError, match="model.config: wan22_ti2v is the shipped wan22_ti2v config but model.family"):
         parse_config({"model": {"family": "wan", "path": "x.safetensors", "config": TI2V}}, workdir=str(tmp_path))
 
