@@ -307,3 +307,30 @@ def facts(name: str) -> FamilyFacts:
         return FAMILY_FACTS[name]
     except KeyError:
         raise ValueError(f"model.family: unknown family {name!r}; known: {', '.join(FAMILY_FACTS)}") from None
+
+
+def variant_family(family: str, config: str | None, path: str | None) -> str | None:
+    """The row of `family`'s other layout (FamilyFacts.variant_of; `family` itself when it is one) that model.config
+    names, or whose flag the model_index.json of model.path or of a model.config folder sets; None: no other layout
+    is named (the family's own row)."""
+    variants = {n: f for n, f in FAMILY_FACTS.items() if f.variant_of == family or (n == family and f.variant_of)}
+    if config in variants:
+        return config
+    for folder in (path, config) if variants else ():
+        flags = _model_index(folder)
+        if found := next((n for n, f in variants.items() if flags.get(f.variant_flag)), None):
+            return found
+    return None
+
+
+def _model_index(folder: str | None) -> dict:
+    """A local diffusers folder's model_index.json ({}: none, or unreadable: the folder check reports that)."""
+    import json
+    from pathlib import Path
+
+    index = Path(folder).expanduser() / "model_index.json" if folder and "://" not in folder else None
+    try:
+        data = json.loads(index.read_text(encoding="utf-8")) if index is not None and index.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

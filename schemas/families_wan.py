@@ -1,6 +1,9 @@
-"""The Wan video families' rows of schemas/families.py: Wan 2.1 and Wan 2.2 A14B share one layout."""
+"""The Wan video families' rows of schemas/families.py: Wan 2.1 and Wan 2.2 A14B share one layout; Wan 2.2 TI2V 5B
+has its own VAE (48 channels, 16x spatial)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from tuneline.schemas.family_facts import FamilyFacts
 
@@ -50,5 +53,24 @@ WAN_FACTS: dict[str, FamilyFacts] = {
         shipped_config="Wan2.2-T2V-A14B",
         experts=(("transformer", "high_noise"), ("transformer_2", "low_noise")),
         expert_boundary=0.875,  # Wan2.2-T2V-A14B's: the high-noise expert denoises t >= 875 of 1000
+    ),
+    "wan22_ti2v": replace(
+        # Wan 2.2 TI2V 5B (text-to-video here): one transformer on the Wan 2.2 VAE's 48 channels, 16x spatial (2x2
+        # patchified pixels, then 8x), 4x temporal like Wan 2.1's; released at 1280x704, 121 frames at 24 fps.
+        # Picked under the family it is a layout of by model.config naming this row, or by a folder whose
+        # model_index.json has expand_timesteps (WanPipeline's per-token timesteps).
+        _wan_video(
+            "wan22_ti2v",
+            checkpoint_marker="head.modulation",
+            shipped_config="Wan2.2-TI2V-5B",
+            tiny_max_length=32,
+            variant_of="wan22",
+            variant_flag="expand_timesteps",
+        ),
+        vae_factor=16,
+        latent_channels=48,
+        fps=24.0,
+        frame_buckets=(17, 33, 49, 81, 121),
+        usual_resolution=704,
     ),
 }

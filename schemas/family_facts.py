@@ -71,6 +71,11 @@ class FamilyFacts:
     # The shipped folder's boundary_ratio (the timestep share of each expert, as a sigma) that config checks use;
     # training reads the folder's own.
     expert_boundary: float | None = None
+    # Another layout of the family `variant_of` names: model.family <variant_of> trains this row when model.config
+    # names this row (its shipped config; with model.path null, its tiny flavor), or when model.path is a diffusers
+    # folder whose model_index.json sets `variant_flag` true (schemas/families.py: variant_family).
+    variant_of: str = ""
+    variant_flag: str = ""
 
     @property
     def video(self) -> bool:

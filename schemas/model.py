@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from tuneline.schemas.base import ConfigPath, Strict
-from tuneline.schemas.families import DEFAULT_FAMILY, SHIPPED_CONFIGS, SHIPPED_TITLES, FamilyName
+from tuneline.schemas.families import DEFAULT_FAMILY, SHIPPED_CONFIGS, SHIPPED_TITLES, FamilyName, variant_family
 
 # Users of other trainers ask for fp8 weights; torch implements matmul for float8 but not conv2d, layer/group
 # norm or softmax (tests/unit/test_config_checks.py asserts this), and every family's VAE, text encoders and
@@ -32,7 +32,8 @@ class ModelConfig(Strict):
         "(./name for a folder so named) whose configs and tokenizers describe the file's model, "
         "so the file loads offline; components the file lacks (the VAE and text encoders of a "
         "transformer-only file) are loaded from that folder's weights; null = the family's "
-        "shipped config when the file's shapes fit it",
+        "shipped config when the file's shapes fit it. A shipped config of another layout of model.family (Wan "
+        "2.2's TI2V 5B) also picks that layout; with model.path null, its tiny flavor",
     )
     text_encoder_path: Annotated[str | None, ConfigPath()] = Field(
         None,
@@ -66,6 +67,19 @@ class ModelConfig(Strict):
         "or both as one run (each sample's timestep picks its expert), one LoRA per expert; null = both. "
         "Refused for families with one denoiser",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _variant(cls, data: object) -> object:
+        """A family's other layout (FamilyFacts.variant_of: Wan 2.2's TI2V 5B) is trained as its own row: picked by
+        model.config naming it (with model.path null: its tiny flavor) or by the model folder's model_index.json."""
+        if not isinstance(data, dict):
+            return data
+        variant = variant_family(data.get("family", DEFAULT_FAMILY), data.get("config"), data.get("path"))
+        if variant is None:
+            return data
+        tiny = data.get("path") is None and data.get("config") == variant
+        return {**data, "family": variant} | ({"config": None} if tiny else {})
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -32,6 +32,7 @@ _ADAPTERS: dict[str, str] = {
     "flux2_klein": "Flux2KleinFamily",
     "wan": "WanFamily",
     "wan22": "Wan22Family",
+    "wan22_ti2v": "Wan22TI2VFamily",
 }
 assert set(_ADAPTERS) == set(FAMILY_FACTS), "every family with facts needs an adapter"
 

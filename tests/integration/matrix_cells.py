@@ -2,7 +2,8 @@
 
 Cells come from the registry and the config schema, so a family or a choice added later joins without editing
 the matrix: for every registered family a base cell (train.mode lora, train.adapter lora) and one factor at a time
-around it: train.mode full, every other train.adapter choice, train.text_encoder_lora, every model.quantize choice.
+around it: train.mode full, every other train.adapter choice, train.text_encoder_lora, every model.quantize choice
+(another layout of a family, FamilyFacts.variant_of, its base cell only).
 The config decides which cells train; a cell it refuses is a refusal cell. The FSDP column: the base cell and
 every other factor again with train.parallelism fsdp (cells `<family>-<factor>-fsdp`); the combinations FSDP cannot
 shard are its refusal cells. A family that takes control images (the edit families, FLUX.2's references) trains
@@ -46,7 +47,7 @@ FSDP_FACTORS = ("lora", "full", "dora", "text_encoder_lora", "int8", "fp8")  # L
 # that the parts run on several xdist workers at once instead of one launch outlasting the rest of the suite.
 PARTS = 3
 # Families placed by hand rather than round robin: each joined the part with the fewest families when it was added.
-PLACED = {"wan22": 2}
+PLACED = {"wan22": 2, "wan22_ti2v": 1}
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,17 @@ def factors() -> list[tuple[str, str, dict]]:
 
 
 def cells() -> list[Cell]:
+    """Every factor for each family; another layout of a family (FamilyFacts.variant_of: Wan 2.2's TI2V 5B) its
+    base cell only, the factors being its family's code paths, which that family's own cells train."""
     every = factors()
     column = [(name, section, change) for name, section, change in every if name in FSDP_FACTORS]
-    return [Cell(fam, *f) for fam in family_names() for f in every] + [
-        Cell(fam, *f, fsdp=True) for fam in family_names() for f in column
-    ]
+    main = [fam for fam in family_names() if not get_family(fam).facts.variant_of]
+    variants = [Cell(fam, *every[0]) for fam in family_names() if fam not in main]
+    return (
+        [Cell(fam, *f) for fam in main for f in every]
+        + variants
+        + [Cell(fam, *f, fsdp=True) for fam in main for f in column]
+    )
 
 
 def dataset(folder: Path) -> None:

@@ -22,10 +22,11 @@ from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.train.evaluation import trained_timesteps
 
 
-def _clips(root):
-    write_clip(root / "left.mp4", frames=24, fps=16, size=(32, 32))
-    write_clip(root / "right.mp4", frames=24, fps=16, size=(32, 32))
-    Image.new("RGB", (32, 32), (200, 40, 40)).save(root / "still.png")
+def write_clips(root, size: int = 32):
+    """Two captioned clips of a moving square and a still image, `size` pixels square (also TI2V's dataset)."""
+    write_clip(root / "left.mp4", frames=24, fps=16, size=(size, size))
+    write_clip(root / "right.mp4", frames=24, fps=16, size=(size, size))
+    Image.new("RGB", (size, size), (200, 40, 40)).save(root / "still.png")
     for name, caption in {"left": "a square moves left", "right": "a square moves right", "still": "a square"}.items():
         (root / f"{name}.txt").write_text(caption, encoding="utf-8")
 
@@ -45,7 +46,7 @@ def _config(tmp, data, **model):
 
 
 def test_both_experts_train_as_one_run_and_validate_renders_their_loras(tmp_path, upstream_store):
-    ctx = upstream_store.upstream(_config(tmp_path, upstream_store.dataset("wan22-clips", _clips)))
+    ctx = upstream_store.upstream(_config(tmp_path, upstream_store.dataset("wan22-clips", write_clips)))
     paths = {name: run_stage(ctx, stage(name), PIPELINE)[0] for name in ("train", "validate")}
     manifest = json.loads((paths["train"] / "manifest.json").read_text(encoding="utf-8"))
     assert sorted((e["file"], e["format"]) for e in manifest["exports"]) == [
@@ -61,7 +62,7 @@ def test_both_experts_train_as_one_run_and_validate_renders_their_loras(tmp_path
 
 
 def test_one_expert_holds_only_itself_and_trains_on_its_share(tmp_path, upstream_store):
-    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", _clips), expert="low")
+    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", write_clips), expert="low")
     trainer = trainer_for(cfg, upstream_store.upstream(cfg))
     assert list(unwrap(trainer.denoiser).experts) == ["transformer_2"]
     assert trainer.sigmas.span == (0.0, TINY_BOUNDARY)

@@ -23,7 +23,7 @@ from tuneline.stages.families.vocab import (
 )
 
 # Every registered family; the UNet families (4-channel latents, epsilon) and FLUX.2 (32 channels).
-FAMILIES = "tiny sd15 sdxl sd3 flux flux_kontext qwen_image qwen_image_edit qwen_image_edit_plus z_image flux2 flux2_klein wan wan22"
+FAMILIES = "tiny sd15 sdxl sd3 flux flux_kontext qwen_image qwen_image_edit qwen_image_edit_plus z_image flux2 flux2_klein wan wan22 wan22_ti2v"
 UNETS = {"tiny", "sd15", "sdxl"}
 FLUX2 = {"flux2", "flux2_klein"}
 
@@ -45,10 +45,12 @@ def test_unknown_family_names_the_known_ones():
 
 
 def test_facts_alignment_and_targets():
-    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == {n: 8 if n in UNETS else 16 for n in FAMILIES.split()}
+    # Wan 2.2 TI2V 5B: one patch of its 16x VAE's latents is 32 pixels
+    align = {n: 8 if n in UNETS else 32 if n == "wan22_ti2v" else 16 for n in FAMILIES.split()}
+    assert {n: f.alignment for n, f in FAMILY_FACTS.items()} == align
     flow = {n for n, f in FAMILY_FACTS.items() if f.prediction == "flow_matching"}
     assert flow == set(FAMILIES.split()) - UNETS
-    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == flow - FLUX2
+    assert {n for n, f in FAMILY_FACTS.items() if f.latent_channels == 16} == flow - FLUX2 - {"wan22_ti2v"}
 
 
 def test_bpe_merges_rebuild_every_word_whole():

@@ -22,15 +22,16 @@ TINY_BOUNDARY = FAMILY_FACTS["wan22"].expert_boundary
 
 def folder_experts(model_dir: Path) -> tuple[tuple[str, ...], float | None]:
     """(the expert components a pipeline folder has, high-noise first; its boundary_ratio). ValueError naming
-    the fix for a folder this family cannot train: TI2V 5B's (expand_timesteps), or two experts without the
-    boundary that splits the schedule between them."""
+    the fix for a folder this layout cannot train: TI2V 5B's (expand_timesteps: the config picks its own row for
+    it, schemas/model.py), or two experts without the boundary that splits the schedule between them."""
     index_file = Path(model_dir) / "model_index.json"
     index = json.loads(index_file.read_text(encoding="utf-8"))
     present = tuple(c for c in (HIGH, LOW) if (index.get(c) or [None])[0] is not None)
     if index.get("expand_timesteps"):
         raise ValueError(
-            f"{index_file}: expand_timesteps is true, the Wan 2.2 TI2V 5B layout, which model.family wan22 does "
-            f"not train (it trains the A14B layout: transformer and transformer_2); use a Wan2.2-T2V-A14B folder"
+            f"{index_file}: expand_timesteps is true, the Wan 2.2 TI2V 5B layout, which the A14B layout's code does "
+            f"not train (transformer and transformer_2); give this folder as model.path with model.family wan22 "
+            f"(it then trains as the TI2V 5B layout), or use a Wan2.2-T2V-A14B folder"
         )
     boundary = index.get("boundary_ratio")
     if len(present) == 2 and boundary is None:
