@@ -253,8 +253,8 @@ class Flux2DevFamily(Flux2Family):
         # The system message is one token of the tiny tokenizer. Spelled out it came first and filled most of the
         # caption's positions (about 130 of 140 in bytes, about 50 of 64 as whole words), and the causal encoder
         # carries a caption only into the positions after it: "make it red" differed from "make it green" in 15 of 64,
-        # and the edit demo learned the instructed color weakly (bench/README.md). As one token the caption starts at
-        # position 6 and every later one, padding included, carries it.
+        # and the edit demo learned the instructed color weakly (bench/README.md). As one token the color word sits at
+        # position 11 and every later position, padding included, carries it.
         tok = build_bpe_tokenizer(
             out_dir / "tokenizer", self.facts.max_length_limit, (*SPECIALS, SYSTEM_MESSAGE), CHAT_TEMPLATE
         )
