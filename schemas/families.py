@@ -252,9 +252,9 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "flow_matching",
         512,
         max_length_limit=512,
-        # FLUX.2's system message and a demo caption take about 50 of the tiny tokenizer's tokens (its words are
-        # whole tokens); the rest of 512 would be padding.
-        tiny_revision="3",
+        # The tiny tokenizer's FLUX.2 system message is one token, and with a demo caption the template takes about
+        # 10; the positions after the caption, padding included, carry it (stages/families/flux2/adapter.py).
+        tiny_revision="4",
         tiny_max_length=64,
         negative_needs_guidance=False,
         pipeline="Flux2Pipeline",

@@ -8,7 +8,6 @@ negative prompt, so a negative is dropped. Both take reference images (dataset.c
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,7 +20,6 @@ from tuneline.stages.families.flux2 import latents as lat
 from tuneline.stages.families.flux2.references import reference_tokens
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, build_bpe_tokenizer
 from tuneline.stages.families.tiny.adapter import demo_pictures, demo_vae_widened_state
-from tuneline.stages.families.vocab import WORDS
 
 CONTROL_KEY = "control_latents"  # the conditioning key the training loop fills for a family that takes control
 DEV_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers
@@ -252,11 +250,13 @@ class Flux2DevFamily(Flux2Family):
         # chat template and tokenizer, which a plain tokenizer provides (AutoProcessor falls back to it).
         from diffusers.pipelines.flux2.pipeline_flux2 import SYSTEM_MESSAGE
 
-        # The system message's words are whole tokens, as in the released tokenizer: spelled out in bytes they took
-        # about 130 of a demo caption's 140 positions (now about 50 of 64: FAMILY_FACTS' tiny_max_length).
-        words = tuple(dict.fromkeys(WORDS + tuple(re.findall(r"[A-Za-z]+", SYSTEM_MESSAGE))))
+        # The system message is one token of the tiny tokenizer. Spelled out it came first and filled most of the
+        # caption's positions (about 130 of 140 in bytes, about 50 of 64 as whole words), and the causal encoder
+        # carries a caption only into the positions after it: "make it red" differed from "make it green" in 15 of 64,
+        # and the edit demo learned the instructed color weakly (bench/README.md). As one token the color word sits at
+        # position 11 and every later position, padding included, carries it.
         tok = build_bpe_tokenizer(
-            out_dir / "tokenizer", self.facts.max_length_limit, SPECIALS, CHAT_TEMPLATE, words=words
+            out_dir / "tokenizer", self.facts.max_length_limit, (*SPECIALS, SYSTEM_MESSAGE), CHAT_TEMPLATE
         )
         # No distilled-guidance embedding: a random-init one only ever sees the training value (1.0), and rendering
         # at validate.guidance_scale would condition the model on a value it never learned.
