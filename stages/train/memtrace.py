@@ -40,11 +40,15 @@ def text_inputs(fam, den, batch: int) -> dict[str, torch.Tensor]:
 class _FusedAttention(torch.autograd.Function):
     """What a fused attention kernel (flash / memory-efficient on CUDA, flash on CPU) keeps for backward: q, k, v,
     the output and a float32 log-sum-exp per query, never the attention matrix. The meta device would otherwise
-    take the math path, which saves that matrix."""
+    take the math path, which saves that matrix. The CUDA kernels write their output token-major (B, L, H, D) and
+    return it transposed, so the usual permute back and flatten to (B, L, H*D) for the output projection is a view
+    of the output they keep, not a copy."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        shape = (*q.shape[:-1], v.shape[-1])
+        out = q.new_empty((*shape[:-3], shape[-2], shape[-3], shape[-1])).transpose(-2, -3) if q.dim() >= 4 else None
+        out = q.new_empty(shape) if out is None else out
         ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
         return out
 
