@@ -106,7 +106,9 @@ def code_digest(family: str) -> str:
     return h.hexdigest()
 
 
-def fingerprint(fam, model_dir: Path, t, dtype: torch.dtype, controls: int, amp: torch.dtype | None) -> str | None:
+def fingerprint(
+    fam, model_dir: Path, t, dtype: torch.dtype, controls: int, amp: torch.dtype | None = None
+) -> str | None:
     """The key of a model's facts; None when a component config cannot be read (then nothing is kept)."""
     configs = {}
     for comp in (fam.denoiser_component, "vae", *fam.text_components):
