@@ -5,7 +5,7 @@ What a LoRA step at 1024² kept for its backward, per transformer block, traced 
 before squaring; torch's rms_norm and layer_norm run in float32 under CUDA autocast, which casts their input), and
 every LoRA layer kept its own 16-bit copy of its input (peft casts the input to the adapter's float32, autocast casts
 it back), so the three LoRA projections reading one normalized input held three copies of it. In Z-Image's blocks the
-six norms' float32 copies alone were 405 MiB of 1,312 (bench/README.md, issue 44).
+six norms' float32 copies alone were 405 MiB of 1,312 (bench/README.md, gpu.py).
 
 Here the norms of a denoiser keep only their input as it came and a float32 statistic per row, and recompute the
 normalized values in the backward (elementwise, exact: the float32 copy is the upcast of the kept input); they

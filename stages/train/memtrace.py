@@ -71,11 +71,11 @@ TO_FLOAT |= {torch.pow, torch.Tensor.pow, torch.rsqrt, torch.Tensor.rsqrt, torch
 class _CudaStep(torch.overrides.TorchFunctionMode):
     """The training step as CUDA runs it, for meta tensors: fused attention (above), and autocast's casts where
     training runs under autocast (autocast never applies to meta tensors). A weight that trains is cast once per
-    forward, as autocast caches it."""
+    forward, as autocast caches it; those casts are weights, not activations (`weights`: their storages)."""
 
     def __init__(self, amp: torch.dtype | None):
         super().__init__()
-        self.amp, self.cached = amp, {}
+        self.amp, self.cached, self.weights = amp, {}, set()
 
     def cast(self, t, dtype: torch.dtype):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
@@ -84,6 +84,7 @@ class _CudaStep(torch.overrides.TorchFunctionMode):
             return t.to(dtype)
         if id(t) not in self.cached:
             self.cached[id(t)] = t.to(dtype)
+            self.weights.add(self.cached[id(t)].untyped_storage()._cdata)
         return self.cached[id(t)]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -131,9 +132,11 @@ def trace_activations(
     tr = Trace(blocks=[0] * len(blocks), inputs=[0] * len(blocks))
     where = [-1]
 
+    step = _CudaStep(amp)
+
     def pack(t):
         key = t.untyped_storage()._cdata
-        if key not in params and key not in seen:
+        if key not in params and key not in step.weights and key not in seen:
             seen.add(key)
             n = t.untyped_storage().nbytes()
             if where[0] < 0:
@@ -160,7 +163,7 @@ def trace_activations(
     ts = torch.zeros(batch, device="meta", dtype=torch.float32 if f.prediction == "flow_matching" else torch.long)
     micro = [MicroCond((edge, edge), (0, 0), (edge, edge))] * batch
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), _CudaStep(amp):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), step:
             inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in text_inputs(fam, den, batch).items()}
             if controls:
                 inputs["control_latents"] = control_input(fam, batch, edge, controls, dtype)
