@@ -9,10 +9,10 @@ planned before answers without building anything. Terms:
 - trainable parameters, their gradients and optimizer state (AdamW two float32 moments, adamw8bit two bytes);
   the EMA copy (train.ema);
 - activations: a forward of the largest bucket at train.batch_size traced on the meta device, summing the tensors
-  autograd saves for backward (saved_tensors_hooks), per transformer block and outside them; for a paired dataset
+  autograd saves for backward (saved_tensors_hooks), per transformer block and outside them, with CUDA autocast's
+  casts where training runs under autocast (tuneline.stages.train.memtrace); for a paired dataset
   of an edit family the forward includes a control image's tokens at the size they are cached at. With checkpointing
-  the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward; under
-  16-bit autocast float32 activations count at two bytes;
+  the blocks keep only their inputs (offload: not even those) plus one block's worth recomputed in backward;
 - with in-training validation on, the VAE decoder and text encoders every rank loads to render, less the
   activations they replace (tuneline.stages.train.memextra); DDP's gradient buckets are the gradients
   (gradient_as_bucket_view=True);
@@ -90,6 +90,15 @@ def planned_controls(cfg, fam) -> int:
     return int(fam.takes_control and (paired(cfg) or bool(by_members(cfg))))
 
 
+def amp_dtype(cfg, dtype: torch.dtype, autocast: bool) -> torch.dtype | None:
+    """The dtype autocast computes in (tuneline.stages.train.model.autocast_dtype on a bf16-capable GPU), or None."""
+    if not autocast:
+        return None
+    if cfg.train.mixed_precision == "fp16":
+        return torch.float16
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
 def size(b: int) -> str:
     return f"{b / GIB:8.2f} GiB" if abs(b) >= GIB / 10 or b == 0 else f"{b / 2**20:8.1f} MiB"
 
@@ -162,7 +171,9 @@ class Planner:
     def __init__(self, cfg, fam, model_dir: Path, cuda: bool, dtype: torch.dtype, autocast: bool):
         self.cfg, self.fam, self.t, self.cuda, self.autocast = cfg, fam, cfg.train, cuda, autocast
         self.dtype = dtype if self.t.mode == "lora" else torch.float32
-        self.facts = Facts(fam, model_dir, self.t, self.dtype, planned_controls(cfg, fam))
+        self.facts = Facts(
+            fam, model_dir, self.t, self.dtype, planned_controls(cfg, fam), amp_dtype(cfg, dtype, autocast)
+        )
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
         # The folder's denoisers a run holds (model.expert high or low: one of two timestep experts); a render
@@ -177,9 +188,7 @@ class Planner:
         """Activations grow with the batch in proportion (every saved tensor has the batch dimension but the
         few shared ones), so one sample is traced per edge (and clip length) and scaled."""
         one = self.facts.trace(edge, frames)
-        return Trace(
-            one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs], one.float32_share
-        )
+        return Trace(one.outside * batch, [b * batch for b in one.blocks], [i * batch for i in one.inputs])
 
     def describe(self, quantize: str | None) -> tuple[list[dict], int, int]:
         """Per block, outside the blocks, trainable: of every timestep expert the run holds (each one denoiser of
@@ -213,7 +222,6 @@ class Planner:
         window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
         swapped_trainable = sum(x["trainable"] for x in per[r:]) if full and s.blocks_to_swap else 0
         tr = self.trace(s.batch, s.edge, s.frames)
-        scale = (1 - tr.float32_share / 2) if self.autocast else 1.0
         kept = tr.outside + (
             sum(tr.blocks) if not s.checkpointing else 0 if s.checkpointing == "offload" else sum(tr.inputs)
         )
@@ -230,9 +238,9 @@ class Planner:
             (
                 f"activations ({self.ckpt_label(s.checkpointing)}, batch {s.batch}, {s.edge}x{s.edge}"
                 + (f", {s.frames} frames)" if s.frames > 1 else ")"),
-                int(kept * scale),
+                kept,
             ),
-            ("backward working memory (one block)", int(max(tr.blocks, default=0) * scale)),
+            ("backward working memory (one block)", max(tr.blocks, default=0)),
         ]
         freed = out[-1][1] + out[-2][1]  # a render runs between steps, when the activations are gone
         unsized = (

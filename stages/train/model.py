@@ -86,7 +86,8 @@ def prepare_denoiser(
     shard).
 
     Full: every weight in float32 (master weights; autocast does the low-precision math). LoRA: the frozen base in
-    `base_dtype` to save memory, the adapter weights in float32.
+    `base_dtype` to save memory, the adapter weights in float32. Either way the norms and LoRA inputs keep less for
+    the backward (tuneline.stages.train.lean).
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
     load = load or partial(fam.load_denoiser, expert=expert)
@@ -102,6 +103,9 @@ def prepare_denoiser(
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
+    from tuneline.stages.train.lean import HALF, lean_activations
+
+    lean_activations(den, t.mode == "lora" and base_dtype in HALF)  # a half base trains under autocast on CUDA
     if t.gradient_checkpointing:
         if not getattr(den, "_supports_gradient_checkpointing", False):
             raise ValueError(f"train.gradient_checkpointing: {type(den).__name__} does not support it; set it false")

@@ -38,6 +38,7 @@ SOURCES = (
     "stages/train/adapters.py",
     "stages/train/swap.py",
     "stages/train/memcheck.py",
+    "stages/train/lean.py",
     "stages/families/*.py",
     "schemas/famil*.py",
 )
@@ -49,11 +50,13 @@ ADAPTER_FIELDS = ("mode", "adapter", "lora_rank", "lora_alpha", "lokr_factor")
 
 
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
-    """The denoiser on the meta device, with LoRA adapters when training LoRA."""
+    """The denoiser on the meta device, with LoRA adapters when training LoRA, and the lean norms and LoRA inputs
+    training gives it (tuneline.stages.train.lean)."""
     cls = denoiser_class(fam, model_dir)
     config = cls.load_config(model_dir, subfolder=fam.denoiser_component)
     with torch.device("meta"):
         den = cls.from_config(config)
+    from tuneline.stages.train.lean import HALF, lean_activations
     from tuneline.stages.train.model import freeze_unused, lora_config
 
     if t.mode == "full":
@@ -65,6 +68,7 @@ def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None
         for p in den.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
+    lean_activations(den, t.mode == "lora" and dtype in HALF)
     return den
 
 
@@ -102,7 +106,9 @@ def code_digest(family: str) -> str:
     return h.hexdigest()
 
 
-def fingerprint(fam, model_dir: Path, t, dtype: torch.dtype, controls: int) -> str | None:
+def fingerprint(
+    fam, model_dir: Path, t, dtype: torch.dtype, controls: int, amp: torch.dtype | None = None
+) -> str | None:
     """The key of a model's facts; None when a component config cannot be read (then nothing is kept)."""
     configs = {}
     for comp in (fam.denoiser_component, "vae", *fam.text_components):
@@ -118,6 +124,7 @@ def fingerprint(fam, model_dir: Path, t, dtype: torch.dtype, controls: int) -> s
         "family": fam.facts.name,
         "train": {f: getattr(t, f) for f in ADAPTER_FIELDS},
         "dtype": str(dtype),
+        "autocast": str(amp),
         "controls": controls,
         "code": code_digest(fam.facts.name),
         # major.minor, as the stages' own keys: a patch release or a local build tag (+cpu, +cu128) traces the same
@@ -156,9 +163,10 @@ def known(key: str | None) -> dict:
 class Facts:
     """One model's facts for one training setup: read from the caches, computed (and then kept) when missing."""
 
-    def __init__(self, fam, model_dir: Path, t, dtype: torch.dtype, controls: int):
+    def __init__(self, fam, model_dir: Path, t, dtype: torch.dtype, controls: int, amp: torch.dtype | None = None):
         self.fam, self.model_dir, self.t, self.dtype, self.controls = fam, Path(model_dir), t, dtype, controls
-        self.key = fingerprint(fam, model_dir, t, dtype, controls)
+        self.amp = amp  # the dtype training's autocast computes in (None: no autocast)
+        self.key = fingerprint(fam, model_dir, t, dtype, controls, amp)
         self.data = known(self.key)
         self.added = False
 
@@ -199,7 +207,7 @@ class Facts:
         (memtrace.trace_activations)."""
         found = self.get(
             trace_key(edge, frames),
-            lambda: asdict(trace_activations(self.fam, self.den, 1, edge, self.dtype, self.controls, frames)),
+            lambda: asdict(trace_activations(self.fam, self.den, 1, edge, self.dtype, self.controls, frames, self.amp)),
         )
         return Trace(**found)
 

@@ -15,7 +15,7 @@ from tuneline.stages.families.registry import get_family
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.families.shipped import shipped_dir
 from tuneline.stages.train import planfacts
-from tuneline.stages.train.memplan import CUDA_RESERVE, fix_edges, planned_controls, planner_for
+from tuneline.stages.train.memplan import CUDA_RESERVE, amp_dtype, fix_edges, planned_controls, planner_for
 from tuneline.stages.train.planning import model_user_config
 
 
@@ -69,6 +69,10 @@ def test_a_changed_model_config_is_a_new_key(tiny, tmp_path):
     assert planfacts.fingerprint(fam, copy, t, torch.float32, 1) != planfacts.fingerprint(
         fam, copy, t, torch.float32, 0
     )
+    # a step under autocast saves other tensors (memtrace casts as CUDA autocast does): another key
+    assert planfacts.fingerprint(fam, copy, t, torch.float32, 0, torch.bfloat16) != planfacts.fingerprint(
+        fam, copy, t, torch.float32, 0
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_CONFIGS))
@@ -77,7 +81,9 @@ def test_the_shipped_facts_are_todays_for_every_default_plan(name):
     writes them again (until then `tuneline plan --model-config` computes them, in seconds, not wrongly)."""
     cfg = model_user_config(name, None)
     fam, model_dir = get_family(SHIPPED_CONFIGS[name]), shipped_dir(name)
-    key = planfacts.fingerprint(fam, model_dir, cfg.train, dtypes()[cfg.model.dtype], planned_controls(cfg, fam))
+    dtype = dtypes()[cfg.model.dtype]
+    amp = amp_dtype(cfg, dtype, cfg.train.mixed_precision != "no")  # the shipped plans are CUDA plans
+    key = planfacts.fingerprint(fam, model_dir, cfg.train, dtype, planned_controls(cfg, fam), amp)
     shipped = json.loads(planfacts.SHIPPED.read_text(encoding="utf-8"))
     assert key in shipped, f"{name}: plan_facts.json is stale; run `python -m tuneline.stages.train.planfacts`"
     planner = planner_for(cfg, model_dir, True, SHIPPED_CONFIGS[name])  # reads the shipped facts: builds nothing

@@ -162,9 +162,9 @@ def test_adamw8bit_resumes_exactly(tmp_path):
     assert not torch.equal(straight["w"].detach(), init["w"])
 
 
-def saved_bytes(fam, den, batch, edge, controls: int = 0):
+def saved_bytes(fam, den, batch, edge, controls: int = 0, dtype: torch.dtype = torch.float32):
     """Bytes of the distinct tensors autograd saves for backward in one real forward on the CPU (weights
-    excluded: the plan counts them as weights), with `controls` control images per sample."""
+    excluded: the plan counts them as weights), with `controls` control images per sample, inputs in `dtype`."""
     from tuneline.stages.families.base import MicroCond
     from tuneline.stages.train.memtrace import control_input, text_inputs
 
@@ -178,9 +178,9 @@ def saved_bytes(fam, den, batch, edge, controls: int = 0):
         return t
 
     f = fam.facts
-    x = torch.randn(batch, f.latent_channels, edge // f.vae_factor, edge // f.vae_factor)
+    x = torch.randn(batch, f.latent_channels, edge // f.vae_factor, edge // f.vae_factor, dtype=dtype)
     ts = torch.full((batch,), 500.0) if f.prediction == "flow_matching" else torch.full((batch,), 500)
-    text = {k: torch.randn(v.shape) for k, v in text_inputs(fam, den, batch).items()}
+    text = {k: torch.randn(v.shape, dtype=dtype) for k, v in text_inputs(fam, den, batch).items()}
     if controls:
         text["control_latents"] = torch.randn(control_input(fam, batch, edge, controls, torch.float32).shape)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -235,6 +235,26 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
     measured = saved_bytes(fam, real, 2, 128)
     total = planned.outside + sum(planned.blocks)
     assert sum(p.numel() for p in real.parameters()) > (3e7 if size == "mid" else 0)
+    assert -0.05 * measured <= total - measured <= 0.10 * measured, (total, measured)
+
+
+@pytest.mark.parametrize("name", ["flux", "qwen_image"])
+def test_planned_activations_under_autocast_match_a_half_base_step(tmp_path_factory, name):
+    """A LoRA over a bf16 base trains under autocast with the lean norms and LoRA inputs (stages/train/lean.py):
+    the plan traces the forward with autocast's casts, and a real CPU forward of the denoiser as training
+    prepares it, under bf16 autocast, saves the same within the tolerance above."""
+    from tuneline.stages.train.memtrace import trace_activations
+    from tuneline.stages.train.planfacts import build_meta
+
+    fam = get_family(name)
+    model_dir = fam.ensure_model(None, tmp_path_factory.mktemp(f"{name}-models"))
+    t = TrainConfig(mode="lora", processes=1)
+    meta = build_meta(fam, model_dir, t, torch.bfloat16, None)
+    planned = trace_activations(fam, meta, 2, 64, torch.bfloat16, amp=torch.bfloat16)
+    real, _ = prepare_denoiser(fam, model_dir, t, torch.bfloat16, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = saved_bytes(fam, real, 2, 64, dtype=torch.bfloat16)
+    total = planned.outside + sum(planned.blocks)
     assert -0.05 * measured <= total - measured <= 0.10 * measured, (total, measured)
 
 

@@ -1,0 +1,105 @@
+"""The lean norms and LoRA inputs (stages/train/lean.py): the same outputs and gradients as the layers they stand
+for, with less kept for the backward."""
+
+import copy
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+
+from tuneline.stages.train.lean import lean_activations
+
+
+def saved_storages(fn, *inputs) -> tuple[int, torch.Tensor, list[torch.Tensor]]:
+    """(bytes of the distinct storages autograd saves in fn's forward, the output, the inputs' gradients for one
+    fixed upstream gradient, the same bf16 values at any dtype)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(*inputs)
+    upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    grads = torch.autograd.grad(y, inputs, upstream.to(y.dtype))
+    return sum(seen.values()), y, list(grads)
+
+
+def norms() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    out = [RMSNorm(64, eps=1e-6), torch.nn.RMSNorm(64, eps=1e-6), torch.nn.LayerNorm(64, elementwise_affine=False)]
+    out.append(torch.nn.LayerNorm(64))
+    for m in out:
+        for p in m.parameters():
+            p.data = (1 + 0.1 * torch.randn_like(p)).to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("index", range(4), ids=["diffusers_rms", "torch_rms", "layer_norm", "layer_norm_affine"])
+def test_lean_norm_matches_the_layer_and_keeps_only_its_input(index):
+    """bf16 input as a block feeds it: the output within one bf16 rounding of the original's, the input's and a
+    trained weight's gradients within bf16 tolerance of the original's in float64, and only the input plus one
+    float32 statistic per row kept (the original keeps a float32 copy of the input besides)."""
+    original = norms()[index]
+    lean = copy.deepcopy(original)
+    lean_activations(lean, half_base=False)
+    assert type(lean) is not type(original) and set(lean.state_dict()) == set(original.state_dict())
+    for m in (original, lean):
+        m.requires_grad_(True)
+    x = (torch.randn(4, 32, 64) * 3).to(torch.bfloat16).requires_grad_(True)
+    kept, y, (gx,) = saved_storages(lean, x)
+    base, y0, _ = saved_storages(original, x)
+    rows = 4 * 32
+    assert kept <= x.numel() * 2 + 2 * rows * 4 + sum(p.numel() * 2 for p in lean.parameters())
+    if index < 2:  # RMSNorm: diffusers' keeps a float32 copy; layer_norm on the CPU runs in bf16 (CUDA: float32)
+        assert base > kept + x.numel() * 4 - 1
+    assert y.dtype == x.dtype
+    torch.testing.assert_close(y.float(), y0.float(), rtol=1e-2, atol=1e-2)
+    reference = copy.deepcopy(original).double()
+    xd = x.detach().double().requires_grad_(True)
+    _, _, (gd,) = saved_storages(reference, xd)
+    torch.testing.assert_close(gx.double(), gd, rtol=2e-2, atol=2e-2 * gd.abs().max().item())
+    for p, q in zip(lean.parameters(), reference.parameters(), strict=True):
+        (gp,) = torch.autograd.grad(lean(x).float().pow(2).sum(), p)
+        (gq,) = torch.autograd.grad(reference(xd).pow(2).sum(), q)
+        torch.testing.assert_close(gp.double(), gq, rtol=3e-2, atol=3e-2 * gq.abs().max().item())
+
+
+def test_lean_norm_leaves_float32_exact():
+    """Float32 (the CPU's training dtype) runs the layer's own forward: the same bits."""
+    for original in norms():
+        original.float()
+        lean = copy.deepcopy(original)
+        lean_activations(lean, half_base=False)
+        x = torch.randn(2, 8, 64)
+        assert torch.equal(lean(x), original(x))
+
+
+def test_lora_over_a_half_base_reads_its_input_once_under_autocast():
+    """Three LoRA projections of one input over a bf16 base, under autocast: without peft's cast to float32 the
+    same outputs and gradients bit for bit, and one saved copy of the input instead of three."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    class Qkv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(64, 64, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return self.q(x) * self.k(x) + self.v(x)
+
+    torch.manual_seed(0)
+    model = Qkv().to(torch.bfloat16).requires_grad_(False)
+    model = inject_adapter_in_model(LoraConfig(r=4, target_modules=["q", "k", "v"], init_lora_weights=False), model)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    lean = copy.deepcopy(model)
+    lean_activations(lean, half_base=True)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, y, grads = saved_storages(lean, x)
+        base, y0, grads0 = saved_storages(model, x)
+    assert torch.equal(y, y0) and all(torch.equal(a, b) for a, b in zip(grads, grads0, strict=True))
+    assert base - kept >= 2 * x.numel() * 2
