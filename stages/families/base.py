@@ -80,10 +80,17 @@ class Family(Protocol):
         config: str | None = None,
         text_encoder_path: str | None = None,
         vae_path: str | None = None,
+        expert: str | None = None,
     ) -> Path:
         """A diffusers folder for this family: `path` (folder, or a single checkpoint converted once into
         `cache_dir`, its configs from the diffusers folder `config` when given), or for None the family's tiny random-init flavor built deterministically in `cache_dir`.
+        `expert` (model.expert) says which timestep experts' files a run of split files needs.
         Raises ValueError naming the missing component / file."""
+
+    def denoiser_files(self, file: Path, config: Path, expert: str | None) -> dict[str, Path]:
+        """Denoiser component -> the file its weights come from, for a transformer file given as model.path over the
+        diffusers folder `config` (split files); a family of timestep experts maps each expert to its file, with a
+        ValueError naming the fix where one is missing or does not fit."""
 
     def single_file_denoiser(self, file: Path, config: Path) -> Any | None:
         """The denoiser of an original-layout .safetensors file when the family reads that layout itself (configs

@@ -110,6 +110,11 @@ class DiffusersFamily:
         """Component -> the suffix of its LoRA files' stems (a timestep expert's: `high_noise`); none: no suffix."""
         return {}
 
+    def denoiser_files(self, file: Path, config: Path, expert: str | None) -> dict[str, Path]:
+        """Denoiser component -> its file, for the transformer file model.path over the model.config folder
+        `config` (split files); a family of timestep experts finds the other experts' files."""
+        return {self.denoiser_component: file}
+
     def expert_split(self, model_dir: Path, expert: str | None) -> tuple[int, tuple[str, ...]]:
         """(how many denoisers a run of model.expert `expert` holds, the folder's other denoiser components: an
         in-training render loads those too, load_pipeline)."""
@@ -166,6 +171,7 @@ class DiffusersFamily:
         config: str | None = None,
         text_encoder_path: str | None = None,
         vae_path: str | None = None,
+        expert: str | None = None,
     ) -> Path:
         cache_dir = Path(cache_dir)
         if path is None:
@@ -183,7 +189,7 @@ class DiffusersFamily:
             # A family whose released checkpoints are transformer-only files (no whole-model layout) or a file
             # given with separate text encoder / VAE files: the split-file assembly.
             if text_encoder_path or vae_path or not self.facts.checkpoint_components:
-                return convert_split_files(self, p, cache_dir, config, text_encoder_path, vae_path)
+                return convert_split_files(self, p, cache_dir, config, text_encoder_path, vae_path, expert)
             return convert_single_file(self, p, cache_dir, config)
         raise ValueError(
             f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "

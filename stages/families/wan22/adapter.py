@@ -15,6 +15,7 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.wan.adapter import WanFamily
 from tuneline.stages.families.wan22.experts import HIGH, LOW, Experts
+from tuneline.stages.families.wan22.split import expert_files
 
 # Split as Wan2.2-T2V-A14B's (its boundary_ratio): the high-noise expert denoises t >= 875 of 1000.
 TINY_BOUNDARY = FAMILY_FACTS["wan22"].expert_boundary
@@ -95,6 +96,10 @@ class Wan22Family(WanFamily):
         if isinstance(denoiser, Experts) and denoiser.boundary is not None:
             return dict(self.facts.experts)
         return {}
+
+    def denoiser_files(self, file: Path, config: Path, expert: str | None) -> dict[str, Path]:
+        """ComfyUI's one file per expert, the other found beside model.path by its name (wan22/split.py)."""
+        return expert_files(file, config, expert)
 
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         """diffusers' Wan LoRA loader puts a file's `transformer.` weights into transformer_2 when told to."""
