@@ -73,6 +73,18 @@ def _config(tmp_path: Path, config: Path, files: dict[str, Path], family: str = 
     )  # fmt: skip
 
 
+def _one_step(cfg, ctx: StageContext):
+    """The stages before training run on the assembled model, and the real training loop takes a step on them
+    (caches built here, not by upstream_store: the model is the test's own split files); the trainer."""
+    for sd in stages_for(cfg):
+        if sd.name in ("scan", "latents", "text"):
+            run_stage(ctx, sd, PIPELINE)
+    trainer = trainer_for(cfg, ctx)
+    steps(trainer, 1)
+    assert len(trainer.losses) == 1 and all(math.isfinite(x) for x in trainer.losses)
+    return trainer
+
+
 def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
     fam = get_family("wan")
     tiny = fam.ensure_model(None, tmp_path / "models")
@@ -83,14 +95,7 @@ def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
     cfg = _config(tmp_path, config, files)
     ctx = StageContext(cfg)
     assembled = resolve.model_dir(ctx)
-    # The stages before training run on the assembled model, and the real training loop takes a step on them (caches
-    # built here, not by upstream_store: the model is this test's own split files).
-    for sd in stages_for(cfg):
-        if sd.name in ("scan", "latents", "text"):
-            run_stage(ctx, sd, PIPELINE)
-    trainer = trainer_for(cfg, ctx)
-    steps(trainer, 1)
-    assert len(trainer.losses) == 1 and all(math.isfinite(x) for x in trainer.losses)
+    _one_step(cfg, ctx)
 
     torch.manual_seed(0)
     x, t, text = torch.randn(1, 16, 2, 4, 4), torch.tensor([500]), torch.randn(1, 8, 32)
