@@ -72,7 +72,7 @@ def sibling(file: Path) -> Path:
 
 
 def missing_message(given: Path, wanted: Path, comp: str, expert: str | None) -> str:
-    which = f"model.expert {expert or 'both'} (null: both)" if expert in (None, "both") else f"model.expert {expert}"
+    which = "model.expert null (both experts)" if expert is None else f"model.expert {expert}"
     alone = WORD[OTHER[comp]]
     return (
         f"model.path: {which} trains the {WORD[comp]}-noise expert, whose file is looked for beside {given} as "
