@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -97,11 +98,19 @@ class DiffusersFamily:
         return ()
 
     # ---- timestep experts (facts.experts) ----------------------------------------------------
+    def build_denoiser(
+        self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]
+    ) -> torch.nn.Module:
+        return build(self.denoiser_component)
+
     def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         return {self.denoiser_component: denoiser}
 
     def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
         return 0.0, 1.0
+
+    def sigma_splits(self, denoiser: torch.nn.Module) -> tuple[float, ...]:
+        return ()
 
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         return {}

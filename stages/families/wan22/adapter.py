@@ -2,11 +2,12 @@
 (the Wan 2.1 family's adapter, imported below) with two timestep experts, WanPipeline's `transformer` (high noise) and
 `transformer_2` (low noise), split at the folder's `boundary_ratio` (model_index.json). model.expert picks which
 train (stages/families/wan22/experts.py): one expert on its share of the timesteps, or both as one run, each
-sample's timestep picking its expert; each expert gets its own LoRA files."""
+step's timesteps picking one expert on every rank; each expert gets its own LoRA files."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -71,15 +72,26 @@ class Wan22Family(WanFamily):
     def load_denoiser(
         self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
     ) -> torch.nn.Module:
-        comps, boundary = chosen_experts(model_dir, expert)
         load = self.denoiser_class.from_pretrained
-        return Experts({c: load(model_dir, subfolder=c, dtype=dtype).to(device) for c in comps}, boundary)
+        return self.build_denoiser(model_dir, expert, lambda c: load(model_dir, subfolder=c, dtype=dtype).to(device))
+
+    def build_denoiser(
+        self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]
+    ) -> torch.nn.Module:
+        comps, boundary = chosen_experts(model_dir, expert)
+        return Experts({c: build(c) for c in comps}, boundary)
 
     def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         return dict(denoiser.experts) if isinstance(denoiser, Experts) else super().denoiser_parts(denoiser)
 
     def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
         return denoiser.sigma_range() if isinstance(denoiser, Experts) else (0.0, 1.0)
+
+    def sigma_splits(self, denoiser: torch.nn.Module) -> tuple[float, ...]:
+        """Both experts held: the boundary, so each step trains one of them on every rank."""
+        if isinstance(denoiser, Experts) and len(denoiser.experts) > 1 and denoiser.boundary is not None:
+            return (denoiser.boundary,)
+        return ()
 
     def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
         if isinstance(model, Experts):
