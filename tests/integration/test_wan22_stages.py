@@ -1,7 +1,8 @@
 """Wan 2.2's tiny flavor (two experts) through the train and validate stages over the session's upstream store:
 both experts trained as one run write a LoRA per expert (diffusers and ComfyUI files, listed in the manifest's
 exports) that the validate stage renders as clips through the stock WanPipeline; a run of one expert holds only
-that expert and draws only its share of the timesteps; block swap swaps each expert's own blocks."""
+that expert and draws only its share of the timesteps, also sharded over FSDP processes; block swap swaps each
+expert's own blocks (both experts over FSDP: the training matrix's wan22 FSDP cells)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,15 @@ def test_block_swap_swaps_each_experts_blocks_and_trains_as_without(tmp_path, up
     trainer = trainer_for(one, upstream_store.upstream(one))
     steps(trainer, 1)
     assert isinstance(trainer.swapper, BlockSwapper) and math.isfinite(trainer.losses[0])
+
+
+@pytest.mark.ddp(reason="one expert sharded over 2 FSDP processes through the train stage")
+def test_one_expert_shards_over_fsdp_and_writes_only_its_files(tmp_path, upstream_store):
+    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", _clips), expert="high")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"processes": 2, "parallelism": "fsdp"})})
+    path = run_stage(upstream_store.upstream(cfg), stage("train"), PIPELINE)[0]
+    manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    assert sorted(e["file"] for e in manifest["exports"]) == [
+        "final/lora_kohya_high_noise.safetensors",
+        "final/pytorch_lora_weights_high_noise.safetensors",
+    ]
