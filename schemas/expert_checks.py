@@ -18,16 +18,6 @@ def experts(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
             f"model.expert {expert}: model.family {fam.name} has one denoiser, no timestep experts (families with "
             f"experts: {family_list(lambda f: bool(f.experts)) or 'none'}); remove model.expert"
         )
-    if fam.experts and cfg.train.parallelism == "fsdp":
-        out.append(
-            f"train.parallelism fsdp: model.family {fam.name}'s timestep experts are not sharded yet; set "
-            f"train.parallelism ddp (with model.expert high or low one expert's weights are held at a time)"
-        )
-    if fam.experts and cfg.train.blocks_to_swap:
-        out.append(
-            f"train.blocks_to_swap {cfg.train.blocks_to_swap}: model.family {fam.name}'s timestep experts do not "
-            f"swap blocks yet; set train.blocks_to_swap 0 (model.expert high or low holds one expert at a time)"
-        )
     return out
 
 

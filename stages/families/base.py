@@ -9,6 +9,7 @@ in schemas/families.py; shipped.json holds the released model's tensor shapes it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -80,10 +81,17 @@ class Family(Protocol):
         config: str | None = None,
         text_encoder_path: str | None = None,
         vae_path: str | None = None,
+        expert: str | None = None,
     ) -> Path:
         """A diffusers folder for this family: `path` (folder, or a single checkpoint converted once into
         `cache_dir`, its configs from the diffusers folder `config` when given), or for None the family's tiny random-init flavor built deterministically in `cache_dir`.
+        `expert` (model.expert) says which timestep experts' files a run of split files needs.
         Raises ValueError naming the missing component / file."""
+
+    def denoiser_files(self, file: Path, config: Path, expert: str | None) -> dict[str, Path]:
+        """Denoiser component -> the file its weights come from, for a transformer file given as model.path over the
+        diffusers folder `config` (split files); a family of timestep experts maps each expert to its file, with a
+        ValueError naming the fix where one is missing or does not fit."""
 
     def single_file_denoiser(self, file: Path, config: Path) -> Any | None:
         """The denoiser of an original-layout .safetensors file when the family reads that layout itself (configs
@@ -135,12 +143,22 @@ class Family(Protocol):
         """The denoiser training holds; `expert` (model.expert) picks the timestep experts of a family that has
         them (facts.experts; the config refuses it for the others)."""
 
+    def build_denoiser(
+        self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]
+    ) -> torch.nn.Module:
+        """The denoiser load_denoiser returns, around `build(component)` for each denoiser component model.expert
+        `expert` holds: the same structure with other weights (FSDP's skeleton and its gathered copy)."""
+
     def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         """The pipeline components a training denoiser holds, by component name: the denoiser itself, or the
         timestep experts it trains (each gets its own LoRA files, named by facts.experts)."""
 
     def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
         """The noise levels (sigma, [lo, hi)) training draws for this denoiser: all, or one expert's share."""
+
+    def sigma_splits(self, denoiser: torch.nn.Module) -> tuple[float, ...]:
+        """The sigmas where this denoiser hands over from one timestep expert it holds to the next (none: one
+        denoiser); each training step draws on one side, the same on every rank (SigmaSampler.step_share)."""
 
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         """load_lora_weights' arguments that put a LoRA file into the pipeline component `component` (an expert

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -102,11 +103,19 @@ class DiffusersFamily:
         return ()
 
     # ---- timestep experts (facts.experts) ----------------------------------------------------
+    def build_denoiser(
+        self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]
+    ) -> torch.nn.Module:
+        return build(self.denoiser_component)
+
     def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         return {self.denoiser_component: denoiser}
 
     def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
         return 0.0, 1.0
+
+    def sigma_splits(self, denoiser: torch.nn.Module) -> tuple[float, ...]:
+        return ()
 
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         return {}
@@ -114,6 +123,11 @@ class DiffusersFamily:
     def lora_suffixes(self, denoiser: torch.nn.Module) -> dict[str, str]:
         """Component -> the suffix of its LoRA files' stems (a timestep expert's: `high_noise`); none: no suffix."""
         return {}
+
+    def denoiser_files(self, file: Path, config: Path, expert: str | None) -> dict[str, Path]:
+        """Denoiser component -> its file, for the transformer file model.path over the model.config folder
+        `config` (split files); a family of timestep experts finds the other experts' files."""
+        return {self.denoiser_component: file}
 
     def expert_split(self, model_dir: Path, expert: str | None) -> tuple[int, tuple[str, ...]]:
         """(how many denoisers a run of model.expert `expert` holds, the folder's other denoiser components: an
@@ -171,6 +185,7 @@ class DiffusersFamily:
         config: str | None = None,
         text_encoder_path: str | None = None,
         vae_path: str | None = None,
+        expert: str | None = None,
     ) -> Path:
         cache_dir = Path(cache_dir)
         if path is None:
@@ -188,7 +203,7 @@ class DiffusersFamily:
             # A family whose released checkpoints are transformer-only files (no whole-model layout) or a file
             # given with separate text encoder / VAE files: the split-file assembly.
             if text_encoder_path or vae_path or not self.facts.checkpoint_components:
-                return convert_split_files(self, p, cache_dir, config, text_encoder_path, vae_path)
+                return convert_split_files(self, p, cache_dir, config, text_encoder_path, vae_path, expert)
             return convert_single_file(self, p, cache_dir, config)
         raise ValueError(
             f"model.path: {p} does not exist (expected a diffusers folder or a .safetensors/.ckpt file "

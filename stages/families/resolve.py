@@ -49,7 +49,7 @@ def _model_dir(cfg: PipelineConfig, cache_dir: Path) -> Path:
         return ready.resolve()
     # Builds the tiny flavor, or converts a single file (configs from model.config when set).
     m = cfg.model
-    return family(cfg).ensure_model(m.path, cache_dir, m.config, m.text_encoder_path, m.vae_path)
+    return family(cfg).ensure_model(m.path, cache_dir, m.config, m.text_encoder_path, m.vae_path, expert=m.expert)
 
 
 def identity(ctx, component: str) -> str:

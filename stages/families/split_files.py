@@ -6,7 +6,8 @@ The folder's configs, tokenizers and scheduler come from `model.config` (a local
 the family's shipped weightless config); each given file replaces its component's weights, and components no file
 is given for keep that folder's weights. Files may be fp8 (tuneline.stages.families.fp8 dequantizes them). A
 component file in the diffusers/transformers layout is loaded as it is; a denoiser or VAE in its original layout goes
-through diffusers' single-file converter for the class, so no key map is kept here.
+through diffusers' single-file converter for the class, so no key map is kept here. A model of several timestep
+experts takes one file per expert (Family.denoiser_files says which file fills which expert).
 """
 
 from __future__ import annotations
@@ -57,10 +58,24 @@ def _file_ident(path: Path) -> str:
     return f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
 
 
-def assembled_dir(family: Any, file: Path, cache_dir: Path, folder: Path, parts: dict[str, Path]) -> Path:
-    ident = "\0".join([_file_ident(file), str(folder.resolve())] + [f"{c}={_file_ident(p)}" for c, p in parts.items()])
+def assembled_dir(
+    family: Any, denoisers: dict[str, Path], cache_dir: Path, folder: Path, parts: dict[str, Path]
+) -> Path:
+    """Keyed by every file and the folder; further experts' files count as parts, so a one-denoiser model's key is
+    its transformer file's, the folder and its parts."""
+    file = denoisers[family.denoiser_component]
+    others = {c: p for c, p in denoisers.items() if c != family.denoiser_component} | parts
+    ident = "\0".join([_file_ident(file), str(folder.resolve())] + [f"{c}={_file_ident(p)}" for c, p in others.items()])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return Path(cache_dir) / f"{family.facts.name}-split-{file.stem}-{key}"
+
+
+def field_of(family: Any, comp: str) -> str:
+    """The config field that gives component `comp`'s file (every timestep expert's comes with model.path)."""
+    if comp == "vae":
+        return "model.vae_path"
+    experts = {family.denoiser_component, *(c for c, _ in family.facts.experts)}
+    return "model.path" if comp in experts else "model.text_encoder_path"
 
 
 def convert_split_files(
@@ -70,9 +85,11 @@ def convert_split_files(
     config: str | None,
     text_encoder_path: str | None = None,
     vae_path: str | None = None,
+    expert: str | None = None,
 ) -> Path:
     """model.path `file` (transformer only, or with model.text_encoder_path / model.vae_path beside it) as a
-    diffusers folder in `cache_dir`."""
+    diffusers folder in `cache_dir`; `expert` (model.expert) tells a model of timestep experts which files the run
+    needs."""
     from tuneline.stages.families.shipped import resolve_config
 
     parts = part_files(family, text_encoder_path, vae_path)
@@ -84,38 +101,22 @@ def convert_split_files(
             f"scheduler must come from a diffusers folder; set model.config to a local diffusers folder of the "
             f"{family.facts.name} model"
         )
-    check_one_denoiser(family, file, Path(folder))
-    check_configs(family, Path(folder), parts)
-    return assemble(family, file, cache_dir, Path(folder), parts)
+    denoisers = family.denoiser_files(file, Path(folder), expert)
+    check_configs(family, Path(folder), denoisers, parts)
+    return assemble(family, denoisers, cache_dir, Path(folder), parts)
 
 
-def check_configs(family: Any, folder: Path, parts: dict[str, Path]) -> None:
+def check_configs(family: Any, folder: Path, denoisers: dict[str, Path], parts: dict[str, Path]) -> None:
     """Refuse, before any weights are read, a folder without the config of a component a file is given for (e.g. a
     shipped config, which holds no text encoder)."""
-    for comp in (family.denoiser_component, *parts):
+    for comp in (*denoisers, *parts):
         if not (folder / comp / "config.json").is_file():
-            field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(
-                comp, "model.text_encoder_path"
-            )
+            field = field_of(family, comp)
             raise ValueError(
                 f"{field}: model.config {folder} has no {comp}/config.json to build the {comp} from; set "
                 f"model.config to a local diffusers folder of the {family.facts.name} model (its configs and "
                 f"tokenizers are read, not its weights)"
             )
-
-
-def check_one_denoiser(family: Any, file: Path, folder: Path) -> None:
-    """Refuse one transformer file for a model with several timestep experts (facts.experts, all in the folder's
-    model_index.json): the file would replace the first expert only, and the others would keep the folder's weights
-    (or have none)."""
-    index = json.loads((folder / "model_index.json").read_text())
-    present = [c for c, _ in family.facts.experts if isinstance(index.get(c), list) and index[c][0] is not None]
-    if len(present) > 1:
-        raise ValueError(
-            f"model.path: {file} is one transformer file, but the model of model.config {folder} has "
-            f"{len(present)} timestep experts ({', '.join(present)}), distributed as one file each; set model.path to "
-            f"a local diffusers folder of the model holding every expert's weights"
-        )
 
 
 def part_files(family: Any, text_encoder_path: str | None, vae_path: str | None) -> dict[str, Path]:
@@ -138,14 +139,20 @@ def part_files(family: Any, text_encoder_path: str | None, vae_path: str | None)
     return parts
 
 
-def assemble(family: Any, file: Path, cache_dir: Path, folder: Path, parts: dict[str, Path]) -> Path:
-    """The cached diffusers folder for `file` + `parts` over the configs (and remaining weights) of `folder`."""
-    target = assembled_dir(family, file, cache_dir, folder, parts)
+def assemble(family: Any, denoisers: dict[str, Path], cache_dir: Path, folder: Path, parts: dict[str, Path]) -> Path:
+    """The cached diffusers folder for the `denoisers` files + `parts` over the configs (and remaining weights) of
+    `folder`."""
+    target = assembled_dir(family, denoisers, cache_dir, folder, parts)
 
     def build(tmp: Path) -> None:
         _copy_folder(folder, tmp)
-        for comp, path in {family.denoiser_component: file, **parts}.items():
-            _replace(family, comp, path, tmp)
+        done: dict[Path, str] = {}
+        for comp, path in {**denoisers, **parts}.items():
+            if path in done:  # one file for two components (a one-expert run's stand-in): converted once
+                _link_weights(tmp / done[path], tmp / comp)
+            else:
+                _replace(family, comp, path, tmp)
+            done.setdefault(path, comp)
         _check_weights(family, tmp, folder)
 
     return build_once(family, target, build)
@@ -182,6 +189,21 @@ def _copy_folder(folder: Path, out: Path) -> None:
     shutil.copytree(folder, out, dirs_exist_ok=True, copy_function=link)
 
 
+def _weight_files(comp_dir: Path) -> list[Path]:
+    return [p for p in comp_dir.iterdir() if p.suffix in WEIGHTS or p.name.endswith(".index.json")]
+
+
+def _link_weights(src: Path, dst: Path) -> None:
+    """`dst` holds `src`'s weights (hard-linked where the filesystem allows); its own config stays."""
+    for p in _weight_files(dst):
+        p.unlink()
+    for p in _weight_files(src):
+        try:
+            os.link(p, dst / p.name)
+        except OSError:
+            shutil.copy2(p, dst / p.name)
+
+
 def _check_weights(family: Any, out: Path, folder: Path) -> None:
     index = json.loads((out / "model_index.json").read_text())
     for comp, spec in index.items():
@@ -190,9 +212,7 @@ def _check_weights(family: Any, out: Path, folder: Path) -> None:
         if comp.endswith("processor") or not (out / comp / "config.json").is_file():
             continue
         if not any(p.suffix in WEIGHTS for p in (out / comp).iterdir()):
-            field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(
-                comp, "model.text_encoder_path"
-            )
+            field = field_of(family, comp)
             raise ValueError(
                 f"{field}: no {comp} weights: model.config {folder} has none (a weightless config); set {field} "
                 f"to the {comp} file, or model.config to a local diffusers folder holding them"
@@ -209,12 +229,12 @@ def _component_class(out: Path, comp: str) -> type:
 
 
 def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
-    field = {"vae": "model.vae_path", family.denoiser_component: "model.path"}.get(comp, "model.text_encoder_path")
+    field = field_of(family, comp)
     sd = read_weights(path, field)
     # ComfyUI's T5/UMT5 files use transformers' names and may carry their SentencePiece tokenizer as a byte tensor
     # (`spiece_model`, comfy/sd.py): the tokenizer comes from model.config, so it is not a weight.
     sd.pop(TOKENIZER_TENSOR, None)
-    if comp == family.denoiser_component:
+    if field == "model.path":
         check_fits(family, path, checkpoint_family(list(sd)), "transformer file")
         sd = {next((k.removeprefix(p) for p in PREFIXES if k.startswith(p)), k): v for k, v in sd.items()}
     cls = _component_class(out, comp)
@@ -228,9 +248,8 @@ def _replace(family: Any, comp: str, path: Path, out: Path) -> None:
         model = _load_named(cls, out / comp, convert(checkpoint=dict(sd)), dtype)
     if model is None:
         model = _load_converted(cls, out, comp, sd, dtype, field, path)
-    for p in (out / comp).iterdir():
-        if p.suffix in WEIGHTS or p.name.endswith(".index.json"):
-            p.unlink()
+    for p in _weight_files(out / comp):
+        p.unlink()
     model.save_pretrained(out / comp, safe_serialization=True)
 
 

@@ -90,18 +90,23 @@ def shard(
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     den = unwrap(denoiser)
-    kept = fsdpload.unload(den)  # nothing whole is allocated from here on
+    parts = fam.denoiser_parts(den)
+    kept = {c: fsdpload.unload(part) for c, part in parts.items()}  # nothing whole is allocated from here on
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kw = {
         "mesh": mesh,
         "mp_policy": policy(autocast),
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if t.fsdp_cpu_offload else OffloadPolicy(),
     }
-    blocks = transformer_blocks(den, fam.block_stacks(den))  # the family's declared block stacks
-    for i, block in enumerate(blocks):
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+    for part in parts.values():
+        blocks = transformer_blocks(part, fam.block_stacks(part))  # the family's declared block stacks
+        for i, block in enumerate(blocks):
+            fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+        if part is not den:  # a timestep expert: a step runs one (SigmaSampler.step_share), so units of its own
+            fully_shard(part, reshard_after_forward=False, **kw)
     fully_shard(den, reshard_after_forward=False, **kw)
-    fsdpload.materialize(den, model_dir / fam.denoiser_component, kept, device)
+    for c, part in parts.items():
+        fsdpload.materialize(part, model_dir / c, kept[c], device)
     return {n: p for n, p in den.named_parameters() if p.requires_grad}
 
 
@@ -127,22 +132,34 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return value.detach().to("cpu")
 
 
-def gathered(denoiser: torch.nn.Module, rank: int) -> torch.nn.Module | None:
+def gathered(denoiser: torch.nn.Module, rank: int, fam, assemble) -> torch.nn.Module | None:
     """On rank 0 a plain copy of the sharded `denoiser` with its whole weights on the CPU, for the exports
     (diffusers folders, LoRA and single files are then written exactly as under DDP); None on other ranks.
+    `assemble(build)`: the denoiser around `build(component)` per part (Family.build_denoiser).
 
     A collective: every rank gathers each tensor in turn, rank 0 keeps it. The copy is built on the meta device
-    from the denoiser's own config and adapters and takes the gathered tensors as they are, so rank 0 holds one
+    from each part's own config and adapters and takes the gathered tensors as they are, so rank 0 holds one
     CPU copy of the weights, never two."""
     den = unwrap(denoiser)
     weights = {n: full(p) for n, p in den.named_parameters()}
     if rank != 0:
         return None
+    names = {id(m): n for n, m in den.named_modules()}
+    copies = {}
+    for comp, part in fam.denoiser_parts(den).items():
+        prefix = f"{names[id(part)]}." if part is not den else ""
+        mine = {n.removeprefix(prefix): w for n, w in weights.items() if n.startswith(prefix)}
+        copies[comp] = _plain_copy(part, mine)
+    return assemble(copies.__getitem__).train(den.training)
+
+
+def _plain_copy(part: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """`part` built on the meta device from its config and adapters, holding `weights` and its own buffers."""
     with torch.device("meta"):
-        copy = type(den).from_config(den.config)
-    for name, config in getattr(den, "peft_config", {}).items():
+        copy = type(part).from_config(part.config)
+    for name, config in getattr(part, "peft_config", {}).items():
         copy.add_adapter(config, adapter_name=name)
-    buffers = {n: b.detach().to("cpu") for n, b in den.named_buffers()}  # never sharded: each rank holds them
+    buffers = {n: b.detach().to("cpu") for n, b in part.named_buffers()}  # never sharded: each rank holds them
     persistent = set(copy.state_dict())
     copy.load_state_dict({k: v for k, v in (weights | buffers).items() if k in persistent}, assign=True)
     for name, buf in buffers.items():  # non-persistent buffers are in no state dict
@@ -151,7 +168,7 @@ def gathered(denoiser: torch.nn.Module, rank: int) -> torch.nn.Module | None:
             copy.get_submodule(owner).register_buffer(leaf, buf, persistent=False)
     left = [n for n, p in [*copy.named_parameters(), *copy.named_buffers()] if p.is_meta]
     assert not left, f"the gathered denoiser misses {left[:5]}"
-    return copy.train(den.training)
+    return copy
 
 
 def final_denoiser(trainer, rank: int) -> torch.nn.Module | None:
@@ -161,4 +178,7 @@ def final_denoiser(trainer, rank: int) -> torch.nn.Module | None:
         trainer.ema.copy_to(trainer.params)
     with eval_weights(trainer.opt, trainer.params, restore=False):  # schedule-free: switches to its average
         pass
-    return gathered(trainer.denoiser, rank) if trainer.sharded else trainer.denoiser
+    if not trainer.sharded:
+        return trainer.denoiser
+    fam, expert = trainer.fam, trainer.cfg.model.expert
+    return gathered(trainer.denoiser, rank, fam, lambda build: fam.build_denoiser(trainer.model_dir, expert, build))

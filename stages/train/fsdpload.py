@@ -39,23 +39,27 @@ def is_stub(p: torch.Tensor) -> bool:
     )
 
 
-def skeleton(fam):
-    """A loader with fam.load_denoiser's signature that builds the skeleton (the device is FSDP's to apply)."""
+def skeleton(fam, expert: str | None = None):
+    """A loader with fam.load_denoiser's signature that builds the skeleton (the device is FSDP's to apply): of
+    each denoiser component model.expert `expert` holds (Family.build_denoiser)."""
 
     def load(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-        cls = fam.denoiser_class
-        check_weights(model_dir / fam.denoiser_component, cls.__name__)
-        with init_empty_weights():  # parameters on the meta device, buffers real
-            den = cls.from_config(cls.load_config(model_dir, subfolder=fam.denoiser_component))
-        fp32 = fp32_modules(cls)
-        for owner, module in den.named_modules():
-            for name, p in list(module.named_parameters(recurse=False)):
-                keep = fp32 & set(f"{owner}.{name}".split("."))
-                stub = _zero(torch.float32 if keep else dtype).expand(p.shape)
-                module.register_parameter(name, torch.nn.Parameter(stub, requires_grad=p.requires_grad))
-        return den
+        return fam.build_denoiser(model_dir, expert, lambda comp: _skeleton(fam.denoiser_class, model_dir, comp, dtype))
 
     return load
+
+
+def _skeleton(cls, model_dir: Path, component: str, dtype: torch.dtype) -> torch.nn.Module:
+    check_weights(model_dir / component, cls.__name__)
+    with init_empty_weights():  # parameters on the meta device, buffers real
+        den = cls.from_config(cls.load_config(model_dir, subfolder=component))
+    fp32 = fp32_modules(cls)
+    for owner, module in den.named_modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            keep = fp32 & set(f"{owner}.{name}".split("."))
+            stub = _zero(torch.float32 if keep else dtype).expand(p.shape)
+            module.register_parameter(name, torch.nn.Parameter(stub, requires_grad=p.requires_grad))
+    return den
 
 
 def fp32_modules(cls) -> set[str]:
@@ -134,6 +138,17 @@ def check_weights(folder: Path, cls_name: str) -> None:
         f"that folder: python -c \"from diffusers import {cls_name} as M; M.from_pretrained('{folder}')"
         f".save_pretrained('{folder}')\" (or set train.parallelism: ddp)"
     )
+
+
+def check_components(fam, model_dir: Path, expert: str | None) -> None:
+    """check_weights of every denoiser component model.expert `expert` holds (Family.build_denoiser), for the
+    launcher to ask before any process starts."""
+
+    def check(component: str) -> torch.nn.Module:
+        check_weights(model_dir / component, fam.denoiser_class.__name__)
+        return torch.nn.Module()  # a stand-in: only the components are asked for
+
+    fam.build_denoiser(model_dir, expert, check)
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

@@ -316,7 +316,7 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     model_dir, initialized_from = previous_model(ctx, upstream)
     if ctx.cfg.train.parallelism == "fsdp":  # its processes read their shards from safetensors files only
         fam = models.family(ctx.cfg)
-        fsdpload.check_weights(model_dir / fam.denoiser_component, fam.denoiser_class.__name__)
+        fsdpload.check_components(fam, model_dir, ctx.cfg.model.expert)
     memory_plan = check_before_training(ctx, model_dir, dev)  # refuses in seconds what would run out of memory
     grace = (memory_plan or {}).get("grace") or STOP_GRACE_S
     ctx.log.info("train: a stop may take up to %d s to finish its step and checkpoint (docs/stopping.md)", grace)

@@ -146,13 +146,15 @@ class Trainer:
         device: torch.device,
         resume: Path | None = None,
     ):
-        self.cfg, self.t, self.fam, self.data = cfg, cfg.train, fam, data
+        self.cfg, self.t, self.fam, self.data, self.model_dir = cfg, cfg.train, fam, data, model_dir
         self.rank, self.world, self.device = rank, world, device
         self.autocast = autocast_dtype(self.t.mixed_precision, device, cfg.model.dtype, self.t.mode)
         attention_for_training(device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
-        load = fsdpload.skeleton(fam) if self.sharded else None  # sharded: each rank loads its own shard only
+        load = (
+            fsdpload.skeleton(fam, cfg.model.expert) if self.sharded else None
+        )  # sharded: each rank loads its own shard only
         shards = world if self.sharded else 1
         self.denoiser, self.params = prepare_denoiser(
             fam, model_dir, self.t, base, device, cfg.model.quantize, shards, load, cfg.model.expert
@@ -170,7 +172,8 @@ class Trainer:
         self.ema = EMA(self.params, self.t.ema_decay) if self.t.ema else None
         self.noise_scheduler = fam.load_noise_scheduler(model_dir)
         self.prediction = prediction_type(fam.facts.prediction, self.noise_scheduler, cfg.model.prediction_type)
-        self.sigmas = SigmaSampler.from_train(self.t, fam.sigma_range(unwrap(self.denoiser)))
+        den = unwrap(self.denoiser)
+        self.sigmas = SigmaSampler.from_train(self.t, fam.sigma_range(den), fam.sigma_splits(den))
         self.step, self.position, self.losses = 0, Position(), []
         if resume is not None:
             self.restore(resume)
@@ -185,7 +188,7 @@ class Trainer:
         if not collectives.active(self.world) or self.sharded:
             return self.denoiser
         joint = Joint(self.denoiser, self.text.enc.encoders) if self.text is not None else self.denoiser
-        # Timestep experts: each sample's timestep picks one, so a micro-batch may leave an expert without gradients.
+        # Timestep experts: each step trains one (SigmaSampler.step_share), leaving the others without gradients.
         routed = len(self.fam.denoiser_parts(unwrap(self.denoiser))) > 1
         return collectives.wrap(joint, self.params, self.device, routed)
 
@@ -266,9 +269,7 @@ class Trainer:
             for k, v in fed.cond.items()
         }
         noise = offset_noise(torch.randn(x0.shape, generator=dev, device=self.device), t.noise_offset, dev)
-        nz = noisy_and_target(
-            x0, noise, self.prediction, self.noise_scheduler, gen, sigmas=self.sigmas, patch=self.fam.facts.patch_size
-        )
+        nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, **self.draws(fed))
         weights = loss_weights(nz.snr, self.prediction, t.loss_weighting, t.min_snr_gamma)
         per_source = data.rows.loss_weights(mb.bucket, mb.rows) if data.rows is not None else None
         if per_source is not None:  # dataset.sources loss_weight (prior preservation)
@@ -291,6 +292,15 @@ class Trainer:
             loss = weighted_mse(pred, nz.target.to(self.device), weights, mask)
             self.scaler.scale(loss / t.grad_accumulation).backward()
         return loss.detach()
+
+    def draws(self, fed: Fed) -> dict:
+        """How micro-batch `fed` draws its noise levels (noisy_and_target's keywords): with timestep experts in one
+        expert's share per optimizer step, the same on every rank (a micro-batch is in one bucket there), so under
+        FSDP and block swap every rank runs the same expert's blocks (SigmaSampler.step_share)."""
+        patch = self.fam.facts.patch_size
+        tokens = (fed.mean.shape[-2] // patch) * (fed.mean.shape[-1] // patch)
+        share = self.sigmas.step_share(self.t.seed, self.step, self.noise_scheduler.config, tokens)
+        return {"sigmas": self.sigmas, "patch": patch, "within": share}
 
     def flips(self, n: int, gen: torch.Generator) -> list[bool] | None:
         if not (self.t.flip and self.data.reader.manifest.flip):

@@ -220,6 +220,8 @@ class Planner:
         key = "weights" if full else "frozen"  # what swaps: every weight of a block, or its frozen base
         r = len(per) - s.blocks_to_swap
         window = max(sum(x[key] for x in per[i : i + r]) for i in range(len(per) - r + 1)) if per else 0
+        if s.blocks_to_swap:  # swapping timestep experts keep one expert's blocks on the device (swap.ExpertSwappers)
+            window //= self.held
         swapped_trainable = sum(x["trainable"] for x in per[r:]) if full and s.blocks_to_swap else 0
         tr = self.trace(s.batch, s.edge, s.frames)
         kept = tr.outside + (
@@ -348,8 +350,6 @@ class Planner:
                     + ([f"model.quantize: {quant}"] if quant else [])
                 )
                 out.append(show(" + ".join(parts), replace(all_in, blocks_to_swap=swap)))
-        if self.fam.facts.experts:  # what the config refuses for timestep experts (schemas/checks.py)
-            out = [f for f in out if "train.blocks_to_swap" not in f and "train.parallelism" not in f]
         return allowed(out, s.shards)
 
 

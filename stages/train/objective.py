@@ -49,6 +49,7 @@ def noisy_and_target(
     *,
     sigmas: SigmaSampler | None = None,
     patch: int = 1,
+    within: tuple[float, float] | None = None,
 ) -> Noised:
     """Noise one batch and name what the model must predict.
 
@@ -56,6 +57,7 @@ def noisy_and_target(
     flow_matching: sigma from `sigmas` (tuneline.stages.train.timesteps; default U(0, 1) unshifted), x_t = (1 - sigma) x0 +
     sigma noise, target = noise - x0, and the timestep passed on is sigma * 1000 (the convention family adapters
     expect). `patch` is the denoiser's patch size: the image's token count sets a resolution-dependent shift.
+    `within`: the step's share of the noise levels (SigmaSampler.step_share), where a timestep expert takes over.
     """
     b = x0.shape[0]
     if prediction == "flow_matching":
@@ -63,7 +65,7 @@ def noisy_and_target(
             sigma = torch.rand(b, generator=generator)
         else:
             tokens = (x0.shape[-2] // patch) * (x0.shape[-1] // patch)
-            sigma = sigmas.sample(b, generator, scheduler.config if scheduler is not None else {}, tokens)
+            sigma = sigmas.sample(b, generator, scheduler.config if scheduler is not None else {}, tokens, within)
         s = sigma.view(b, *([1] * (x0.dim() - 1))).to(x0.device)
         snr = ((1 - sigma) / sigma.clamp_min(1e-6)) ** 2
         return Noised((1 - s) * x0 + s * noise, sigma * 1000.0, noise - x0, snr)

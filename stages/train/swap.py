@@ -226,9 +226,7 @@ class BlockSwapper:
         """Point each swapped parameter at its CPU master (with its gradient), for the optimizer step, EMA,
         checkpoints and exports, and free every device copy: the optimizer changes the masters, so the next
         forward copies them in afresh."""
-        for i in range(len(self.blocks)):
-            if i in self.loaded or i in self.pending:
-                self.release(i)
+        self.evict()
         if self.at_home:
             return
         self.at_home = True
@@ -238,6 +236,12 @@ class BlockSwapper:
                 p.data = masters[0]
                 if grad is not None:
                     p.grad = grad.to(masters[0].device)
+
+    def evict(self) -> None:
+        """Free every block's device copy (another timestep expert runs now); the next forward copies 0..R-1 in."""
+        for i in range(len(self.blocks)):
+            if i in self.loaded or i in self.pending:
+                self.release(i)
 
     def park(self) -> None:
         if not self.at_home:
@@ -249,8 +253,34 @@ class BlockSwapper:
                 self._show(p, slot, i in self.loaded or i in self.pending)
 
 
-def block_swapper(fam, denoiser: torch.nn.Module, t, device: torch.device) -> BlockSwapper | None:
-    """train.blocks_to_swap's swapper of `denoiser`'s block stacks; None when it is 0."""
+class ExpertSwappers:
+    """Block swap of a denoiser of timestep experts that runs one expert per forward (a training step draws in one
+    expert's share: SigmaSampler.step_share): each expert swaps train.blocks_to_swap of its own blocks, and when one
+    starts a forward the others free the blocks they kept on the device, so it holds one expert's at a time."""
+
+    def __init__(self, swappers: list[BlockSwapper], parts: list[torch.nn.Module]):
+        self.swappers, self.full = swappers, swappers[0].full
+        for i, part in enumerate(parts):
+            part.register_forward_pre_hook(lambda m, a, i=i: self.start(i), prepend=True)  # evict first
+
+    def start(self, i: int) -> None:
+        for k, other in enumerate(self.swappers):
+            if k != i:
+                other.evict()
+
+    def home(self) -> None:
+        for swapper in self.swappers:
+            swapper.home()
+
+
+def block_swapper(fam, denoiser: torch.nn.Module, t, device: torch.device) -> BlockSwapper | ExpertSwappers | None:
+    """train.blocks_to_swap's swapper of `denoiser`'s block stacks, per timestep expert where it holds several
+    (Family.denoiser_parts); None when it is 0."""
     if not t.blocks_to_swap:
         return None
-    return BlockSwapper(denoiser, fam.block_stacks(unwrap(denoiser)), t.blocks_to_swap, device, t.mode == "full")
+    den, full = unwrap(denoiser), t.mode == "full"
+    parts = [p for p in fam.denoiser_parts(den).values() if p is not den]
+    if len(parts) < 2:
+        return BlockSwapper(denoiser, fam.block_stacks(den), t.blocks_to_swap, device, full)
+    swappers = [BlockSwapper(p, fam.block_stacks(p), t.blocks_to_swap, device, full) for p in parts]
+    return ExpertSwappers(swappers, parts)

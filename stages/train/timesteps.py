@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,13 +30,16 @@ class SigmaSampler:
     shift: float | None = None  # None: resolution-dependent, from the scheduler config (auto)
     # The noise levels drawn, [lo, hi]: a timestep expert trains only its share (Family.sigma_range).
     span: tuple[float, float] = (0.0, 1.0)
+    # Where the denoiser hands over from one timestep expert to the next (Family.sigma_splits): each step draws
+    # every rank's sigmas between the same two (step_share), so every rank runs the same expert.
+    splits: tuple[float, ...] = ()
 
     @classmethod
-    def from_train(cls, t, span: tuple[float, float] = (0.0, 1.0)) -> SigmaSampler:
+    def from_train(cls, t, span: tuple[float, float] = (0.0, 1.0), splits: tuple[float, ...] = ()) -> SigmaSampler:
         shift = None if t.timestep_shift == "auto" else float(t.timestep_shift)
         if t.timestep_sampling == "sigmoid":
-            return cls("logit_normal", 0.0, t.sigmoid_scale, t.mode_scale, shift, span)
-        return cls(t.timestep_sampling, t.logit_mean, t.logit_std, t.mode_scale, shift, span)
+            return cls("logit_normal", 0.0, t.sigmoid_scale, t.mode_scale, shift, span, splits)
+        return cls(t.timestep_sampling, t.logit_mean, t.logit_std, t.mode_scale, shift, span, splits)
 
     def draw(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n unshifted sigmas in (0, 1)."""
@@ -48,12 +52,40 @@ class SigmaSampler:
             return 1 - u - self.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
         raise ValueError(f"train.timestep_sampling: unknown sampler {self.kind!r}")
 
-    def sample(self, n: int, generator: torch.Generator, scheduler_config, tokens: int) -> torch.Tensor:
+    def sample(
+        self,
+        n: int,
+        generator: torch.Generator,
+        scheduler_config,
+        tokens: int,
+        within: tuple[float, float] | None = None,
+    ) -> torch.Tensor:
         """n sigmas for images of `tokens` latent patches, shifted as configured, then scaled into `span` (an
-        expert's share keeps the sampler's shape within it, as musubi-tuner's timestep bounds do)."""
+        expert's share keeps the sampler's shape within it, as musubi-tuner's timestep bounds do). `within`
+        [lo, hi): only those, drawn until n fall there (the distribution conditioned on that share)."""
         shift = self.shift if self.shift is not None else auto_shift(scheduler_config, tokens)
         lo, hi = self.span
-        return lo + (hi - lo) * shift_sigmas(self.draw(n, generator), shift)
+        if within is None:
+            return lo + (hi - lo) * shift_sigmas(self.draw(n, generator), shift)
+        kept = torch.empty(0)
+        while len(kept) < n:
+            s = self.sample(max(n, 64), generator, scheduler_config, tokens)
+            kept = torch.cat([kept, s[(s >= within[0]) & (s < within[1])]])
+        return kept[:n]
+
+    def step_share(self, seed: int, step: int, scheduler_config, tokens: int) -> tuple[float, float] | None:
+        """The share between `splits` that optimizer step `step` draws in, the same on every rank: the one a sigma
+        drawn as `sample` does (from a generator of the run's seed and the step, so a resumed run picks the same)
+        falls into. So each share gets the steps its mass under the sampler gives it, and a share's sigmas, drawn
+        `within` it, follow the sampler there: over many steps the sigmas are distributed exactly as `sample`'s,
+        only the samples of one step share a side. (On average k draws per sample with k shares: a share of mass
+        p is picked with probability p and costs 1/p draws.) None without splits."""
+        if not self.splits:
+            return None
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step, 2]).generate_state(1)[0]))
+        sigma = float(self.sample(1, gen, scheduler_config, tokens))
+        edges = (0.0, *self.splits, 1.0 + 1e-9)  # sigma 1.0 belongs to the last share (t >= boundary)
+        return next((lo, hi) for lo, hi in zip(edges, edges[1:]) if lo <= sigma < hi)
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:

@@ -37,6 +37,7 @@ from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import family_names, get_family
 from tuneline.stages.pipeline import PIPELINE, stage
 from tuneline.stages.train import launch as train_launch
+from tuneline.stages.train.timesteps import SigmaSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "matrix_worker.py"
@@ -118,9 +119,10 @@ def dataset(folder: Path) -> None:
             Image.fromarray(np.roll(255 - pixels, 16 * j, axis=1)).save(folder / "references" / str(i) / f"{j}.png")
 
 
-def config(cell: Cell, data: Path, workdir: Path) -> PipelineConfig:
+def config(cell: Cell, data: Path, workdir: Path, seed: int = 0) -> PipelineConfig:
     """The cell's config; raises the config's own refusal (ValidationError or ValueError)."""
     train = {
+        "seed": seed,
         "mode": "lora",
         "adapter": "lora",
         "steps": STEPS,
@@ -164,6 +166,9 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
     for cell in (c for c in wanted if refusal(c, data, root) is None):
         cfg = config(cell, data, root / cell.family)  # one workdir per family: its cells share the caches
         ctx = store.upstream(cfg)
+        if get_family(cell.family).facts.experts:
+            cfg = config(cell, data, root / cell.family, every_expert_seed(cfg, models.model_dir(ctx)))
+            ctx = store.upstream(cfg)
         out = outs[cell.id] = root / "cells" / cell.id
         plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train"), "replay": cell.ddp_twin.id})
         (out / "cell.json").write_text(json.dumps({"model_dir": plan[-1]["spec"]["model_dir"]}), encoding="utf-8")
@@ -177,6 +182,22 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
     except train_launch.TrainingFailed as err:  # each cell's rank files tell which cells it reached
         (root / "launch-error.txt").write_text(str(err), encoding="utf-8")
     return outs
+
+
+def every_expert_seed(cfg: PipelineConfig, model_dir: Path) -> int:
+    """The first train.seed whose STEPS steps train every timestep expert of cfg's family: each step trains one,
+    drawn from the seed and the step (SigmaSampler.step_share), so a seed of two steps on one expert would leave
+    the other untested."""
+    fam = get_family(cfg.model.family)
+    sampler = SigmaSampler.from_train(cfg.train, splits=(fam.facts.expert_boundary,))
+    scheduler = fam.load_noise_scheduler(model_dir).config
+    side = cfg.buckets.resolution // (fam.facts.vae_factor * fam.facts.patch_size)
+    experts = len(fam.facts.experts)
+    return next(
+        seed
+        for seed in range(100)
+        if len({sampler.step_share(seed, i, scheduler, side * side) for i in range(STEPS)}) == experts
+    )
 
 
 def _spec(ctx, work: Path) -> dict:

@@ -5,7 +5,7 @@ Per cell:
 
 (a) on every rank every trainable parameter has a gradient at step 1 (DDP's reducer saw it) and a finite,
     non-zero one at step 2 (adapters start with one factor at zero, so step 1 may be zero); of a family with
-    timestep experts, an expert that no sample of a step drew has none in that step, but each learns in one;
+    timestep experts each step trains one expert, the same on every rank, each in one of the steps;
 (b) the 2-process weights after step 2 equal a 1-process replay of the same global batch within REPLAY_TOLERANCE;
 (c) resuming from the step-1 checkpoint gives bit-identical step-2 weights;
 (d) the exports load: the diffusers file (or a full fine-tune's pipeline folder) in the stock diffusers pipeline,
@@ -122,22 +122,32 @@ def _result(root: Path, out: Path, rank: int) -> dict:
 
 
 def _assert_gradients(ranks: list[dict], experts: tuple[str, ...] = ()) -> None:
-    """`experts`: the parameter-name prefixes of timestep experts, each sample's timestep picking one. A step none
-    of whose samples (on any rank) drew an expert's timesteps leaves every parameter of that expert without a
-    gradient (DDP looks for unused parameters there); every expert must still learn in some step, and whole."""
-    bad, active = [], set()
+    """A parameter's first step gives it a gradient (maybe zero: adapters start with one factor at zero), every
+    later one a finite, non-zero one. `experts`: the parameter-name prefixes of timestep experts; each step
+    trains one, the same on every rank (SigmaSampler.step_share), the others get no gradient in it; every expert
+    must learn in some step (the matrix's seed makes them: matrix_cells.every_expert_seed), and whole."""
+    bad, active, routes = [], set(), []
     for r, res in enumerate(ranks):
+        seen: set[str] = set()
+        route = []
         for i, states in enumerate(res["grads"][:2]):
             idle = [p for p in experts if all(s == "none" for n, s in states.items() if n.startswith(p))]
+            route.append(sorted(set(experts) - set(idle)))
             active |= set(experts) - set(idle)
             states = {n: s for n, s in states.items() if not n.startswith(tuple(idle))}
-            if i == 0:
-                none = sorted(n for n, s in states.items() if s == "none")
-                bad += [f"rank {r} step 1: no gradient for {len(none)} parameters: {none}"] if none else []
-            else:
-                wrong = sorted(f"{n} ({s})" for n, s in states.items() if s != "ok")
-                bad += [f"rank {r} step 2: {len(wrong)} parameters zero or non-finite: {wrong}"] if wrong else []
+            none = sorted(n for n, s in states.items() if s == "none" and n not in seen)
+            wrong = sorted(f"{n} ({s})" for n, s in states.items() if s != "ok" and n in seen)
+            bad += [f"rank {r} step {i + 1}: no gradient for {len(none)} parameters: {none}"] if none else []
+            bad += [f"rank {r} step {i + 1}: {len(wrong)} parameters zero or non-finite: {wrong}"] if wrong else []
+            seen |= set(states)
+        routes.append(route)
     bad += [f"expert {p} learned in no step" for p in experts if p not in active and ranks[0]["grads"]]
+    if experts:
+        bad += [
+            f"rank {r} trained {route}, not one expert a step as rank 0 ({routes[0]})"
+            for r, route in enumerate(routes)
+            if route != routes[0] or any(len(x) != 1 for x in route)
+        ]
     assert not bad, "\n".join(bad)
 
 

@@ -185,3 +185,18 @@ def test_the_plan_counts_the_experts_a_run_holds_and_renders_with(built, tmp_pat
     assert low.render_bytes - both.render_bytes == 4 * high_noise > 0  # float32 on the CPU
     assert one.render_bytes == both.render_bytes
     assert one.describe(None)[2] == low.describe(None)[2] == both.describe(None)[2] // 2
+
+
+def test_the_plan_of_swapped_experts_keeps_one_experts_blocks_on_the_device(built, tmp_path):
+    """train.blocks_to_swap with both experts: the expert a step does not run frees its blocks (swap.ExpertSwappers),
+    so beside one expert's resident blocks the device holds only the other's parts outside the blocks."""
+    from dataclasses import replace
+
+    _, model_dir, _ = built
+    resident = {}
+    for expert in (None, "low"):
+        planner = _planner(model_dir, tmp_path, expert)
+        terms = dict(planner.terms(replace(planner.current(), blocks_to_swap=1)))
+        resident[expert] = sum(v for k, v in terms.items() if k.startswith(("weights", "swapped blocks")))
+    outside = _planner(model_dir, tmp_path, "low").describe(None)[1]
+    assert resident[None] - resident["low"] == outside > 0

@@ -22,8 +22,7 @@ from tuneline.schemas.config import parse_config
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families import resolve
 from tuneline.stages.families.registry import get_family
-from tuneline.stages.families.shipped import shipped_dir
-from tuneline.stages.families.split_files import check_fits, check_one_denoiser, checkpoint_family
+from tuneline.stages.families.split_files import check_fits, checkpoint_family
 from tuneline.stages.pipeline import PIPELINE, stages_for
 
 CPU = torch.device("cpu")
@@ -57,20 +56,33 @@ def _comfy_files(fam, tiny: Path, out: Path, vae: torch.nn.Module) -> dict[str, 
     return files
 
 
-def _config(tmp_path: Path, config: Path, files: dict[str, Path]):
-    """Two captioned stills (one-frame clips) and the split files over the weightless `config`, LoRA, one step."""
+def _config(tmp_path: Path, config: Path, files: dict[str, Path], family: str = "wan", **model_keys):
+    """Two captioned stills (one-frame clips) and the split files over the weightless `config`, LoRA, one step;
+    `model_keys`: further model.* keys."""
     (tmp_path / "data").mkdir()
     for i in range(2):
         Image.new("RGB", (32, 32), (200 * i, 60, 120)).save(tmp_path / "data" / f"{i}.png")
         (tmp_path / "data" / f"{i}.txt").write_text(f"a square {i}", encoding="utf-8")
-    model = {"family": "wan", "config": str(config), "device": "cpu", "path": str(files["transformer"])}
-    model |= {"text_encoder_path": str(files["umt5"]), "vae_path": str(files["vae"])}
+    model = {"family": family, "config": str(config), "device": "cpu", "path": str(files["transformer"])}
+    model |= {"text_encoder_path": str(files["umt5"]), "vae_path": str(files["vae"])} | model_keys
     train = {"steps": 1, "batch_size": 1, "processes": 1, "mode": "lora", "lora_rank": 4}
     return parse_config(
         {"dataset": {"path": str(tmp_path / "data")}, "model": model, "buckets": {"resolution": 32},
          "text": {"max_length": 16}, "train": train},
         workdir=str(tmp_path / "work"),
     )  # fmt: skip
+
+
+def _one_step(cfg, ctx: StageContext):
+    """The stages before training run on the assembled model, and the real training loop takes a step on them
+    (caches built here, not by upstream_store: the model is the test's own split files); the trainer."""
+    for sd in stages_for(cfg):
+        if sd.name in ("scan", "latents", "text"):
+            run_stage(ctx, sd, PIPELINE)
+    trainer = trainer_for(cfg, ctx)
+    steps(trainer, 1)
+    assert len(trainer.losses) == 1 and all(math.isfinite(x) for x in trainer.losses)
+    return trainer
 
 
 def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
@@ -83,14 +95,7 @@ def test_wan_split_files_assemble_and_compute_as_before(tmp_path):
     cfg = _config(tmp_path, config, files)
     ctx = StageContext(cfg)
     assembled = resolve.model_dir(ctx)
-    # The stages before training run on the assembled model, and the real training loop takes a step on them (caches
-    # built here, not by upstream_store: the model is this test's own split files).
-    for sd in stages_for(cfg):
-        if sd.name in ("scan", "latents", "text"):
-            run_stage(ctx, sd, PIPELINE)
-    trainer = trainer_for(cfg, ctx)
-    steps(trainer, 1)
-    assert len(trainer.losses) == 1 and all(math.isfinite(x) for x in trainer.losses)
+    _one_step(cfg, ctx)
 
     torch.manual_seed(0)
     x, t, text = torch.randn(1, 16, 2, 4, 4), torch.tensor([500]), torch.randn(1, 8, 32)
@@ -129,15 +134,6 @@ def test_wan_transformer_files_are_told_from_other_families():
     flux2 = checkpoint_family(["double_stream_modulation_img.lin.weight", "double_blocks.0.img_attn.qkv.weight"])
     with pytest.raises(ValueError, match=f"is a {flux2} transformer file.*model.family is wan"):
         check_fits(get_family("wan"), Path("flux2.safetensors"), flux2, "transformer file")
-
-
-def test_one_transformer_file_is_refused_for_timestep_experts():
-    """Wan 2.2 A14B's experts are distributed as one file each: one model.path file would replace the high-noise
-    expert only. A Wan 2.2 model with one transformer (TI2V 5B) and Wan 2.1 take one."""
-    with pytest.raises(ValueError, match="2 timestep experts \\(transformer, transformer_2\\).*local diffusers folder"):
-        check_one_denoiser(get_family("wan22"), Path("high_noise.safetensors"), shipped_dir("wan22"))
-    check_one_denoiser(get_family("wan"), Path("wan.safetensors"), shipped_dir("wan"))
-    check_one_denoiser(get_family("wan22"), Path("wan.safetensors"), shipped_dir("wan"))
 
 
 def test_shipped_config_without_a_text_encoder_is_refused_before_reading_weights(tmp_path):

@@ -1,5 +1,5 @@
 """model.expert: the families with timestep experts default to training both; a family with one denoiser refuses
-the key naming it and the fix, and what the experts do not support yet is refused at load."""
+the key naming it and the fix; the experts shard (FSDP) and swap blocks like any family."""
 
 from __future__ import annotations
 
@@ -25,16 +25,29 @@ def test_a_family_without_experts_refuses_the_key(tmp_path, family):
         _parse(tmp_path, family, {"expert": "high"})
 
 
+@pytest.mark.parametrize("expert", [None, "both", "high", "low"])
+@pytest.mark.parametrize("train", [{"parallelism": "fsdp", "processes": 2}, {"blocks_to_swap": 1, "mode": "lora"}])
+def test_experts_shard_and_swap_for_every_choice(tmp_path, expert, train):
+    """Each step trains one expert on every rank (SigmaSampler.step_share), so FSDP and block swap take both."""
+    cfg = _parse(tmp_path, "wan22", {"expert": expert}, train)
+    assert (cfg.train.parallelism, cfg.train.blocks_to_swap) == (
+        train.get("parallelism", "ddp"),
+        train.get("blocks_to_swap", 0),
+    )
+
+
 @pytest.mark.parametrize(
     "train, field",
     [
-        ({"parallelism": "fsdp", "processes": 2}, "train.parallelism"),
-        ({"blocks_to_swap": 1, "mode": "lora"}, "train.blocks_to_swap"),
+        ({"parallelism": "fsdp", "processes": 2, "blocks_to_swap": 1}, "train.blocks_to_swap"),
+        ({"blocks_to_swap": 1, "mode": "full", "processes": 2}, "train.blocks_to_swap"),
     ],
 )
-def test_what_experts_do_not_support_yet_is_refused_naming_the_fix(tmp_path, train, field):
-    with pytest.raises(ValueError, match=rf"{field}.*wan22.*set {field}"):
-        _parse(tmp_path, "wan22", train=train)
+def test_what_no_family_combines_is_refused_for_the_experts_too(tmp_path, train, field):
+    """What stays refused with experts is what every family refuses: block swap under FSDP (which frees each
+    block itself) or with a full fine-tune in several processes."""
+    with pytest.raises(ValueError, match=rf"{field}.*set train"):
+        _parse(tmp_path, "wan22", {"expert": "both"}, train)
 
 
 def test_an_experts_eval_timesteps_must_meet_its_share_of_the_schedule(tmp_path):

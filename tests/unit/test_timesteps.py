@@ -155,3 +155,22 @@ def test_prediction_type_comes_from_the_scheduler_config(tmp_path):
     assert torch.allclose(out.target, sched.get_velocity(x0, noise, out.timesteps))
     assert folders.identity(fam.facts, vpred, "denoiser") != folders.identity(fam.facts, base, "denoiser")
     assert folders.identity(fam.facts, vpred, "vae") == folders.identity(fam.facts, base, "vae")
+
+
+def test_each_step_draws_in_one_experts_share_and_the_steps_keep_the_samplers_distribution():
+    """A run of two timestep experts (boundary 0.875, as the A14B's): every step's sigmas fall in one share, the
+    same for a (seed, step) wherever it is drawn (every rank; a resumed run); the shares get the steps their mass
+    under the sampler gives them, and within a share the sigmas follow the sampler there, so over the steps the
+    sigmas are distributed as one sampler's over the whole schedule."""
+    sampler = SigmaSampler(kind="logit_normal", shift=3.0, splits=(0.875,))
+    whole = SigmaSampler(kind="logit_normal", shift=3.0).sample(N, torch.Generator().manual_seed(1), {}, 16).numpy()
+    steps = 4000
+    shares = [sampler.step_share(7, step, {}, 16) for step in range(steps)]
+    assert shares == [sampler.step_share(7, step, {}, 16) for step in range(steps)]
+    assert set(shares) == {(0.0, 0.875), (0.875, 1.0 + 1e-9)}
+    high = sum(s[0] == 0.875 for s in shares) / steps
+    assert high == pytest.approx(float(np.mean(whole >= 0.875)), abs=0.025)
+    gen = torch.Generator().manual_seed(2)
+    drawn = np.concatenate([sampler.sample(4, gen, {}, 16, within=s).numpy() for s in shares])
+    assert all(lo <= x < hi for (lo, hi), xs in zip(shares, drawn.reshape(steps, 4)) for x in xs)
+    assert np.quantile(drawn, [0.1, 0.5, 0.9]) == pytest.approx(np.quantile(whole, [0.1, 0.5, 0.9]), abs=0.02)

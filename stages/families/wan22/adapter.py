@@ -2,11 +2,12 @@
 (the Wan 2.1 family's adapter, imported below) with two timestep experts, WanPipeline's `transformer` (high noise) and
 `transformer_2` (low noise), split at the folder's `boundary_ratio` (model_index.json). model.expert picks which
 train (stages/families/wan22/experts.py): one expert on its share of the timesteps, or both as one run, each
-sample's timestep picking its expert; each expert gets its own LoRA files."""
+step's timesteps picking one expert on every rank; each expert gets its own LoRA files."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,6 +16,7 @@ import torch
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.wan.adapter import WanFamily
 from tuneline.stages.families.wan22.experts import HIGH, LOW, Experts
+from tuneline.stages.families.wan22.split import expert_files
 
 # Split as Wan2.2-T2V-A14B's (its boundary_ratio): the high-noise expert denoises t >= 875 of 1000.
 TINY_BOUNDARY = FAMILY_FACTS["wan22"].expert_boundary
@@ -71,15 +73,26 @@ class Wan22Family(WanFamily):
     def load_denoiser(
         self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
     ) -> torch.nn.Module:
-        comps, boundary = chosen_experts(model_dir, expert)
         load = self.denoiser_class.from_pretrained
-        return Experts({c: load(model_dir, subfolder=c, dtype=dtype).to(device) for c in comps}, boundary)
+        return self.build_denoiser(model_dir, expert, lambda c: load(model_dir, subfolder=c, dtype=dtype).to(device))
+
+    def build_denoiser(
+        self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]
+    ) -> torch.nn.Module:
+        comps, boundary = chosen_experts(model_dir, expert)
+        return Experts({c: build(c) for c in comps}, boundary)
 
     def denoiser_parts(self, denoiser: torch.nn.Module) -> dict[str, torch.nn.Module]:
         return dict(denoiser.experts) if isinstance(denoiser, Experts) else super().denoiser_parts(denoiser)
 
     def sigma_range(self, denoiser: torch.nn.Module) -> tuple[float, float]:
         return denoiser.sigma_range() if isinstance(denoiser, Experts) else (0.0, 1.0)
+
+    def sigma_splits(self, denoiser: torch.nn.Module) -> tuple[float, ...]:
+        """Both experts held: the boundary, so each step trains one of them on every rank."""
+        if isinstance(denoiser, Experts) and len(denoiser.experts) > 1 and denoiser.boundary is not None:
+            return (denoiser.boundary,)
+        return ()
 
     def block_stacks(self, model: torch.nn.Module) -> tuple[str, ...]:
         if isinstance(model, Experts):
@@ -96,6 +109,10 @@ class Wan22Family(WanFamily):
         if isinstance(denoiser, Experts) and denoiser.boundary is not None:
             return dict(self.facts.experts)
         return {}
+
+    def denoiser_files(self, file: Path, config: Path, expert: str | None) -> dict[str, Path]:
+        """ComfyUI's one file per expert, the other found beside model.path by its name (wan22/split.py)."""
+        return expert_files(file, config, expert)
 
     def lora_load_kwargs(self, component: str) -> dict[str, Any]:
         """diffusers' Wan LoRA loader puts a file's `transformer.` weights into transformer_2 when told to."""

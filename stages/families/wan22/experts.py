@@ -3,8 +3,10 @@ to the expert WanPipeline would denoise it with.
 
 WanPipeline (diffusers' pipeline_wan.py) runs `transformer` (high noise) at timesteps
 t >= boundary_ratio * num_train_timesteps and `transformer_2` (low noise) below; training routes the same way, so
-each expert learns only the share of the schedule it denoises. A run of one expert holds only that one (half the
-weights) and draws its timesteps from its share (Family.sigma_range).
+each expert learns only the share of the schedule it denoises. A run of both draws each optimizer step's timesteps
+on one side of the boundary, the same side on every rank (Family.sigma_splits, SigmaSampler.step_share): a step
+then runs one expert's blocks on every rank, which FSDP's collectives and block swap's schedule need. A run of one
+expert holds only that one (half the weights) and draws its timesteps from its share (Family.sigma_range).
 """
 
 from __future__ import annotations
