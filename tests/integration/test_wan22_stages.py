@@ -83,7 +83,7 @@ def test_one_expert_holds_only_itself_and_trains_on_its_share(tmp_path, upstream
 def test_block_swap_swaps_each_experts_blocks_and_trains_as_without(tmp_path, upstream_store):
     """train.blocks_to_swap with both experts: each swaps that many of its own blocks, the expert a step does not
     run keeps none on the device, and the weights after a step of each expert are those of a run without swap."""
-    data = upstream_store.dataset("wan22-clips", _clips)
+    data = upstream_store.dataset("wan22-clips", write_clips)
     plain = _config(tmp_path, data)
     seed = every_expert_seed(plain, model_dir(upstream_store.upstream(plain)))  # step 1 one expert, step 2 the other
     runs = {}
@@ -109,7 +109,7 @@ def test_block_swap_swaps_each_experts_blocks_and_trains_as_without(tmp_path, up
 
 @pytest.mark.ddp(reason="one expert sharded over 2 FSDP processes through the train stage")
 def test_one_expert_shards_over_fsdp_and_writes_only_its_files(tmp_path, upstream_store):
-    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", _clips), expert="high")
+    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", write_clips), expert="high")
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"processes": 2, "parallelism": "fsdp"})})
     path = run_stage(upstream_store.upstream(cfg), stage("train"), PIPELINE)[0]
     manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
