@@ -42,16 +42,26 @@ def usual_resolution(model_dir: Path, family: str) -> int:
     return FAMILY_FACTS[family].usual_resolution or FALLBACK_RESOLUTION
 
 
+def shipped_family(model_config: str) -> str:
+    """The family of the shipped config `model_config` names; a name that ships nothing is refused with the names."""
+    from tuneline.schemas.model import SHIPPED_CONFIGS
+
+    if model_config not in SHIPPED_CONFIGS:
+        raise ValueError(
+            f"--model-config {model_config}: not a shipped config; use one of {', '.join(sorted(SHIPPED_CONFIGS))}"
+        )
+    return SHIPPED_CONFIGS[model_config]
+
+
 def model_user_config(model_config: str, workdir: str | None):
     """The training a user of the released model would run: the example's config with LoRA, bf16 weights on a
     CUDA device, batch 1 in one process, at the model's usual resolution."""
     from tuneline.schemas.config import parse_config
     from tuneline.schemas.demo import DEMO_CONFIG
-    from tuneline.schemas.model import SHIPPED_CONFIGS
     from tuneline.stages.families.shipped import shipped_dir
 
     data = json.loads(json.dumps(DEMO_CONFIG))
-    family = SHIPPED_CONFIGS[model_config]
+    family = shipped_family(model_config)
     data["model"].update(family=family, dtype="bfloat16", device="cuda")
     data["buckets"] = {"resolution": usual_resolution(shipped_dir(model_config), family), "resolution_type": "pixel"}
     data["train"].update(mode="lora", batch_size=1, processes=1)
@@ -81,7 +91,6 @@ def plan_command(
     as if trained by that many processes in all (train.processes, one node)."""
     import torch
 
-    from tuneline.schemas.model import SHIPPED_CONFIGS
     from tuneline.stages.families import resolve as models
     from tuneline.stages.families.shipped import shipped_dir
     from tuneline.stages.train.memplan import plan
@@ -91,11 +100,8 @@ def plan_command(
     if processes is not None:
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"processes": processes, "nodes": 1})})
     if model_config is not None:
-        if model_config not in SHIPPED_CONFIGS:
-            raise ValueError(
-                f"--model-config {model_config}: not a shipped config; use one of {', '.join(sorted(SHIPPED_CONFIGS))}"
-            )
-        model_dir, family = shipped_dir(model_config), SHIPPED_CONFIGS[model_config]
+        family = shipped_family(model_config)
+        model_dir = shipped_dir(model_config)
     else:
         model_dir, family = models._model_dir(cfg, cfg.workdir_path() / "models"), cfg.model.family
     note = ""

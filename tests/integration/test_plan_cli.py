@@ -19,8 +19,10 @@ def test_plan_exit_codes_and_the_fix(tmp_path):
     big = tuneline("plan", str(cfg), "--gpu-memory", "80", "--model-config", "sdxl", cwd=tmp_path)
     assert big.returncode == 0, big.stdout + big.stderr
     assert "-> fits" in big.stdout
-    bad = tuneline("plan", str(cfg), "--model-config", "nope", cwd=tmp_path)
-    assert bad.returncode == 1 and "--model-config nope" in bad.stderr and "Traceback" not in bad.stderr
+    for config in ([str(cfg)], []):  # without CONFIG, the released model's user config is built from the name
+        bad = tuneline("plan", *config, "--model-config", "Z-Image-Turbo", cwd=tmp_path)
+        assert bad.returncode == 1 and "--model-config Z-Image-Turbo: not a shipped config" in bad.stderr, bad.stderr
+        assert "z_image" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # (shipped config, transformer blocks, planned LoRA weights in GiB at bfloat16 within 1 %: the released sizes)
