@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.records import write_latents  # noqa: E402
 from tuneline.stages.common.prefetch import ahead  # noqa: E402
 from tuneline.stages.latents.reader import LatentReader, epoch_plan  # noqa: E402
-from tuneline.stages.train.loop import feed_workers, sample_latents, samples_in_feed  # noqa: E402
+from tuneline.stages.train.feed import feed_workers, sample_latents, samples_in_feed  # noqa: E402
 
 BUCKETS = {"512x512": (4, 64, 64), "448x576": (4, 72, 56), "576x448": (4, 56, 72), "640x384": (4, 48, 80)}
 PER_BUCKET = 1000

@@ -10,9 +10,10 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.common import DiffusersFamily, dynamic_shift_scheduler, module_device, tokenize, unwrap
+from tuneline.stages.families.common import DiffusersFamily, module_device, tokenize, unwrap
 from tuneline.stages.families.sd3.adapter import CLIP_LENGTH, T5_LIMIT, flow_vae, t5_embeds, tiny_t5
 from tuneline.stages.families.sd15.adapter import tiny_clip_config
+from tuneline.stages.families.stock import dynamic_shift_scheduler
 from tuneline.stages.families.vocab import build_clip_tokenizer, build_t5_tokenizer
 
 

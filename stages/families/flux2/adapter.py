@@ -15,10 +15,11 @@ import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import MicroCond, TextEncoders
-from tuneline.stages.families.common import DiffusersFamily, dynamic_shift_scheduler, module_device, unwrap
+from tuneline.stages.families.common import DiffusersFamily, module_device, unwrap
 from tuneline.stages.families.flux2 import latents as lat
 from tuneline.stages.families.flux2.references import reference_tokens
 from tuneline.stages.families.qwen import TINY_TEXT_WIDTH, build_bpe_tokenizer
+from tuneline.stages.families.stock import dynamic_shift_scheduler
 from tuneline.stages.families.tiny.adapter import demo_pictures, demo_vae_widened_state
 
 CONTROL_KEY = "control_latents"  # the conditioning key the training loop fills for a family that takes control
