@@ -261,6 +261,7 @@ class Family(Protocol):
         """The pictures of a pipeline call's output, one per prompt (default: `output.images`; a video pipeline's
         clips' first frames)."""
 
-    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
         """The pipeline's output_type="latent" result as (B, C, H, W) cache-space latents (the edit learning check
-        compares them with the cache); default: already in that shape."""
+        compares them with the cache); `vae` is the render's VAE (a family whose pipeline undoes the cache's normalisation
+        redoes it with the VAE's statistics); default: already in that shape."""

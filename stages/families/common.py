@@ -148,7 +148,7 @@ class DiffusersFamily:
     ) -> tuple[Any, dict[str, Any]]:
         return pipe, kwargs
 
-    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
         return latents
 
     # ---- video families ----------------------------------------------------------------------

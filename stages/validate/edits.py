@@ -166,8 +166,8 @@ def instructed_accuracy(renderer: Renderer, cfg, size: tuple[int, int], means: d
     ]
     out = renderer.render(samples, width, height, v.check_steps, v.guidance_scale, output_type="latent")
     latents = torch.stack([torch.as_tensor(t) for t in out]).float().cpu()
-    if latents.dim() == 3:  # packed tokens: the family lays them out on the latent grid
-        latents = models.family(cfg).rendered_latents(latents, width, height)
+    # the family lays its pipeline's output out as the cache (packed tokens, raw VAE scale)
+    latents = models.family(cfg).rendered_latents(latents, width, height, renderer.pipe.vae)
     return separation(latents, [c for c, _ in pairs], means)
 
 

@@ -51,7 +51,7 @@ def render_motion(renderer: Renderer, cfg, size: tuple[int, int], frames: int) -
     samples = [Sample(prompt, "", CHECK_SEED + i) for i, (prompt, _) in enumerate(prompts)]
     out = renderer.render(samples, width, height, v.check_steps, v.guidance_scale, output_type="latent", frames=frames)
     latents = torch.stack([torch.as_tensor(t) for t in out]).float().cpu()
-    return [d for _, d in prompts], models.family(cfg).rendered_latents(latents, width, height)
+    return [d for _, d in prompts], models.family(cfg).rendered_latents(latents, width, height, renderer.pipe.vae)
 
 
 def motion_accuracy(renderer: Renderer, cfg, size: tuple[int, int], frames: int, means: dict) -> float | None:

@@ -284,4 +284,4 @@ def test_rendered_latents_are_laid_out_as_the_cache(flux2_run):
     tokens = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(0))
     _, ids = pipe.prepare_latents(2, 32, 64, 64, torch.float32, CPU, None, latents=torch.zeros(2, 128, 4, 4))
     want = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(tokens, ids))
-    assert torch.equal(fam.rendered_latents(tokens, 64, 64), want)
+    assert torch.equal(fam.rendered_latents(tokens, 64, 64, pipe.vae), want)

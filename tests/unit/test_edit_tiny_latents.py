@@ -56,3 +56,18 @@ def test_denoiser_space_is_unit_wide_and_tells_the_demo_colors_apart(name):
     assert 0.7 < z.std().item() < 1.4, z.std().item()
     apart = min((z[i] - z[j]).abs().mean().item() for i, j in itertools.combinations(range(len(z)), 2))
     assert apart > 0.15, apart
+
+
+def test_klein_rendered_latents_are_in_the_cache_space():
+    """Flux2KleinPipeline's output_type="latent" result is in the VAE's raw scale (what vae.decode takes); the edit
+    check compares it with cached, normalised latents, so the family's hook must give back the cache's own encoding
+    of the same picture. Taken as is, the raw latents lie well away from it (the tiny VAE's statistics are measured,
+    away from (0, 1))."""
+    vae = flux2_tiny_vae(FAMILY_FACTS["flux2_klein"])
+    x = demo_pictures()[:4]
+    with torch.no_grad():
+        raw = vae.encode(x).latent_dist.mean
+        cached = flux2_latents.NormalisedEncoder(vae).encode(x).latent_dist.mean
+        got = get_family("flux2_klein").rendered_latents(raw, x.shape[-1], x.shape[-2], vae)
+    assert (raw - cached).abs().max() > 0.1
+    torch.testing.assert_close(got, cached, rtol=1e-4, atol=1e-4)

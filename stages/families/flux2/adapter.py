@@ -164,7 +164,7 @@ class Flux2Family(DiffusersFamily):
         refs = images[0]
         return {"image": list(refs) if isinstance(refs, (list, tuple)) else [refs]}
 
-    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
         """The pipeline's output_type="latent" result (B, tokens, 128), normalised, as (B, 32, H, W) cache-space
         latents (the edit learning check compares them with the cache)."""
         f = 2 * self.facts.vae_factor

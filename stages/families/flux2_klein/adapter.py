@@ -5,12 +5,13 @@ negative prompt."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
 from tuneline.stages.families.base import TextEncoders
+from tuneline.stages.families.flux2 import latents as lat
 from tuneline.stages.families.flux2.adapter import Flux2Family
 from tuneline.stages.families.qwen import chat_prompts, qwen_hidden, tiny_qwen3
 
@@ -34,3 +35,10 @@ class Flux2KleinFamily(Flux2Family):
         mask is kept for trainers that mask padding."""
         hidden, mask = qwen_hidden(enc, chat_prompts(enc.tokenizers[0], captions, enable_thinking=False), KLEIN_LAYERS)
         return {"prompt_embeds": hidden, "prompt_attention_mask": mask}
+
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
+        """Flux2KleinPipeline's output_type="latent" result is (B, 32, H, W) already taken back to the VAE's raw
+        scale (unlike Flux2Pipeline's normalised tokens); the cache holds the normalised latents, so the
+        normalisation is redone with the VAE's batch-norm statistics (as lat.NormalisedEncoder)."""
+        m, s = (t.to(latents) for t in lat.bn_stats(vae))
+        return lat.unpatchify((lat.patchify(latents) - m) / s)

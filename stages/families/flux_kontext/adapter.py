@@ -98,7 +98,7 @@ class FluxKontextFamily(FluxFamily):
             kwargs |= {"image": images, "_auto_resize": False}
         return kwargs
 
-    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
         """The pipeline's output_type="latent" result (B, tokens, C*4) as (B, C, H, W) denoiser-space latents."""
         f = self.facts.vae_factor
         return unpack_latents(latents, height // f, width // f)

@@ -225,7 +225,7 @@ class QwenImageEditFamily(QwenImageFamily):
                 kwargs |= {f"{prefix}{k}": out[k].to(dev) for k in self.prompt_keys}
         return with_input_area(pipe, enc.input_area), kwargs
 
-    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
         """The pipeline's output_type="latent" result (B, tokens, C*4) as (B, C, H, W) denoiser-space latents."""
         f = self.facts.vae_factor
         return unpack_latents(latents, height // f, width // f)

@@ -221,7 +221,7 @@ class WanFamily(DiffusersFamily):
         frames = output.frames
         return frames if isinstance(frames, torch.Tensor) else frames[:, 0]
 
-    def rendered_latents(self, latents: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    def rendered_latents(self, latents: torch.Tensor, width: int, height: int, vae: Any) -> torch.Tensor:
         return fold(latents)
 
     # ---- training ----------------------------------------------------------------------------
