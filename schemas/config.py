@@ -141,7 +141,7 @@ def resolve_paths(cfg: PipelineConfig, base: Path | None = None) -> PipelineConf
     """Every relative path made absolute, once: the workdir against `base` (the directory the command was started
     in), every other path field (marked ConfigPath) against the workdir. Every process of a run (torchrun workers,
     Prefect workers, deployments) then gets the same absolute paths, whatever its own working directory."""
-    workdir = Path(cfg.workdir).expanduser()
+    workdir = _expand(cfg.workdir, "workdir")
     workdir = (workdir if workdir.is_absolute() else (base or Path.cwd()) / workdir).resolve()
     data = cfg.model_dump(by_alias=True)
     data["workdir"] = str(workdir)
@@ -179,20 +179,30 @@ def _check_overlap(cfg: PipelineConfig) -> None:
         )
 
 
-def _absolute(model: BaseModel, data: dict, workdir: Path) -> None:
+def _expand(value: str, field: str) -> Path:
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # ~name of a user this machine does not know
+        raise ConfigError(
+            f"{field}: {value} starts with the home folder of a user this machine does not know; write the path "
+            f"out in full"
+        ) from None
+
+
+def _absolute(model: BaseModel, data: dict, workdir: Path, section: str = "") -> None:
     for name, info in type(model).model_fields.items():
         key = info.alias or name
         value = getattr(model, name)
         marker = next((m for m in info.metadata if isinstance(m, ConfigPath)), None)
         if marker is not None and isinstance(value, str) and value not in marker.keywords and not is_url(value):
-            path = Path(value).expanduser()
+            path = _expand(value, section + key)
             data[key] = str(path if path.is_absolute() else workdir / path)
         elif isinstance(value, BaseModel):
-            _absolute(value, data[key], workdir)
+            _absolute(value, data[key], workdir, f"{section}{key}.")
         elif isinstance(value, list):
             for item, item_data in zip(value, data[key]):
                 if isinstance(item, BaseModel):
-                    _absolute(item, item_data, workdir)
+                    _absolute(item, item_data, workdir, f"{section}{key}[].")
 
 
 def parse_config(

@@ -5,6 +5,8 @@ The adapters in stages/families/ read these same facts, so a config check and th
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from tuneline.schemas.families_wan import WAN_FACTS
@@ -309,28 +311,46 @@ def facts(name: str) -> FamilyFacts:
         raise ValueError(f"model.family: unknown family {name!r}; known: {', '.join(FAMILY_FACTS)}") from None
 
 
-def variant_family(family: str, config: str | None, path: str | None) -> str | None:
-    """The row of `family`'s other layout (FamilyFacts.variant_of; `family` itself when it is one) that model.config
-    names, or whose flag the model_index.json of model.path or of a model.config folder sets; None: no other layout
-    is named (the family's own row)."""
+def variant_family(family: object, config: object, path: object) -> str | None:
+    """The row that `family` (a family, or a row of another layout: FamilyFacts.variant_of) trains for this model:
+    a row of another layout that model.config names, or whose flag the model_index.json of model.path (or of a
+    model.config folder beside a single file as model.path) sets; `family`'s variant_of when that readable
+    model_index.json lacks its flag (the folder is of the main layout). None: `family` itself, also for values of
+    the wrong type, which the field checks name."""
+    if not all(v is None or isinstance(v, str) for v in (family, config, path)):
+        return None
     variants = {n: f for n, f in FAMILY_FACTS.items() if f.variant_of == family or (n == family and f.variant_of)}
     if config in variants:
         return config
-    for folder in (path, config) if variants else ():
-        flags = _model_index(folder)
-        if found := next((n for n, f in variants.items() if flags.get(f.variant_flag)), None):
-            return found
+    folder = _local(path)
+    beside = config if folder is not None and not _is_dir(folder) and config not in SHIPPED_CONFIGS else None
+    for index in (_model_index(folder), _model_index(_local(beside))) if variants else ():
+        if index is None:
+            continue
+        found = next((n for n, f in variants.items() if index.get(f.variant_flag)), None)
+        return found or (FAMILY_FACTS[family].variant_of or None)
     return None
 
 
-def _model_index(folder: str | None) -> dict:
-    """A local diffusers folder's model_index.json ({}: none, or unreadable: the folder check reports that)."""
-    import json
-    from pathlib import Path
-
-    index = Path(folder).expanduser() / "model_index.json" if folder and "://" not in folder else None
+def _local(folder: str | None) -> Path | None:
+    """A local path with ~ expanded (None: none, a URL, or an unknown user: the field checks report that)."""
     try:
-        data = json.loads(index.read_text(encoding="utf-8")) if index is not None and index.is_file() else {}
+        return Path(folder).expanduser() if folder and "://" not in folder else None
+    except RuntimeError:
+        return None
+
+
+def _is_dir(folder: Path) -> bool:
+    try:
+        return folder.is_dir()
+    except OSError:
+        return False
+
+
+def _model_index(folder: Path | None) -> dict | None:
+    """A local diffusers folder's model_index.json (None: none, or unreadable: the folder check reports that)."""
+    try:
+        data = json.loads((folder / "model_index.json").read_text(encoding="utf-8")) if folder is not None else None
     except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        return None
+    return data if isinstance(data, dict) else None

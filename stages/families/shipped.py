@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tuneline.schemas.families import FAMILY_FACTS
 from tuneline.schemas.model import SHIPPED_CONFIGS
 
 CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
@@ -92,8 +93,25 @@ def resolve_config(family_name: str, file: Path, config: str | None) -> tuple[st
             else f"model.config: null uses the shipped {name} config (the released {name} model), which"
         )
         raise ValueError(
-            f"{which} does not fit model.path {file}: " + "; ".join(problems[:3]) + ". Set model.config to a local "
-            "diffusers folder of this model (its configs and tokenizers are read, not its weights), or check "
-            "model.family and model.path"
+            f"{which} does not fit model.path {file}: " + "; ".join(problems[:3]) + _way_out(family_name, file)
         )
     return str(shipped_dir(name)), True
+
+
+def _way_out(family_name: str, file: Path) -> str:
+    """The fix for a file that no shipped size of its family fits: the shipped config of a row of another layout of
+    the family (FamilyFacts.variant_of; it trains as that row) when the file fits one, else a local folder."""
+    other = next(
+        (
+            n
+            for n, fam in SHIPPED_CONFIGS.items()
+            if FAMILY_FACTS[fam].variant_of == family_name and not misfits(file, n)
+        ),
+        None,
+    )
+    if other is not None:
+        return f". The file fits the shipped {other} config (model.family {family_name} trains it): set model.config {other}"
+    return (
+        ". Set model.config to a local diffusers folder of this model (its configs and tokenizers are read, not its "
+        "weights), or check model.family and model.path"
+    )

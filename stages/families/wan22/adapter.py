@@ -20,6 +20,8 @@ from tuneline.stages.families.wan22.split import expert_files
 
 # Split as Wan2.2-T2V-A14B's (its boundary_ratio): the high-noise expert denoises t >= 875 of 1000.
 TINY_BOUNDARY = FAMILY_FACTS["wan22"].expert_boundary
+# The row of the TI2V 5B layout (FamilyFacts.variant_of), which the refusal of its folders names.
+TI2V_ROW = next(n for n, f in FAMILY_FACTS.items() if f.variant_of == "wan22")
 
 
 def folder_experts(model_dir: Path) -> tuple[tuple[str, ...], float | None]:
@@ -32,8 +34,9 @@ def folder_experts(model_dir: Path) -> tuple[tuple[str, ...], float | None]:
     if index.get("expand_timesteps"):
         raise ValueError(
             f"{index_file}: expand_timesteps is true, the Wan 2.2 TI2V 5B layout, which the A14B layout's code does "
-            f"not train (transformer and transformer_2); give this folder as model.path with model.family wan22 "
-            f"(it then trains as the TI2V 5B layout), or use a Wan2.2-T2V-A14B folder"
+            f"not train (transformer and transformer_2); set model.config {TI2V_ROW} to train it as that layout (or, "
+            f"if model.path named this folder when the config was loaded, check it was readable then: the config "
+            f"picks that layout from this file), or use a Wan2.2-T2V-A14B folder"
         )
     boundary = index.get("boundary_ratio")
     if len(present) == 2 and boundary is None:
