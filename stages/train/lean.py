@@ -88,7 +88,9 @@ class LeanRMSNorm(torch.nn.RMSNorm):
     def forward(self, x):
         if x.dtype not in HALF or len(self.normalized_shape) != 1:
             return super().forward(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        # eps None: torch's rms_norm takes the epsilon of the type it computes in (float32 for half input), not
+        # the input's (bf16's 0.0078 would swamp the mean square of small activations)
+        eps = self.eps if self.eps is not None else torch.finfo(torch.float32).eps
         return _RMSNorm.apply(x, self.weight, eps)
 
 

@@ -244,7 +244,7 @@ class Trainer:
             for k, v in fed.cond.items()
         }
         noise = offset_noise(torch.randn(x0.shape, generator=dev, device=self.device), t.noise_offset, dev)
-        nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, **self.draws(fed))
+        nz = noisy_and_target(x0, noise, self.prediction, self.noise_scheduler, gen, **self.draws())
         weights = loss_weights(nz.snr, self.prediction, t.loss_weighting, t.min_snr_gamma)
         per_source = data.rows.loss_weights(mb.bucket, mb.rows) if data.rows is not None else None
         if per_source is not None:  # dataset.sources loss_weight (prior preservation)
@@ -268,14 +268,12 @@ class Trainer:
             self.scaler.scale(loss / t.grad_accumulation).backward()
         return loss.detach()
 
-    def draws(self, fed: Fed) -> dict:
-        """How micro-batch `fed` draws its noise levels (noisy_and_target's keywords): with timestep experts in one
-        expert's share per optimizer step, the same on every rank (a micro-batch is in one bucket there), so under
-        FSDP and block swap every rank runs the same expert's blocks (SigmaSampler.step_share)."""
-        patch = self.fam.facts.patch_size
-        tokens = (fed.mean.shape[-2] // patch) * (fed.mean.shape[-1] // patch)
-        share = self.sigmas.step_share(self.t.seed, self.step, self.noise_scheduler.config, tokens)
-        return {"sigmas": self.sigmas, "patch": patch, "within": share}
+    def draws(self) -> dict:
+        """How a micro-batch draws its noise levels (noisy_and_target's keywords): with timestep experts in one
+        expert's share per optimizer step, drawn from the seed and the step only (not the micro-batch's size), so under FSDP
+        and block swap every rank and micro-step runs the same expert's blocks (SigmaSampler.step_share)."""
+        share = self.sigmas.step_share(self.t.seed, self.step, self.noise_scheduler.config)
+        return {"sigmas": self.sigmas, "patch": self.fam.facts.patch_size, "within": share}
 
     def flips(self, n: int, gen: torch.Generator) -> list[bool] | None:
         if not (self.t.flip and self.data.reader.manifest.flip):

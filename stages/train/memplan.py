@@ -32,6 +32,7 @@ from tuneline.stages.common.sizing import latent_frames
 from tuneline.stages.train.fsdpplan import allowed, sharded_terms, shards_that_fit
 from tuneline.stages.train.memtrace import Trace
 from tuneline.stages.train.metamodel import largest_fitting
+from tuneline.stages.train.model import gpu_autocast
 from tuneline.stages.train.optimizers import STATE_BYTES
 from tuneline.stages.train.planfacts import Facts
 from tuneline.stages.train.swap import max_blocks_to_swap
@@ -90,13 +91,9 @@ def planned_controls(cfg, fam) -> int:
     return int(fam.takes_control and (paired(cfg) or bool(by_members(cfg))))
 
 
-def amp_dtype(cfg, dtype: torch.dtype, autocast: bool) -> torch.dtype | None:
-    """The dtype autocast computes in (tuneline.stages.train.model.autocast_dtype on a bf16-capable GPU), or None."""
-    if not autocast:
-        return None
-    if cfg.train.mixed_precision == "fp16":
-        return torch.float16
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+def amp_dtype(cfg, autocast: bool) -> torch.dtype | None:
+    """The dtype autocast computes in on a bf16-capable GPU (the trainer's own choice), or None."""
+    return gpu_autocast(cfg.train.mixed_precision, cfg.model.dtype, True) if autocast else None
 
 
 def size(b: int) -> str:
@@ -171,9 +168,7 @@ class Planner:
     def __init__(self, cfg, fam, model_dir: Path, cuda: bool, dtype: torch.dtype, autocast: bool):
         self.cfg, self.fam, self.t, self.cuda, self.autocast = cfg, fam, cfg.train, cuda, autocast
         self.dtype = dtype if self.t.mode == "lora" else torch.float32
-        self.facts = Facts(
-            fam, model_dir, self.t, self.dtype, planned_controls(cfg, fam), amp_dtype(cfg, dtype, autocast)
-        )
+        self.facts = Facts(fam, model_dir, self.t, self.dtype, planned_controls(cfg, fam), amp_dtype(cfg, autocast))
         self.alignment = cfg.buckets.alignment or fam.facts.vae_factor * fam.facts.patch_size
         render_dtype = dtype if autocast else torch.float32  # what hooks.Hooks.render computes in
         # The folder's denoisers a run holds (model.expert high or low: one of two timestep experts); a render

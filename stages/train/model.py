@@ -24,19 +24,27 @@ from tuneline.stages.train.singlefile_export import save_single_file
 
 def autocast_dtype(mixed: str, device: torch.device, dtype: str = "float32", mode: str = "lora") -> torch.dtype | None:
     """The autocast dtype, or None for plain float32. CPU always trains in float32: half-precision convolutions
-    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32. `auto` computes
-    in a half-precision model.dtype's own type, else bf16 where the GPU has it. Combinations that cannot train
-    are refused naming both fields (tuneline.schemas.checks.precision_problem)."""
+    there are slow or missing, and the tests' exact-resume guarantee needs deterministic float32. Combinations
+    that cannot train are refused naming both fields (tuneline.schemas.checks.precision_problem)."""
     problem = precision_problem(dtype, mixed, mode, device.type)
     if problem:
         raise ValueError(problem)
-    if device.type != "cuda" or mixed == "no":
+    if device.type != "cuda":
+        return None
+    return gpu_autocast(mixed, dtype, torch.cuda.is_bf16_supported())
+
+
+def gpu_autocast(mixed: str, dtype: str, bf16_supported: bool) -> torch.dtype | None:
+    """The dtype a GPU run with train.mixed_precision `mixed` and model.dtype `dtype` autocasts in (None: plain
+    float32); the memory planner assumes it too. `auto` computes in a half-precision model.dtype's own type, else
+    bf16 where the GPU has it; bf16 or fp16 named win over model.dtype."""
+    if mixed == "no":
         return None
     if mixed == "auto":
         if dtype in HALF:
             mixed = HALF[dtype]
         else:
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.bfloat16 if bf16_supported else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
 
 

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# The token count a step's expert share is drawn for (a 1024x1024 image in 16-pixel patches): a run-wide constant,
+# since the micro-batch's own count can differ between ranks and accumulation micro-steps (buckets, clip sizes), and
+# every one of them must run the same expert in a step (FSDP collectives, block swap's one resident expert).
+SHARE_TOKENS = 4096
+
 
 @dataclass(frozen=True)
 class SigmaSampler:
@@ -73,17 +78,19 @@ class SigmaSampler:
             kept = torch.cat([kept, s[(s >= within[0]) & (s < within[1])]])
         return kept[:n]
 
-    def step_share(self, seed: int, step: int, scheduler_config, tokens: int) -> tuple[float, float] | None:
-        """The share between `splits` that optimizer step `step` draws in, the same on every rank: the one a sigma
-        drawn as `sample` does (from a generator of the run's seed and the step, so a resumed run picks the same)
-        falls into. So each share gets the steps its mass under the sampler gives it, and a share's sigmas, drawn
-        `within` it, follow the sampler there: over many steps the sigmas are distributed exactly as `sample`'s,
-        only the samples of one step share a side. (On average k draws per sample with k shares: a share of mass
-        p is picked with probability p and costs 1/p draws.) None without splits."""
+    def step_share(self, seed: int, step: int, scheduler_config) -> tuple[float, float] | None:
+        """The share between `splits` that optimizer step `step` draws in, a function of (seed, step) and the run's
+        constants only, so the same on every rank and micro-step (and in a resumed run): the one a sigma drawn as
+        `sample` does for SHARE_TOKENS tokens (from a generator of the seed and the step) falls into. So each share
+        gets the steps its mass under the sampler gives it, and a share's sigmas, drawn `within` it, follow the
+        sampler there: over many steps the sigmas are distributed as `sample`'s, only the samples of one step share
+        a side. With a resolution-dependent shift (use_dynamic_shifting) the share masses are those at SHARE_TOKENS,
+        not at each image's size. (On average k draws per sample with k shares: a share of mass p is picked with
+        probability p and costs 1/p draws.) None without splits."""
         if not self.splits:
             return None
         gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, step, 2]).generate_state(1)[0]))
-        sigma = float(self.sample(1, gen, scheduler_config, tokens))
+        sigma = float(self.sample(1, gen, scheduler_config, SHARE_TOKENS))
         edges = (0.0, *self.splits, 1.0 + 1e-9)  # sigma 1.0 belongs to the last share (t >= boundary)
         return next((lo, hi) for lo, hi in zip(edges, edges[1:]) if lo <= sigma < hi)
 

@@ -167,7 +167,7 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
         cfg = config(cell, data, root / cell.family)  # one workdir per family: its cells share the caches
         ctx = store.upstream(cfg)
         if get_family(cell.family).facts.experts:
-            cfg = config(cell, data, root / cell.family, every_expert_seed(cfg, models.model_dir(ctx)))
+            cfg = config(cell, data, root / cell.family, every_expert_seed(cfg, models.model_dir(ctx), cell.id))
             ctx = store.upstream(cfg)
         out = outs[cell.id] = root / "cells" / cell.id
         plan.append({"name": cell.id, "out": str(out), "spec": _spec(ctx, out / "train"), "replay": cell.ddp_twin.id})
@@ -184,20 +184,18 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
     return outs
 
 
-def every_expert_seed(cfg: PipelineConfig, model_dir: Path) -> int:
+def every_expert_seed(cfg: PipelineConfig, model_dir: Path, cell: str) -> int:
     """The first train.seed whose STEPS steps train every timestep expert of cfg's family: each step trains one,
     drawn from the seed and the step (SigmaSampler.step_share), so a seed of two steps on one expert would leave
     the other untested."""
     fam = get_family(cfg.model.family)
     sampler = SigmaSampler.from_train(cfg.train, splits=(fam.facts.expert_boundary,))
     scheduler = fam.load_noise_scheduler(model_dir).config
-    side = cfg.buckets.resolution // (fam.facts.vae_factor * fam.facts.patch_size)
     experts = len(fam.facts.experts)
-    return next(
-        seed
-        for seed in range(100)
-        if len({sampler.step_share(seed, i, scheduler, side * side) for i in range(STEPS)}) == experts
-    )
+    seeds = range(100)
+    found = [s for s in seeds if len({sampler.step_share(s, i, scheduler) for i in range(STEPS)}) == experts]
+    assert found, f"cell {cell}: no train.seed in {seeds} trains all {experts} experts in {STEPS} steps"
+    return found[0]
 
 
 def _spec(ctx, work: Path) -> dict:

@@ -82,7 +82,7 @@ def test_the_shipped_facts_are_todays_for_every_default_plan(name):
     cfg = model_user_config(name, None)
     fam, model_dir = get_family(SHIPPED_CONFIGS[name]), shipped_dir(name)
     dtype = dtypes()[cfg.model.dtype]
-    amp = amp_dtype(cfg, dtype, cfg.train.mixed_precision != "no")  # the shipped plans are CUDA plans
+    amp = amp_dtype(cfg, cfg.train.mixed_precision != "no")  # the shipped plans are CUDA plans
     key = planfacts.fingerprint(fam, model_dir, cfg.train, dtype, planned_controls(cfg, fam), amp)
     shipped = json.loads(planfacts.SHIPPED.read_text(encoding="utf-8"))
     assert key in shipped, f"{name}: plan_facts.json is stale; run `python -m tuneline.stages.train.planfacts`"

@@ -36,14 +36,15 @@ def write_clips(root, size: int = 32):
         (root / f"{name}.txt").write_text(caption, encoding="utf-8")
 
 
-def _config(tmp, data, **model):
+def _config(tmp, data, train=None, **model):
+    """The run's config through parse_config (the user's path: every check applies), `train` over the defaults."""
     return parse_config(
         {
             "dataset": {"path": str(data)},
             "model": {"family": "wan22", "path": None, "device": "cpu", **model},
             "buckets": {"resolution": 32, "fps": 8, "frames": [5]},
             "text": {"max_length": 16},
-            "train": {"steps": 2, "batch_size": 1, "processes": 1, "mode": "lora", "lora_rank": 4},
+            "train": {"steps": 2, "batch_size": 1, "processes": 1, "mode": "lora", "lora_rank": 4, **(train or {})},
             "validate": {"frames": 5, "steps": 2, "learning_check": False},
         },
         workdir=str(tmp / "work"),
@@ -85,10 +86,11 @@ def test_block_swap_swaps_each_experts_blocks_and_trains_as_without(tmp_path, up
     run keeps none on the device, and the weights after a step of each expert are those of a run without swap."""
     data = upstream_store.dataset("wan22-clips", write_clips)
     plain = _config(tmp_path, data)
-    seed = every_expert_seed(plain, model_dir(upstream_store.upstream(plain)))  # step 1 one expert, step 2 the other
+    # step 1 one expert, step 2 the other
+    seed = every_expert_seed(plain, model_dir(upstream_store.upstream(plain)), "wan22 block swap")
     runs = {}
     for swap in (0, 1):
-        cfg = plain.model_copy(update={"train": plain.train.model_copy(update={"seed": seed, "blocks_to_swap": swap})})
+        cfg = _config(tmp_path, data, {"seed": seed, "blocks_to_swap": swap})
         runs[swap] = trainer_for(cfg, upstream_store.upstream(cfg))
         steps(runs[swap], 2)
     swapper = runs[1].swapper
@@ -100,8 +102,7 @@ def test_block_swap_swaps_each_experts_blocks_and_trains_as_without(tmp_path, up
         assert ups and any(bool(p.abs().max() > 0) for p in ups), comp
     for name, p in runs[0].params.items():
         torch.testing.assert_close(runs[1].params[name], p, rtol=0, atol=1e-6, msg=name)
-    one = _config(tmp_path, data, expert="high")
-    one = one.model_copy(update={"train": one.train.model_copy(update={"blocks_to_swap": 1})})
+    one = _config(tmp_path, data, {"blocks_to_swap": 1}, expert="high")
     trainer = trainer_for(one, upstream_store.upstream(one))
     steps(trainer, 1)
     assert isinstance(trainer.swapper, BlockSwapper) and math.isfinite(trainer.losses[0])
@@ -109,8 +110,8 @@ def test_block_swap_swaps_each_experts_blocks_and_trains_as_without(tmp_path, up
 
 @pytest.mark.ddp(reason="one expert sharded over 2 FSDP processes through the train stage")
 def test_one_expert_shards_over_fsdp_and_writes_only_its_files(tmp_path, upstream_store):
-    cfg = _config(tmp_path, upstream_store.dataset("wan22-clips", write_clips), expert="high")
-    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"processes": 2, "parallelism": "fsdp"})})
+    data = upstream_store.dataset("wan22-clips", write_clips)
+    cfg = _config(tmp_path, data, {"processes": 2, "parallelism": "fsdp"}, expert="high")
     path = run_stage(upstream_store.upstream(cfg), stage("train"), PIPELINE)[0]
     manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
     assert sorted(e["file"] for e in manifest["exports"]) == [

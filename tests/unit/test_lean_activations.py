@@ -66,6 +66,17 @@ def test_lean_norm_matches_the_layer_and_keeps_only_its_input(index):
         torch.testing.assert_close(gp.double(), gq, rtol=3e-2, atol=3e-2 * gq.abs().max().item())
 
 
+def test_lean_rms_norm_without_eps_matches_torchs():
+    """eps None: the lean RMSNorm adds the epsilon torch's does (float32's, for bf16 input), which matters for
+    small activations: rows of mean square near bf16's epsilon."""
+    original = torch.nn.RMSNorm(64)
+    original.weight.data = original.weight.data.to(torch.bfloat16)
+    lean = copy.deepcopy(original)
+    lean_activations(lean, half_base=False)
+    x = (torch.randn(4, 32, 64) * 1e-2).to(torch.bfloat16)
+    torch.testing.assert_close(lean(x).float(), original(x).float(), rtol=1e-2, atol=1e-2)
+
+
 def test_lean_norm_leaves_float32_exact():
     """Float32 (the CPU's training dtype) runs the layer's own forward: the same bits."""
     for original in norms():

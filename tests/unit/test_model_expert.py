@@ -4,8 +4,13 @@ the key naming it and the fix; the experts shard (FSDP) and swap blocks like any
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tuneline.schemas.config import parse_config
+from tuneline.stages.families.registry import get_family
+from tuneline.stages.train.swap import BlockSwapper, ExpertSwappers, block_swapper, transformer_blocks
+
+CPU = torch.device("cpu")
 
 
 def _parse(tmp_path, family, model=None, train=None):
@@ -25,15 +30,34 @@ def test_a_family_without_experts_refuses_the_key(tmp_path, family):
         _parse(tmp_path, family, {"expert": "high"})
 
 
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    fam = get_family("wan22")
+    return fam, fam.ensure_model(None, tmp_path_factory.mktemp("models"))
+
+
 @pytest.mark.parametrize("expert", [None, "both", "high", "low"])
 @pytest.mark.parametrize("train", [{"parallelism": "fsdp", "processes": 2}, {"blocks_to_swap": 1, "mode": "lora"}])
-def test_experts_shard_and_swap_for_every_choice(tmp_path, expert, train):
-    """Each step trains one expert on every rank (SigmaSampler.step_share), so FSDP and block swap take both."""
+def test_experts_shard_and_swap_for_every_choice(tmp_path, wan22, expert, train):
+    """Each step trains one expert on every rank (SigmaSampler.step_share), so FSDP and block swap take both: the
+    config is accepted, and the denoiser it loads has each held expert's own blocks to shard (fsdp.shard's units)
+    or swap (one swapper per expert, each swapping train.blocks_to_swap of its own blocks)."""
     cfg = _parse(tmp_path, "wan22", {"expert": expert}, train)
-    assert (cfg.train.parallelism, cfg.train.blocks_to_swap) == (
-        train.get("parallelism", "ddp"),
-        train.get("blocks_to_swap", 0),
-    )
+    fam, model_dir = wan22
+    den = fam.load_denoiser(model_dir, torch.float32, CPU, cfg.model.expert)
+    held = {"high": ["transformer"], "low": ["transformer_2"]}.get(expert, ["transformer", "transformer_2"])
+    parts = fam.denoiser_parts(den)
+    assert list(parts) == held
+    assert all(transformer_blocks(p, fam.block_stacks(p)) for p in parts.values())
+    swapper = block_swapper(fam, den, cfg.train, CPU)
+    if not cfg.train.blocks_to_swap:
+        assert cfg.train.parallelism == "fsdp" and swapper is None
+    elif len(held) == 2:
+        assert isinstance(swapper, ExpertSwappers) and [s.resident_limit for s in swapper.swappers] == [
+            len(s.blocks) - cfg.train.blocks_to_swap for s in swapper.swappers
+        ]
+    else:
+        assert isinstance(swapper, BlockSwapper) and swapper.resident_limit == len(swapper.blocks) - 1
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ import torch
 
 from tuneline.schemas.config import ConfigError, parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
-from tuneline.stages.train.model import attention_for_training, autocast_dtype
+from tuneline.stages.train.memplan import amp_dtype
+from tuneline.stages.train.model import attention_for_training, autocast_dtype, gpu_autocast
 
 DTYPES = ("float32", "float16", "bfloat16")
 MIXED = ("auto", "no", "bf16", "fp16")
@@ -56,7 +57,10 @@ def test_every_precision_combination_trains_or_is_refused_naming_both_fields(dty
             with pytest.raises(ValueError, match="train.mixed_precision"):  # the trainer's own check agrees
                 autocast_dtype(mixed, torch.device(device), dtype, mode)
         return
-    parse_config(config(dtype, mixed, mode, device), "<table>")
+    cfg = parse_config(config(dtype, mixed, mode, device), "<table>")
+    if device == "cuda":  # the memory planner assumes the trainer's choice on a bf16-capable GPU
+        planned = amp_dtype(cfg, autocast=mixed != "no")
+        assert planned == (gpu_autocast(mixed, dtype, bf16_supported=True) if want == "any half" else want)
     if want == "any half":
         return  # auto with float32 weights asks the GPU whether it has bfloat16: the GPU run's cell
     assert autocast_dtype(mixed, torch.device(device), dtype, mode) == want

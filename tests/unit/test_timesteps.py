@@ -12,7 +12,7 @@ import yaml
 
 from tuneline.schemas.config import ConfigError, example_yaml, parse_config
 from tuneline.stages.train.objective import loss_weights, noisy_and_target, prediction_type
-from tuneline.stages.train.timesteps import SigmaSampler, auto_shift, shift_sigmas
+from tuneline.stages.train.timesteps import SHARE_TOKENS, SigmaSampler, auto_shift, shift_sigmas
 
 N = 40_000
 
@@ -165,8 +165,8 @@ def test_each_step_draws_in_one_experts_share_and_the_steps_keep_the_samplers_di
     sampler = SigmaSampler(kind="logit_normal", shift=3.0, splits=(0.875,))
     whole = SigmaSampler(kind="logit_normal", shift=3.0).sample(N, torch.Generator().manual_seed(1), {}, 16).numpy()
     steps = 4000
-    shares = [sampler.step_share(7, step, {}, 16) for step in range(steps)]
-    assert shares == [sampler.step_share(7, step, {}, 16) for step in range(steps)]
+    shares = [sampler.step_share(7, step, {}) for step in range(steps)]
+    assert shares == [sampler.step_share(7, step, {}) for step in range(steps)]
     assert set(shares) == {(0.0, 0.875), (0.875, 1.0 + 1e-9)}
     high = sum(s[0] == 0.875 for s in shares) / steps
     assert high == pytest.approx(float(np.mean(whole >= 0.875)), abs=0.025)
@@ -174,3 +174,24 @@ def test_each_step_draws_in_one_experts_share_and_the_steps_keep_the_samplers_di
     drawn = np.concatenate([sampler.sample(4, gen, {}, 16, within=s).numpy() for s in shares])
     assert all(lo <= x < hi for (lo, hi), xs in zip(shares, drawn.reshape(steps, 4)) for x in xs)
     assert np.quantile(drawn, [0.1, 0.5, 0.9]) == pytest.approx(np.quantile(whole, [0.1, 0.5, 0.9]), abs=0.02)
+
+
+def test_a_steps_expert_does_not_depend_on_the_micro_batchs_token_count():
+    """With a resolution-dependent shift (Flux's dynamic shifting) two ranks' micro-batches of different sizes
+    (buckets, clip lengths) draw different sigmas, yet a step's expert share comes from (seed, step) and SHARE_TOKENS
+    only, so every rank and micro-step of the step runs the same expert."""
+    dynamic = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}
+    sampler = SigmaSampler(kind="logit_normal", splits=(0.5,))
+    edges = ((0.0, 0.5), (0.5, 1.0 + 1e-9))
+
+    def side(step: int, tokens: int) -> tuple[float, float]:  # the share a draw for `tokens` tokens would pick
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([3, step, 2]).generate_state(1)[0]))
+        sigma = float(sampler.sample(1, gen, dynamic, tokens))
+        return next(e for e in edges if e[0] <= sigma < e[1])
+
+    steps = range(200)
+    small, large = [side(s, 256) for s in steps], [side(s, 16384) for s in steps]
+    assert small != large  # the token count moves the draw across the boundary on some steps
+    shares = [sampler.step_share(3, s, dynamic) for s in steps]
+    assert shares == [side(s, SHARE_TOKENS) for s in steps]
+    assert set(shares) == set(edges)
