@@ -359,7 +359,7 @@ def _video_demo(cfg: PipelineConfig, fam: FamilyFacts) -> list[str]:
     if cfg.dataset.demo == "video" and not fam.video:
         return [
             f"dataset.demo video writes clips, and model.family {fam.name!r} trains on images: set model.family to "
-            f"a video family ({family_list(lambda f: f.video)}), or dataset.demo true for the image demo"
+            f"a video family ({family_list(lambda f: f.video and not f.variant_of)}), or dataset.demo true for the image demo"
         ]
     return []
 

@@ -147,7 +147,7 @@ def test_a_folder_with_one_transformer_trains_it_on_every_timestep_and_refuses_a
         ({"transformer_2": ["diffusers", "WanTransformer3DModel"]}, r"boundary_ratio is missing.*add .*0.875"),
         (
             {"expand_timesteps": True},
-            r"expand_timesteps is true.*TI2V 5B.*not train.*trains as the TI2V 5B layout.*Wan2.2-T2V-A14B",
+            r"expand_timesteps is true.*TI2V 5B.*does not train.*set model.config wan22_ti2v.*Wan2.2-T2V-A14B",
         ),
     ],
 )
