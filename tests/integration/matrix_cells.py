@@ -3,7 +3,7 @@
 Cells come from the registry and the config schema, so a family or a choice added later joins without editing
 the matrix: for every registered family a base cell (train.mode lora, train.adapter lora) and one factor at a time
 around it: train.mode full, every other train.adapter choice, train.text_encoder_lora, every model.quantize choice
-(another layout of a family, FamilyFacts.variant_of, its base cell only).
+(another layout of a family, FamilyFacts.variant_of, its base cell only, DDP and FSDP).
 The config decides which cells train; a cell it refuses is a refusal cell. The FSDP column: the base cell and
 every other factor again with train.parallelism fsdp (cells `<family>-<factor>-fsdp`); the combinations FSDP cannot
 shard are its refusal cells. A family that takes control images (the edit families, FLUX.2's references) trains
@@ -91,11 +91,11 @@ def factors() -> list[tuple[str, str, dict]]:
 
 def cells() -> list[Cell]:
     """Every factor for each family; another layout of a family (FamilyFacts.variant_of: Wan 2.2's TI2V 5B) its
-    base cell only, the factors being its family's code paths, which that family's own cells train."""
+    base cell, DDP and FSDP, only: the other factors are its family's code paths, which that family's cells train."""
     every = factors()
     column = [(name, section, change) for name, section, change in every if name in FSDP_FACTORS]
     main = [fam for fam in family_names() if not get_family(fam).facts.variant_of]
-    variants = [Cell(fam, *every[0]) for fam in family_names() if fam not in main]
+    variants = [Cell(fam, *every[0], fsdp=f) for fam in family_names() if fam not in main for f in (False, True)]
     return (
         [Cell(fam, *f) for fam in main for f in every]
         + variants
