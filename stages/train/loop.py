@@ -127,9 +127,8 @@ class Trainer:
         attention_for_training(device)
         base = torch.float32 if device.type == "cpu" else dtypes()[cfg.model.dtype]
         self.sharded = fsdp.wanted(self.t)  # train.parallelism fsdp: sharded before the optimizer sees a weight
-        load = (
-            fsdpload.skeleton(fam, cfg.model.expert) if self.sharded else None
-        )  # sharded: each rank loads its own shard only
+        # sharded: each rank loads its own shard only
+        load = fsdpload.skeleton(fam, cfg.model.expert) if self.sharded else None
         shards = world if self.sharded else 1
         self.denoiser, self.params = prepare_denoiser(
             fam, model_dir, self.t, base, device, cfg.model.quantize, shards, load, cfg.model.expert
