@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tuneline.stages.common.artifacts import fsync_file
 from tuneline.stages.common.hashing import file_sha256
 
+CHECKPOINTS = "checkpoints"  # the run folder's checkpoint directory
 STATE = "state.json"
 NAME = re.compile(r"^step-(\d+)$")
 

@@ -21,6 +21,10 @@ EXC_LINE = re.compile(
     r"^(?:\[(?:default)?rank(\d+)\]:\s*)?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*"
     r"(?:Error|Exception|Exit|Interrupt)\b)(?::\s*(.*))?$"
 )
+# The files a training run leaves beside its checkpoints for the launcher: its result, or rank 0's stop (the step and
+# checkpoint a rerun continues from).
+RESULT = "result.json"
+ERROR = "error.json"
 TRACEBACK = re.compile(r"^(?:\[(?:default)?rank\d+\]:\s*)?Traceback \(most recent call last\):")
 SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)|exitcode\s*:\s*-(\d+)")
 SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")

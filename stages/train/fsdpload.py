@@ -19,7 +19,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -50,6 +49,8 @@ def skeleton(fam, expert: str | None = None):
 
 
 def _skeleton(cls, model_dir: Path, component: str, dtype: torch.dtype) -> torch.nn.Module:
+    from accelerate import init_empty_weights  # here, not at import: the launcher imports this module
+
     check_weights(model_dir / component, cls.__name__)
     with init_empty_weights():  # parameters on the meta device, buffers real
         den = cls.from_config(cls.load_config(model_dir, subfolder=component))

@@ -17,12 +17,12 @@ from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp
+from tuneline.stages.train.checkpoint import CHECKPOINTS
 from tuneline.stages.train.loop import Trainer
 from tuneline.stages.train.optimizers import eval_weights
 from tuneline.stages.train.pace import PaceMeter, duration
 
 LOG_EVERY = 10
-CHECKPOINTS = "checkpoints"
 SAMPLES = "samples"
 LOSS_PNG = "loss.png"
 

@@ -20,12 +20,11 @@ from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere, StageStopped
 from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, fsdp, fsdpload, init_source
-from tuneline.stages.train.failcause import TRACEBACK, Causes, first_failure
-from tuneline.stages.train.hooks import CHECKPOINTS
+from tuneline.stages.train.checkpoint import CHECKPOINTS
+from tuneline.stages.train.failcause import ERROR, RESULT, TRACEBACK, Causes, first_failure
 from tuneline.stages.train.memcheck import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
 from tuneline.stages.train.stopping import STOP_GRACE_S
-from tuneline.stages.train.worker import ERROR, RESULT
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 FOLLOW_TIMEOUT_S = 600  # how long a node without global rank 0 waits for that node to publish

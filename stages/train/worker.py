@@ -38,9 +38,10 @@ from tuneline.stages.text.live import open_text
 from tuneline.stages.text.store import TextCache
 from tuneline.stages.train import collectives, evaluation, failcause, fsdp
 from tuneline.stages.train.adapters import not_exported
-from tuneline.stages.train.checkpoint import CheckpointError, checkpoint_name
+from tuneline.stages.train.checkpoint import CHECKPOINTS, CheckpointError, checkpoint_name
 from tuneline.stages.train.export import ExportInfo, resolution_edge
-from tuneline.stages.train.hooks import CHECKPOINTS, LOSS_PNG, SAMPLES, Hooks
+from tuneline.stages.train.failcause import ERROR, RESULT
+from tuneline.stages.train.hooks import LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches
@@ -49,8 +50,6 @@ from tuneline.stages.train.rows import RowPlan
 from tuneline.stages.train.stopping import Interrupted, StopSignals, stop_reason
 from tuneline.stages.train.textlora import TrainedText
 
-RESULT = "result.json"
-ERROR = "error.json"  # rank 0's stop: the step and checkpoint a rerun continues from
 STOPPED_EXIT = 3
 MANIFEST_POINTS = 500
 
