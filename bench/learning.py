@@ -36,16 +36,20 @@ def _edit(family: str, **model: object) -> dict:
 
 
 # name -> {section: changed keys}. Adapters and the optimizers with their own step size state their learning rate;
-# LoKr, the slowest learner on the random-init tiny UNet, its steps.
+# LoKr, the slowest learner on the random-init tiny UNet, its steps. A LoRA on every layer of that UNet diverges at
+# 1e-2 (the loss climbs from 0.10 at step 200 to 0.92 at 500; the renders end in one color, accuracy 0.25): it and
+# the text-encoder LoRA train at 3e-3, where it reaches 1.0 by step 1000. DoRA's per-row magnitude keeps 1e-2 stable.
+# Adafactor (fixed step size, no relative step) at 3e-3: at the default 1e-3 it reached 0.59 in 1000 steps, a margin
+# of 0.31 over the untrained 0.28.
 VARIANTS: dict[str, dict[str, dict]] = {
     "demo": {},
-    "lora": {"train": {"mode": "lora", "lora_rank": 16, "learning_rate": 1e-2}},
+    "lora": {"train": {"mode": "lora", "lora_rank": 16, "learning_rate": 3e-3}},
     "lokr": {"train": {"mode": "lora", "adapter": "lokr", "lora_rank": 16, "learning_rate": 1e-2, "steps": 2000}},
     "loha": {"train": {"mode": "lora", "adapter": "loha", "lora_rank": 16, "learning_rate": 1e-2}},
     "dora": {"train": {"mode": "lora", "adapter": "dora", "lora_rank": 16, "learning_rate": 1e-2}},
-    "text-encoder-lora": {"train": {"mode": "lora", "lora_rank": 16, "learning_rate": 1e-2, "text_encoder_lora": True}},
+    "text-encoder-lora": {"train": {"mode": "lora", "lora_rank": 16, "learning_rate": 3e-3, "text_encoder_lora": True}},
     "prodigy": {"train": {"optimizer": "prodigy", "learning_rate": 1.0}},
-    "adafactor": {"train": {"optimizer": "adafactor"}},
+    "adafactor": {"train": {"optimizer": "adafactor", "learning_rate": 3e-3}},
     "adamw_schedulefree": {"train": {"optimizer": "adamw_schedulefree"}},
     "lion": {"train": {"optimizer": "lion", "learning_rate": 1e-4}},
     "edit-flux_kontext": _edit("flux_kontext"),
