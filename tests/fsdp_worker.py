@@ -16,7 +16,7 @@ each rank records the largest difference of the trained weights after the last s
 
 Before the cells, every train.optimizer steps a small 2-layer model sharded and whole from the same start and
 gradients (30 steps): <root>/optimizers.json holds per optimizer the largest weight difference, whether the
-ranks' weights agree, or the error.
+ranks' weights agree and whether it stepped the shards with a fused kernel, or the error.
 
 Usage: python -m tuneline.stages.train.procwatch --standalone --nproc_per_node=2 tests/fsdp_worker.py PLAN.json
 PLAN: {"cells": [{"name", "spec" (as the train stage's launcher writes it, parallelism ddp), "out"}]}.
@@ -107,7 +107,8 @@ def probe_optimizers(root: Path) -> None:
             got = [p.detach().full_tensor() for p in mod.parameters()]
             diff = max(float((a - b).abs().max()) for a, b in zip(got, ref.parameters()))
             agree = collectives.everyones([g.sum().item() for g in got], 2)
-            found[name] = {"diff": diff, "ranks_agree": agree[0] == agree[1]}
+            fused = bool(sharded_opt.param_groups[0].get("fused"))  # torch's AdamW: its kernel on shards
+            found[name] = {"diff": diff, "ranks_agree": agree[0] == agree[1], "fused": fused}
         except Exception as err:
             found[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
     if torch.distributed.get_rank() == 0:

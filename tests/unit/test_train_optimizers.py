@@ -58,6 +58,26 @@ def test_schedule_free_eval_weights_and_exact_return():
         assert torch.equal(checked[k].detach(), plain[k].detach())
 
 
+def test_adamw_kernel_is_the_running_process_choice_not_the_checkpoints():
+    """A checkpoint of a fused AdamW (FSDP's shards) resumed on whole tensors steps with foreach, as a fresh run
+    there does; its moments and step count come back as saved."""
+    t = TrainConfig(learning_rate=1e-2)
+    init, grads = init_and_grads()
+    sharded_like = fresh(init)
+    fused = torch.optim.AdamW(list(sharded_like.values()), lr=1e-2, fused=True)
+    run_steps(sharded_like, fused, grads[:2])
+    names = list(sharded_like)
+    tensors, meta = state_tensors(fused, names)
+    resumed = fresh(init)
+    opt = build_optimizer(list(resumed.values()), t)
+    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (True, None)
+    restore_state(opt, names, tensors, meta)
+    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (True, None)
+    for k, p in resumed.items():
+        assert torch.equal(opt.state[p]["exp_avg"], fused.state[sharded_like[k]]["exp_avg"])
+        assert float(opt.state[p]["step"]) == 2.0
+
+
 def test_eval_weights_leaves_other_optimizers_alone():
     init, grads = init_and_grads(1)
     params = fresh(init)
