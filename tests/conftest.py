@@ -37,9 +37,37 @@ def prefect_server():
     tests/reliability/test_cli_server.py walk that path)."""
     from tests.helpers import PrefectServer
 
-    # No UI: nothing here opens it, and the server starts faster without building its static files.
-    with PrefectServer(PREFECT_SERVER_UI_ENABLED="false") as server:
+    with PrefectServer(**_SESSION_SERVER) as server:
         yield server.env
+
+
+_OFF = "false"
+# The session server runs what its tests use and nothing else: one runs per pytest-xdist worker (4 on CI's 2 cores)
+# for the whole session, and every loop of a background service takes CPU-seconds from the tests. Measured on 2
+# cores: the services turned off below cost ~0.5 CPU-s a minute idle (~70 CPU-s over a 34-minute suite, 4 servers)
+# and registering block types ~1.4 CPU-s at start; the server's CPU per `tuneline run` stayed the same.
+_SESSION_SERVER = {
+    # No UI: nothing here opens it, and the server starts faster without building its static files.
+    "PREFECT_SERVER_UI_ENABLED": _OFF,
+    # No block types: neither tuneline nor these tests save or load a Prefect block.
+    "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": _OFF,
+    # No deployment here has a schedule, and a run started on a pool is picked up whether or not it is marked Late.
+    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": _OFF,
+    "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": _OFF,
+    # Worker, pool and deployment health (what the UI shows): no test reads it; the workers poll either way.
+    "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": _OFF,
+    # Nothing cancels or pauses a run against this server (the kill walk SIGKILLs its runs).
+    "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_ENABLED": _OFF,
+    "PREFECT_SERVER_SERVICES_CLEANUP_RECONCILER_ENABLED": _OFF,
+    "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": _OFF,
+    # Events are not stored or acted on: no automations, no test reads events, and tuneline has no tasks (a
+    # subflow's task run is created by its parent directly, not from events) whose runs the recorder would write.
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": _OFF,
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": _OFF,
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED": _OFF,
+    # Kept: the repossessor frees the training slot of a killed run when its lease expires (test_faults.py checks
+    # it), and the events stream costs nothing while no one subscribes.
+}
 
 
 @pytest.fixture(scope="session")
