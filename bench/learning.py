@@ -1,6 +1,6 @@
 """Benchmark: every learning figure the docs quote, re-measured by training each variant of the demo.
 
-    python bench/learning.py                      # every variant (about an hour on 2 idle cores)
+    python bench/learning.py                      # every variant (42 minutes on 2 cores, 2026-11-26)
     python bench/learning.py --only edit-flux_kontext --only demo
 
 Each variant is `tuneline config example` with the changes in VARIANTS (nothing else), run through every stage in
