@@ -106,12 +106,14 @@ def adamw_kernel(params: list) -> dict[str, bool]:
 
     Whole tensors: foreach, one kernel per op over all tensors; torch picks it only on CUDA by default, and
     per-tensor updates of a model's hundreds of small tensors cost a CPU as much as a fifth of a step.
-    FSDP's DTensor shards: fused, the whole step in one kernel, as torchtitan steps FSDP2's shards (on CPU too).
+    FSDP's DTensor shards: fused, the whole step in one kernel, as torchtitan steps FSDP2's shards on GPUs (here on
+    the CPU too).
     DTensor works out an op's sharding from every tensor's placement once per list of shapes, at a cost that
     grows with the square of their count; foreach AdamW runs about ten such ops a step, fused one. Measured on
     the training matrix's SDXL full fine-tune (2 gloo processes): the first sharded step 4.1 -> 1.0 CPU-s per
-    process, later steps as fast (0.02 s). Fused rounds an ulp apart from foreach: well within FSDP's
-    tolerance to DDP (tests/integration/test_fsdp_train.py)."""
+    process, later steps as fast (0.02 s). In float32 fused rounds an ulp apart from foreach, well within
+    FSDP's tolerance to DDP (tests/integration/test_fsdp_train.py); on 16-bit weights it rounds once per step where
+    foreach rounds after each op."""
     from tuneline.stages.train.fsdp import is_sharded  # fsdp's module imports this one
 
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
