@@ -57,8 +57,10 @@ def workers_message(cfg: PipelineConfig, since: float) -> str | None:
     and the checkpoint kept), when they wrote it after `since`; None otherwise."""
     import json
 
+    from tuneline.stages.train.failcause import ERROR
+
     found = []
-    for f in (cfg.workdir_path() / "artifacts" / "train").glob(".*/error.json"):
+    for f in (cfg.workdir_path() / "artifacts" / "train").glob(f".*/{ERROR}"):
         try:
             if f.stat().st_mtime >= since:
                 found.append((f.stat().st_mtime, json.loads(f.read_text(encoding="utf-8"))["error"]))
