@@ -22,7 +22,7 @@ from tuneline.stages.pipeline import PIPELINE, stage
 FIX = re.compile(r"`(tuneline [^`]+)`")
 
 
-def test_a_control_edited_during_a_run_names_a_fix_that_works(tmp_path):
+def test_a_control_edited_during_a_run_names_a_fix_that_works(tmp_path, prefect_server):
     data, controls = tmp_path / "data", tmp_path / "controls"
     data.mkdir()
     controls.mkdir()
@@ -51,7 +51,7 @@ def test_a_control_edited_during_a_run_names_a_fix_that_works(tmp_path):
     printed = with_invocation(str(err.value), str(config), workdir)  # as the CLI prints it (flows/cli_common.py)
     [command] = FIX.findall(printed)
     assert command == f"tuneline run {config} --until latents --workdir {workdir}"
-    out = tuneline(*shlex.split(command)[1:], cwd=tmp_path)
+    out = tuneline(*shlex.split(command)[1:], cwd=tmp_path, env=prefect_server)
     assert out.returncode == 0, out.stderr[-3000:]
     states = {r.stage: r.state for r in status(StageContext(cfg), [stage("scan"), stage("latents")])}
     assert states == {"scan": "fresh", "latents": "fresh"}

@@ -66,7 +66,7 @@ def test_one_stage_at_fault_is_fixed_by_that_stage(user_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_until_builds_up_to_the_stage_and_the_printed_fix_works(user_config, tmp_path):
+def test_until_builds_up_to_the_stage_and_the_printed_fix_works(user_config, tmp_path, prefect_server):
     work = tmp_path / "w"
     msg = _refused(tuneline("stage", "train", str(user_config), "--workdir", str(work)))
     assert all(f"the {s} artifact is missing" in msg for s in ("scan", "latents", "text")), msg
@@ -74,7 +74,7 @@ def test_until_builds_up_to_the_stage_and_the_printed_fix_works(user_config, tmp
     assert fix[:2] == ["tuneline", "run"] and "--until" in fix, fix
     # the same shape, one stage earlier, so the test stays short: everything up to text, nothing after it
     fix[fix.index("--until") + 1] = "text"
-    out = tuneline(*fix[1:])
+    out = tuneline(*fix[1:], env=prefect_server)
     assert out.returncode == 0, out.stderr[-3000:]
     states = {r: s for r, s in _states(user_config, work).items()}
     assert states == {

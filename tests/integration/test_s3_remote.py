@@ -148,13 +148,13 @@ def test_zarr_latents_open_straight_from_the_s3_url(built, s3):
         np.testing.assert_array_equal(remote_group["std"][:8], local_group["std"][:8])
 
 
-def test_cli_pushes_on_publish_and_pulls(built, s3, tmp_path):
+def test_cli_pushes_on_publish_and_pulls(built, s3, tmp_path, prefect_server):
     """`ops.remote` set: a stage run pushes what it publishes; `remote ls/pull` fetch it into another workdir."""
     cfg = built["cfg"].dump()
     cfg["ops"].update(remote=f"s3://{BUCKET}/cli", remote_options={"endpoint_url": s3})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = tuneline("stage", "scan", str(path), timeout=600)
+    out = tuneline("stage", "scan", str(path), timeout=600, env=prefect_server)
     assert out.returncode == 0, out.stderr[-3000:]
     version = Path(out.stdout.strip().splitlines()[-1]).name
     cli = CliRunner()  # the remote commands in-process: no Prefect involved, and much faster
