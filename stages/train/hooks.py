@@ -27,6 +27,16 @@ SAMPLES = "samples"
 LOSS_PNG = "loss.png"
 
 
+def draw_loss_curve(run, losses: list[float]) -> None:
+    """loss.png for `losses` and the run's eval losses, unless it already shows them: the last step's checkpoint
+    draws it, and the final write would draw the same figure again (~0.1 CPU-s a curve, while the other ranks wait
+    at a barrier) unless an evaluation came in between."""
+    shown = (len(losses), len(run.eval_losses))  # both only grow during a run
+    if run.curve_shown != shown:
+        loss_curve(losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
+        run.curve_shown = shown
+
+
 class Hooks:
     def __init__(self, run, trainer: Trainer):
         self.run, self.trainer, self.t = run, trainer, run.cfg.train
@@ -80,7 +90,7 @@ class Hooks:
         if not self.trainer.sharded:
             path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
         ckpt.prune(root, self.t.keep_checkpoints)
-        loss_curve(self.trainer.losses, eval_losses=self.run.eval_losses).save(self.run.out / LOSS_PNG)
+        draw_loss_curve(self.run, self.trainer.losses)
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)
 
     def validate(self) -> None:

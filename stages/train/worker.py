@@ -32,7 +32,6 @@ from tuneline.stages.families.base import latent_affine
 from tuneline.stages.families.registry import get_family
 from tuneline.stages.latents.reader import LatentReader, ReaderError
 from tuneline.stages.latents.store import bucket_key
-from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.text import TagAugment
 from tuneline.stages.text.live import open_text
 from tuneline.stages.text.store import TextCache
@@ -41,7 +40,7 @@ from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CHECKPOINTS, CheckpointError, checkpoint_name
 from tuneline.stages.train.export import ExportInfo, resolution_edge
 from tuneline.stages.train.failcause import ERROR, RESULT
-from tuneline.stages.train.hooks import LOSS_PNG, SAMPLES, Hooks
+from tuneline.stages.train.hooks import LOSS_PNG, SAMPLES, Hooks, draw_loss_curve
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches
@@ -72,6 +71,7 @@ class Run:
     export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
     started_at: float = field(default_factory=time.time)
     step_seconds: float | None = None  # the measured median step after the warm-up (tuneline.stages.train.pace)
+    curve_shown: tuple[int, int] | None = None  # (losses, eval losses) that loss.png shows (hooks.draw_loss_curve)
 
 
 def read_data(cfg, up: dict[str, Path], fam, model_dir: Path, device: torch.device) -> Data:
@@ -198,7 +198,7 @@ def finish(run: Run, trainer: Trainer) -> None:
     if run.rank == 0:
         exports = save_final(run.family, run.model_dir, final, t, run.out / "final", export_info(run), trainer.text)
         write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
-        loss_curve(trainer.losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
+        draw_loss_curve(run, trainer.losses)
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
         result = {

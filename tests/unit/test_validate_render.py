@@ -1,6 +1,6 @@
 """The renderer: batched calls equal one call per sample, order and negative prompts kept, a live denoiser swapped
 in, latents decoded as the pipeline does; the learning check's nearest-mean rule; the loss-curve PNG; render
-sizes in pixel and area units."""
+sizes in pixel and area units; the loss curve drawn once per change."""
 
 from __future__ import annotations
 
@@ -98,6 +98,26 @@ def test_loss_curve_png_and_grid():
     assert smooth([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
     tiles = [Image.new("RGB", (8, 8), c) for c in ("red", "blue", "green")]
     assert grid(tiles, cols=2).size == (16, 16)
+
+
+def test_the_final_loss_curve_is_not_drawn_again_unless_it_changed(tmp_path):
+    from types import SimpleNamespace
+
+    from tuneline.stages.train.hooks import LOSS_PNG, draw_loss_curve
+
+    run = SimpleNamespace(out=tmp_path, eval_losses=[], curve_shown=None)
+    png = tmp_path / LOSS_PNG
+    draw_loss_curve(run, [1.0, 0.5])  # the last step's checkpoint
+    first = png.read_bytes()
+    png.write_bytes(b"left alone")
+    draw_loss_curve(run, [1.0, 0.5])  # the final write: the same figure, not drawn again
+    assert png.read_bytes() == b"left alone"
+    run.eval_losses.append({"step": 2, "loss": 0.4})  # an evaluation after the checkpoint: drawn with it
+    draw_loss_curve(run, [1.0, 0.5])
+    assert png.read_bytes() not in (b"left alone", first)
+    png.write_bytes(b"left alone")
+    draw_loss_curve(run, [1.0, 0.5, 0.3])  # another step
+    assert png.read_bytes() != b"left alone"
 
 
 def test_prompts_encoded_at_training_length_and_cached(renderer, tmp_path):
