@@ -63,6 +63,8 @@ def test_under_autocast_a_float32_input_gets_the_gradient_autograd_gives():
     for m in (model, reference):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = m(x)
+            assert m(x.detach()).dtype == torch.bfloat16  # computed in autocast's dtype, as autocast's own linear
+        assert y.dtype == torch.bfloat16
         grads.append(torch.autograd.grad(y, x, torch.ones_like(y))[0])
     assert grads[0].dtype == torch.float32
     torch.testing.assert_close(grads[0], grads[1], atol=2e-2, rtol=2e-2)
