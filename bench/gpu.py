@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_cache import cache_images_per_s, cache_vs_encoder  # noqa: E402
 from gpu_lora import ANCHORS, lora_figure  # noqa: E402
-from gpu_setup import STEPS, WARMUP, Bench, caches, free, result, step_seconds  # noqa: E402
+from gpu_setup import STEPS, WARMUP, Bench, caches, free, profile_steps, result, step_seconds  # noqa: E402
 
 from tests.trainer import trainer_for  # noqa: E402
 
@@ -152,6 +152,7 @@ def sdxl_lora_step_vs_pure(b: Bench) -> None:
         trainer = trainer_for(cfg, caches(cfg))
         ours, pure = step_seconds(b, trainer), pure_seconds(b, trainer)
         ratios.append(ours / pure)
+        profile_steps(b, trainer, f"sdxl_lora_step-checkpointing-{'on' if checkpointing else 'off'}")
         print(
             f"sdxl_lora_step gradient_checkpointing={checkpointing}: ours {ours:.4f} s/step, bare {pure:.4f} "
             f"s/step, ratio {ratios[-1]:.3f}",
@@ -292,6 +293,12 @@ def main(argv: list[str]) -> int:
         help=f"a folder holding diffusers' {DIFFUSERS_SCRIPT} (from the tag matching our diffusers)",
     )
     ap.add_argument("--work", type=Path, help="working folder (models, images, workdirs); a temporary one if unset")
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="profile steps of each timed loop (torch.profiler): a trace per figure in DIR and its top ops printed",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -302,7 +309,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(min(2, torch.get_num_threads()))
         print("CUDA branches this CPU run cannot take:", "; ".join(CUDA_BRANCHES), flush=True)
     with tempfile.TemporaryDirectory(prefix="tuneline-gpu-bench-") as tmp:
-        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples)
+        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples, args.trace)
         b.work.mkdir(parents=True, exist_ok=True)
         for name in [args.only] if args.only else FIGURES:
             why = skip_reason(name, args.tiny, args.diffusers_examples)

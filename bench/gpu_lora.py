@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_setup import Bench, caches, free, result, step_seconds
+from gpu_setup import Bench, caches, free, profile_steps, result, step_seconds
 
 from tests.trainer import trainer_for
 
@@ -59,7 +59,14 @@ def measured(b: Bench, name: str, anchor: Anchor, planned_families: set[str]) ->
     cfg = b.config(name, anchor.family, anchor.train, model=anchor.model)
     ctx = caches(cfg)
     seconds = []
-    fig = gpu_figures(cfg, models.model_dir(ctx), lambda: seconds.append(step_seconds(b, trainer_for(cfg, ctx))))
+    trainers = []
+
+    def timed() -> None:
+        trainers.append(trainer_for(cfg, ctx))
+        seconds.append(step_seconds(b, trainers[0]))
+
+    fig = gpu_figures(cfg, models.model_dir(ctx), timed)
+    profile_steps(b, trainers.pop(), name)  # after the peak's steps: the profiler's own memory is not the step's
     free(b)
     peak = stage_peak(b, cfg)
     if anchor.family not in planned_families:

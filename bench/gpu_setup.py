@@ -23,10 +23,10 @@ CACHE_IMAGES = 64
 class Bench:
     """Where and how big: the device, tiny flavors or full size, the working folder, the examples folder."""
 
-    def __init__(self, tiny: bool, work: Path, examples: Path | None):
+    def __init__(self, tiny: bool, work: Path, examples: Path | None, trace: Path | None = None):
         import torch
 
-        self.tiny, self.work, self.examples = tiny, work, examples
+        self.tiny, self.work, self.examples, self.trace = tiny, work, examples, trace
         self.steps, self.warmup = (3, 1) if tiny else (STEPS, WARMUP)
         self.cache_images = IMAGES if tiny else CACHE_IMAGES
         self.device = "cpu" if tiny else "cuda"
@@ -168,6 +168,38 @@ def step_seconds(b: Bench, trainer) -> float:
             b.sync()
             times.append(time.perf_counter() - start)
     return statistics.median(times[b.warmup :])
+
+
+TRACE_STEPS = 3
+
+
+def profile_steps(b: Bench, trainer, name: str) -> None:
+    """`--trace DIR`: TRACE_STEPS more steps of the real loop under torch.profiler, after the timed ones. The trace
+    goes to DIR/NAME.json.gz (Perfetto or chrome://tracing open it as it is) and the ops that took the most device
+    time (host time on the CPU) are printed: where a figure that misses its anchor spends its step."""
+    if b.trace is None:
+        return
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.trainer import feed
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device == "cuda" else [])
+    with feed(trainer) as fed:
+        batches = [[next(fed) for _ in range(trainer.t.grad_accumulation)] for _ in range(TRACE_STEPS)]
+    with profile(activities=activities) as prof:
+        for batch in batches:
+            trainer.train_step(batch)
+        b.sync()
+    b.trace.mkdir(parents=True, exist_ok=True)
+    raw, path = b.trace / f"{name}.json", b.trace / f"{name}.json.gz"
+    prof.export_chrome_trace(str(raw))
+    path.write_bytes(gzip.compress(raw.read_bytes()))
+    raw.unlink()
+    key = "self_device_time_total" if b.device == "cuda" else "self_cpu_time_total"
+    print(f"{name}: trace of {TRACE_STEPS} steps in {path}; its ops by {key}:", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
 def free(b: Bench) -> None:

@@ -3,6 +3,8 @@ figure and a `skipped:` line for each other; without CUDA and without --tiny it 
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 import subprocess
 import sys
@@ -24,7 +26,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.ddp(reason="the ddp_two_process_cuda figure runs two gloo ranks")
 def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
-    proc = _bench("--tiny", "--work", str(tmp_path))
+    proc = _bench("--tiny", "--work", str(tmp_path), "--trace", str(tmp_path / "traces"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     results = {m.group(1): m for m in map(RESULT.match, lines) if m}
@@ -39,6 +41,12 @@ def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
     )
     assert [ln.split()[1] for ln in skipped] == needs_cuda.split()
     assert all(re.fullmatch(r"skipped: \S+ \(.+\)", ln) for ln in skipped)
+    # --trace: each timed loop's profiled steps, a trace Perfetto opens and the ops that took the time, printed.
+    for setting in ("off", "on"):
+        name = f"sdxl_lora_step-checkpointing-{setting}"
+        trace = json.loads(gzip.decompress((tmp_path / "traces" / f"{name}.json.gz").read_bytes()))
+        assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"]), name
+        assert f"{name}: trace of 3 steps in " in proc.stdout and "Self CPU time total" in proc.stdout
     # It names the CUDA branches the CPU run cannot take.
     branches = next(ln for ln in lines if ln.startswith("CUDA branches this CPU run cannot take: "))
     assert "nccl" in branches and "autocast" in branches and "fp8" in branches, branches
