@@ -1,7 +1,9 @@
-"""The user's path for every registered family: `tuneline config example` with model.family, train.mode lora and
-train.steps 2 changed (2 processes, as the example has) and dataset.path the session's demo folder (the same demo
-dataset), run with `tuneline run --until train` through the real CLI against the worker's Prefect server
-(prefect_server). Each run must publish a train artifact trained by 2 processes with its exports.
+"""The user's path for every registered family: `tuneline config example` with model.family, train.mode lora,
+train.steps 2 and train.processes 1 changed and dataset.path the session's demo folder (the same demo dataset), run
+with `tuneline run --until train` through the real CLI against the worker's Prefect server (prefect_server). Each
+run must publish a train artifact with its exports. One process: what this column proves is the CLI's path for
+each family; each family's training on the example's 2 DDP processes is the training matrix's base cell
+(tests/integration/test_training_matrix.py), through the train stage's worker functions under torchrun.
 
 The scan, latents and text caches come from the session's upstream store (tests/upstream_store.py), keyed by
 the config exactly as the CLI loads it, so the CLI finds them fresh and runs the train stage's flow only. On the
@@ -40,7 +42,7 @@ COLUMN = [f for f in family_names() if not get_family(f).facts.variant_of]
 def test_run_until_train(family, example, prefect_server, upstream_store, demo_data, tmp_path):
     data = example | {"workdir": str(tmp_path / "work")}
     data["model"] = data["model"] | {"family": family}
-    data["train"] = data["train"] | {"mode": "lora", "steps": 2}
+    data["train"] = data["train"] | {"mode": "lora", "steps": 2, "processes": 1}
     data["dataset"] = data["dataset"] | {"path": str(demo_data)}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
@@ -50,7 +52,7 @@ def test_run_until_train(family, example, prefect_server, upstream_store, demo_d
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     store = ArtifactStore(cfg.workdir_path())
     manifest = store.read(store.latest("train"), TrainManifest)
-    assert (manifest.family, manifest.step, manifest.world_size) == (family, 2, 2)
+    assert (manifest.family, manifest.step, manifest.world_size) == (family, 2, 1)
     assert manifest.exports, "the train artifact lists no exports"
     rebuilt = [s for s in ("scan", "latents", "text") if len(store.versions(s)) != 1]
     assert not rebuilt, f"the run rebuilt the store's fresh caches: {rebuilt}"
