@@ -2,9 +2,10 @@
 
 `python bench/gpu.py` on a CUDA machine prints one RESULT line per figure, in the order GPU time should be spent
 (FIGURES); the LoRA figures carry their anchor on the same line (bench/gpu_lora.py), and each family's first also
-prints plan_vs_measured_<family>. `--only NAME` runs one. `--tiny` runs the same code on the tiny flavors on the CPU (a RESULT line for each figure
-that can run there, `skipped: NAME (why)` for the others) and exits 0 whatever the figures are. Without CUDA and
-without --tiny it prints `no CUDA device: skipped` and exits 0. Models are random-weight, full size, built from
+prints plan_vs_measured_<family>. `--only NAME` runs one; `--trace DIR` profiles a few more steps of the LoRA
+figures' (and sdxl_lora_step_vs_pure's) loops, a trace each in DIR and its top ops printed. `--tiny` runs the same
+code on the tiny flavors on the CPU (a RESULT line for each figure that can run there, `skipped: NAME (why)` for
+the others) and exits 0 whatever the figures are. Without CUDA and without --tiny it prints `no CUDA device: skipped` and exits 0. Models are random-weight, full size, built from
 the shipped configs (stages/families/configs); timings are post-warm-up, caching and validation excluded. On CUDA the
 figures run what a user's run does: the base in model.dtype under bf16 autocast, the pinned-memory feed, and the
 train stage's torchrun workers in their `cpu:gloo,cuda:nccl` group.
@@ -297,7 +298,7 @@ def main(argv: list[str]) -> int:
         "--trace",
         type=Path,
         metavar="DIR",
-        help="profile steps of each timed loop (torch.profiler): a trace per figure in DIR and its top ops printed",
+        help="profile 3 more steps of the LoRA figures' loops (torch.profiler): a trace each in DIR, top ops printed",
     )
     args = ap.parse_args(argv)
     import torch

@@ -62,8 +62,9 @@ def measured(b: Bench, name: str, anchor: Anchor, planned_families: set[str]) ->
     trainers = []
 
     def timed() -> None:
-        trainers.append(trainer_for(cfg, ctx))
-        seconds.append(step_seconds(b, trainers[0]))
+        trainer = trainer_for(cfg, ctx)
+        trainers.append(trainer)
+        seconds.append(step_seconds(b, trainer))
 
     fig = gpu_figures(cfg, models.model_dir(ctx), timed)
     profile_steps(b, trainers.pop(), name)  # after the peak's steps: the profiler's own memory is not the step's
