@@ -5,8 +5,9 @@
 prints plan_vs_measured_<family>. `--only NAME` runs one; `--trace DIR` profiles a few more steps of the LoRA
 figures' (and sdxl_lora_step_vs_pure's) loops, a trace each in DIR and its top ops printed. `--tiny` runs the same
 code on the tiny flavors on the CPU (a RESULT line for each figure that can run there, `skipped: NAME (why)` for
-the others) and exits 0 whatever the figures are. Without CUDA and without --tiny it prints `no CUDA device: skipped` and exits 0. Models are random-weight, full size, built from
-the shipped configs (stages/families/configs); timings are post-warm-up, caching and validation excluded. On CUDA the
+the others) and exits 0 whatever the figures are. Without CUDA and without --tiny it prints `no CUDA device:
+skipped` and exits 0. Models are random-weight, full size, built from the shipped configs (stages/families/configs);
+timings are post-warm-up, caching and validation excluded. On CUDA the
 figures run what a user's run does: the base in model.dtype under bf16 autocast, the pinned-memory feed, and the
 train stage's torchrun workers in their `cpu:gloo,cuda:nccl` group.
 No Prefect: the stages run through their plain runner. bench/README.md lists the wheels a bare GPU machine needs.
