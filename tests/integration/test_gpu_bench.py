@@ -87,3 +87,18 @@ def test_a_shipped_config_without_a_text_encoder_gets_one_of_the_released_width(
     with torch.device("meta"):
         model = cls(cfg)
     assert sum(p.numel() for p in model.parameters()) > 3e9  # a 4 B / 7 B encoder, not the tiny one
+
+
+def test_a_cache_figure_times_a_build_where_an_earlier_figure_cached(tmp_path):
+    """cache_vs_encoder and cache_images_per_s both cache SDXL in the same --work: the second must time a build of
+    the latents stage, not the reuse of the first's published cache (a figure of thousands of images per second)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_cache import stage_seconds
+    from gpu_setup import Bench
+
+    b = Bench(True, tmp_path, None)
+    cfg = b.config("cache-sdxl", "sdxl", images=4)
+    _, first = stage_seconds(b, cfg, 4, "once")
+    made = json.loads((first.store.latest("latents") / "manifest.json").read_text())["created_at"]
+    _, second = stage_seconds(b, cfg, 4, "once")
+    assert json.loads((second.store.latest("latents") / "manifest.json").read_text())["created_at"] != made
