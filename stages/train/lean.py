@@ -74,7 +74,9 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         ctx.fused = FUSED and (weight is None or weight.dtype == x.dtype)
         if ctx.fused:
-            out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+            # autocast lists rms_norm in float32, not this op: off all the same, so no torch version runs it on a copy
+            with torch.autocast("cuda", enabled=False):
+                out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         else:
             rstd = _rstd(x, eps)
             out = _rms_scale(x, rstd, weight)
