@@ -172,7 +172,7 @@ def passes(norm: torch.nn.Module, x: torch.Tensor, full: bool = True) -> dict[st
             y = norm(x)
         upstream = torch.ones_like(y)
         with record_function("backward"):
-            torch.autograd.grad(y, [x, *norm.parameters()], upstream)
+            torch.autograd.grad(y, [x, *(p for p in norm.parameters() if p.requires_grad)], upstream)
     ops = {"forward": [], "backward": []}
     for e in prof.events():
         chain = [e]
