@@ -8,8 +8,9 @@ it back), so the three LoRA projections reading one normalized input held three 
 six norms' float32 copies alone were 405 MiB of 1,312 (bench/README.md, gpu.py).
 
 Here the norms of a denoiser keep only their input as it came and a float32 statistic per row, and recompute the
-normalized values in the backward (elementwise, exact: the float32 copy is the upcast of the kept input); they
-return their input's dtype, so the layers reading them share one saved input. A LoRA layer over a half-precision
+normalized values in the backward (exact: the float32 copy is the upcast of the kept input; on CUDA inside torch's
+norm kernels, one call each way); they return their input's dtype, so the layers reading them share one saved
+input. A LoRA layer over a half-precision
 base reads its input as it comes: autocast computes the adapter in that dtype anyway, so the values are the same.
 """
 
@@ -19,6 +20,22 @@ import torch
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 HALF = (torch.float16, torch.bfloat16)
+# torch's fused RMSNorm (aten::_fused_rms_norm and its backward, torch >= 2.9; not in torch's public API, which has no
+# RMSNorm returning its statistic, so none whose backward keeps only the input): one kernel each way on CUDA, where
+# the elementwise version took a third of a Z-Image LoRA step's GPU time (bench/README.md, rms_norm.py). On the CPU
+# the forward is torch's composite of the same float32 ops and the backward has no kernel: _rms_backward stands in.
+# Older torch: the elementwise maths throughout.
+FUSED = hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+# Where the norm kernels take half inputs, compute in float32 and keep float32 statistics (the CPU's layer_norm keeps
+# them in the input's dtype). Meta: the memory plan traces there what CUDA runs.
+KERNELS = ("cuda", "meta")
+
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """float32 1/rms per row: the fused kernel's (one read of x; its normalized output unused), else diffusers'."""
+    if FUSED:
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[1]
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _rms_scale(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -30,50 +47,91 @@ def _rms_scale(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None)
     return (h.to(weight.dtype) if weight.dtype in HALF else h) * weight
 
 
+def _rms_backward(grad, x, rstd, weight, wanted: list[bool]):
+    """The fused backward's gradients, elementwise in float32 for any mix of dtypes (the weight's from the
+    normalized values as diffusers scales them: rounded to a half weight's dtype)."""
+    xhat, g, gx, gw = x * rstd, grad.float(), None, None  # x * rstd: float32 by promotion, no float32 copy of x
+    if wanted[1]:
+        normed = xhat.to(weight.dtype) if weight.dtype in HALF else xhat
+        gw = (g * normed).flatten(0, -2).sum(0)
+    if weight is not None:
+        g = g * weight
+    if wanted[0]:
+        dot = (g * xhat).mean(-1, keepdim=True)
+        # the last product writes the input's dtype itself: no separate pass to cast
+        gx = torch.mul(torch.addcmul(g, xhat, dot, value=-1), rstd, out=torch.empty_like(x))
+    return gx, gw
+
+
 class _RMSNorm(torch.autograd.Function):
-    """RMSNorm keeping its input and float32 1/rms for the backward (not a float32 copy of the input)."""
+    """RMSNorm keeping its input and float32 1/rms for the backward (not a float32 copy of the input).
+
+    With no weight or one of the input's dtype, torch's fused kernels: the output is the float32 product rounded once
+    to the input's dtype (diffusers rounds x/rms to a half weight's dtype before the scale: within that rounding).
+    Other mixes (a float32 weight: a float32 output, as diffusers'; fp16 input with a bf16 weight) run elementwise."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.fused = FUSED and (weight is None or weight.dtype == x.dtype)
+        if ctx.fused:
+            # autocast lists rms_norm in float32, not this op: off all the same, so no torch version runs it on a copy
+            with torch.autocast("cuda", enabled=False):
+                out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        else:
+            rstd = _rstd(x, eps)
+            out = _rms_scale(x, rstd, weight)
         ctx.save_for_backward(x, rstd, weight)
-        return _rms_scale(x, rstd, weight)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, rstd, weight = ctx.saved_tensors
-        xhat, g, gw = x.float() * rstd, grad.float(), None
-        if weight is not None:
-            if ctx.needs_input_grad[1]:
-                normed = xhat.to(weight.dtype).float() if weight.dtype in HALF else xhat
-                gw = (g * normed).flatten(0, -2).sum(0).to(weight.dtype)
-            g = g * weight.float()
-        gx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
+        wanted = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+        if ctx.fused and x.device.type in KERNELS:
+            gx, gw = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, wanted)
+        else:
+            gx, gw = _rms_backward(grad, x, rstd, weight, wanted)
+        return gx, None if gw is None else gw.to(weight.dtype), None
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dtype == torch.float32 else t.float()
 
 
 class _LayerNorm(torch.autograd.Function):
-    """layer_norm in float32 (as CUDA autocast runs it) keeping the 16-bit input, mean and 1/std; returns the
-    input's dtype."""
+    """layer_norm in float32 (as CUDA autocast runs it) keeping the 16-bit input, float32 mean and 1/std; returns
+    the input's dtype.
+
+    On CUDA with parameters of the input's dtype (or none), torch's kernels on the 16-bit tensors: they compute in
+    float32 and keep float32 statistics themselves, so one op each way replaces the casts around a float32 call (the
+    backward was host-bound: ~360 µs of CPU per call on an SDXL step)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps):
-        w, b = (None if t is None else t.float() for t in (weight, bias))
-        out, mean, rstd = torch.native_layer_norm(x.float(), shape, w, b, eps)
+        ctx.native = x.device.type in KERNELS and all(t is None or t.dtype == x.dtype for t in (weight, bias))
+        if ctx.native:
+            with torch.autocast("cuda", enabled=False):  # autocast would run it on a float32 copy of x
+                out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        else:
+            out, mean, rstd = torch.native_layer_norm(x.float(), shape, _float(weight), _float(bias), eps)
+            out = out.to(x.dtype)
         ctx.save_for_backward(x, mean, rstd, weight, bias)
         ctx.shape = shape
-        return out.to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, mean, rstd, weight, bias = ctx.saved_tensors
-        w, b = (None if t is None else t.float() for t in (weight, bias))
         wanted = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
         wanted.append(bias is not None and ctx.needs_input_grad[2])
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            grad.float(), x.float(), ctx.shape, mean, rstd, w, b, wanted
-        )
-        cast = [None if g is None else g.to(t.dtype) for g, t in ((gx, x), (gw, weight), (gb, bias))]
+        if ctx.native:
+            grads = torch.ops.aten.native_layer_norm_backward(grad, x, ctx.shape, mean, rstd, weight, bias, wanted)
+            return (*grads, None, None)
+        w = _float(weight)
+        # the kernel reads the bias only for its gradient's shape and dtype: the float32 weight has both
+        b = None if bias is None else w if w is not None else bias.float()
+        grads = torch.ops.aten.native_layer_norm_backward(grad.float(), x.float(), ctx.shape, mean, rstd, w, b, wanted)
+        cast = [g if g is None or g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, (x, weight, bias))]
         return (*cast, None, None)
 
 
