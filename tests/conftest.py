@@ -42,7 +42,7 @@ def prefect_server():
 
 
 _OFF = "false"
-# The session server runs what its tests use and nothing else: one runs per pytest-xdist worker (4 on CI's 2 cores)
+# The session server runs what its tests use and nothing else: one runs per pytest-xdist worker (3 on CI's 2 cores)
 # for the whole session, and every loop of a background service takes CPU-seconds from the tests. Measured on 2
 # cores: the services turned off below cost ~0.5 CPU-s a minute idle (~70 CPU-s over a 34-minute suite, 4 servers)
 # and registering block types ~1.4 CPU-s at start; the server's CPU per `tuneline run` stayed the same.
