@@ -44,6 +44,18 @@ def seconds(norm, x, upstream, steps: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def agree(lean, reference, x, upstream) -> None:
+    """Before timing: the lean norm's output within two bf16 roundings of diffusers' (it rounds once where diffusers
+    rounds twice; bf16 keeps 8 significant bits) and its input gradient within 2 % of the largest; a device whose kernels disagree stops here."""
+    (y, ref) = (lean(x), reference(x))
+    (g,), (g_ref,) = (torch.autograd.grad(y, x, upstream), torch.autograd.grad(ref, x, upstream))
+    out = (y.float() - ref.float()).abs().max().item()
+    grad = ((g.float() - g_ref.float()).abs().max() / g_ref.float().abs().max()).item()
+    print(f"agreement with diffusers: output max |diff| {out:.4f}, input gradient max |diff| {grad:.2e} of its largest")
+    if out > y.float().abs().max().item() / 64 or grad > 2e-2:  # bf16 rounds a value v by up to v / 256
+        raise SystemExit("the lean RMSNorm disagrees with diffusers' on this device: see stages/train/lean.py")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -59,6 +71,7 @@ def main() -> None:
     lean_activations(lean, half_base=True)
     x = (torch.randn(shape, device=device) * 3).to(torch.bfloat16).requires_grad_(True)
     upstream = torch.randn(shape, device=device).to(torch.bfloat16)
+    agree(lean, reference, x, upstream)
     for norm in (reference, lean):  # warm-up: allocator, kernels
         seconds(norm, x, upstream, 2, device)
     ratios, times = [], {"lean": [], "diffusers": []}
