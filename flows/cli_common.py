@@ -71,7 +71,7 @@ def store_errors() -> tuple[type[BaseException], ...]:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from tuneline.stages.train.launch import TrainingFailed
+    from tuneline.stages.train.failures import TrainingFailed
 
     return (*store_errors(), TrainingFailed)
 

@@ -17,40 +17,18 @@ from pathlib import Path
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.gc import stale_launch_files
 from tuneline.stages.common.lock import IN_USE, in_use
-from tuneline.stages.common.stage import PublishedElsewhere, StageStopped
+from tuneline.stages.common.stage import PublishedElsewhere
 from tuneline.stages.families import resolve as models
 from tuneline.stages.train import checkpoint as ckpt, collectives, fsdp, fsdpload, init_source
 from tuneline.stages.train.checkpoint import CHECKPOINTS
 from tuneline.stages.train.failcause import ERROR, RESULT, TRACEBACK, Causes, first_failure
+from tuneline.stages.train.failures import FAILED_AS, TrainingFailed, TrainingOutOfMemory, TrainingStopped
 from tuneline.stages.train.memcheck import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
 from tuneline.stages.train.stopping import STOP_GRACE_S
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 FOLLOW_TIMEOUT_S = 600  # how long a node without global rank 0 waits for that node to publish
-
-
-class TrainingFailed(RuntimeError):
-    exit_code = 1  # the `tuneline` command's exit code (docs/stopping.md)
-
-
-class TrainingOutOfMemory(TrainingFailed):
-    exit_code = 4
-
-
-class RankLost(TrainingFailed):
-    """A rank was killed, lost its node, or hit a CUDA error."""
-
-    exit_code = 5
-
-
-class TrainingStopped(TrainingFailed, StageStopped):
-    """Stopped on request after writing a checkpoint: `status` shows `stopped`, the rerun continues from it."""
-
-    exit_code = 3
-
-
-FAILED_AS = {"oom": TrainingOutOfMemory, "cuda": RankLost, "lost": RankLost}
 
 
 def resume_target(ctx, work: Path) -> Path | None:
