@@ -5,11 +5,12 @@ Most of the suite waits (a Prefect server starting, torchrun's interpreters impo
 rather than computes, so more workers than CI's 2 cores pay; but not many more: every process a worker starts
 competes for the same two cores and their caches, and an import-bound process (a `tuneline` command, a torchrun
 worker) then takes up to twice the CPU-seconds it takes alone. Measured on 2 cores, the whole suite: 4 workers
-2,932 CPU-s in 27 min 13 s, 3 workers 2,744 CPU-s in 24 min 33 s (WORKERS). Each test runs in a group, and a group runs whole on
-one worker: tests marked `@pytest.mark.group(NAME)` form group NAME (a long module split over several workers); the
-tests reading one of the session fixtures in SHARED form one group, so that fixture is built once; every other test
-is grouped with its module, so module fixtures (upstream caches, a server) are built once as in a
-run without workers. The groups in LONGEST start first, so none starts last and runs on alone.
+2,932 CPU-s in 27 min 13 s, 3 workers 2,744 CPU-s in 24 min 33 s (WORKERS).
+
+Each test runs in a group, and a group runs whole on one worker: tests marked `@pytest.mark.group(NAME)` form
+group NAME (a long module split over several workers); the tests reading one of the session fixtures in SHARED
+form one group, so that fixture is built once; every other test is grouped with its module, so module fixtures
+(upstream caches, a server) are built once as in a run without workers. The groups in LONGEST start first, so none starts last and runs on alone.
 
 xdist's own `loadgroup` cannot carry these groups (it renames the test ids, which pytest 9 ignores): each worker
 writes the groups of its collection to a file named after the controller's pid, which the controller's scheduler

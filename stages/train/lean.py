@@ -34,7 +34,8 @@ KERNELS = ("cuda", "meta")
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """float32 1/rms per row: the fused kernel's (one read of x; its normalized output unused), else diffusers'."""
     if FUSED:
-        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[1]
+        with torch.autocast("cuda", enabled=False):  # as in _RMSNorm.forward: never on a float32 copy
+            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[1]
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 

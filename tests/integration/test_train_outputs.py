@@ -15,7 +15,7 @@ from tuneline.stages.common import markdown as md
 from tuneline.stages.common.stage import StageContext, run_stage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.train.launch import TrainingFailed
+from tuneline.stages.train.failures import TrainingFailed
 
 LORA = {
     "mode": "lora",

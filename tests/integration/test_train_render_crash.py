@@ -8,7 +8,7 @@ import pytest
 from tests.integration.test_train_support import small_config, train
 from tuneline.stages.common.stage import StageContext, expected_versions
 from tuneline.stages.pipeline import PIPELINE
-from tuneline.stages.train.launch import TrainingFailed
+from tuneline.stages.train.failures import TrainingFailed
 
 
 def test_a_crashing_validation_keeps_the_checkpoint_of_its_step(tmp_path, upstream_store, demo_data):

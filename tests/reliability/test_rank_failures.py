@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.test_train_support import small_config, train
 from tests.tracing import tuneline_trace
-from tuneline.stages.train.launch import RankLost, TrainingFailed
+from tuneline.stages.train.failures import RankLost, TrainingFailed
 from tuneline.stages.train.stopping import STOP_GRACE_S
 
 TRAIN = {

@@ -12,7 +12,8 @@ import torch
 from tuneline.schemas.config import parse_config
 from tuneline.stages.common.stage import StageContext
 from tuneline.stages.train import checkpoint as ckpt
-from tuneline.stages.train.launch import TrainingFailed, resume_target
+from tuneline.stages.train.failures import TrainingFailed
+from tuneline.stages.train.launch import resume_target
 
 MADE = {"model": {"family": "tiny", "dtype": "float32"}, "train": {"mode": "lora", "adapter": "lora"}}
 

@@ -11,7 +11,8 @@ import pytest
 
 from tuneline.schemas.config import load_config
 from tuneline.stages.common.stage import StageContext
-from tuneline.stages.train.launch import TrainingFailed, run_torchrun
+from tuneline.stages.train.failures import TrainingFailed
+from tuneline.stages.train.launch import run_torchrun
 
 SCRIPT = """
 import errno, os, sys
