@@ -31,11 +31,17 @@ FUSED = hasattr(torch.ops.aten, "_fused_rms_norm_backward")
 KERNELS = ("cuda", "meta")
 
 
+def _fused_rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in x's dtype, float32 1/rms per row) from torch's fused kernel. Autocast lists rms_norm in float32,
+    not this op: off all the same, so no torch version runs it on a float32 copy of x."""
+    with torch.autocast("cuda", enabled=False):
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+
+
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """float32 1/rms per row: the fused kernel's (one read of x; its normalized output unused), else diffusers'."""
     if FUSED:
-        with torch.autocast("cuda", enabled=False):  # as in _RMSNorm.forward: never on a float32 copy
-            return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[1]
+        return _fused_rms(x, None, eps)[1]
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -75,9 +81,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         ctx.fused = FUSED and (weight is None or weight.dtype == x.dtype)
         if ctx.fused:
-            # autocast lists rms_norm in float32, not this op: off all the same, so no torch version runs it on a copy
-            with torch.autocast("cuda", enabled=False):
-                out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+            out, rstd = _fused_rms(x, weight, eps)
         else:
             rstd = _rstd(x, eps)
             out = _rms_scale(x, rstd, weight)
