@@ -10,7 +10,8 @@ worker) then takes up to twice the CPU-seconds it takes alone. Measured on 2 cor
 Each test runs in a group, and a group runs whole on one worker: tests marked `@pytest.mark.group(NAME)` form
 group NAME (a long module split over several workers); the tests reading one of the session fixtures in SHARED
 form one group, so that fixture is built once; every other test is grouped with its module, so module fixtures
-(upstream caches, a server) are built once as in a run without workers. The groups in LONGEST start first, so none starts last and runs on alone.
+(upstream caches, a server) are built once as in a run without workers. The groups in LONGEST start first, so
+none starts last and runs on alone.
 
 xdist's own `loadgroup` cannot carry these groups (it renames the test ids, which pytest 9 ignores): each worker
 writes the groups of its collection to a file named after the controller's pid, which the controller's scheduler
