@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,19 +83,39 @@ class Encoder:
     def __call__(
         self, pixels: list[torch.Tensor], paths: list[str], expected: tuple[int, int, int]
     ) -> dict[str, np.ndarray]:
-        x = torch.stack(pixels).to(self.device, self.vae.dtype)
+        return self.submit(pixels, paths, expected)()
+
+    def submit(
+        self, pixels: list[torch.Tensor], paths: list[str], expected: tuple[int, int, int]
+    ) -> Callable[[], dict[str, np.ndarray]]:
+        """Start a batch; returns the call that waits for its arrays. On CUDA nothing here waits for the device:
+        the pixels go up from pinned memory and the latents come back into it as the device finishes them, so
+        the host stacks the next batch, checks the last one and writes blocks while the VAE runs."""
+        cuda = self.device.type == "cuda"
+        x = torch.empty((len(pixels), *pixels[0].shape), pin_memory=cuda)
+        torch.stack(pixels, out=x)
+        x = x.to(self.device, non_blocking=cuda).to(self.vae.dtype)
         if self.flip:
             x = torch.cat([x, x.flip(-1)])  # one forward for both variants
         with torch.no_grad():
             dist = self.vae.encode(x).latent_dist
         n = len(paths)
-        mean, std = dist.mean.float().cpu().numpy(), dist.std.float().cpu().numpy()
-        out = {"mean": mean[:n], "std": std[:n]}
+        parts = {"mean": dist.mean[:n], "std": dist.std[:n]}
         if self.flip:
-            out |= {"flip_mean": mean[n:], "flip_std": std[n:]}
-        out = {k: v.astype(self.dtype) for k, v in out.items()}
-        check_latents(out, expected, paths)
-        return out
+            parts |= {"flip_mean": dist.mean[n:], "flip_std": dist.std[n:]}
+        host = {k: v.float().to("cpu", non_blocking=cuda) for k, v in parts.items()}  # pinned when non-blocking
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
+            done.record()
+
+        def result() -> dict[str, np.ndarray]:
+            if done is not None:
+                done.synchronize()
+            out = {k: v.numpy().astype(self.dtype) for k, v in host.items()}
+            check_latents(out, expected, paths)
+            return out
+
+        return result
 
 
 def check_latents(arrays: dict[str, np.ndarray], expected: tuple[int, int, int], paths: list[str]) -> None:

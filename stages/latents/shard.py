@@ -54,9 +54,12 @@ class LazyEncoder:
             return None
         return vae_facts_of(models.family(self.ctx.cfg), self.vae)
 
-    def __call__(self, pixels, paths, expected):
+    def submit(self, pixels, paths, expected):
         self.load()
-        return self._encoder(pixels, paths, expected)
+        return self._encoder.submit(pixels, paths, expected)
+
+    def __call__(self, pixels, paths, expected):
+        return self.submit(pixels, paths, expected)()
 
 
 # On a CPU the VAE's convolutions dominate: encoding a bucket pixel costs about as much as decoding and resizing 16

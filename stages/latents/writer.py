@@ -5,13 +5,15 @@ and rows encoded now), written as one chunk per array, then recorded in `blocks/
 block of the previous version row for row (the common case when a folder grows: buckets without new images,
 and the blocks before the first new image of a bucket) shares that block's chunk files instead, so an
 incremental build costs what changed, not the cache's size. Decoding runs ahead in the worker pool while the
-VAE encodes, so the VAE rarely waits for pixels.
+VAE encodes, so the VAE rarely waits for pixels; one batch is in flight while the host checks the one before, and
+each block is written on a thread of its own while the next is encoded, so the VAE rarely waits for the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -69,6 +71,15 @@ class Link:
     digest: str
 
 
+class Encode(Protocol):
+    """The VAE side (tuneline.stages.latents.encode.Encoder): starts a batch, returns the call that waits for its
+    checked arrays."""
+
+    def submit(
+        self, pixels: list[torch.Tensor], paths: list[str], expected: tuple[int, ...]
+    ) -> Callable[[], dict[str, np.ndarray]]: ...
+
+
 class Reuse(Protocol):
     """Rows of an earlier build by row key (tuneline.stages.latents.reuse.PreviousRows; NO_REUSE for a first build)."""
 
@@ -101,6 +112,32 @@ class BucketWriter:
         self.blocks = 0
         self.first = 0  # the row out.index starts at: 0, or a shard's first block (at)
         self.out = BucketResult()
+        self._io: ThreadPoolExecutor | None = None  # the writer thread, inside writing()
+        self._pending: Future | None = None  # the block being written on it
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Blocks are written on a thread of their own, in order and one at a time, while the caller encodes the
+        next. When the block exits every write has finished (a failed one raises here or at the next block)."""
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="latents-write") as self._io:
+                yield
+                self.wait()
+        finally:
+            self._io = None
+
+    def wait(self) -> None:
+        """Until the block being written is on disk (its error, if it failed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _write(self, write: Callable[[], None]) -> None:
+        self.wait()
+        if self._io is None:
+            write()
+        else:
+            self._pending = self._io.submit(write)
 
     @property
     def rows(self) -> int:
@@ -168,30 +205,35 @@ class BucketWriter:
 
     def commit(self, data: dict[str, np.ndarray], paths: list[str], keys: list[str], rejected: list[Rejected]) -> None:
         """Write a full block, then its record: until the record exists the block does not count."""
-        start = self.rows
-        assert start == self.blocks * self.s.block_rows, "only a bucket's last block may be short"
-        store.write_block(self._ensure_arrays(), self.blocks, data)
-        record = {
-            "start": start,
-            "paths": paths,
-            "keys": keys,
-            "digest": store.block_digest(data),
-            "rejected": [r.model_dump(mode="json") for r in rejected],
-        }
-        store.write_record(self.s.work, self.job.key, self.blocks, record)
+        start, block, arrays = self.rows, self.blocks, self._ensure_arrays()
+        assert start == block * self.s.block_rows, "only a bucket's last block may be short"
+        rejects = [r.model_dump(mode="json") for r in rejected]
+
+        def write() -> None:
+            store.write_block(arrays, block, data)
+            digest = store.block_digest(data)
+            record = {"start": start, "paths": paths, "keys": keys, "digest": digest, "rejected": rejects}
+            store.write_record(self.s.work, self.job.key, block, record)
+
+        self._write(write)
         self._adopt(paths, keys, rejected)
 
     def link(self, link: Link, paths: list[str], keys: list[str]) -> None:
         """A whole block taken from the previous version: its chunk files, then its record."""
-        start = self.rows
-        assert start == self.blocks * self.s.block_rows, "a linked block starts at a block boundary"
-        store.link_block(link.arrays, link.block, self._ensure_arrays(), self.blocks)
+        start, block, arrays = self.rows, self.blocks, self._ensure_arrays()
+        assert start == block * self.s.block_rows, "a linked block starts at a block boundary"
         record = {"start": start, "paths": paths, "keys": keys, "digest": link.digest, "rejected": []}
-        store.write_record(self.s.work, self.job.key, self.blocks, record)
+
+        def write() -> None:
+            store.link_block(link.arrays, link.block, arrays, block)
+            store.write_record(self.s.work, self.job.key, block, record)
+
+        self._write(write)
         self._adopt(paths, keys, [])
         self.out.reused += len(paths)
 
     def finish(self, trailing: list[Rejected]) -> BucketResult:
+        self.wait()
         self.out.rejected += trailing
         if not self.out.index:
             store.drop_bucket(self.s.work, self.job.key)
@@ -201,10 +243,12 @@ class BucketWriter:
 
 
 class _Assembly:
-    """The block being filled: copied rows as they come, new rows encoded a batch at a time."""
+    """The block being filled: copied rows as they come, new rows encoded a batch at a time (the next batch
+    starts before the last one's arrays are taken)."""
 
-    def __init__(self, w: BucketWriter, encoder: Callable, on_commit: Callable[[int], None]):
+    def __init__(self, w: BucketWriter, encoder: Encode, on_commit: Callable[[int], None]):
         self.w, self.encoder, self.on_commit = w, encoder, on_commit
+        self.inflight: list[tuple[list[int], Callable[[], dict[str, np.ndarray]]]] = []
         self._reset()
 
     def finish(self) -> BucketResult:
@@ -235,15 +279,24 @@ class _Assembly:
 
     def _encode(self) -> None:
         idx = [i for i, _ in self.todo]
-        out = self.encoder([p for _, p in self.todo], [self.paths[i] for i in idx], self.w.job.shape)
+        result = self.encoder.submit([p for _, p in self.todo], [self.paths[i] for i in idx], self.w.job.shape)
+        self.inflight.append((idx, result))
+        self.todo = []
+        while len(self.inflight) > 1:
+            self._land()
+
+    def _land(self) -> None:
+        idx, result = self.inflight.pop(0)
+        out = result()
         for k, i in enumerate(idx):
             self.rows[i] = {name: arr[k] for name, arr in out.items()}
         self.w.out.encoded += len(idx)
-        self.todo = []
 
     def commit(self) -> None:
         if self.todo:
             self._encode()
+        while self.inflight:
+            self._land()
         data = {name: np.stack([r[name] for r in self.rows]) for name in self.w.s.names}
         self.w.commit(data, self.paths, self.keys, self.rejected)
         self.on_commit(len(self.paths) + len(self.rejected))
@@ -281,7 +334,7 @@ class _Decodes:
 def fill_blocks(
     w: BucketWriter,
     start: int,
-    encoder: Callable,
+    encoder: Encode,
     reuse: Reuse,
     pool: ThreadPoolExecutor,
     advance: Callable[[int], None],
@@ -292,6 +345,19 @@ def fill_blocks(
     `finish()` is the bucket's result). A block that is a whole block of the previous version, row for row, takes
     its chunk files; other rows are copied one by one or encoded. Blocks are filled exactly as a
     single process fills them, so a shard's blocks are byte for byte a single process's."""
+    with w.writing():
+        return _fill(w, start, encoder, reuse, pool, advance, stop)
+
+
+def _fill(
+    w: BucketWriter,
+    start: int,
+    encoder: Encode,
+    reuse: Reuse,
+    pool: ThreadPoolExecutor,
+    advance: Callable[[int], None],
+    stop: int | None,
+) -> _Assembly:
     job, size = w.job, w.s.block_rows
     asm = _Assembly(w, encoder, advance)
     decodes = _Decodes(w.s, job, reuse, pool, None if stop is None else stop * size)

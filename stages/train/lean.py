@@ -54,12 +54,13 @@ def _rms_scale(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None)
     return (h.to(weight.dtype) if weight.dtype in HALF else h) * weight
 
 
-def _rms_backward(grad, x, rstd, weight, wanted: list[bool]):
-    """The fused backward's gradients, elementwise in float32 for any mix of dtypes (the weight's from the
-    normalized values as diffusers scales them: rounded to a half weight's dtype)."""
+def _rms_backward(grad, x, rstd, weight, wanted: list[bool], fused: bool):
+    """The fused backward's gradients, elementwise in float32 for any mix of dtypes. The weight's is taken from the
+    normalized values as the forward scaled them: rounded to a half weight's dtype after _rms_scale, unrounded after
+    the fused kernel (so a CPU backward agrees with CUDA's after the same forward)."""
     xhat, g, gx, gw = x * rstd, grad.float(), None, None  # x * rstd: float32 by promotion, no float32 copy of x
     if wanted[1]:
-        normed = xhat.to(weight.dtype) if weight.dtype in HALF else xhat
+        normed = xhat.to(weight.dtype) if weight.dtype in HALF and not fused else xhat
         gw = (g * normed).flatten(0, -2).sum(0)
     if weight is not None:
         g = g * weight
@@ -95,7 +96,7 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.fused and x.device.type in KERNELS:
             gx, gw = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, wanted)
         else:
-            gx, gw = _rms_backward(grad, x, rstd, weight, wanted)
+            gx, gw = _rms_backward(grad, x, rstd, weight, wanted, ctx.fused)
         return gx, None if gw is None else gw.to(weight.dtype), None
 
 

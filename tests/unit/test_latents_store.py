@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -61,6 +62,10 @@ class FakeEncoder:
         self.images += len(paths)
         mean = np.stack([np.full(expected, float(p.mean()), np.float16) for p in pixels])
         return {"mean": mean, "std": np.abs(mean) * np.float16(0.1) + np.float16(0.01)}
+
+    def submit(self, pixels, paths, expected):
+        out = self(pixels, paths, expected)
+        return lambda: out
 
 
 class Known(dict):
@@ -306,3 +311,72 @@ def test_block_records_stop_at_the_first_gap(tmp_path):
     assert [r["i"] for r in store.read_records(tmp_path, "b")] == [0]
     store.drop_records(tmp_path, "b", 1)
     assert sorted(p.name for p in (tmp_path / store.BLOCKS / "b").iterdir()) == ["000000.json"]
+
+
+class LoggedEncoder(FakeEncoder):
+    """Logs when each batch starts and when its arrays are taken."""
+
+    def __init__(self, log: list):
+        super().__init__()
+        self.log = log
+
+    def submit(self, pixels, paths, expected):
+        n = self.calls
+        self.log.append(("start", n))
+        out = self(pixels, paths, expected)
+        return lambda: self.log.append(("take", n)) or out
+
+
+def test_the_next_batch_starts_before_the_last_ones_arrays_are_taken(tmp_path):
+    log = []
+    _, out = run(tmp_path, make_job(tmp_path, 8), LoggedEncoder(log))
+    # blocks of 4 rows in batches of 3: each block's first batch is in flight while the host takes nothing
+    assert log == [("start", 0), ("start", 1), ("take", 0), ("take", 1)] + [
+        ("start", 2), ("start", 3), ("take", 2), ("take", 3)
+    ]  # fmt: skip
+    assert out.encoded == 8
+
+
+def test_a_block_is_written_while_the_next_block_encodes(tmp_path, monkeypatch):
+    """The first block's write waits until the encoder starts a batch of the second block: written in line, it
+    would wait alone and the build would stop."""
+    log, encoding_on = [], threading.Event()
+    write_block = store.write_block
+
+    def slow_write(arrays, block, data):
+        if block == 0:
+            log.append(("next block started while writing", encoding_on.wait(timeout=60)))
+        write_block(arrays, block, data)
+
+    class Signals(LoggedEncoder):
+        def submit(self, pixels, paths, expected):
+            if self.calls == 2:  # the second block's first batch
+                encoding_on.set()
+            return super().submit(pixels, paths, expected)
+
+    monkeypatch.setattr(store, "write_block", slow_write)
+    _, out = run(tmp_path, make_job(tmp_path, 10), Signals(log))
+    assert ("next block started while writing", True) in log
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    run(clean, make_job(clean, 10), FakeEncoder())
+    np.testing.assert_array_equal(stored(tmp_path), stored(clean))  # the same bytes as written in turn
+    assert store.read_records(tmp_path / "work", "16x16") == store.read_records(clean / "work", "16x16")
+
+
+def test_a_failed_block_write_fails_the_build_and_keeps_the_blocks_before_it(tmp_path, monkeypatch):
+    write_block = store.write_block
+
+    def disk_full(arrays, block, data):
+        if block == 1:
+            raise OSError(28, "No space left on device")
+        write_block(arrays, block, data)
+
+    monkeypatch.setattr(store, "write_block", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        run(tmp_path, make_job(tmp_path, 10), FakeEncoder())
+    assert [r["start"] for r in store.read_records(tmp_path / "work", "16x16")] == [0]  # block 1 never counted
+    monkeypatch.setattr(store, "write_block", write_block)
+    enc = FakeEncoder()
+    start, out = run(tmp_path, make_job(tmp_path, 10), enc)
+    assert start == 4 and enc.images == 6 and len(out.index) == 10

@@ -162,6 +162,22 @@ def test_lean_norm_in_each_dtype_mix_gives_the_layers_dtype_and_gradients(norm, 
         torch.testing.assert_close(gp.double(), gq, rtol=3e-2, atol=3e-2 * gq.abs().max().item())
 
 
+def test_lean_rms_norm_weight_gradient_on_the_cpu_is_the_fused_forwards():
+    """A bf16 RMSNorm takes the fused forward on the CPU too (torch's composite: x/rms not rounded before the scale);
+    the weight's gradient is then of those unrounded values, as CUDA's fused backward takes it: equal to float64's,
+    rounded once to bf16."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(64)).bfloat16()
+    lean_activations(norm, half_base=False)
+    x = (torch.randn(8, 128, 64) * 3).bfloat16().requires_grad_(True)
+    upstream = torch.randn(8, 128, 64).bfloat16()
+    (gw,) = torch.autograd.grad(norm(x), [norm.weight], upstream)
+    xd = x.detach().double()
+    xhat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(gw, (upstream.double() * xhat).flatten(0, -2).sum(0).bfloat16(), rtol=0, atol=0)
+
+
 def passes(norm: torch.nn.Module, x: torch.Tensor, full: bool = True) -> dict[str, list[str]]:
     """The aten ops the norm's forward and backward call themselves (not the ops inside those) that read or write a
     tensor of x's size (`full`; else every one): each a pass over the activations, a kernel of its own on CUDA."""
