@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,9 @@ def _undecodable(err: Exception) -> str:
     return f"cannot decode at caching time ({type(err).__name__}: {err}): re-export or remove the file"
 
 
+PIN_LIMIT = 1 << 28  # bytes of a batch's pixels sent from page-locked memory
+
+
 class Encoder:
     """The family's VAE on its device; returns every stored array for a batch, checked, in the stored dtype."""
 
@@ -90,9 +94,13 @@ class Encoder:
     ) -> Callable[[], dict[str, np.ndarray]]:
         """Start a batch; returns the call that waits for its arrays. On CUDA nothing here waits for the device:
         the pixels go up from pinned memory and the latents come back into it as the device finishes them, so
-        the host stacks the next batch, checks the last one and writes blocks while the VAE runs."""
+        the host can stack the next batch, check the last one and write blocks meanwhile. On the CPU the batch is
+        done when this returns."""
         cuda = self.device.type == "cuda"
-        x = torch.empty((len(pixels), *pixels[0].shape), pin_memory=cuda)
+        shape = (len(pixels), *pixels[0].shape)
+        # Page-locked buffers stay cached by size for the process: a batch of long clips (GBs) goes pageable.
+        pin = cuda and math.prod(shape) * pixels[0].element_size() <= PIN_LIMIT
+        x = torch.empty(shape, dtype=pixels[0].dtype, pin_memory=pin)
         torch.stack(pixels, out=x)
         x = x.to(self.device, non_blocking=cuda).to(self.vae.dtype)
         if self.flip:
@@ -104,9 +112,9 @@ class Encoder:
         if self.flip:
             parts |= {"flip_mean": dist.mean[n:], "flip_std": dist.std[n:]}
         host = {k: v.float().to("cpu", non_blocking=cuda) for k, v in parts.items()}  # pinned when non-blocking
-        done = torch.cuda.Event() if cuda else None
+        done = torch.cuda.Event(blocking=True) if cuda else None  # its wait sleeps: decode threads get the core
         if done is not None:
-            done.record()
+            done.record(torch.cuda.current_stream(self.device))
 
         def result() -> dict[str, np.ndarray]:
             if done is not None:

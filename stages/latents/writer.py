@@ -5,8 +5,10 @@ and rows encoded now), written as one chunk per array, then recorded in `blocks/
 block of the previous version row for row (the common case when a folder grows: buckets without new images,
 and the blocks before the first new image of a bucket) shares that block's chunk files instead, so an
 incremental build costs what changed, not the cache's size. Decoding runs ahead in the worker pool while the
-VAE encodes, so the VAE rarely waits for pixels; one batch is in flight while the host checks the one before, and
-each block is written on a thread of its own while the next is encoded, so the VAE rarely waits for the host.
+VAE encodes, so the VAE rarely waits for pixels. On a GPU the host should not hold the VAE up either (unmeasured
+there: bench/README.md): the next batch starts before the host takes the last one's latents, and each block is
+written on a thread of its own while the next is encoded. Within a block only: a block's last batch is taken
+before the block is written.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class BucketWriter:
                 yield
                 self.wait()
         finally:
-            self._io = None
+            self._io, self._pending = None, None  # after an error in the body: a write's own error goes with it
 
     def wait(self) -> None:
         """Until the block being written is on disk (its error, if it failed)."""

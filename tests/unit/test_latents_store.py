@@ -339,7 +339,7 @@ def test_the_next_batch_starts_before_the_last_ones_arrays_are_taken(tmp_path):
 
 def test_a_block_is_written_while_the_next_block_encodes(tmp_path, monkeypatch):
     """The first block's write waits until the encoder starts a batch of the second block: written in line, it
-    would wait alone and the build would stop."""
+    would wait alone for its minute and the check fail."""
     log, encoding_on = [], threading.Event()
     write_block = store.write_block
 

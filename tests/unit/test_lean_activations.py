@@ -165,7 +165,8 @@ def test_lean_norm_in_each_dtype_mix_gives_the_layers_dtype_and_gradients(norm, 
 def test_lean_rms_norm_weight_gradient_on_the_cpu_is_the_fused_forwards():
     """A bf16 RMSNorm takes the fused forward on the CPU too (torch's composite: x/rms not rounded before the scale);
     the weight's gradient is then of those unrounded values, as CUDA's fused backward takes it: equal to float64's,
-    rounded once to bf16."""
+    rounded once to bf16 (all but a value or two, whose float32 sums may round the other way; rounded before the
+    scale, 24 of the 64 differ)."""
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-6)
     norm.weight.data = (1 + 0.1 * torch.randn(64)).bfloat16()
@@ -175,7 +176,7 @@ def test_lean_rms_norm_weight_gradient_on_the_cpu_is_the_fused_forwards():
     (gw,) = torch.autograd.grad(norm(x), [norm.weight], upstream)
     xd = x.detach().double()
     xhat = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(gw, (upstream.double() * xhat).flatten(0, -2).sum(0).bfloat16(), rtol=0, atol=0)
+    assert int((gw != (upstream.double() * xhat).flatten(0, -2).sum(0).bfloat16()).sum()) <= 2
 
 
 def passes(norm: torch.nn.Module, x: torch.Tensor, full: bool = True) -> dict[str, list[str]]:
