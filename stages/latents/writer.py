@@ -347,40 +347,28 @@ def fill_blocks(
     `finish()` is the bucket's result). A block that is a whole block of the previous version, row for row, takes
     its chunk files; other rows are copied one by one or encoded. Blocks are filled exactly as a
     single process fills them, so a shard's blocks are byte for byte a single process's."""
-    with w.writing():
-        return _fill(w, start, encoder, reuse, pool, advance, stop)
-
-
-def _fill(
-    w: BucketWriter,
-    start: int,
-    encoder: Encode,
-    reuse: Reuse,
-    pool: ThreadPoolExecutor,
-    advance: Callable[[int], None],
-    stop: int | None,
-) -> _Assembly:
-    job, size = w.job, w.s.block_rows
-    asm = _Assembly(w, encoder, advance)
-    decodes = _Decodes(w.s, job, reuse, pool, None if stop is None else stop * size)
-    i = start
-    while i < len(job.records) and (stop is None or w.blocks < stop):
-        decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
-        if not (asm.paths or asm.rejected):  # a block boundary (pending rejects go in the next written record)
-            keys = job.row_keys[i : i + size]
-            link = reuse.link(keys, size)
-            if link is not None:
-                w.link(link, [r.ref for r in job.records[i : i + size]], keys)
-                advance(len(keys))
-                i += len(keys)
-                continue
-        rec, key = job.records[i], job.row_keys[i]
-        src = reuse.rows(key) if key in reuse else decodes.take(i)
-        if isinstance(src, str):
-            asm.rejected.append(Rejected(path=rec.ref, reason=src, kind="decode"))
-        else:
-            asm.add(rec.ref, key, src)
-        i += 1
-    if asm.paths:
-        asm.commit()
-    return asm
+    with w.writing():  # every block's write done (or failed) on the way out
+        job, size = w.job, w.s.block_rows
+        asm = _Assembly(w, encoder, advance)
+        decodes = _Decodes(w.s, job, reuse, pool, None if stop is None else stop * size)
+        i = start
+        while i < len(job.records) and (stop is None or w.blocks < stop):
+            decodes.ahead_of(i)  # new images decode while earlier blocks are linked or copied
+            if not (asm.paths or asm.rejected):  # a block boundary (pending rejects go in the next written record)
+                keys = job.row_keys[i : i + size]
+                link = reuse.link(keys, size)
+                if link is not None:
+                    w.link(link, [r.ref for r in job.records[i : i + size]], keys)
+                    advance(len(keys))
+                    i += len(keys)
+                    continue
+            rec, key = job.records[i], job.row_keys[i]
+            src = reuse.rows(key) if key in reuse else decodes.take(i)
+            if isinstance(src, str):
+                asm.rejected.append(Rejected(path=rec.ref, reason=src, kind="decode"))
+            else:
+                asm.add(rec.ref, key, src)
+            i += 1
+        if asm.paths:
+            asm.commit()
+        return asm
