@@ -64,6 +64,8 @@ CUDA_BRANCHES = (
     "offloaded activations (gradient_checkpointing: offload) copying to the host",
     "int8 and fp8 bases",
     "peak GPU memory and the memory plan beside it",
+    "the latents stage's pinned, non-blocking copies of pixels and latents that overlap the VAE",
+    "the lean norms' fused kernels each way (the CPU has no fused RMSNorm backward)",
 )
 DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
 
