@@ -201,9 +201,9 @@ def _write_bucket(ctx, work, at: _Bucket, roots, encoder, identity, previous, co
             todo.append((i, j))
     step = ctx.cfg.latents.batch_size
     for part in (todo[k : k + step] for k in range(0, len(todo), step)):
-        got = encoder(
+        got = encoder.submit(
             [pixels(recs[i], roots[recs[i].source], j, size) for i, j in part], [recs[i].path for i, _ in part], shape
-        )
+        )()
         for m, (i, j) in enumerate(part):
             out[False][i, j] = got["mean"][m]
             if flip:

@@ -84,11 +84,6 @@ class Encoder:
     def __init__(self, vae: torch.nn.Module, device: torch.device, dtype: str, flip: bool):
         self.vae, self.device, self.dtype, self.flip = vae, device, np.dtype(dtype), flip
 
-    def __call__(
-        self, pixels: list[torch.Tensor], paths: list[str], expected: tuple[int, int, int]
-    ) -> dict[str, np.ndarray]:
-        return self.submit(pixels, paths, expected)()
-
     def submit(
         self, pixels: list[torch.Tensor], paths: list[str], expected: tuple[int, int, int]
     ) -> Callable[[], dict[str, np.ndarray]]:

@@ -58,9 +58,6 @@ class LazyEncoder:
         self.load()
         return self._encoder.submit(pixels, paths, expected)
 
-    def __call__(self, pixels, paths, expected):
-        return self.submit(pixels, paths, expected)()
-
 
 # On a CPU the VAE's convolutions dominate: encoding a bucket pixel costs about as much as decoding and resizing 16
 # source pixels (bench/sharded_cache.py: shards split by pixels alone finished 7 s apart, their times following their
