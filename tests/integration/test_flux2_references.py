@@ -233,6 +233,8 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
     import re
 
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     from tuneline.flows.stage_flows import validate_flow
 
@@ -241,10 +243,14 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
 
     async def artifact() -> str:
         async with get_client() as client:
-            arts = await client.read_artifacts(limit=200)
-        texts = [a.data for a in arts if a.key == "validate-grid" and paths["validate"].name in (a.description or "")]
-        assert texts, f"no validate-grid artifact; keys {sorted({a.key for a in arts if a.key})}"
-        return texts[-1]
+            # the session's database holds more artifacts than a page: ask for this key's, newest first
+            arts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validate-grid"])),
+                sort=ArtifactSort.CREATED_DESC,
+            )
+        texts = [a.data for a in arts if paths["validate"].name in (a.description or "")]
+        assert texts, f"no validate-grid artifact of {paths['validate'].name} among {len(arts)}"
+        return texts[0]
 
     text = asyncio.run(artifact())
     [b64] = re.findall(r"!\[grid\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", text)

@@ -16,11 +16,20 @@ DATA_PNG = re.compile(r"!\[[^\]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)")
 
 
 async def _markdown_artifacts() -> dict[str, str]:
+    """The newest markdown artifact of each key. A worker's session server keeps the artifacts of every run its
+    tests made, more than one page of the server's (200): read every page, newest first."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import ArtifactSort
 
+    out: dict[str, str] = {}
+    offset = 0
     async with get_client() as client:
-        arts = await client.read_artifacts(limit=200)
-    return {a.key: a.data for a in arts if a.type == "markdown" and a.key}
+        while page := await client.read_artifacts(sort=ArtifactSort.CREATED_DESC, limit=200, offset=offset):
+            for a in page:
+                if a.type == "markdown" and a.key:
+                    out.setdefault(a.key, a.data)
+            offset += len(page)
+    return out
 
 
 def _images(markdown: str) -> list[Image.Image]:
