@@ -9,6 +9,8 @@ and the exported LoRA, are the eager model's: no `_orig_mod.` prefix, and a run 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from tuneline.stages.families.common import unwrap
@@ -34,6 +36,19 @@ def compile_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...], backend: 
     blocks = compiled_blocks(denoiser, stacks)
     if not blocks:
         raise ValueError(f"train.compile: {type(unwrap(denoiser)).__name__} has no blocks to compile; set it false")
+    _allow_a_graph_per_block(blocks)
     for block in blocks:
         compile_block(block, backend)
     return len(blocks)
+
+
+def _allow_a_graph_per_block(blocks: list[torch.nn.Module]) -> None:
+    """Blocks of one class share their forward's code, and dynamo keeps at most `recompile_limit` graphs (8) per
+    code: each block's weights fix its shapes, so every channel width and size is a graph of its own, and again
+    where an input needs no gradient or under no_grad (validation). SDXL's UNet has 12 resnet shapes: past the
+    limit dynamo would run the rest eager, with a warning in the log only. Allow each block of the most common
+    class its three graphs."""
+    need = 3 * max(Counter(type(b) for b in blocks).values())
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, need)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, need * len({type(b) for b in blocks}))

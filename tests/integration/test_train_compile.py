@@ -72,3 +72,30 @@ def test_compile_with_block_swap_is_refused_naming_both_keys(bench):
     _, cfg, _ = bench
     with pytest.raises(ValueError, match=r"train\.compile with train\.blocks_to_swap 2.*train\.blocks_to_swap: 0"):
         cfg.train.model_validate({**cfg.train.model_dump(), "compile": True, "blocks_to_swap": 2})
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.proj(x)) + x
+
+
+def test_each_block_shape_gets_its_graph_past_dynamos_default_limit():
+    """Blocks of one class share one forward's code, and dynamo's default keeps 8 graphs per code: SDXL's 12 resnet
+    shapes would leave 4 eager. 10 blocks of 10 widths each run their own compiled graph."""
+    from torch._dynamo.utils import counters
+
+    from tuneline.stages.train.compile import compile_blocks
+
+    widths = range(4, 14)
+    den = torch.nn.Module()
+    den.blocks = torch.nn.ModuleList(_Block(w) for w in widths)
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):  # the defaults
+        before = counters["stats"]["unique_graphs"]
+        assert compile_blocks(den, ("blocks",), backend="eager") == len(widths)
+        for block, w in zip(den.blocks, widths):
+            block(torch.randn(2, w))
+        assert counters["stats"]["unique_graphs"] - before == len(widths)
