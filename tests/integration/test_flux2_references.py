@@ -232,27 +232,13 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
     import io
     import re
 
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    from prefect.client.schemas.sorting import ArtifactSort
-
+    from tests.integration.test_ui_images import _markdown_of
     from tuneline.flows.stage_flows import validate_flow
 
     _, ctx, paths = flux2_refs_run
     assert Path(validate_flow(config=ctx.cfg)) == paths["validate"]  # fresh: reported, not rebuilt
 
-    async def artifact() -> str:
-        async with get_client() as client:
-            # the session's database holds more artifacts than a page: ask for this key's, newest first
-            arts = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validate-grid"])),
-                sort=ArtifactSort.CREATED_DESC,
-            )
-        texts = [a.data for a in arts if paths["validate"].name in (a.description or "")]
-        assert texts, f"no validate-grid artifact of {paths['validate'].name} among {len(arts)}"
-        return texts[0]
-
-    text = asyncio.run(artifact())
+    text = asyncio.run(_markdown_of("validate-grid", paths["validate"].name))
     [b64] = re.findall(r"!\[grid\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", text)
     inline = np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
     with Image.open(paths["validate"] / "grid.png") as g:

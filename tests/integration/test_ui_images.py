@@ -32,6 +32,22 @@ async def _markdown_artifacts() -> dict[str, str]:
     return out
 
 
+async def _markdown_of(key: str, version: str) -> str:
+    """The newest markdown artifact `key` whose description names an artifact `version` (its folder's name): other
+    runs on the same server report under the same key."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    async with get_client() as client:
+        arts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC
+        )
+    texts = [a.data for a in arts if version in (a.description or "")]
+    assert texts, f"no {key} artifact of {version} among {len(arts)}"
+    return texts[0]
+
+
 def _images(markdown: str) -> list[Image.Image]:
     out = []
     for b64 in DATA_PNG.findall(markdown):
