@@ -135,11 +135,9 @@ class BucketWriter:
             pending.result()
 
     def _write(self, write: Callable[[], None]) -> None:
+        assert self._io is not None, "blocks are written inside writing() (fill_blocks)"
         self.wait()
-        if self._io is None:
-            write()
-        else:
-            self._pending = self._io.submit(write)
+        self._pending = self._io.submit(write)
 
     @property
     def rows(self) -> int:
@@ -235,7 +233,7 @@ class BucketWriter:
         self.out.reused += len(paths)
 
     def finish(self, trailing: list[Rejected]) -> BucketResult:
-        self.wait()
+        """After writing(): every block is on disk."""
         self.out.rejected += trailing
         if not self.out.index:
             store.drop_bucket(self.s.work, self.job.key)
