@@ -59,7 +59,9 @@ class TemporaryServer:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
-        self.log = Path(tempfile.mkstemp(prefix="tuneline-prefect-server-", suffix=".log")[1])
+        # The server's output, read back only to explain a failed start. A file without a name: nothing is left in
+        # the temporary folder, even when this process is SIGKILLed.
+        self.log = tempfile.TemporaryFile(prefix="tuneline-prefect-server-")
 
     @property
     def api_url(self) -> str:
@@ -71,7 +73,7 @@ class TemporaryServer:
         for _attempt in (1, 2):
             if self._start_once(timeout):
                 return self.api_url
-            self.stop(keep_log=True)
+            self.stop()
         why = self._why()
         raise ServerUnavailable(
             f"the temporary Prefect server did not start within {timeout:.0f} s, twice{why} (a busy machine is "
@@ -122,24 +124,21 @@ class TemporaryServer:
             "--lifespan",
             "on",
         ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *server],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *server],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+            start_new_session=True,
+        )
 
     def _why(self) -> str:
-        try:
-            lines = [ln for ln in self.log.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            lines = []
+        self.log.seek(0)
+        lines = [ln for ln in self.log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
         return f" (last server output: {lines[-1].strip()[:200]})" if lines else ""
 
-    def stop(self, keep_log: bool = False) -> None:
+    def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             try:
@@ -150,8 +149,6 @@ class TemporaryServer:
                 proc.wait()
             except ProcessLookupError:
                 pass
-        if not keep_log:
-            self.log.unlink(missing_ok=True)
 
 
 def _healthy(api_url: str) -> bool:

@@ -89,8 +89,11 @@ def _wait_for_server(proc: subprocess.Popen, limit: float = 300) -> int:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_tuneline_takes_its_temporary_server_along(tmp_path, sig):
-    """The OOM killer or `kill PID` hits only the tuneline process: its server must not live on (~200 MB each)."""
-    proc = _start(["run", "--workdir", str(tmp_path / "w")], _env(tmp_path / "home"))
+    """The OOM killer or `kill PID` hits only the tuneline process: its server must not live on (~200 MB each),
+    nor its output file in the temporary folder (one per killed run, never cleaned)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _start(["run", "--workdir", str(tmp_path / "w")], _env(tmp_path / "home", TMPDIR=str(tmp)))
     server = _wait_for_server(proc)
     os.kill(proc.pid, sig)
     proc.wait(timeout=120)  # not communicate(): an orphaned server would hold its output pipes open
@@ -101,6 +104,8 @@ def test_killing_tuneline_takes_its_temporary_server_along(tmp_path, sig):
     if alive:
         os.kill(server, signal.SIGKILL)
     assert not alive, f"the temporary Prefect server (pid {server}) outlived `tuneline` killed by {sig.name}"
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("tuneline-")]
+    assert not left, f"`tuneline` killed by {sig.name} left {left} in the temporary folder"
 
 
 def test_a_stage_completes_with_both_cores_saturated(tmp_path):
