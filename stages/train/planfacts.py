@@ -6,8 +6,8 @@ training mode and adapter settings, the dtype, the control images per sample, th
 them and the versions of torch, diffusers, peft and transformers. A plan whose facts are all known builds nothing
 and imports neither diffusers nor peft; any change to what they depend on is a new fingerprint, computed afresh.
 
-Where: plan_facts.json beside this file (the default plans of the shipped `--model-config`s, written by
-`python -m tuneline.stages.train.planfacts`), then the user's cache (`plan-facts/` in TUNELINE_CACHE_DIR, else
+Where: plan_facts.json beside this file (the default plans of the shipped `--model-config`s and every family's
+tiny flavor on a CPU, written by `python -m tuneline.stages.train.planfacts`), then the user's cache (`plan-facts/` in TUNELINE_CACHE_DIR, else
 XDG_CACHE_HOME/tuneline or ~/.cache/tuneline). TUNELINE_PLAN_CACHE=off computes every fact afresh and keeps none.
 """
 
@@ -252,7 +252,7 @@ def ship(names: list[str]) -> None:
     from tuneline.stages.train.planning import model_user_config
 
     os.environ["TUNELINE_PLAN_CACHE"] = "off"  # computed afresh, not read back from a cache
-    out = {}
+    out = tiny_flavors()
     for name in names:
         planner = planner_for(model_user_config(name, None), shipped_dir(name), True, SHIPPED_CONFIGS[name])
         planner.plan(24 * 1024**3, "a 24 GiB CUDA GPU")
@@ -264,6 +264,40 @@ def ship(names: list[str]) -> None:
         out[planner.facts.key] = planner.facts.data
         print(f"{name}: {sorted(planner.facts.data)}", flush=True)
     SHIPPED.write_text(json.dumps(out, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+TINY_MODES = ("lora", "full")
+
+
+def tiny_config(family: str, mode: str, workdir: Path):
+    """The built-in demo's config on `family`'s tiny flavor (model.path null) in train.mode `mode`: the settings
+    of `tuneline config example` with the family changed, a newcomer's first run."""
+    from tuneline.schemas.config import parse_config
+    from tuneline.schemas.demo import DEMO_CONFIG
+
+    data = DEMO_CONFIG | {"model": DEMO_CONFIG["model"] | {"family": family}}
+    data["train"] = data["train"] | {"mode": mode}
+    return parse_config(data, "<tiny flavor>", str(workdir))
+
+
+def tiny_flavors() -> dict:
+    """The facts of every family's tiny flavor as a CPU run plans it (TINY_MODES at the demo's settings): the
+    demo and a first trial of a family plan without building a model on the meta device."""
+    import tempfile
+
+    from tuneline.stages.families.registry import family_names, get_family
+    from tuneline.stages.train.memplan import planner_for
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in family_names():
+            model_dir = get_family(name).ensure_model(None, Path(tmp))
+            for mode in TINY_MODES:
+                planner = planner_for(tiny_config(name, mode, Path(tmp)), model_dir, False)
+                planner.plan(None, "cpu")
+                out[planner.facts.key] = planner.facts.data
+            print(f"{name} tiny: {sorted(planner.facts.data)}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

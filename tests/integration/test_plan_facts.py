@@ -1,6 +1,6 @@
 """The plan's model facts kept on disk (stages/train/planfacts.py): a second plan of the same model reads them and
 builds nothing, plans the same; anything they depend on is a new key; the shipped facts are those of today's code
-for every shipped config's default plan."""
+for every shipped config's default plan and every family's tiny flavor planned on a CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from tests.integration.test_train_support import small_config
 from tuneline.schemas.model import SHIPPED_CONFIGS
-from tuneline.stages.families.registry import get_family
+from tuneline.stages.families.registry import family_names, get_family
 from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.families.shipped import shipped_dir
 from tuneline.stages.train import planfacts
@@ -91,3 +91,25 @@ def test_the_shipped_facts_are_todays_for_every_default_plan(name):
     edges = [edge, *fix_edges(edge, planner.alignment)]
     wanted = {"counts", "render", "describe/None", "describe/fp8", *(planfacts.trace_key(e, frames) for e in edges)}
     assert wanted <= set(shipped[key]) and "den" not in planner.facts.__dict__
+
+
+@pytest.fixture(scope="module")
+def flavors(tmp_path_factory):
+    return tmp_path_factory.mktemp("flavors")
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_the_shipped_facts_hold_every_tiny_flavors_cpu_plan(family, flavors, tmp_path, monkeypatch):
+    """The demo and a first trial run of a family (model.path null, on the CPU, LoRA or full) plan from the
+    shipped facts: the `tuneline run` process imports neither diffusers nor peft to plan its training."""
+    monkeypatch.setenv("TUNELINE_CACHE_DIR", str(tmp_path / "cache"))  # the shipped facts alone
+    model_dir = get_family(family).ensure_model(None, flavors)
+    shipped = json.loads(planfacts.SHIPPED.read_text(encoding="utf-8"))
+    for mode in planfacts.TINY_MODES:
+        planner = planner_for(planfacts.tiny_config(family, mode, flavors), model_dir, False)
+        key = planner.facts.key
+        assert key in shipped, (
+            f"{family} {mode}: plan_facts.json is stale; run `python -m tuneline.stages.train.planfacts`"
+        )
+        planner.plan(None, "cpu")
+        assert not planner.facts.added and "den" not in planner.facts.__dict__, f"{family} {mode}: built a model"
