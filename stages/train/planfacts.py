@@ -47,6 +47,9 @@ SOURCES = (
 # fix, and a machine resolves their patch releases independently of ours (one minor apart is common).
 LIBRARIES = ("torch", "diffusers")
 ADAPTER_FIELDS = ("mode", "adapter", "lora_rank", "lora_alpha", "lokr_factor")
+# The numbers a VAE scales its latents by: no fact depends on them, and the tiny flavors measure them on the demo's
+# pictures (their last digits follow the machine's float rounding: thread count, vector instructions).
+LATENT_SCALING = ("latents_mean", "latents_std", "scaling_factor", "shift_factor")
 
 
 def build_meta(fam, model_dir: Path, t, dtype: torch.dtype, quantize: str | None):
@@ -106,6 +109,15 @@ def code_digest(family: str) -> str:
     return h.hexdigest()
 
 
+def config_text(path: Path, component: str) -> str:
+    """A component's config as the key reads it: the VAE's without its latent normalisation (LATENT_SCALING)."""
+    text = path.read_text(encoding="utf-8")
+    if component != "vae":
+        return text
+    data = json.loads(text)
+    return json.dumps({k: v for k, v in data.items() if k not in LATENT_SCALING}, sort_keys=True)
+
+
 def fingerprint(
     fam, model_dir: Path, t, dtype: torch.dtype, controls: int, amp: torch.dtype | None = None
 ) -> str | None:
@@ -114,8 +126,8 @@ def fingerprint(
     for comp in (fam.denoiser_component, "vae", *fam.text_components):
         path = Path(model_dir) / comp / "config.json"
         try:
-            configs[comp] = path.read_text(encoding="utf-8") if path.exists() else None
-        except OSError:
+            configs[comp] = config_text(path, comp) if path.exists() else None
+        except (OSError, ValueError):
             return None
     if configs[fam.denoiser_component] is None:
         return None
