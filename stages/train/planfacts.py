@@ -1,14 +1,14 @@
 """The model facts a memory plan reads: the denoiser's parameter bytes per transformer block, the activations a
 forward of one sample saves per edge, the models a render loads. They come from the denoiser built on the meta
 device and a traced forward (seconds for a released model, most of it importing diffusers and peft), so they are
-kept on disk under a fingerprint of everything they depend on: the model's component configs, the family, the
-training mode and adapter settings, the dtype, the control images per sample, the source of the code that computes
-them and the versions of torch, diffusers, peft and transformers. A plan whose facts are all known builds nothing
+kept on disk under a fingerprint of everything they depend on: the model's component configs (the VAE's without
+its latent normalisation), the family, the training mode and adapter settings, the dtype, the control images per
+sample, the source of the code that computes them and the versions of torch and diffusers. A plan whose facts are all known builds nothing
 and imports neither diffusers nor peft; any change to what they depend on is a new fingerprint, computed afresh.
 
 Where: plan_facts.json beside this file (the default plans of the shipped `--model-config`s and every family's
-tiny flavor on a CPU, written by `python -m tuneline.stages.train.planfacts`), then the user's cache (`plan-facts/` in TUNELINE_CACHE_DIR, else
-XDG_CACHE_HOME/tuneline or ~/.cache/tuneline). TUNELINE_PLAN_CACHE=off computes every fact afresh and keeps none.
+tiny flavor on a CPU, written by `python -m tuneline.stages.train.planfacts`), then the user's cache
+(`plan-facts/` in TUNELINE_CACHE_DIR, else XDG_CACHE_HOME/tuneline or ~/.cache/tuneline). TUNELINE_PLAN_CACHE=off computes every fact afresh and keeps none.
 """
 
 from __future__ import annotations
