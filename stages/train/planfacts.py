@@ -3,12 +3,14 @@ forward of one sample saves per edge, the models a render loads. They come from 
 device and a traced forward (seconds for a released model, most of it importing diffusers and peft), so they are
 kept on disk under a fingerprint of everything they depend on: the model's component configs (the VAE's without
 its latent normalisation), the family, the training mode and adapter settings, the dtype, the control images per
-sample, the source of the code that computes them and the versions of torch and diffusers. A plan whose facts are all known builds nothing
-and imports neither diffusers nor peft; any change to what they depend on is a new fingerprint, computed afresh.
+sample, the source of the code that computes them and the versions of torch and diffusers. A plan whose facts are
+all known builds nothing and imports neither diffusers nor peft; any change to what they depend on is a new
+fingerprint, computed afresh.
 
 Where: plan_facts.json beside this file (the default plans of the shipped `--model-config`s and every family's
 tiny flavor on a CPU, written by `python -m tuneline.stages.train.planfacts`), then the user's cache
-(`plan-facts/` in TUNELINE_CACHE_DIR, else XDG_CACHE_HOME/tuneline or ~/.cache/tuneline). TUNELINE_PLAN_CACHE=off computes every fact afresh and keeps none.
+(`plan-facts/` in TUNELINE_CACHE_DIR, else XDG_CACHE_HOME/tuneline or ~/.cache/tuneline). TUNELINE_PLAN_CACHE=off
+computes every fact afresh and keeps none.
 """
 
 from __future__ import annotations
@@ -281,17 +283,6 @@ def ship(names: list[str]) -> None:
 TINY_MODES = ("lora", "full")
 
 
-def tiny_config(family: str, mode: str, workdir: Path):
-    """The built-in demo's config on `family`'s tiny flavor (model.path null) in train.mode `mode`: the settings
-    of `tuneline config example` with the family changed, a newcomer's first run."""
-    from tuneline.schemas.config import parse_config
-    from tuneline.schemas.demo import DEMO_CONFIG
-
-    data = DEMO_CONFIG | {"model": DEMO_CONFIG["model"] | {"family": family}}
-    data["train"] = data["train"] | {"mode": mode}
-    return parse_config(data, "<tiny flavor>", str(workdir))
-
-
 def tiny_flavors() -> dict:
     """The facts of every family's tiny flavor as a CPU run plans it (TINY_MODES at the demo's settings): the
     demo and a first trial of a family plan without building a model on the meta device."""
@@ -299,13 +290,14 @@ def tiny_flavors() -> dict:
 
     from tuneline.stages.families.registry import family_names, get_family
     from tuneline.stages.train.memplan import planner_for
+    from tuneline.stages.train.planning import tiny_user_config
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in family_names():
             model_dir = get_family(name).ensure_model(None, Path(tmp))
             for mode in TINY_MODES:
-                planner = planner_for(tiny_config(name, mode, Path(tmp)), model_dir, False)
+                planner = planner_for(tiny_user_config(name, mode, tmp), model_dir, False)
                 planner.plan(None, "cpu")
                 out[planner.facts.key] = planner.facts.data
             print(f"{name} tiny: {sorted(planner.facts.data)}", flush=True)

@@ -68,6 +68,18 @@ def model_user_config(model_config: str, workdir: str | None):
     return parse_config(data, f"<plan for --model-config {model_config}>", workdir)
 
 
+def tiny_user_config(family: str, mode: str, workdir: str | None):
+    """A newcomer's first run of `family`: the example's config on its tiny flavor (model.path null) on the CPU,
+    in train.mode `mode`."""
+    from tuneline.schemas.config import parse_config
+    from tuneline.schemas.demo import DEMO_CONFIG
+
+    data = json.loads(json.dumps(DEMO_CONFIG))
+    data["model"].update(family=family)
+    data["train"].update(mode=mode)
+    return parse_config(data, f"<tiny {family} flavor>", workdir)
+
+
 def headline(cfg, family: str, where: str) -> str:
     t, b = cfg.train, cfg.buckets
     what = f"LoRA (rank {t.lora_rank})" if t.mode == "lora" else "full fine-tune"

@@ -17,7 +17,7 @@ from tuneline.stages.families.resolve import dtypes
 from tuneline.stages.families.shipped import shipped_dir
 from tuneline.stages.train import planfacts
 from tuneline.stages.train.memplan import CUDA_RESERVE, amp_dtype, fix_edges, planned_controls, planner_for
-from tuneline.stages.train.planning import model_user_config
+from tuneline.stages.train.planning import model_user_config, tiny_user_config
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_the_shipped_facts_hold_every_tiny_flavors_cpu_plan(family, flavors, tmp
     model_dir = get_family(family).ensure_model(None, flavors)
     shipped = json.loads(planfacts.SHIPPED.read_text(encoding="utf-8"))
     for mode in planfacts.TINY_MODES:
-        planner = planner_for(planfacts.tiny_config(family, mode, flavors), model_dir, False)
+        planner = planner_for(tiny_user_config(family, mode, str(flavors)), model_dir, False)
         key = planner.facts.key
         assert key in shipped, (
             f"{family} {mode}: plan_facts.json is stale; run `python -m tuneline.stages.train.planfacts`"
