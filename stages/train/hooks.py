@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 from tuneline.stages.families.resolve import dtypes, input_area
-from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.render.renderer import Renderer, Sample, grid, render_size_for
 from tuneline.stages.text import effective_max_length
 from tuneline.stages.train import checkpoint as ckpt, collectives, dcp, fsdp
@@ -24,17 +23,7 @@ from tuneline.stages.train.pace import PaceMeter, duration
 
 LOG_EVERY = 10
 SAMPLES = "samples"
-LOSS_PNG = "loss.png"
-
-
-def draw_loss_curve(run, losses: list[float]) -> None:
-    """loss.png for `losses` and the run's eval losses, unless it already shows them: the last step's checkpoint
-    draws it, and the final write would draw the same figure again (~0.1 CPU-s a curve, while the other ranks wait
-    at a barrier) unless an evaluation came in between."""
-    shown = (len(losses), len(run.eval_losses))  # both only grow during a run
-    if run.curve_shown != shown:
-        loss_curve(losses, eval_losses=run.eval_losses).save(run.out / LOSS_PNG)
-        run.curve_shown = shown
+LOSS_PNG = "loss.png"  # drawn by the launcher from losses.jsonl once the workers are done (launch.draw_loss_curve)
 
 
 class Hooks:
@@ -90,7 +79,6 @@ class Hooks:
         if not self.trainer.sharded:
             path = ckpt.save(root, self.trainer.step, *self.trainer.checkpoint())
         ckpt.prune(root, self.t.keep_checkpoints)
-        draw_loss_curve(self.run, self.trainer.losses)
         print(f"checkpoint {path.relative_to(self.run.out)}", flush=True)
 
     def validate(self) -> None:

@@ -16,12 +16,14 @@ from pathlib import Path
 
 from tuneline.schemas.train_manifest import TrainManifest
 from tuneline.stages.common.gc import stale_launch_files
+from tuneline.stages.common.jsonl import read_jsonl
 from tuneline.stages.common.lock import IN_USE, in_use
 from tuneline.stages.common.stage import PublishedElsewhere
 from tuneline.stages.families import resolve as models
+from tuneline.stages.render.plots import loss_curve
 from tuneline.stages.train import checkpoint as ckpt, collectives, fsdp, fsdpload, init_source
 from tuneline.stages.train.checkpoint import CHECKPOINTS
-from tuneline.stages.train.failcause import ERROR, RESULT, TRACEBACK, Causes, first_failure
+from tuneline.stages.train.failcause import ERROR, LOSSES, RESULT, TRACEBACK, Causes, first_failure
 from tuneline.stages.train.failures import FAILED_AS, TrainingFailed, TrainingOutOfMemory, TrainingStopped
 from tuneline.stages.train.memcheck import check_before_training
 from tuneline.stages.train.procwatch import PARENT_ENV
@@ -317,8 +319,17 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     result.pop("launch")
     result["initialized_from"] = initialized_from
     result["memory_plan"] = memory_plan
+    draw_loss_curve(work, result)
     report(ctx, work, result)
     return result
+
+
+def draw_loss_curve(work: Path, result: dict) -> None:
+    """The loss curve of the run's every step and its eval losses, drawn here once the workers are done rather than
+    by rank 0 during training: no training process imports matplotlib (~1 CPU-s with the first curve), and no rank
+    waits at a barrier while another draws."""
+    losses = [row["loss"] for row in read_jsonl(work / LOSSES)]
+    loss_curve(losses, eval_losses=result["eval_losses"]).save(work / result["loss_curve"])
 
 
 def follow(ctx, work: Path, shared: bool) -> None:

@@ -39,8 +39,8 @@ from tuneline.stages.train import collectives, evaluation, failcause, fsdp
 from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CHECKPOINTS, CheckpointError, checkpoint_name
 from tuneline.stages.train.export import ExportInfo, resolution_edge
-from tuneline.stages.train.failcause import ERROR, RESULT
-from tuneline.stages.train.hooks import LOSS_PNG, SAMPLES, Hooks, draw_loss_curve
+from tuneline.stages.train.failcause import ERROR, LOSSES, RESULT
+from tuneline.stages.train.hooks import LOSS_PNG, SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches
@@ -71,7 +71,6 @@ class Run:
     export: dict = field(default_factory=dict)  # the launcher's facts for the exported files' metadata
     started_at: float = field(default_factory=time.time)
     step_seconds: float | None = None  # the measured median step after the warm-up (tuneline.stages.train.pace)
-    curve_shown: tuple[int, int] | None = None  # (losses, eval losses) that loss.png shows (hooks.draw_loss_curve)
 
 
 def read_data(cfg, up: dict[str, Path], fam, model_dir: Path, device: torch.device) -> Data:
@@ -191,14 +190,13 @@ def fit(run: Run) -> Trainer:
 
 
 def finish(run: Run, trainer: Trainer) -> None:
-    """Rank 0 writes final/ (the EMA weights when kept), the loss table and curve, and the result the launcher
-    turns into the manifest; the others wait so nobody exits before it exists."""
+    """Rank 0 writes final/ (the EMA weights when kept), the loss table, and the result the launcher turns into the
+    manifest (and draws the loss table into loss.png); the others wait so nobody exits before it exists."""
     t = run.cfg.train
     final = fsdp.final_denoiser(trainer, run.rank)  # a collective under FSDP: the whole weights, on rank 0
     if run.rank == 0:
         exports = save_final(run.family, run.model_dir, final, t, run.out / "final", export_info(run), trainer.text)
-        write_jsonl(run.out / "losses.jsonl", ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
-        draw_loss_curve(run, trainer.losses)
+        write_jsonl(run.out / LOSSES, ({"step": i + 1, "loss": v} for i, v in enumerate(trainer.losses)))
         kept = sorted(p.name for p in (run.out / CHECKPOINTS).iterdir() if not p.name.startswith("."))
         samples = sorted(p.name for p in (run.out / SAMPLES).glob("*.png")) if (run.out / SAMPLES).is_dir() else []
         result = {

@@ -100,24 +100,24 @@ def test_loss_curve_png_and_grid():
     assert grid(tiles, cols=2).size == (16, 16)
 
 
-def test_the_final_loss_curve_is_not_drawn_again_unless_it_changed(tmp_path):
-    from types import SimpleNamespace
+def test_the_launcher_draws_rank_0s_losses_and_eval_losses_once_the_workers_are_done(tmp_path):
+    """loss.png comes from the losses.jsonl rank 0 leaves (a NaN step included) and the result's eval losses, under
+    the name the result gives: no training process draws it."""
+    from tuneline.stages.common.jsonl import write_jsonl
+    from tuneline.stages.train.failcause import LOSSES
+    from tuneline.stages.train.hooks import LOSS_PNG
+    from tuneline.stages.train.launch import draw_loss_curve
 
-    from tuneline.stages.train.hooks import LOSS_PNG, draw_loss_curve
-
-    run = SimpleNamespace(out=tmp_path, eval_losses=[], curve_shown=None)
-    png = tmp_path / LOSS_PNG
-    draw_loss_curve(run, [1.0, 0.5])  # the last step's checkpoint
-    first = png.read_bytes()
-    png.write_bytes(b"left alone")
-    draw_loss_curve(run, [1.0, 0.5])  # the final write: the same figure, not drawn again
-    assert png.read_bytes() == b"left alone"
-    run.eval_losses.append({"step": 2, "loss": 0.4})  # an evaluation after the checkpoint: drawn with it
-    draw_loss_curve(run, [1.0, 0.5])
-    assert png.read_bytes() not in (b"left alone", first)
-    png.write_bytes(b"left alone")
-    draw_loss_curve(run, [1.0, 0.5, 0.3])  # another step
-    assert png.read_bytes() != b"left alone"
+    write_jsonl(tmp_path / LOSSES, ({"step": i + 1, "loss": v} for i, v in enumerate([1.0, float("nan"), 0.5, 0.3])))
+    result = {"loss_curve": LOSS_PNG, "eval_losses": []}
+    draw_loss_curve(tmp_path, result)
+    plain = Image.open(tmp_path / LOSS_PNG)
+    assert plain.size == (640, 360) and plain.getextrema() != ((255, 255), (255, 255), (255, 255))
+    draw_loss_curve(tmp_path, result | {"eval_losses": [{"step": 2, "loss": 0.4}]})
+    with_eval = Image.open(tmp_path / LOSS_PNG)
+    assert with_eval.tobytes() != plain.tobytes()  # the eval point is drawn
+    orange = (255, 127, 14)  # matplotlib's tab:orange, the eval points' color
+    assert orange in {c for _, c in with_eval.getcolors(1 << 20)} - {c for _, c in plain.getcolors(1 << 20)}
 
 
 def test_prompts_encoded_at_training_length_and_cached(renderer, tmp_path):
