@@ -22,10 +22,12 @@ EXC_LINE = re.compile(
     r"(?:Error|Exception|Exit|Interrupt)\b)(?::\s*(.*))?$"
 )
 # The files a training run leaves beside its checkpoints for the launcher: its result, or rank 0's stop (the step and
-# checkpoint a rerun continues from); and with the result, every step's loss (published; the launcher draws it).
+# checkpoint a rerun continues from); and with the result, every step's loss, which the launcher draws into LOSS_PNG
+# once the workers are done (launch.draw_loss_curve).
 RESULT = "result.json"
 ERROR = "error.json"
 LOSSES = "losses.jsonl"
+LOSS_PNG = "loss.png"
 TRACEBACK = re.compile(r"^(?:\[(?:default)?rank\d+\]:\s*)?Traceback \(most recent call last\):")
 SIGNAL = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)|exitcode\s*:\s*-(\d+)")
 SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")

@@ -23,7 +23,6 @@ from tuneline.stages.train.pace import PaceMeter, duration
 
 LOG_EVERY = 10
 SAMPLES = "samples"
-LOSS_PNG = "loss.png"  # drawn by the launcher from losses.jsonl once the workers are done (launch.draw_loss_curve)
 
 
 class Hooks:

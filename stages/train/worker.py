@@ -39,8 +39,8 @@ from tuneline.stages.train import collectives, evaluation, failcause, fsdp
 from tuneline.stages.train.adapters import not_exported
 from tuneline.stages.train.checkpoint import CHECKPOINTS, CheckpointError, checkpoint_name
 from tuneline.stages.train.export import ExportInfo, resolution_edge
-from tuneline.stages.train.failcause import ERROR, LOSSES, RESULT
-from tuneline.stages.train.hooks import LOSS_PNG, SAMPLES, Hooks
+from tuneline.stages.train.failcause import ERROR, LOSS_PNG, LOSSES, RESULT
+from tuneline.stages.train.hooks import SAMPLES, Hooks
 from tuneline.stages.train.loop import Data, NonFiniteLoss, Trainer
 from tuneline.stages.train.model import save_final
 from tuneline.stages.train.plan import micro_batches

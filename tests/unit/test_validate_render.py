@@ -104,8 +104,7 @@ def test_the_launcher_draws_rank_0s_losses_and_eval_losses_once_the_workers_are_
     """loss.png comes from the losses.jsonl rank 0 leaves (a NaN step included) and the result's eval losses, under
     the name the result gives: no training process draws it."""
     from tuneline.stages.common.jsonl import write_jsonl
-    from tuneline.stages.train.failcause import LOSSES
-    from tuneline.stages.train.hooks import LOSS_PNG
+    from tuneline.stages.train.failcause import LOSS_PNG, LOSSES
     from tuneline.stages.train.launch import draw_loss_curve
 
     write_jsonl(tmp_path / LOSSES, ({"step": i + 1, "loss": v} for i, v in enumerate([1.0, float("nan"), 0.5, 0.3])))
