@@ -1,4 +1,5 @@
-"""Start DDP training as a torchrun subprocess, stream its output to the stage log, collect the result."""
+"""Start training (torchrun and its DDP workers, or one worker alone), stream its output to the stage log, collect
+the result."""
 
 from __future__ import annotations
 
@@ -97,17 +98,34 @@ def beside(work: Path, kind: str, token: str) -> Path:
     return work.parent / f"{work.name}.{kind}-{token}.json"
 
 
-def torchrun_command(cfg, spec: Path, grace: int = STOP_GRACE_S) -> list[str]:
-    """torchrun waits `grace` seconds for its workers after forwarding a stop (its default, 30 s, would cut a
-    long step or checkpoint short and fall back to the last periodic checkpoint)."""
+WORKER = ["-m", "tuneline.stages.train.worker"]
+AGENT = "tuneline.stages.train.procwatch"
+# What torchrun gives its workers, for one process started without it: rank 0 of 1, whose process group's store
+# listens on a port the system picks (no other process needs to find it).
+ALONE_ENV = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "0",
+}
+
+
+def runs_alone(cfg) -> bool:
+    return cfg.train.processes == 1 and cfg.train.nodes == 1
+
+
+def worker_command(cfg, spec: Path, grace: int = STOP_GRACE_S) -> list[str]:
+    """One process on one node is started alone: torchrun's agent would add an interpreter importing torch (~2 CPU-s
+    and a second of start-up) to host a rendezvous nobody joins. More processes, or nodes, run under torchrun, which
+    waits `grace` seconds for its workers after forwarding a stop (its default, 30 s, would cut a long step or
+    checkpoint short and fall back to the last periodic checkpoint); alone, the launcher waits that long itself."""
     t = cfg.train
-    cmd = [
-        sys.executable,
-        "-m",
-        "tuneline.stages.train.procwatch",
-        f"--nproc_per_node={t.processes}",
-        f"--shutdown-timeout={grace}",
-    ]
+    if runs_alone(cfg):
+        return [sys.executable, "-u", *WORKER, str(spec)]
+    cmd = [sys.executable, "-m", AGENT, f"--nproc_per_node={t.processes}", f"--shutdown-timeout={grace}"]
     if t.nodes > 1:
         cmd += [
             f"--nnodes={t.nodes}",
@@ -118,11 +136,15 @@ def torchrun_command(cfg, spec: Path, grace: int = STOP_GRACE_S) -> list[str]:
         ]
     else:
         cmd += ["--standalone"]
-    return cmd + ["-m", "tuneline.stages.train.worker", str(spec)]
+    return cmd + [*WORKER, str(spec)]
 
 
-def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark: Path | None = None) -> None:
-    env = dict(os.environ)
+def run_workers(
+    ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark: Path | None = None, alone: bool = False
+) -> None:
+    """Run `cmd` (worker_command's: torchrun, or the worker `alone`) to its end; a failure raised as the error that
+    names its cause (failed)."""
+    env = dict(os.environ) | (ALONE_ENV if alone else {})
     env[PARENT_ENV] = str(os.getpid())
     env["OMP_NUM_THREADS"] = str(ctx.cfg.train.threads_per_process)
     env["PYTHONUNBUFFERED"] = "1"
@@ -131,9 +153,9 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     ctx.log.debug("train: %s", " ".join(cmd))  # our own launcher's command line: for debugging, not news
-    # Its own session: a SIGTERM to our process group (a cancelled run, `kill -TERM -PGID`) reaches torchrun once,
-    # forwarded below, not twice (a second SIGTERM cuts torchrun's wait for its workers' checkpoint short).
-    # SIGKILL needs no forwarding: torchrun and its workers die with this process (procwatch).
+    # Its own session: a SIGTERM to our process group (a cancelled run, `kill -TERM -PGID`) reaches torchrun (or the
+    # worker alone) once, forwarded below, not twice (a second SIGTERM cuts torchrun's wait for its workers'
+    # checkpoint short). SIGKILL needs no forwarding: torchrun and its workers die with this process (procwatch).
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -164,6 +186,8 @@ def run_torchrun(ctx, cmd: list[str], cwd: Path, grace: int = STOP_GRACE_S, mark
         raise
     finally:
         restore()
+    if rc < 0 and alone:  # what torchrun's summary says of a worker a signal ended
+        causes.exits[0] = (rc, signal.Signals(-rc).name)
     if rc != 0:
         raise failed(cwd, rc, tail, causes)
 
@@ -183,8 +207,9 @@ def failed(work: Path, rc: int, tail: list[str], causes: Causes) -> TrainingFail
 
 
 def stop(ctx, proc: subprocess.Popen, grace: int, mark: Path | None) -> None:
-    """A stop (SIGTERM, Ctrl-C, a cancelled flow run): marked as one, then forwarded to torchrun, whose workers
-    finish the step, checkpoint and exit (tuneline.stages.train.stopping) within `grace` seconds."""
+    """A stop (SIGTERM, Ctrl-C, a cancelled flow run): marked as one, then forwarded to torchrun (or the worker
+    alone), whose workers finish the step, checkpoint and exit (tuneline.stages.train.stopping) within `grace`
+    seconds."""
     if mark is not None:
         mark.write_text("{}", encoding="utf-8")
     ctx.log.warning("train: stopping; the workers finish their step and checkpoint (up to %d s)", grace)
@@ -192,7 +217,7 @@ def stop(ctx, proc: subprocess.Popen, grace: int, mark: Path | None) -> None:
     # Still read its output: a full pipe would block the workers' prints, and with them the checkpoint.
     threading.Thread(target=drain, args=(ctx, proc), daemon=True).start()
     try:
-        proc.wait(timeout=grace + 10)  # torchrun itself kills its workers after `grace`
+        proc.wait(timeout=grace + 10)  # torchrun itself kills its workers after `grace`; a worker alone, we do
     except subprocess.TimeoutExpired:
         proc.kill()
 
@@ -303,7 +328,8 @@ def build(ctx, work: Path, upstream: dict) -> dict:
     seen, mark = beside(work, "seen", token), beside(work, "stop", token)
     try:
         with in_use(work):
-            run_torchrun(ctx, torchrun_command(ctx.cfg, spec, grace), cwd=work, grace=grace, mark=mark)
+            cmd = worker_command(ctx.cfg, spec, grace)
+            run_workers(ctx, cmd, cwd=work, grace=grace, mark=mark, alone=runs_alone(ctx.cfg))
         # Written by this node's local rank 0 after rank 0's result existed: read before another node can consume
         # the result, so it tells a shared workdir from a node's own even when the result is already gone.
         result_here = seen.is_file() and json.loads(seen.read_text(encoding="utf-8")).get("result_here", False)

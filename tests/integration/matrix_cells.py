@@ -175,10 +175,10 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
     if not plan:
         return outs
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
-    cmd = train_launch.torchrun_command(cfg, root / "plan.json")
+    cmd = train_launch.worker_command(cfg, root / "plan.json")
     cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
     try:
-        train_launch.run_torchrun(ctx, cmd, cwd=root)
+        train_launch.run_workers(ctx, cmd, cwd=root)
     except train_launch.TrainingFailed as err:  # each cell's rank files tell which cells it reached
         (root / "launch-error.txt").write_text(str(err), encoding="utf-8")
     return outs

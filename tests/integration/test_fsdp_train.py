@@ -84,9 +84,9 @@ def launched(request, tmp_path_factory, upstream_store, demo_data) -> Path:
         out = root / "cells" / f"{family}-{mode}"
         plan.append({"name": out.name, "out": str(out), "spec": _spec(ctx, out / "spec")})
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
-    cmd = train_launch.torchrun_command(cfg, root / "plan.json")
+    cmd = train_launch.worker_command(cfg, root / "plan.json")
     cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
-    train_launch.run_torchrun(ctx, cmd, cwd=root)
+    train_launch.run_workers(ctx, cmd, cwd=root)
     return root / "cells"
 
 

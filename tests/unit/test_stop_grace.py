@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.integration.test_train_support import small_config
-from tuneline.stages.train.launch import torchrun_command
+from tuneline.stages.train.launch import worker_command
 from tuneline.stages.train.memplan import plan
 from tuneline.stages.train.stopping import (
     CHECKPOINT_BYTES_PER_S,
@@ -41,11 +41,15 @@ def test_the_grace_is_twice_the_step_plus_the_checkpoint_and_never_under_the_lea
 def test_a_released_models_plan_and_torchrun_get_the_same_grace(tmp_path):
     from tuneline.stages.families.shipped import shipped_dir
 
-    cfg = small_config(tmp_path, {"mode": "full", "batch_size": 4}, model={"family": "sdxl"})
+    cfg = small_config(tmp_path, {"mode": "full", "batch_size": 4, "processes": 2}, model={"family": "sdxl"})
     p = plan(cfg, shipped_dir("sdxl"), torch.device("cpu"), gpu_memory_gib=80, family="sdxl")
     assert p.grace > STOP_GRACE_S, "a full SDXL fine-tune's checkpoint alone takes longer than the least grace"
     assert f"a stop may take up to {p.grace} s" in p.text()
-    assert f"--shutdown-timeout={p.grace}" in torchrun_command(cfg, tmp_path / "spec.json", p.grace)
+    assert f"--shutdown-timeout={p.grace}" in worker_command(cfg, tmp_path / "spec.json", p.grace)
+    # One process runs without torchrun: the launcher itself waits the grace after its stop (launch.stop).
+    one = small_config(tmp_path, {"mode": "full", "batch_size": 4}, model={"family": "sdxl"})
+    cmd = worker_command(one, tmp_path / "spec.json", p.grace)
+    assert cmd[1:] == ["-u", "-m", "tuneline.stages.train.worker", str(tmp_path / "spec.json")]
 
 
 def test_the_kubernetes_template_and_the_slurm_example_give_a_stop_its_grace():

@@ -1,7 +1,7 @@
 """A training worker that dies of an exception it did not record: the stage's error names that exception (and
 what to change for out of memory and a full disk) and carries the exit code of its kind, not torchrun's closing
-summary. Real torchrun, real worker processes; the worker script raises what a full disk or an exhausted
-allocator raises."""
+summary. Real torchrun, real worker processes, and a worker started alone (one process on one node, no torchrun);
+the worker script raises what a full disk or an exhausted allocator raises."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from tuneline.schemas.config import load_config
 from tuneline.stages.common.stage import StageContext
 from tuneline.stages.train.failures import TrainingFailed
-from tuneline.stages.train.launch import run_torchrun
+from tuneline.stages.train.launch import run_workers
 
 SCRIPT = """
 import errno, os, sys
@@ -35,20 +35,14 @@ raise OverflowError("Python int too large to convert to C long")
         ("killed", ["rank 0 was killed by SIGKILL", "out-of-memory killer"], 5),
     ],
 )
-def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect, exit_code):
+@pytest.mark.parametrize("alone", [False, True], ids=["torchrun", "alone"])
+def test_the_final_error_names_the_workers_exception(tmp_path, kind, expect, exit_code, alone):
     (tmp_path / "w.py").write_text(SCRIPT, encoding="utf-8")
     ctx = StageContext(load_config(None, str(tmp_path / "work")))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        str(tmp_path / "w.py"),
-        kind,
-    ]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [sys.executable, *([] if alone else torchrun), str(tmp_path / "w.py"), kind]
     with pytest.raises(TrainingFailed) as err:
-        run_torchrun(ctx, cmd, cwd=tmp_path)
+        run_workers(ctx, cmd, cwd=tmp_path, alone=alone)
     msg = str(err.value)
     for text in expect:
         assert text in msg, msg
