@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -35,6 +36,24 @@ def tuneline(
         env=full_env,
         cwd=cwd or ROOT,
     )
+
+
+@contextlib.contextmanager
+def prefect_api(server: dict | None = None):
+    """Prefect called in this process (a flow called directly, artifacts read back) against `server` (the worker's
+    `prefect_server`), or without it against the temporary server a client with no PREFECT_API_URL starts: that
+    one is stopped on the way out, or it would spend CPU idle until the pytest worker exits (~20 CPU-s)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if server is not None:
+        with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}):
+            yield
+        return
+    try:
+        yield
+    finally:
+        SubprocessASGIServer().stop()
 
 
 def spawn(args: list[str], log: IO, env: dict, group: bool = True) -> subprocess.Popen:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.helpers import prefect_api
 from tests.integration.stock_edit import StockEdit, trained_edit, validated_edit_grid
 from tuneline.schemas.config import parse_config
 from tuneline.schemas.demo import DEMO_CONFIG
@@ -224,7 +225,7 @@ def test_an_edited_reference_is_the_one_encoded_again(flux2_refs_run, tmp_path):
     assert built and (lat.controls_encoded, lat.controls_reused) == (1, 11)
 
 
-def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run):
+def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run, prefect_server):
     """The validate flow's Prefect markdown artifact, read back from Prefect, holds the grid (control | result per
     row) as an inline PNG equal to grid.png, and names each row's control file."""
     import asyncio
@@ -236,9 +237,9 @@ def test_validate_artifact_shows_the_edit_grid_inline_in_prefect(flux2_refs_run)
     from tuneline.flows.stage_flows import validate_flow
 
     _, ctx, paths = flux2_refs_run
-    assert Path(validate_flow(config=ctx.cfg)) == paths["validate"]  # fresh: reported, not rebuilt
-
-    text = asyncio.run(_markdown_of("validate-grid", paths["validate"].name))
+    with prefect_api(prefect_server):
+        assert Path(validate_flow(config=ctx.cfg)) == paths["validate"]  # fresh: reported, not rebuilt
+        text = asyncio.run(_markdown_of("validate-grid", paths["validate"].name))
     [b64] = re.findall(r"!\[grid\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", text)
     inline = np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
     with Image.open(paths["validate"] / "grid.png") as g:

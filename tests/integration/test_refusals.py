@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import tuneline
+from tests.helpers import prefect_api, tuneline
 
 FIX = re.compile(r"`(tuneline [^`]+)`")
 
@@ -140,7 +140,7 @@ def test_read_only_workdir_is_refused_in_one_line(tmp_path):
     assert "not writable" in msg
 
 
-def test_a_deployment_run_makes_the_same_check_and_fails_once(user_config, tmp_path):
+def test_a_deployment_run_makes_the_same_check_and_fails_once(user_config, tmp_path, prefect_server):
     """A flow run started from a deployment (here: the flow called as a worker calls it) refuses with the CLI's
     message as its failed state, not with a traceback."""
     from tuneline.flows import preflight
@@ -150,7 +150,8 @@ def test_a_deployment_run_makes_the_same_check_and_fails_once(user_config, tmp_p
     cfg = load_config(user_config, str(tmp_path / "w"))
     expected = preflight.upstream_refusal(cfg, "latents")
     assert expected and "the scan artifact is missing" in expected
-    state = latents_flow(config=cfg, return_state=True)
+    with prefect_api(prefect_server):
+        state = latents_flow(config=cfg, return_state=True)
     assert state.is_failed() and state.message == expected, (state, state.message)
     assert not (tmp_path / "w" / "artifacts" / "latents").exists()
 

@@ -10,6 +10,7 @@ import re
 import pytest
 
 import tuneline.flows  # noqa: F401  (its Prefect settings: the ephemeral server read below may start slowly)
+from tests.helpers import prefect_api
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,8 @@ def test_the_pipeline_run_holds_the_grid_loss_and_learning(demo_run):
             )
         return {a.key: a.data for a in arts if a.flow_run_id == run.id and a.key}
 
-    arts = asyncio.run(artifacts())
+    with prefect_api():  # the demo's own temporary server's database, as `tuneline run` left it
+        arts = asyncio.run(artifacts())
     grid, loss = arts["pipeline-validate-grid"], arts["pipeline-train-loss"]
     assert grid.startswith("![grid](data:image/png;base64,")
     for prompt in ("a red square", "a green circle", "a blue square", "a yellow circle"):

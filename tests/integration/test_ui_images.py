@@ -10,6 +10,8 @@ import re
 import pytest
 from PIL import Image
 
+from tests.helpers import prefect_api
+
 pytestmark = pytest.mark.slow
 
 DATA_PNG = re.compile(r"!\[[^\]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)")
@@ -58,7 +60,8 @@ def _images(markdown: str) -> list[Image.Image]:
 
 
 def test_grid_and_loss_curve_inline_in_prefect(demo_run):
-    arts = asyncio.run(_markdown_artifacts())
+    with prefect_api():  # the demo's own temporary server's database, as `tuneline run` left it
+        arts = asyncio.run(_markdown_artifacts())
     grid = [k for k in arts if "validate" in k or "grid" in k]
     loss = [k for k in arts if "loss" in k]
     assert grid and loss, f"artifact keys: {sorted(arts)}"
