@@ -67,8 +67,11 @@ def run_one(name: str, config: PipelineConfig, force: bool = False) -> str:
         # Nodes sharing a workdir: a node waiting in torchrun's rendezvous must not hold the lock the other nodes
         # need to get there. The lock then guards publishing; the running training guards its own folder.
         whole, ctx.publish_lock = contextlib.nullcontext, lock
-    # Slot before lock: a run waiting for a training slot must not block other stages' access to the store.
-    slot = train_slot(config.ops.train_concurrency) if name == "train" else contextlib.nullcontext()
+    # Slot before lock: a run waiting for a training slot must not block other stages' access to the store. A
+    # multi-node training is one training and takes one slot, node 0's: with a slot per node, the other nodes on the
+    # same server would wait for node 0's slot while node 0 waits for them in torchrun's rendezvous.
+    takes_slot = name == "train" and config.train.node_rank == 0
+    slot = train_slot(config.ops.train_concurrency) if takes_slot else contextlib.nullcontext()
     with slot, whole():
         if name == "scan" and config.dataset.demo:
             from tuneline.stages.scan.demo import write_demo_for

@@ -44,15 +44,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_nodes(wd: Path, port: int, data: Path) -> list[subprocess.Popen]:
+def _start_nodes(wd: Path, port: int, data: Path, server: dict) -> list[subprocess.Popen]:
     procs = []
     for rank in (0, 1):
         train = {**TRAIN, "node_rank": rank, "rdzv_endpoint": f"127.0.0.1:{port}"}
         cfg = small_config(wd, train, dataset={"path": str(data)}).dump()
         path = wd / f"node{rank}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        # Each node is its own machine: its own Prefect (ephemeral) home, one shared workdir.
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(wd / f"prefect-{rank}")}
+        # Each node is its own machine: its own Prefect home, one shared workdir, the cluster's one Prefect server
+        # (where both nodes' train stages ask for the training slot: the training takes one, node 0's).
+        env = {**server, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(wd / f"prefect-{rank}")}
         log = open(wd / f"node{rank}.log", "w")
         procs.append(spawn([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(path)], log, env))
     return procs
@@ -81,10 +82,10 @@ def _weights(version: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, upstream_store, demo_data) -> Path:
+def uninterrupted(tmp_path_factory, upstream_store, demo_data, prefect_server) -> Path:
     wd = tmp_path_factory.mktemp("two-nodes")
     upstream_store.upstream(small_config(wd, TRAIN, dataset={"path": str(demo_data)}))
-    codes = _finish(wd, _start_nodes(wd, _free_port(), demo_data))
+    codes = _finish(wd, _start_nodes(wd, _free_port(), demo_data, prefect_server))
     assert codes == [0, 0], _logs(wd)
     return wd
 
@@ -105,10 +106,12 @@ def test_two_nodes_train_and_publish_once(uninterrupted, demo_data):
     assert not list((wd / "artifacts" / "train").glob(".*.partial")), "the publisher's work folder was left behind"
 
 
-def test_two_nodes_killed_mid_run_resume_to_the_same_weights(uninterrupted, tmp_path, upstream_store, demo_data):
+def test_two_nodes_killed_mid_run_resume_to_the_same_weights(
+    uninterrupted, tmp_path, upstream_store, demo_data, prefect_server
+):
     wd = tmp_path
     upstream_store.upstream(small_config(wd, TRAIN, dataset={"path": str(demo_data)}))
-    procs = _start_nodes(wd, _free_port(), demo_data)
+    procs = _start_nodes(wd, _free_port(), demo_data, prefect_server)
     deadline = time.monotonic() + 400
     try:
         while not list(wd.glob("artifacts/train/.*.partial/checkpoints/step-0000002")):
@@ -120,7 +123,8 @@ def test_two_nodes_killed_mid_run_resume_to_the_same_weights(uninterrupted, tmp_
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     assert not _published(wd)
-    codes = _finish(wd, _start_nodes(wd, _free_port(), demo_data))
+    # Node 0's slot of the killed run frees when its lease runs out (the server's repossessor, within a minute).
+    codes = _finish(wd, _start_nodes(wd, _free_port(), demo_data, prefect_server))
     assert codes == [0, 0], _logs(wd)
     (version,) = _published(wd)
     manifest = json.loads((version / "manifest.json").read_text())
