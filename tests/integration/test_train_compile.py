@@ -81,6 +81,7 @@ def test_a_unets_transformer_and_resnet_blocks_compile_in_place_under_their_eage
     through the captured graphs computes the eager step (dynamo's "eager" backend runs them as captured)."""
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
+    from torch._dynamo.utils import counters
 
     from tuneline.stages.train.compile import compile_blocks
 
@@ -95,7 +96,10 @@ def test_a_unets_transformer_and_resnet_blocks_compile_in_place_under_their_eage
     assert count == len(blocks) and {type(m) for m in blocks} == {BasicTransformerBlock, ResnetBlock2D}
     assert all(m._compiled_call_impl is not None for m in blocks)
     assert list(compiled.denoiser.state_dict()) == names
+    before = counters["stats"]["unique_graphs"]
     assert run(compiled, 1).losses == pytest.approx(run(eager, 1).losses, rel=1e-6)
+    shapes = {(type(m), tuple(tuple(p.shape) for p in m.parameters())) for m in blocks}
+    assert counters["stats"]["unique_graphs"] - before >= len(shapes), "a block shape ran eager, not its graph"
 
 
 def test_compile_with_block_swap_is_refused_naming_both_keys(bench):
