@@ -10,6 +10,7 @@ and the exported LoRA, are the eager model's: no `_orig_mod.` prefix, and a run 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -17,7 +18,7 @@ from tuneline.stages.families.common import unwrap
 from tuneline.stages.train.swap import transformer_blocks
 
 
-def compile_block(block: torch.nn.Module, backend: str = "inductor") -> None:
+def compile_block(block: torch.nn.Module, backend: str | Callable = "inductor") -> None:
     """Compile one block in place: its forward runs the compiled graph, its names and state_dict are unchanged."""
     block.compile(backend=backend)
 
@@ -31,7 +32,7 @@ def compiled_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...]) -> list[
     return transformer_blocks(denoiser, stacks) + resnets
 
 
-def compile_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...], backend: str = "inductor") -> int:
+def compile_blocks(denoiser: torch.nn.Module, stacks: tuple[str, ...], backend: str | Callable = "inductor") -> int:
     """Compile every block of `denoiser` in place; returns how many."""
     blocks = compiled_blocks(denoiser, stacks)
     if not blocks:

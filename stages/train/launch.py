@@ -144,7 +144,9 @@ def run_workers(
 ) -> None:
     """Run `cmd` (worker_command's: torchrun, or the worker `alone`) to its end; a failure raised as the error that
     names its cause (failed)."""
-    env = dict(os.environ) | (ALONE_ENV if alone else {})
+    env = dict(os.environ)
+    if alone:  # nothing of an agent it is not under (TORCHELASTIC_USE_AGENT_STORE would make it look for one)
+        env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")} | ALONE_ENV
     env[PARENT_ENV] = str(os.getpid())
     env["OMP_NUM_THREADS"] = str(ctx.cfg.train.threads_per_process)
     env["PYTHONUNBUFFERED"] = "1"
@@ -187,9 +189,16 @@ def run_workers(
     finally:
         restore()
     if rc < 0 and alone:  # what torchrun's summary says of a worker a signal ended
-        causes.exits[0] = (rc, signal.Signals(-rc).name)
+        causes.exits[0] = (rc, signal_name(-rc))
     if rc != 0:
         raise failed(cwd, rc, tail, causes)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name of its own
+        return f"signal {number}"
 
 
 def failed(work: Path, rc: int, tail: list[str], causes: Causes) -> TrainingFailed:
@@ -213,13 +222,23 @@ def stop(ctx, proc: subprocess.Popen, grace: int, mark: Path | None) -> None:
     if mark is not None:
         mark.write_text("{}", encoding="utf-8")
     ctx.log.warning("train: stopping; the workers finish their step and checkpoint (up to %d s)", grace)
-    proc.send_signal(signal.SIGTERM)
+    # To its process group, as torchrun signals its workers': a worker alone takes what it started along (torchrun's
+    # own group is torchrun alone; its workers have sessions of their own).
+    group_signal(proc, signal.SIGTERM)
     # Still read its output: a full pipe would block the workers' prints, and with them the checkpoint.
     threading.Thread(target=drain, args=(ctx, proc), daemon=True).start()
     try:
         proc.wait(timeout=grace + 10)  # torchrun itself kills its workers after `grace`; a worker alone, we do
     except subprocess.TimeoutExpired:
-        proc.kill()
+        group_signal(proc, signal.SIGKILL)
+
+
+def group_signal(proc: subprocess.Popen, sig: int) -> None:
+    """`sig` to the process group `proc` leads (started in a session of its own), unless it has ended."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def drain(ctx, proc: subprocess.Popen) -> None:

@@ -4,11 +4,13 @@ matches the eager run within float32 reordering, keeps the eager parameter names
 
 The Flux blocks compile with inductor, the product's backend (C++ kernels on the CPU). A UNet's 9 block shapes
 take inductor ~210 CPU-s of C++ compiles here against Flux's ~85, for the same claim about compiled training; what
-is the UNet's own (which blocks compile, under which names) is checked with dynamo's "eager" backend."""
+is the UNet's own (which blocks compile, under which names) is checked with a backend that runs the captured graphs
+as they are."""
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from contextlib import closing
 
 import pytest
@@ -78,10 +80,9 @@ def test_compiled_training_equals_eager_and_resumes_exactly(bench, tmp_path):
 def test_a_unets_transformer_and_resnet_blocks_compile_in_place_under_their_eager_names(tmp_path_factory):
     """SDXL's tiny UNet: the blocks compiled are its transformer blocks and its resnet blocks (most of a UNet's
     work), each in place, so the state_dict a checkpoint and the export read keeps the eager names, and a step
-    through the captured graphs computes the eager step (dynamo's "eager" backend runs them as captured)."""
+    through the captured graphs computes the eager step (the graphs run as captured, with no C++ compile)."""
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
-    from torch._dynamo.utils import counters
 
     from tuneline.stages.train.compile import compile_blocks
 
@@ -91,15 +92,21 @@ def test_a_unets_transformer_and_resnet_blocks_compile_in_place_under_their_eage
     eager, compiled = trainer_for(cfg, ctx), trainer_for(cfg, ctx)
     names = list(compiled.denoiser.state_dict())
     stacks = compiled.fam.block_stacks(compiled.denoiser)
-    count = compile_blocks(compiled.denoiser, stacks, backend="eager")
+    graphs = []  # each captured graph's tensor inputs (the block's parameters among them), then run as captured
+
+    def record(gm, example_inputs):
+        graphs.append(Counter(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
+        return gm.forward
+
+    count = compile_blocks(compiled.denoiser, stacks, backend=record)
     blocks = [m for m in compiled.denoiser.modules() if isinstance(m, (BasicTransformerBlock, ResnetBlock2D))]
     assert count == len(blocks) and {type(m) for m in blocks} == {BasicTransformerBlock, ResnetBlock2D}
     assert all(m._compiled_call_impl is not None for m in blocks)
     assert list(compiled.denoiser.state_dict()) == names
-    before = counters["stats"]["unique_graphs"]
     assert run(compiled, 1).losses == pytest.approx(run(eager, 1).losses, rel=1e-6)
-    shapes = {(type(m), tuple(tuple(p.shape) for p in m.parameters())) for m in blocks}
-    assert counters["stats"]["unique_graphs"] - before >= len(shapes), "a block shape ran eager, not its graph"
+    for m in blocks:  # every block ran a graph that takes its parameters: none fell back to eager
+        own = Counter(tuple(p.shape) for p in m.parameters())
+        assert any(not own - g for g in graphs), f"{type(m).__name__} ran eager"
 
 
 def test_compile_with_block_swap_is_refused_naming_both_keys(bench):
