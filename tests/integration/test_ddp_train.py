@@ -124,6 +124,34 @@ def _kill_after_checkpoint(wd: Path, cfg_json: str, step: int) -> None:
     assert not _workers_of(partial), "training workers outlived their killed parent"
 
 
+def assert_stopped(wd: Path, cfg_file: Path, env: dict, rc: int, steps: int) -> int:
+    """A `tuneline stage train` in `wd` stopped by SIGTERM after checkpoint 4 (its console in wd/cli.log, its exit code
+    `rc`): nothing published, no training process left, a stop checkpoint, and the stop read as one in the exit
+    code (3), the console's last line and `tuneline status`. Returns the stop's step."""
+    text = (wd / "cli.log").read_text()
+    assert not [p for p in (wd / "artifacts" / "train").iterdir() if not p.name.startswith(".")], (
+        f"a stopped training published a version:\n{text[-3000:]}"
+    )
+    partial = next(wd.glob("artifacts/train/.*.partial"))
+    assert not _workers_of(partial), "training workers outlived the stopped stage"
+    stopped_at = max(int(p.name.removeprefix("step-")) for p in (partial / "checkpoints").glob("step-*"))
+    assert 4 < stopped_at < steps, f"no checkpoint on stop (newest: step {stopped_at}):\n{text[-3000:]}"
+    reason = f"stopped at step {stopped_at} of {steps} (checkpoint step-{stopped_at:07d}); rerun to continue"
+    assert rc == 3, text[-3000:]
+    assert text.strip().splitlines()[-1] == f"error: {reason}", text[-3000:]
+    status = subprocess.run(
+        [sys.executable, "-m", "tuneline.flows.cli", "status", str(cfg_file), "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    row = next(r for r in json.loads(status.stdout) if r["stage"] == "train")
+    assert (row["state"], row["reason"]) == ("stopped", reason)
+    return stopped_at
+
+
 def test_killed_run_resumes_to_the_same_weights(reference, tmp_path, upstream_store, demo_data):
     _, ref_path, _ = reference
     upstream_store.upstream(_cfg(tmp_path, demo_data))
@@ -165,27 +193,7 @@ def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resu
         _await_checkpoint(tmp_path, cli, tmp_path / "cli.log", 4, 300)
         os.killpg(cli.pid, signal.SIGTERM)
         rc = cli.wait(timeout=300)
-    text = (tmp_path / "cli.log").read_text()
-    assert not [p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith(".")], (
-        f"a stopped training published a version:\n{text[-3000:]}"
-    )
-    partial = next(tmp_path.glob("artifacts/train/.*.partial"))
-    assert not _workers_of(partial), "training workers outlived the stopped stage"
-    stopped_at = max(int(p.name.removeprefix("step-")) for p in (partial / "checkpoints").glob("step-*"))
-    assert 4 < stopped_at < TRAIN["steps"], f"no checkpoint on stop (newest: step {stopped_at}):\n{text[-3000:]}"
-    reason = f"stopped at step {stopped_at} of {TRAIN['steps']} (checkpoint step-{stopped_at:07d}); rerun to continue"
-    assert rc == 3, text[-3000:]
-    assert text.strip().splitlines()[-1] == f"error: {reason}", text[-3000:]
-    status = subprocess.run(
-        [sys.executable, "-m", "tuneline.flows.cli", "status", str(cfg_file), "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    row = next(r for r in json.loads(status.stdout) if r["stage"] == "train")
-    assert (row["state"], row["reason"]) == ("stopped", reason)
+    stopped_at = assert_stopped(tmp_path, cfg_file, env, rc, TRAIN["steps"])
     assert _flow_run_states(env) == ["CANCELLED"]
 
     resumed = train(_cfg(tmp_path, demo_data))

@@ -6,17 +6,15 @@ continues from the stop's checkpoint, is tests/integration/test_ddp_train.py's."
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
 from tests.helpers import spawn
-from tests.integration.test_ddp_train import _await_checkpoint, _workers_of
+from tests.integration.test_ddp_train import _await_checkpoint, _workers_of, assert_stopped
 from tests.integration.test_train_support import ROOT, small_config
 
 # Enough steps (~0.1 s each here) that the stop lands mid-run, not after the last one.
@@ -39,21 +37,4 @@ def test_a_stop_reaches_the_worker_alone_which_checkpoints_and_stops(
         assert running and not [c for c in running if b"procwatch" in c], "one process ran under torchrun's agent"
         os.killpg(cli.pid, signal.SIGTERM)
         rc = cli.wait(timeout=300)
-    text = (tmp_path / "cli.log").read_text()
-    assert not [p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith(".")], text[-3000:]
-    assert not _workers_of(partial), "the training worker outlived the stopped stage"
-    stopped_at = max(int(p.name.removeprefix("step-")) for p in (partial / "checkpoints").glob("step-*"))
-    assert 4 < stopped_at < TRAIN["steps"], f"no checkpoint on stop (newest: step {stopped_at}):\n{text[-3000:]}"
-    reason = f"stopped at step {stopped_at} of {TRAIN['steps']} (checkpoint step-{stopped_at:07d}); rerun to continue"
-    assert rc == 3, text[-3000:]
-    assert text.strip().splitlines()[-1] == f"error: {reason}", text[-3000:]
-    status = subprocess.run(
-        [sys.executable, "-m", "tuneline.flows.cli", "status", str(cfg_file), "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    row = next(r for r in json.loads(status.stdout) if r["stage"] == "train")
-    assert (row["state"], row["reason"]) == ("stopped", reason)
+    assert_stopped(tmp_path, cfg_file, env, rc, TRAIN["steps"])
