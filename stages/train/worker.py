@@ -1,6 +1,8 @@
-"""One DDP training process (started by torchrun). Spine: setup -> resume -> fit -> finish.
+"""One DDP training process (started by torchrun, or alone when it is the run's only one). Spine: setup -> resume ->
+fit -> finish.
 
-Run as `python -m tuneline.stages.train.worker SPEC.json` under torchrun; the stage's launcher does that.
+Run as `python -m tuneline.stages.train.worker SPEC.json` under torchrun, or alone with torchrun's environment for
+rank 0 of 1; the stage's launcher does that (stages/train/launch.py).
 Training only reads the caches; it never encodes images or text.
 """
 
