@@ -2,7 +2,7 @@
 fit -> finish.
 
 Run as `python -m tuneline.stages.train.worker SPEC.json` under torchrun, or alone with torchrun's environment for
-rank 0 of 1; the stage's launcher does that (stages/train/launch.py).
+rank 0 of 1; the stage's launcher does that (stages/train/workers.py).
 Training only reads the caches; it never encodes images or text.
 """
 

@@ -36,7 +36,7 @@ from tuneline.stages.common.stage import run_stage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.families.registry import family_names, get_family
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.train import launch as train_launch
+from tuneline.stages.train import launch as train_launch, workers as train_workers
 from tuneline.stages.train.timesteps import SigmaSampler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,10 +175,10 @@ def launch(store, root: Path, wanted: list[Cell]) -> dict[str, Path]:
     if not plan:
         return outs
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
-    cmd = train_launch.worker_command(cfg, root / "plan.json")
+    cmd = train_workers.worker_command(cfg, root / "plan.json")
     cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
     try:
-        train_launch.run_workers(ctx, cmd, cwd=root)
+        train_workers.run_workers(ctx, cmd, cwd=root)
     except train_launch.TrainingFailed as err:  # each cell's rank files tell which cells it reached
         (root / "launch-error.txt").write_text(str(err), encoding="utf-8")
     return outs

@@ -25,7 +25,7 @@ from tuneline.schemas.text import TextManifest
 from tuneline.stages.common.stage import run_stage
 from tuneline.stages.families import resolve as models
 from tuneline.stages.pipeline import PIPELINE, stage
-from tuneline.stages.train import launch as train_launch
+from tuneline.stages.train import launch as train_launch, workers as train_workers
 
 # fp32 weights after 2 AdamW steps: FSDP reduce-scatters the ranks' gradients where DDP all-reduces them and one
 # process accumulates them, which orders the float sums differently (seen: below 5e-6).
@@ -84,9 +84,9 @@ def launched(request, tmp_path_factory, upstream_store, demo_data) -> Path:
         out = root / "cells" / f"{family}-{mode}"
         plan.append({"name": out.name, "out": str(out), "spec": _spec(ctx, out / "spec")})
     (root / "plan.json").write_text(json.dumps({"cells": plan}), encoding="utf-8")
-    cmd = train_launch.worker_command(cfg, root / "plan.json")
+    cmd = train_workers.worker_command(cfg, root / "plan.json")
     cmd = cmd[: cmd.index("-m", 3)] + [str(WORKER), str(root / "plan.json")]  # our worker in place of the stage's
-    train_launch.run_workers(ctx, cmd, cwd=root)
+    train_workers.run_workers(ctx, cmd, cwd=root)
     return root / "cells"
 
 

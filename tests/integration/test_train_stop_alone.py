@@ -1,4 +1,4 @@
-"""One training process on one node runs without torchrun (stages/train/launch.py: the worker alone). SIGTERM to
+"""One training process on one node runs without torchrun (stages/train/workers.py: the worker alone). SIGTERM to
 `tuneline stage train`'s process group, as a cancelled run or a preemption sends it, still reaches that worker
 once: it finishes its step, checkpoints and stops; nothing is published, no process is left, and the stop reads as
 one in the console's last line, the exit code (3) and `tuneline status`. The 2-process case, with the rerun that

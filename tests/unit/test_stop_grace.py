@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.integration.test_train_support import small_config
-from tuneline.stages.train.launch import worker_command
 from tuneline.stages.train.memplan import plan
 from tuneline.stages.train.stopping import (
     CHECKPOINT_BYTES_PER_S,
@@ -22,6 +21,7 @@ from tuneline.stages.train.stopping import (
     STOP_GRACE_S,
     grace_seconds,
 )
+from tuneline.stages.train.workers import worker_command
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 MARGIN_S = 30  # the launcher's own wait beyond torchrun's, and the process start-up around it
@@ -46,7 +46,7 @@ def test_a_released_models_plan_and_torchrun_get_the_same_grace(tmp_path):
     assert p.grace > STOP_GRACE_S, "a full SDXL fine-tune's checkpoint alone takes longer than the least grace"
     assert f"a stop may take up to {p.grace} s" in p.text()
     assert f"--shutdown-timeout={p.grace}" in worker_command(cfg, tmp_path / "spec.json", p.grace)
-    # One process runs without torchrun: the launcher itself waits the grace after its stop (launch.stop).
+    # One process runs without torchrun: the launcher itself waits the grace after its stop (workers.stop).
     one = small_config(tmp_path, {"mode": "full", "batch_size": 4}, model={"family": "sdxl"})
     cmd = worker_command(one, tmp_path / "spec.json", p.grace)
     assert cmd[1:] == ["-u", "-m", "tuneline.stages.train.worker", str(tmp_path / "spec.json")]

@@ -12,7 +12,7 @@ import pytest
 from tuneline.schemas.config import load_config
 from tuneline.stages.common.stage import StageContext
 from tuneline.stages.train.failures import TrainingFailed
-from tuneline.stages.train.launch import run_workers
+from tuneline.stages.train.workers import run_workers
 
 SCRIPT = """
 import errno, os, sys
