@@ -128,8 +128,9 @@ def signal_name(number: int) -> str:
 
 
 def failed(work: Path, rc: int, tail: list[str], causes: Causes) -> TrainingFailed:
-    """The error of a torchrun that exited with `rc`: a stop that reached the workers and not us (a scheduler
-    signalling every process), the rank that failed first (tuneline.stages.train.failcause), or the output."""
+    """The error of a launch (torchrun, or the worker alone) that exited with `rc`: a stop that reached the workers and
+    not us (a scheduler signalling every process), the rank that failed first (tuneline.stages.train.failcause), or
+    the output."""
     stopped = stop_record(work)
     if stopped:
         return TrainingStopped(stopped)

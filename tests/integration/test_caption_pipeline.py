@@ -87,12 +87,11 @@ def test_captions_show_and_export(run, tmp_path):
 
 
 def test_prefect_shows_sample_images_and_captions(run, prefect_server):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
+    from tests.helpers import prefect_api
     from tests.integration.test_ui_images import _images, _markdown_of
 
     cap_dir, _ = _manifest(run["workdir"], "caption")
-    with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):  # the server the run used
+    with prefect_api(prefect_server):  # the server the run used
         samples = asyncio.run(_markdown_of("caption-samples", cap_dir.name))
     assert len(_images(samples)) == len(COLORS) and "sks, " in samples
 
