@@ -24,6 +24,7 @@ def test_the_cli_knows_training_errors_without_torch():
 
 
 def test_the_launcher_raises_the_errors_the_cli_names():
-    from tuneline.stages.train import failures, launch
+    from tuneline.stages.train import failures, launch, workers
 
-    assert launch.TrainingFailed is failures.TrainingFailed and launch.TrainingStopped is failures.TrainingStopped
+    assert launch.TrainingFailed is failures.TrainingFailed
+    assert workers.TrainingFailed is failures.TrainingFailed and workers.TrainingStopped is failures.TrainingStopped
