@@ -27,7 +27,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 
-pytest_plugins = ["tests.workers"]  # how the suite spreads over pytest-xdist workers
+# tests.workers: how the suite spreads over pytest-xdist workers; tests.suitetime: what the run cost, printed last
+pytest_plugins = ["tests.workers", "tests.suitetime"]
 
 
 @pytest.fixture(scope="session")
