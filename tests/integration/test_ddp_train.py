@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import spawn
 from tests.integration.test_train_support import ROOT, small_config, train
-from tests.reliability.test_cli_server import _env, _flow_run_states
+from tests.reliability.test_cli_server import _flow_run_states
 from tests.tracing import tuneline_trace
 from tuneline.schemas.latents import LatentsManifest
 from tuneline.stages.common.artifacts import ArtifactStore
@@ -172,7 +172,7 @@ def test_killed_run_resumes_to_the_same_weights(reference, tmp_path, upstream_st
 
 
 def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resumes(
-    reference, tmp_path, upstream_store, demo_data
+    reference, tmp_path, upstream_store, demo_data, prefect_server
 ):
     """SIGTERM to `tuneline stage train`'s process group (what a cancelled run, `kill` or a preemption sends) while
     the step plus its checkpoint takes longer than torchrun's default 30 s grace (a large checkpoint on a slow disk,
@@ -185,16 +185,15 @@ def test_a_stop_longer_than_torchruns_grace_checkpoints_reads_as_a_stop_and_resu
     upstream_store.upstream(cfg)
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg.dump()))
-    home = tmp_path / "prefect"
-    env = _env(home, TUNELINE_TEST_TRACE=str(tmp_path), TUNELINE_TEST_SLOW_STOP_S="35")
-    env["PYTHONPATH"] = os.pathsep.join([str(tuneline_trace.HERE), env["PYTHONPATH"]])
+    env = prefect_server | {"TUNELINE_TEST_TRACE": str(tmp_path), "TUNELINE_TEST_SLOW_STOP_S": "35"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tuneline_trace.HERE), str(ROOT)])
     with open(tmp_path / "cli.log", "w") as log:
         cli = spawn([sys.executable, "-m", "tuneline.flows.cli", "stage", "train", str(cfg_file)], log, env)
         _await_checkpoint(tmp_path, cli, tmp_path / "cli.log", 4, 300)
         os.killpg(cli.pid, signal.SIGTERM)
         rc = cli.wait(timeout=300)
     stopped_at = assert_stopped(tmp_path, cfg_file, env, rc, TRAIN["steps"])
-    assert _flow_run_states(env) == ["CANCELLED"]
+    assert _flow_run_states(env, tmp_path) == ["CANCELLED"]
 
     resumed = train(_cfg(tmp_path, demo_data))
     manifest = json.loads((resumed / "manifest.json").read_text())

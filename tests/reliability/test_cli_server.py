@@ -169,15 +169,21 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
     assert states and "RUNNING" not in states and "PENDING" not in states, states
 
 
-def _flow_run_states(env: dict) -> list[str]:
-    """Every flow run's state in the PREFECT_HOME's database, read through Prefect's client."""
+def _flow_run_states(env: dict, workdir: Path | None = None) -> list[str]:
+    """Every flow run's state in the PREFECT_HOME's database, read through Prefect's client; with `workdir`, only
+    those of runs on that workdir (a server other tests use too)."""
     code = (
-        "import asyncio\nfrom prefect import get_client\n"
+        "import asyncio, sys\nfrom prefect import get_client\nfrom prefect.client.schemas.sorting import FlowRunSort\n"
+        "def mine(r):\n    return len(sys.argv) < 2 or (r.parameters.get('config') or {}).get('workdir') == sys.argv[1]\n"
         "async def main():\n    async with get_client() as c:\n"
-        "        print(' '.join(r.state.type.value for r in await c.read_flow_runs()))\nasyncio.run(main())\n"
+        "        runs = await c.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200)\n"
+        "        print(' '.join(r.state.type.value for r in runs if mine(r)))\n"
+        "asyncio.run(main())\n"
     )
-    # This read's own temporary server, not the one under test: more than the default 20 s to start on a busy machine.
+    # Without PREFECT_API_URL this read starts its own temporary server, not the one under test: more than the
+    # default 20 s to start on a busy machine.
     env = env | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    args = [sys.executable, "-c", code, *([str(workdir)] if workdir else [])]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()
