@@ -27,7 +27,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import pytest  # noqa: E402
 
-# tests.workers: how the suite spreads over pytest-xdist workers; tests.suitetime: what the run cost, printed last
+# tests.workers: how the suite spreads over pytest-xdist workers; tests.suitetime: what the run cost, printed after
+# the slowest durations
 pytest_plugins = ["tests.workers", "tests.suitetime"]
 
 
@@ -57,7 +58,8 @@ _SESSION_SERVER = {
     "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": _OFF,
     # Worker, pool and deployment health (what the UI shows): no test reads it; the workers poll either way.
     "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": _OFF,
-    # Nothing cancels or pauses a run against this server (the kill walk SIGKILLs its runs).
+    # Nothing pauses a run here, and a cancelled one (a stopped training) has no child runs to clean up (the kill
+    # walk SIGKILLs its runs).
     "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_ENABLED": _OFF,
     "PREFECT_SERVER_SERVICES_CLEANUP_RECONCILER_ENABLED": _OFF,
     "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": _OFF,

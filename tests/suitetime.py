@@ -2,10 +2,10 @@
 of tests/conftest.py).
 
 The suite's budget is CI's wall time, and on 2 busy cores that is the CPU-seconds of every process it starts over
-2: the figure to compare between runs, as a slower or busier machine moves wall and CPU alike. Each pytest process
-(the controller, or every pytest-xdist worker) reports its own CPU and its waited-for children's: `tuneline`
-commands, torchrun and its workers, Prefect servers. A process killed with its parent (the kill walk's) is reaped
-by init and not counted.
+2: the figure to compare between runs, as a slower or busier machine moves wall and CPU alike. Each pytest-xdist
+worker reports the CPU it and its waited-for children (`tuneline` commands, torchrun and its workers, Prefect
+servers) spent from its session's start; the total is pytest's whole process with everything it waited for, the
+workers' start-up included. A process killed with its parent (the kill walk's) is reaped by init and not counted.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import pytest
 
 _START = "tuneline_usage_start"
 _ROWS = "tuneline_usage"
+_TOTAL = "tuneline_usage_total"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.__dict__[_START] = (time.monotonic(), os.times())
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's controller has waited for its workers
 def pytest_sessionfinish(session: pytest.Session) -> None:
     started, before = session.config.__dict__[_START]
     now = os.times()
@@ -34,8 +36,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     }
     if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints it
         session.config.workeroutput[_ROWS] = usage
-    else:
-        session.config.__dict__.setdefault(_ROWS, []).append(usage)
+        return
+    session.config.__dict__.setdefault(_ROWS, []).append(usage)
+    session.config.__dict__[_TOTAL] = now.user + now.system + now.children_user + now.children_system
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -47,10 +50,10 @@ def pytest_testnodedown(node, error) -> None:
 @pytest.hookimpl(trylast=True)  # after pytest's slowest durations
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     rows = sorted(config.__dict__.get(_ROWS, []), key=lambda u: u["name"])
-    workers = len(rows) > 1  # the controller's children are then the workers, whose own rows count them
+    workers = len(rows) > 1  # the controller's children are then the workers above
     terminalreporter.write_sep("-", "suite time")
     for u in rows:
-        children = "its workers" if workers and u["name"] == "pytest" else f"{u['children']:.0f} in its children"
-        terminalreporter.write_line(f"{u['name']}: {u['wall']:.0f} s, {u['cpu']:.0f} CPU-s in the process, {children}")
-    total = sum(u["cpu"] + (0 if workers and u["name"] == "pytest" else u["children"]) for u in rows)
-    terminalreporter.write_line(f"total: {total:.0f} CPU-s on {os.cpu_count()} cores")
+        children = "the workers above" if workers and u["name"] == "pytest" else f"{u['children']:.0f}"
+        terminalreporter.write_line(f"{u['name']}: {u['wall']:.0f} s; CPU-s: {u['cpu']:.0f} own, children {children}")
+    cores = len(os.sched_getaffinity(0))  # the cores this run may use (a container's cpuset, not the host's count)
+    terminalreporter.write_line(f"total: {config.__dict__.get(_TOTAL, 0):.0f} CPU-s on {cores} cores")

@@ -172,6 +172,8 @@ def test_ctrl_c_during_training_ends_promptly_and_records_the_runs(tmp_path):
 def _flow_run_states(env: dict, workdir: Path | None = None) -> list[str]:
     """Every flow run's state in the PREFECT_HOME's database, read through Prefect's client; with `workdir`, only
     those of runs on that workdir (a server other tests use too)."""
+    # Newest first: the server's default order is by (random) id, which on a server holding other tests' runs
+    # could leave this run past the 200 a read returns.
     code = (
         "import asyncio, sys\nfrom prefect import get_client\nfrom prefect.client.schemas.sorting import FlowRunSort\n"
         "def mine(r):\n    return len(sys.argv) < 2 or (r.parameters.get('config') or {}).get('workdir') == sys.argv[1]\n"
