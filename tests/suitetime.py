@@ -6,6 +6,11 @@ The suite's budget is CI's wall time, and on 2 busy cores that is the CPU-second
 worker reports the CPU it and its waited-for children (`tuneline` commands, torchrun and its workers, Prefect
 servers) spent from its session's start; the total is pytest's whole process with everything it waited for, the
 workers' start-up included. A process killed with its parent (the kill walk's) is reaped by init and not counted.
+
+Above the totals, the tests that cost the most CPU-seconds: each test's own process and the children it waited for
+during its set-up, call and tear-down, so a session fixture's cost (the quick start's run, the kill walk) counts in
+the first test that asks for it, as in pytest's durations. pytest's durations are wall time, which on shared cores
+also counts the other workers' load; this list is what a test itself spends, the figure a cut shows in.
 """
 
 from __future__ import annotations
@@ -18,10 +23,28 @@ import pytest
 _START = "tuneline_usage_start"
 _ROWS = "tuneline_usage"
 _TOTAL = "tuneline_usage_total"
+_HEAVIEST = "tuneline_heaviest"
+HEAVIEST = 25  # tests listed by their CPU-seconds
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.__dict__[_START] = (time.monotonic(), os.times())
+
+
+def _cpu(t: os.times_result) -> tuple[float, float]:
+    return t.user + t.system, t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    own, children = _cpu(os.times())
+    yield
+    now_own, now_children = _cpu(os.times())
+    cost = (now_own - own + now_children - children, now_own - own, item.nodeid)
+    rows = item.config.__dict__.setdefault(_HEAVIEST, [])
+    rows.append(cost)
+    if len(rows) > 4 * HEAVIEST:  # keep the list short over thousands of tests
+        rows[:] = sorted(rows, reverse=True)[:HEAVIEST]
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's controller has waited for its workers
@@ -34,23 +57,35 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "cpu": now.user + now.system - before.user - before.system,
         "children": now.children_user + now.children_system - before.children_user - before.children_system,
     }
+    heaviest = sorted(session.config.__dict__.get(_HEAVIEST, []), reverse=True)[:HEAVIEST]
     if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints it
         session.config.workeroutput[_ROWS] = usage
+        session.config.workeroutput[_HEAVIEST] = heaviest
         return
+    session.config.__dict__[_HEAVIEST] = heaviest
     session.config.__dict__.setdefault(_ROWS, []).append(usage)
     session.config.__dict__[_TOTAL] = now.user + now.system + now.children_user + now.children_system
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    if usage := getattr(node, "workeroutput", {}).get(_ROWS):
+    output = getattr(node, "workeroutput", {})
+    if usage := output.get(_ROWS):
         node.config.__dict__.setdefault(_ROWS, []).append(usage)
+    node.config.__dict__.setdefault(_HEAVIEST, []).extend(tuple(row) for row in output.get(_HEAVIEST, []))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's slowest durations
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     rows = sorted(config.__dict__.get(_ROWS, []), key=lambda u: u["name"])
     workers = len(rows) > 1  # the controller's children are then the workers above
+    heaviest = sorted(config.__dict__.get(_HEAVIEST, []), reverse=True)[:HEAVIEST]
+    if heaviest:
+        terminalreporter.write_sep(
+            "-", f"{len(heaviest)} heaviest tests (CPU-s: with the children they waited for, own)"
+        )
+        for total, own, nodeid in heaviest:
+            terminalreporter.write_line(f"{total:7.1f} {own:7.1f}  {nodeid}")
     terminalreporter.write_sep("-", "suite time")
     for u in rows:
         children = "the workers above" if workers and u["name"] == "pytest" else f"{u['children']:.0f}"
