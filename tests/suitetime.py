@@ -10,7 +10,10 @@ workers' start-up included. A process killed with its parent (the kill walk's) i
 Above the totals, the tests that cost the most CPU-seconds: each test's own process and the children it waited for
 during its set-up, call and tear-down, so a session fixture's cost (the quick start's run, the kill walk) counts in
 the first test that asks for it, as in pytest's durations. pytest's durations are wall time, which on shared cores
-also counts the other workers' load; this list is what a test itself spends, the figure a cut shows in.
+also counts the other workers' load; this list is what a test itself spends, the figure a cut shows in. A child
+the test did not wait for (a server a module fixture stops, a process a test leaves running) counts where it is
+reaped: the test during which subprocess collects it, often a later one, as the list shows for a test that
+starts no process.
 """
 
 from __future__ import annotations
