@@ -7,13 +7,13 @@ worker reports the CPU it and its waited-for children (`tuneline` commands, torc
 servers) spent from its session's start; the total is pytest's whole process with everything it waited for, the
 workers' start-up included. A process killed with its parent (the kill walk's) is reaped by init and not counted.
 
-Above the totals, the tests that cost the most CPU-seconds: each test's own process and the children it waited for
-during its set-up, call and tear-down, so a session fixture's cost (the quick start's run, the kill walk) counts in
-the first test that asks for it, as in pytest's durations. pytest's durations are wall time, which on shared cores
-also counts the other workers' load; this list is what a test itself spends, the figure a cut shows in. A child
-the test did not wait for (a server a module fixture stops, a process a test leaves running) counts where it is
-reaped: the test during which subprocess collects it, often a later one, as the list shows for a test that
-starts no process.
+Above the totals, the tests that cost the most CPU-seconds, where a saving shows (pytest's durations are wall
+time, which on shared cores also counts the other workers' load): the worker's own CPU while the test ran, and the
+children it waited for between the test's set-up and its tear-down. A child counts when it is waited for:
+- a fixture's run that ends during its set-up (the quick start's run, the kill walk) in the first test asking for it;
+- a server a fixture stops, with its whole life, in the test whose tear-down stops it: a module's server in the
+  module's last test, the worker's session server in its last test (listed "with the session's tear-down");
+- a process nobody waits for, when subprocess reaps it, during some later test.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     own, children = _cpu(os.times())
     yield
     now_own, now_children = _cpu(os.times())
-    cost = (now_own - own + now_children - children, now_own - own, item.nodeid)
+    name = item.nodeid if nextitem is not None else f"{item.nodeid}, with the session's tear-down"
+    cost = (now_own - own + now_children - children, now_own - own, name)
     rows = item.config.__dict__.setdefault(_HEAVIEST, [])
     rows.append(cost)
     if len(rows) > 4 * HEAVIEST:  # keep the list short over thousands of tests
@@ -75,7 +76,8 @@ def pytest_testnodedown(node, error) -> None:
     output = getattr(node, "workeroutput", {})
     if usage := output.get(_ROWS):
         node.config.__dict__.setdefault(_ROWS, []).append(usage)
-    node.config.__dict__.setdefault(_HEAVIEST, []).extend(tuple(row) for row in output.get(_HEAVIEST, []))
+    # pop: xdist reports a node down twice after a Ctrl-C
+    node.config.__dict__.setdefault(_HEAVIEST, []).extend(tuple(row) for row in output.pop(_HEAVIEST, []))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's slowest durations
@@ -85,7 +87,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     heaviest = sorted(config.__dict__.get(_HEAVIEST, []), reverse=True)[:HEAVIEST]
     if heaviest:
         terminalreporter.write_sep(
-            "-", f"{len(heaviest)} heaviest tests (CPU-s: with the children they waited for, own)"
+            "-", f"{len(heaviest)} heaviest tests (CPU-s: with the processes waited for, the own process alone)"
         )
         for total, own, nodeid in heaviest:
             terminalreporter.write_line(f"{total:7.1f} {own:7.1f}  {nodeid}")

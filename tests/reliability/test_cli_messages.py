@@ -112,11 +112,11 @@ def test_docs_name_every_api_route_open_without_credentials(auth_server):
                 )
 
 
-def test_two_runs_on_a_fresh_demo_workdir_both_finish(tmp_path, prefect_server):
+def test_two_runs_on_a_fresh_demo_workdir_both_finish(tmp_path, prefect_env):
     """Both generate-or-wait for the demo dataset under the store lock (the loser crashed with `Directory not
     empty`); stopping after the scan keeps the test short. On the worker's Prefect server, as two runs a user starts
     against one: the race is the dataset's, not a temporary server's (two of those cost ~20 CPU-s)."""
-    env = prefect_server | {"PYTHONPATH": str(ROOT)}
+    env = prefect_env | {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "tuneline.flows.cli", "run", "--until", "scan", "--workdir", str(tmp_path / "w")]
     procs = [
         subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
