@@ -5,8 +5,9 @@ Most of the suite waits (a Prefect server starting, torchrun's interpreters impo
 rather than computes, so more workers than CI's 2 cores pay; but not many more: every process a worker starts
 competes for the same two cores and their caches, and an import-bound process (a `tuneline` command, a torchrun
 worker) then takes up to twice the CPU-seconds it takes alone. Measured on 2 cores, the whole suite: 4 workers
-2,932 CPU-s in 27 min 13 s, 3 workers 2,744 CPU-s in 24 min 33 s (WORKERS). Fewer do not pay either: on a later
-suite, two runs back to back, 2 workers took 2,006 s and 3,608 CPU-s, 3 workers 1,777 s and 3,393 CPU-s.
+2,932 CPU-s in 27 min 13 s, 3 workers 2,744 CPU-s in 24 min 33 s (WORKERS). Nor did fewer pay, on a later
+suite (two runs back to back): 2 workers 2,006 s and 3,608 CPU-s, 3 workers 1,777 s and 3,393 CPU-s; this machine's
+speed moved by as much between runs, so that pair shows no gain from 2, not a loss.
 
 Each test runs in a group, and a group runs whole on one worker: tests marked `@pytest.mark.group(NAME)` form
 group NAME (a long module split over several workers); the tests reading one of the session fixtures in SHARED
