@@ -38,6 +38,10 @@ def _cpu(t: os.times_result) -> tuple[float, float]:
     return t.user + t.system, t.children_user + t.children_system
 
 
+def _heaviest(config: pytest.Config) -> list[tuple[float, float, str]]:
+    return sorted(config.__dict__.get(_HEAVIEST, []), reverse=True)[:HEAVIEST]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     own, children = _cpu(os.times())
@@ -48,27 +52,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     rows = item.config.__dict__.setdefault(_HEAVIEST, [])
     rows.append(cost)
     if len(rows) > 4 * HEAVIEST:  # keep the list short over thousands of tests
-        rows[:] = sorted(rows, reverse=True)[:HEAVIEST]
+        rows[:] = _heaviest(item.config)
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's controller has waited for its workers
 def pytest_sessionfinish(session: pytest.Session) -> None:
     started, before = session.config.__dict__[_START]
-    now = os.times()
+    (own, children), (own_before, children_before) = _cpu(os.times()), _cpu(before)
     usage = {
         "name": os.environ.get("PYTEST_XDIST_WORKER", "pytest"),
         "wall": time.monotonic() - started,
-        "cpu": now.user + now.system - before.user - before.system,
-        "children": now.children_user + now.children_system - before.children_user - before.children_system,
+        "cpu": own - own_before,
+        "children": children - children_before,
     }
-    heaviest = sorted(session.config.__dict__.get(_HEAVIEST, []), reverse=True)[:HEAVIEST]
     if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints it
         session.config.workeroutput[_ROWS] = usage
-        session.config.workeroutput[_HEAVIEST] = heaviest
+        session.config.workeroutput[_HEAVIEST] = _heaviest(session.config)
         return
-    session.config.__dict__[_HEAVIEST] = heaviest
     session.config.__dict__.setdefault(_ROWS, []).append(usage)
-    session.config.__dict__[_TOTAL] = now.user + now.system + now.children_user + now.children_system
+    session.config.__dict__[_TOTAL] = own + children
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -84,8 +86,7 @@ def pytest_testnodedown(node, error) -> None:
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     rows = sorted(config.__dict__.get(_ROWS, []), key=lambda u: u["name"])
     workers = len(rows) > 1  # the controller's children are then the workers above
-    heaviest = sorted(config.__dict__.get(_HEAVIEST, []), reverse=True)[:HEAVIEST]
-    if heaviest:
+    if heaviest := _heaviest(config):
         terminalreporter.write_sep(
             "-", f"{len(heaviest)} heaviest tests (CPU-s: with the processes waited for, the own process alone)"
         )
