@@ -146,3 +146,21 @@ def test_manifest_losses_are_downsampled_by_averaging():
 
     assert downsample([1.0, 2.0], 500) == [1.0, 2.0]
     assert downsample([float(i) for i in range(10)], 4) == [1.0, 4.0, 7.0, 9.0]
+
+
+def test_a_micro_steps_layer_seed_is_torch_manual_seeds_on_the_cpu_and_leaves_accelerators_alone(monkeypatch):
+    """seed_layers draws as torch.manual_seed does on a CPU run, without seeding the accelerators this process never
+    starts (torch.manual_seed queues that for CUDA, XPU and MTIA, capturing the stack each time: once per
+    micro-step)."""
+    from tuneline.stages.train.loop import seed_layers
+
+    torch.manual_seed(7)
+    expected = torch.rand(5)
+    seeded = []
+    for kind in ("cuda", "xpu", "mtia"):
+        monkeypatch.setattr(getattr(torch, kind), "manual_seed_all", lambda s, kind=kind: seeded.append(kind))
+    seed_layers(torch.device("cpu"), 7)
+    assert torch.equal(torch.rand(5), expected)
+    assert seeded == []
+    torch.manual_seed(7)  # what it replaces
+    assert seeded

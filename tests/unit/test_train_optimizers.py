@@ -59,23 +59,34 @@ def test_schedule_free_eval_weights_and_exact_return():
 
 
 def test_adamw_kernel_is_the_running_process_choice_not_the_checkpoints():
-    """A checkpoint of a fused AdamW (FSDP's shards) resumed on whole tensors steps with foreach, as a fresh run
-    there does; its moments and step count come back as saved."""
+    """A checkpoint written by a foreach AdamW resumes on the fused kernel every AdamW runs (ADAMW_KERNEL), as a
+    fresh run does; its moments and step count come back as saved, and the run goes on as the foreach one would
+    (within fused's rounding)."""
     t = TrainConfig(learning_rate=1e-2)
     init, grads = init_and_grads()
-    sharded_like = fresh(init)
-    fused = torch.optim.AdamW(list(sharded_like.values()), lr=1e-2, fused=True)
-    run_steps(sharded_like, fused, grads[:2])
-    names = list(sharded_like)
-    tensors, meta = state_tensors(fused, names)
-    resumed = fresh(init)
+
+    def foreach_adamw(params):
+        return torch.optim.AdamW(list(params.values()), lr=t.learning_rate, weight_decay=t.weight_decay, foreach=True)
+
+    straight = fresh(init)
+    run_steps(straight, foreach_adamw(straight), grads)
+    elsewhere = fresh(init)
+    foreach = foreach_adamw(elsewhere)
+    run_steps(elsewhere, foreach, grads[:2])
+    names = list(elsewhere)
+    tensors, meta = state_tensors(foreach, names)
+    resumed = fresh({k: p.detach() for k, p in elsewhere.items()})  # the checkpoint's weights
     opt = build_optimizer(list(resumed.values()), t)
-    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (True, None)
-    restore_state(opt, names, tensors, meta)
-    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (True, None)
+    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (None, True)
+    restore_state(opt, names, {k: v.clone() for k, v in tensors.items()}, meta)  # as read back from the file
+    assert (opt.param_groups[0]["foreach"], opt.param_groups[0]["fused"]) == (None, True)
     for k, p in resumed.items():
-        assert torch.equal(opt.state[p]["exp_avg"], fused.state[sharded_like[k]]["exp_avg"])
+        assert torch.equal(opt.state[p]["exp_avg"], foreach.state[elsewhere[k]]["exp_avg"])
         assert float(opt.state[p]["step"]) == 2.0
+    run_steps(resumed, opt, grads[2:])
+    for k in init:
+        torch.testing.assert_close(resumed[k].detach(), straight[k].detach())
+        assert not torch.equal(resumed[k].detach(), elsewhere[k].detach())
 
 
 def test_eval_weights_leaves_other_optimizers_alone():
