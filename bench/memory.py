@@ -39,7 +39,7 @@ torch.manual_seed(0)
 unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet").requires_grad_(False)
 unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
 params = [p for p in unet.parameters() if p.requires_grad]
-opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # the train stage's kernel (ADAMW_KERNEL)
+opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # the train stage's kernel on one device (adamw_kernel)
 x, text = torch.randn(1, 4, 64, 64), torch.randn(1, 77, 768)
 pred = unet(x, torch.tensor([500]), encoder_hidden_states=text).sample
 torch.nn.functional.mse_loss(pred, torch.randn_like(pred)).backward()

@@ -92,21 +92,36 @@ def build_optimizer(params: list[torch.nn.Parameter], t) -> torch.optim.Optimize
             params, lr=t.learning_rate, weight_decay=t.weight_decay, betas=_betas(t, (0.9, 0.99))
         )
     return torch.optim.AdamW(
-        params, lr=t.learning_rate, weight_decay=t.weight_decay, betas=_betas(t, (0.9, 0.999)), **ADAMW_KERNEL
+        params,
+        lr=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=_betas(t, (0.9, 0.999)),
+        **adamw_kernel(params, t),
     )
 
 
-# Keys of torch's param groups that choose AdamW's kernel, not its maths: the running process's choice (ADAMW_KERNEL)
+# Keys of torch's param groups that choose AdamW's kernel, not its maths: the running process's choice (adamw_kernel)
 # also when it resumes a checkpoint written with another.
 KERNEL_KEYS = ("foreach", "fused")
-# torch's fused AdamW on every device, whole tensors and FSDP's DTensor shards alike, as torchtitan steps them: the
-# whole update of a parameter in one kernel. foreach runs about ten ops a step over every tensor (a model's hundreds
-# of small ones): on one CPU thread, the demo UNet's 286 tensors step in 10.0 ms that way and in 2.4 fused; on a
-# GPU it is about ten multi-tensor kernel launches against one; and on shards DTensor works out each op's sharding at a cost that grows
-# with the square of the tensor count (the training matrix's SDXL full fine-tune, 2 gloo processes: the first
-# sharded step 4.1 -> 1.0 CPU-s per process). In float32 fused rounds an ulp apart from foreach; on 16-bit weights it
-# rounds once per step where foreach rounds after each op.
-ADAMW_KERNEL = {"fused": True}
+
+
+def adamw_kernel(params: list, t) -> dict[str, bool]:
+    """How torch's AdamW steps `params` (tensors or param groups): fused, the whole update of a parameter in one
+    kernel, on whole tensors and FSDP's DTensor shards alike (as torchtitan steps them), on one device.
+
+    foreach runs about ten ops a step over every tensor (a model's hundreds of small ones): on one CPU thread the
+    demo UNet's 286 tensors step in 10.0 ms that way and in 2.4 fused; on a GPU it is about ten multi-tensor kernel
+    launches against two or three; on shards DTensor works out each op's sharding at a cost that grows with the
+    square of the tensor count (the training matrix's SDXL full fine-tune, 2 gloo processes: the first sharded step
+    4.1 -> 1.0 CPU-s per process). In float32 fused rounds an ulp apart from foreach; on 16-bit weights it rounds
+    once per step where foreach rounds after each op.
+
+    Parameters on two devices (block swap keeps the swapped blocks' on the CPU) step with foreach: there the grad
+    scaler hands the optimizer the sum of the devices' overflow flags, and fused AdamW skips a step only when that
+    sum is exactly 1, so an fp16 overflow seen on both devices would be applied (torch 2.13)."""
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    one_device = len({p.device for p in tensors}) <= 1 and not getattr(t, "blocks_to_swap", 0)
+    return {"fused": True} if one_device else {"foreach": True}
 
 
 @contextmanager

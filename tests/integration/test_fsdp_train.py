@@ -133,7 +133,8 @@ def test_optimizers_fsdp_takes_step_shards_as_whole_tensors(launched):
     assert sorted(found) == sorted(FSDP_OPTIMIZERS + tuple(NOT_SHARDED)), found
     for name in FSDP_OPTIMIZERS:
         assert found[name].get("diff", 1) <= TOLERANCE and found[name]["ranks_agree"], (name, found[name])
-    # foreach AdamW's first step on shards costs DTensor's sharding rules several times fused's (adamw_kernel)
+    # torch's AdamW steps shards fused (adamw_kernel): foreach's first step there costs DTensor's sharding rules
+    # several times fused's
     assert found["adamw"]["fused"], found["adamw"]
     for name in NOT_SHARDED:
         got = found[name]

@@ -148,10 +148,10 @@ def test_manifest_losses_are_downsampled_by_averaging():
     assert downsample([float(i) for i in range(10)], 4) == [1.0, 4.0, 7.0, 9.0]
 
 
-def test_a_micro_steps_layer_seed_is_torch_manual_seeds_on_the_cpu_and_leaves_accelerators_alone(monkeypatch):
+def test_a_micro_steps_layer_seed_seeds_the_cpu_and_the_training_device_only(monkeypatch):
     """seed_layers draws as torch.manual_seed does on a CPU run, without seeding the accelerators this process never
     starts (torch.manual_seed queues that for CUDA, XPU and MTIA, capturing the stack each time: once per
-    micro-step)."""
+    micro-step); a CUDA run seeds the CPU's generator and every GPU's, as torch.manual_seed does."""
     from tuneline.stages.train.loop import seed_layers
 
     torch.manual_seed(7)
@@ -164,3 +164,8 @@ def test_a_micro_steps_layer_seed_is_torch_manual_seeds_on_the_cpu_and_leaves_ac
     assert seeded == []
     torch.manual_seed(7)  # what it replaces
     assert seeded
+    seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeds.append)
+    seed_layers(torch.device("cuda", 1), 8)  # a CUDA run: the CPU's generator and every GPU's
+    drawn = torch.rand(5)
+    assert seeds == [8] and torch.equal(drawn, torch.rand(5, generator=torch.Generator().manual_seed(8)))

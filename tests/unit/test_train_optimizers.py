@@ -59,7 +59,7 @@ def test_schedule_free_eval_weights_and_exact_return():
 
 
 def test_adamw_kernel_is_the_running_process_choice_not_the_checkpoints():
-    """A checkpoint written by a foreach AdamW resumes on the fused kernel every AdamW runs (ADAMW_KERNEL), as a
+    """A checkpoint written by a foreach AdamW resumes on the fused kernel AdamW runs on one device (adamw_kernel), as a
     fresh run does; its moments and step count come back as saved, and the run goes on as the foreach one would
     (within fused's rounding)."""
     t = TrainConfig(learning_rate=1e-2)
@@ -87,6 +87,25 @@ def test_adamw_kernel_is_the_running_process_choice_not_the_checkpoints():
     for k in init:
         torch.testing.assert_close(resumed[k].detach(), straight[k].detach())
         assert not torch.equal(resumed[k].detach(), elsewhere[k].detach())
+
+
+def test_adamw_is_fused_on_one_device_and_foreach_under_block_swap():
+    """Block swap keeps the swapped blocks' parameters on the CPU beside the GPU's. The grad scaler then hands fused
+    AdamW the sum of the devices' overflow flags, and fused skips a step only when it is exactly 1 (torch's
+    behaviour, pinned below), so those runs step with foreach, whose skip the scaler decides on any non-zero sum."""
+    init, grads = init_and_grads(1)
+    params = fresh(init)
+    plain = build_optimizer(list(params.values()), TrainConfig())
+    assert (plain.param_groups[0]["foreach"], plain.param_groups[0]["fused"]) == (None, True)
+    swapped = build_optimizer(list(params.values()), TrainConfig(blocks_to_swap=2, processes=1))
+    assert (swapped.param_groups[0]["foreach"], swapped.param_groups[0]["fused"]) == (True, None)
+    for flags, skipped in ((1.0, True), (2.0, False)):  # one device's overflow; both devices'
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        p.grad = torch.full((4,), float("inf"))
+        opt.grad_scale, opt.found_inf = None, torch.tensor(flags)
+        opt.step()
+        assert torch.equal(p.detach(), torch.ones(4)) == skipped, (flags, p)
 
 
 def test_eval_weights_leaves_other_optimizers_alone():
