@@ -116,9 +116,10 @@ def adamw_kernel(params: list, t) -> dict[str, bool]:
     4.1 -> 1.0 CPU-s per process). In float32 fused rounds an ulp apart from foreach; on 16-bit weights it rounds
     once per step where foreach rounds after each op.
 
-    Parameters on two devices (block swap keeps the swapped blocks' on the CPU) step with foreach: there the grad
-    scaler hands the optimizer the sum of the devices' overflow flags, and fused AdamW skips a step only when that
-    sum is exactly 1, so an fp16 overflow seen on both devices would be applied (torch 2.13)."""
+    Parameters on two devices step with foreach: there the grad scaler hands the optimizer the sum of the devices'
+    overflow flags, and fused AdamW skips a step only when that sum is exactly 1, so an fp16 overflow seen on both
+    devices would be applied (torch 2.13). Block swap is taken as two devices even when every trained parameter is
+    on one as the optimizer is built: it moves blocks between the CPU and the GPU during a step."""
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     one_device = len({p.device for p in tensors}) <= 1 and not getattr(t, "blocks_to_swap", 0)
     return {"fused": True} if one_device else {"foreach": True}
