@@ -13,6 +13,7 @@ from pathlib import Path
 from gpu_text import add_text_encoder
 
 STEPS, WARMUP = 10, 3  # timed steps after warm-up steps (--tiny: 3 after 1, enough to run the code)
+ROUNDS = 3  # a comparison's timed rounds on the GPU (--tiny: 1)
 IMAGES = 8
 # The caching figures' dataset: enough images that the stage's fixed costs (loading the VAE, starting its decode
 # workers, publishing) weigh as little beside the encoding as in a user's run of thousands. With 8, on an H200,
@@ -29,6 +30,7 @@ class Bench:
 
         self.tiny, self.work, self.examples, self.trace = tiny, work, examples, trace
         self.steps, self.warmup = (3, 1) if tiny else (STEPS, WARMUP)
+        self.rounds = 1 if tiny else ROUNDS  # timed rounds of a comparison (alternating sides, or best of)
         self.cache_images = IMAGES if tiny else CACHE_IMAGES
         self.device = "cpu" if tiny else "cuda"
         self.sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
