@@ -68,6 +68,16 @@ CUDA_BRANCHES = (
     "the lean norms' fused kernels each way (the CPU has no fused RMSNorm backward)",
 )
 DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
+# The full-size models each figure builds in --work (DIR/models/FAMILY).
+FAMILIES = {
+    **{name: (anchor.family,) for name, anchor in ANCHORS.items()},
+    "ddp_two_process_cuda": ("sd15",),
+    "sdxl_lora_step_vs_pure": ("sdxl",),
+    "flux_lora_peak_gib": ("flux",),
+    "cache_vs_encoder": ("sd15", "sdxl"),
+    "cache_images_per_s": ("sdxl", "flux"),
+    "sdxl_lora_step_vs_diffusers": ("sdxl",),
+}
 
 
 # ---- ddp_two_process_cuda ---------------------------------------------------------------------------------
@@ -297,6 +307,18 @@ def skip_reason(name: str, tiny: bool, examples: Path | None) -> str | None:
     return None
 
 
+def prune_models(work: Path, later: list[str]) -> None:
+    """Remove the full-size models no figure in `later` builds: a run of every figure keeps them all otherwise
+    (SDXL, FLUX.2 [klein] with its released-size text encoder, Z-Image, FLUX.1, Qwen-Image: more than a 64 GiB
+    disk holds; one such run stopped at `No space left on device`)."""
+    import shutil
+
+    keep = {family for name in later for family in FAMILIES[name]}
+    for folder in sorted((work / "models").glob("*")):
+        if folder.name.removesuffix(".tmp") not in keep:
+            shutil.rmtree(folder)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=FIGURES, help="run one figure")
@@ -326,13 +348,16 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="tuneline-gpu-bench-") as tmp:
         b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples, args.trace)
         b.work.mkdir(parents=True, exist_ok=True)
-        for name in [args.only] if args.only else FIGURES:
+        names = [args.only] if args.only else list(FIGURES)
+        for i, name in enumerate(names):
             why = skip_reason(name, args.tiny, args.diffusers_examples)
             if why:
                 print(f"skipped: {name} ({why})", flush=True)
                 continue
             RUN[name](b)
             free(b)
+            if len(names) > 1:  # one figure's command keeps its models for the next command's (--work)
+                prune_models(b.work, names[i + 1 :])
     return 0
 
 

@@ -102,3 +102,19 @@ def test_a_cache_figure_times_a_build_where_an_earlier_figure_cached(tmp_path):
     made = json.loads((first.store.latest("latents") / "manifest.json").read_text())["created_at"]
     _, second = stage_seconds(b, cfg, 4, "once")
     assert json.loads((second.store.latest("latents") / "manifest.json").read_text())["created_at"] != made
+
+
+def test_a_run_of_every_figure_removes_the_models_no_later_figure_builds(tmp_path):
+    """Every figure's full-size models together outgrow a GPU machine's disk: after each figure of a run of
+    several, the models of families no later figure uses go (a half-written one too); the rest stay."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu
+
+    for family in ("sd15", "sdxl", "flux2_klein", "flux2_klein.tmp", "z_image", "flux"):
+        (tmp_path / "models" / family).mkdir(parents=True)
+    assert set(gpu.FAMILIES) == set(gpu.FIGURES)
+    later = gpu.FIGURES[gpu.FIGURES.index("z_image_lora") :]
+    gpu.prune_models(tmp_path, list(later))
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["flux", "sd15", "sdxl", "z_image"]
+    gpu.prune_models(tmp_path, [])
+    assert list((tmp_path / "models").iterdir()) == []
