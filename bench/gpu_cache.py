@@ -62,7 +62,7 @@ def stage_images_per_s(b: Bench, cfg) -> tuple[float, object]:
     seconds of a run on twice the images (after a warm-up run), so the stage's fixed costs (loading the VAE,
     starting its decode workers, publishing), which a run of 64 images still weighs at a quarter of its time on
     an H200, fall out as they do over thousands. Each size's best of two runs (one on --tiny): the difference
-    doubles a run's noise, and on an H200 one 128-image run 0.5 s slower than the next read 0.76 where the next
+    doubles a run's noise, and on an H200 one 128-image run 0.6 s slower than the next read 0.76 where the next
     pair read 0.98. Both sizes' own rates are printed beside it."""
     n = b.cache_images
     stage_seconds(b, cfg, n, "warm")
