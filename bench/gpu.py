@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_cache import cache_images_per_s, cache_vs_encoder  # noqa: E402
+from gpu_diffusers import DIFFUSERS_SCRIPT, sdxl_lora_step_vs_diffusers  # noqa: E402
 from gpu_lora import ANCHORS, lora_figure  # noqa: E402
-from gpu_setup import STEPS, WARMUP, Bench, caches, free, profile_steps, result, step_seconds  # noqa: E402
+from gpu_setup import Bench, caches, free, profile_steps, result, step_seconds  # noqa: E402
 
 from tests.trainer import trainer_for  # noqa: E402
 
@@ -67,7 +67,6 @@ CUDA_BRANCHES = (
     "the latents stage's pinned, non-blocking copies of pixels and latents that overlap the VAE",
     "the lean norms' fused kernels each way (the CPU has no fused RMSNorm backward)",
 )
-DIFFUSERS_SCRIPT = "train_dreambooth_lora_sdxl.py"
 # The full-size models each figure builds in --work (DIR/models/FAMILY).
 FAMILIES = {
     **{name: (anchor.family,) for name, anchor in ANCHORS.items()},
@@ -210,81 +209,6 @@ def flux_lora_peak_gib(b: Bench) -> None:
     peak, seconds = flux_peak(b, "int8")
     print(f"flux_lora int8: peak {peak:.2f} GiB, {seconds:.3f} s/step", flush=True)
     result("flux_lora_peak_gib", peak, "<=", 24)
-
-
-# ---- sdxl_lora_step_vs_diffusers --------------------------------------------------------------------------
-# diffusers' script run in this process's interpreter, reporting its peak GPU memory and wall time at exit.
-PEAK_WRAPPER = """
-import atexit, runpy, sys, time, torch
-start = time.perf_counter()
-atexit.register(lambda: print("PEAK", torch.cuda.max_memory_allocated(), "WALL", time.perf_counter() - start,
-                              flush=True))
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def diffusers_run(b: Bench, script: Path, model: str, steps: int, checkpointing: bool) -> tuple[float, float]:
-    """(wall seconds, peak bytes) of diffusers' SDXL LoRA script for `steps` steps at our settings."""
-    out = b.work / f"diffusers-{steps}-{checkpointing}"
-    args = [
-        sys.executable,
-        "-c",
-        PEAK_WRAPPER,
-        str(script),
-        f"--pretrained_model_name_or_path={model}",
-        f"--instance_data_dir={b.images('sdxl')}",
-        "--instance_prompt=a photo",
-        f"--output_dir={out}",
-        "--resolution=1024",
-        "--train_batch_size=1",
-        f"--max_train_steps={steps}",
-        "--rank=16",
-        "--mixed_precision=bf16",
-        "--learning_rate=1e-4",
-        "--seed=0",
-        "--checkpointing_steps=1000000",
-        "--cache_latents",
-        "--report_to=tensorboard",
-    ] + (["--gradient_checkpointing"] if checkpointing else [])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=b.work)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEAK ")]
-    if proc.returncode != 0 or not line:
-        raise RuntimeError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    _, peak, _, wall = line[-1].split()
-    return float(wall), float(peak)
-
-
-def sdxl_lora_step_vs_diffusers(b: Bench) -> None:
-    """Their s/step from two runs' wall times (the difference leaves out loading and latent caching) and their
-    peak, against ours at the same settings (gradient checkpointing on)."""
-    import torch
-
-    script = b.examples / DIFFUSERS_SCRIPT
-    model = b.model("sdxl")
-    short, peak_short = diffusers_run(b, script, model, WARMUP, True)
-    long, peak_long = diffusers_run(b, script, model, WARMUP + STEPS, True)
-    theirs, their_peak = (long - short) / STEPS, max(peak_short, peak_long) / 2**30
-    cfg = b.config("sdxl-vs-diffusers", "sdxl", {"gradient_checkpointing": True})
-    ctx = caches(cfg)
-    torch.cuda.reset_peak_memory_stats()
-    ours = step_seconds(b, trainer_for(cfg, ctx))
-    our_peak = torch.cuda.max_memory_allocated() / 2**30
-    print(
-        f"sdxl vs diffusers: ours {ours:.4f} s/step, {our_peak:.2f} GiB; theirs {theirs:.4f} s/step, "
-        f"{their_peak:.2f} GiB",
-        flush=True,
-    )
-    result(
-        "sdxl_lora_step_vs_diffusers",
-        ours / theirs,
-        "<=",
-        1.0,
-        also=our_peak <= their_peak,
-        peak_vs_diffusers=our_peak / their_peak,
-        anchor_peak_vs_diffusers=1.0,
-    )
 
 
 PLANNED: set[str] = set()  # the families whose plan_vs_measured line is printed

@@ -118,3 +118,21 @@ def test_a_run_of_every_figure_removes_the_models_no_later_figure_builds(tmp_pat
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["flux", "sd15", "sdxl", "z_image"]
     gpu.prune_models(tmp_path, [])
     assert list((tmp_path / "models").iterdir()) == []
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_diffusers_script_gets_cache_latents_only_where_it_declares_it(declared, tmp_path):
+    """diffusers' train_dreambooth_lora_sdxl.py has no --cache_latents (argparse would end it at once); the
+    comparison passes the flag only to a script that declares it, and otherwise times the VAE encode its steps
+    include (sdxl_lora_step_vs_diffusers)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_diffusers import DIFFUSERS_SCRIPT, caches_latents, diffusers_args
+    from gpu_setup import Bench
+
+    script = tmp_path / DIFFUSERS_SCRIPT
+    flag = 'parser.add_argument("--cache_latents", action="store_true")\n' if declared else ""
+    script.write_text(f'parser.add_argument("--rank", type=int)\n{flag}', encoding="utf-8")
+    args = diffusers_args(Bench(True, tmp_path, tmp_path), script, "MODEL", 13, True)
+    assert caches_latents(script) is declared
+    assert ("--cache_latents" in args) is declared
+    assert args[0] == str(script) and "--max_train_steps=13" in args and "--gradient_checkpointing" in args
