@@ -89,8 +89,9 @@ def vae_encode_seconds(b: Bench, model: str) -> float:
 def sdxl_lora_step_vs_diffusers(b: Bench) -> None:
     """Their s/step from two runs' wall times (the difference leaves out loading and any latent caching) and their
     peak, against ours at the same settings (gradient checkpointing on). Where the script cannot cache latents,
-    the VAE encode its steps include (timed here as it runs it) comes off their s/step: both sides then do the same
-    work, and the comparison leans against us."""
+    the VAE encode its steps include (timed here as it runs it) comes off their s/step, so both steps do the same
+    work (the script decodes its images once, before training); their peak still holds the VAE, which leans the
+    peak comparison our way."""
     import torch
 
     script = b.examples / DIFFUSERS_SCRIPT

@@ -7,8 +7,9 @@ and the blocks before the first new image of a bucket) shares that block's chunk
 incremental build costs what changed, not the cache's size. Decoding runs ahead in the worker pool while the
 VAE encodes, so the VAE rarely waits for pixels. On a GPU the host should not hold the VAE up either: the next
 batch starts before the host takes the last one's latents, and each block is written on a thread of its own while
-the next is encoded (SDXL's and FLUX.1's VAEs at 1024² on an H200: 0.96–0.98 of the encoder's images/s alone,
-bench/README.md). Within a block only: a block's last batch is taken before the block is written.
+the next is encoded (on an H200 at 1024², SDXL's VAE at 0.77 and 0.98 of the encoder's images/s alone in two
+runs, FLUX.1's at 0.96; SD1.5's at 512² 0.73: bench/README.md). Within a block only: a block's last batch is taken
+before the block is written.
 """
 
 from __future__ import annotations

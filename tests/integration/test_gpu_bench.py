@@ -37,7 +37,7 @@ def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
     skipped = [ln for ln in lines if ln.startswith("skipped: ")]
     needs_cuda = (
         "sdxl_lora flux2_klein_lora flux2_klein_lora_int8 z_image_lora z_image_lora_ckpt flux_lora flux_lora_peak_gib "
-        "qwen_image_lora cache_images_per_s sdxl_lora_step_vs_diffusers"
+        "cache_images_per_s sdxl_lora_step_vs_diffusers qwen_image_lora"
     )
     assert [ln.split()[1] for ln in skipped] == needs_cuda.split()
     assert all(re.fullmatch(r"skipped: \S+ \(.+\)", ln) for ln in skipped)
@@ -118,6 +118,21 @@ def test_a_run_of_every_figure_removes_the_models_no_later_figure_builds(tmp_pat
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["flux", "sd15", "sdxl", "z_image"]
     gpu.prune_models(tmp_path, [])
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_in_a_run_of_every_figure_qwen_image_has_the_disk_to_itself():
+    """Qwen-Image's folder (~56 GB with its text encoder) fills most of a GPU machine's 64 GiB disk: when its
+    figure builds it, pruning has left no other family's models there."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu
+
+    figures = list(gpu.FIGURES)
+    on_disk: set[str] = set()
+    for i, name in enumerate(figures):
+        on_disk |= set(gpu.FAMILIES[name])
+        if "qwen_image" in gpu.FAMILIES[name]:
+            assert on_disk == {"qwen_image"}, (name, on_disk)
+        on_disk &= {family for later in figures[i + 1 :] for family in gpu.FAMILIES[later]}
 
 
 @pytest.mark.parametrize("declared", [True, False])
