@@ -151,3 +151,17 @@ def test_the_diffusers_script_gets_cache_latents_only_where_it_declares_it(decla
     assert caches_latents(script) is declared
     assert ("--cache_latents" in args) is declared
     assert args[0] == str(script) and "--max_train_steps=13" in args and "--gradient_checkpointing" in args
+
+
+def test_the_gpu_session_script_downloads_the_wheels_the_readme_names():
+    """bench/gpu_session.sh's wheels are the versions bench/README.md lists for a bare GPU machine, and the script
+    names its modes when called without them."""
+    script = (ROOT / "bench" / "gpu_session.sh").read_text(encoding="utf-8")
+    readme = " ".join((ROOT / "bench" / "README.md").read_text(encoding="utf-8").split())
+    pinned = re.findall(r"([a-z_]+)==([0-9.]+)", script)
+    assert {"diffusers", "transformers", "peft", "torchao", "zarr"} <= {name for name, _ in pinned}
+    for name, version in pinned:
+        if name != "pydantic_core":  # pydantic's exact pin of it; the README says "pydantic ... with pydantic_core"
+            assert f"{name} {version}" in readme, (name, version)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh")], capture_output=True, text=True)
+    assert proc.returncode != 0 and "wheels DIR | run DIR SECONDS" in proc.stderr
