@@ -10,7 +10,9 @@ skipped` and exits 0. Models are random-weight, full size, built from the shippe
 timings are post-warm-up, caching and validation excluded. On CUDA the
 figures run what a user's run does: the base in model.dtype under bf16 autocast, the pinned-memory feed, and the
 train stage's torchrun workers in their `cpu:gloo,cuda:nccl` group.
-No Prefect: the stages run through their plain runner. bench/README.md lists the wheels a bare GPU machine needs.
+`--compile` trains the timed figures (the LoRA figures, sdxl_lora_step_vs_pure) with train.compile, their RESULT
+lines named NAME_compiled. No Prefect: the stages run through their plain runner. bench/README.md lists the wheels
+a bare GPU machine needs (bench/gpu_session.sh fetches and installs them).
 """
 
 from __future__ import annotations
@@ -166,8 +168,9 @@ def sdxl_lora_step_vs_pure(b: Bench) -> None:
     loop issues the same ops beyond the bare step's in both (clipping, the loss's weights; counted on the CPU): one
     pair's order and drift moved the ratio more than the loop's own cost."""
     ratios = []
+    label, train = b.timed("sdxl_lora_step_vs_pure", {})
     for checkpointing in (False, True):
-        cfg = b.config("sdxl-step", "sdxl", {"gradient_checkpointing": checkpointing})
+        cfg = b.config("sdxl-step", "sdxl", {**train, "gradient_checkpointing": checkpointing})
         trainer = trainer_for(cfg, caches(cfg))
         rounds = []
         for r in range(b.rounds):
@@ -186,7 +189,7 @@ def sdxl_lora_step_vs_pure(b: Bench) -> None:
         )
         del trainer
         free(b)
-    result("sdxl_lora_step_vs_pure", max(ratios), "<=", 1.1)
+    result(label, max(ratios), "<=", 1.1)
 
 
 # ---- flux_lora_peak_gib -----------------------------------------------------------------------------------
@@ -262,6 +265,11 @@ def main(argv: list[str]) -> int:
         metavar="DIR",
         help="profile 3 more steps of the LoRA figures' loops (torch.profiler): a trace each in DIR, top ops printed",
     )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the timed figures (the LoRA figures, sdxl_lora_step_vs_pure) with train.compile: NAME_compiled",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -272,7 +280,7 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(min(2, torch.get_num_threads()))
         print("CUDA branches this CPU run cannot take:", "; ".join(CUDA_BRANCHES), flush=True)
     with tempfile.TemporaryDirectory(prefix="tuneline-gpu-bench-") as tmp:
-        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples, args.trace)
+        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples, args.trace, args.compile)
         b.work.mkdir(parents=True, exist_ok=True)
         names = [args.only] if args.only else list(FIGURES)
         for i, name in enumerate(names):

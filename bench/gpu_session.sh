@@ -3,7 +3,8 @@
 #   bash bench/gpu_session.sh wheels DIR             here, with network: the wheels that machine lacks, into DIR
 #   bash bench/gpu_session.sh run DIR SECONDS CMD... there: install DIR's wheels and tuneline, then each CMD (a
 #       figure name for `python bench/gpu.py --only NAME`, or `rms_norm` for bench/rms_norm.py --device cuda)
-#       in turn, each stopped where it would run past SECONDS from the start; logs in $OUT when it is set.
+#       in turn, each stopped where it would run past SECONDS from the start; logs in $OUT when it is set;
+#       BENCH_FLAGS (e.g. --compile, --trace DIR) go to each bench/gpu.py command.
 # One --work for all the figures of a run (models built once); the models of figures still to come stay there, so
 # run Qwen-Image's figure last or alone (bench/README.md).
 set -u
@@ -34,7 +35,7 @@ for name in "$@"; do
   if [ "$left" -lt 30 ]; then echo "=== $name not run: ${left} s left"; continue; fi
   echo "=== $name at $((SECONDS - start)) s, at most ${left} s"
   if [ "$name" = rms_norm ]; then cmd=(python3 bench/rms_norm.py --device cuda)
-  else cmd=(python3 bench/gpu.py --only "$name" --work /tmp/tuneline-gpu-work); fi
+  else cmd=(python3 bench/gpu.py --only "$name" --work /tmp/tuneline-gpu-work ${BENCH_FLAGS:-}); fi
   timeout "$left" "${cmd[@]}" 2>&1 | grep -v "Writing model shards\|Loading weights\|Loading checkpoint" | tee "$logs/$name.log"
   echo "=== $name exit ${PIPESTATUS[0]} at $((SECONDS - start)) s"
 done

@@ -22,18 +22,24 @@ CACHE_IMAGES = 64
 
 
 class Bench:
-    """Where and how big: the device, tiny flavors or full size, the working folder, the examples folder, and
-    the folder of --trace's profiles (None: no profiling)."""
+    """Where and how big: the device, tiny flavors or full size, the working folder, the examples folder, the
+    folder of --trace's profiles (None: no profiling), and whether the timed training figures run with
+    train.compile (--compile)."""
 
-    def __init__(self, tiny: bool, work: Path, examples: Path | None, trace: Path | None = None):
+    def __init__(self, tiny: bool, work: Path, examples: Path | None, trace: Path | None = None, compile=False):
         import torch
 
-        self.tiny, self.work, self.examples, self.trace = tiny, work, examples, trace
+        self.tiny, self.work, self.examples, self.trace, self.compile = tiny, work, examples, trace, compile
         self.steps, self.warmup = (3, 1) if tiny else (STEPS, WARMUP)
         self.rounds = 1 if tiny else ROUNDS  # timed rounds of a comparison (alternating sides, or best of)
         self.cache_images = IMAGES if tiny else CACHE_IMAGES
         self.device = "cpu" if tiny else "cuda"
         self.sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+
+    def timed(self, name: str, train: dict) -> tuple[str, dict]:
+        """A timed training figure's RESULT name and train keys: `<name>_compiled` with train.compile under
+        --compile (each denoiser block compiled; the first steps compile, the warm-up takes them)."""
+        return (f"{name}_compiled", {**train, "compile": True}) if self.compile else (name, train)
 
     def resolution(self, family: str) -> int:
         return 64 if self.tiny else (512 if family == "sd15" else 1024)

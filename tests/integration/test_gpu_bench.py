@@ -165,3 +165,17 @@ def test_the_gpu_session_script_downloads_the_wheels_the_readme_names():
             assert f"{name} {version}" in readme, (name, version)
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh")], capture_output=True, text=True)
     assert proc.returncode != 0 and "wheels DIR | run DIR SECONDS" in proc.stderr
+
+
+def test_compile_trains_the_timed_figures_compiled_under_their_own_names(tmp_path):
+    """--compile: a timed figure's config trains with train.compile and its RESULT line is NAME_compiled; without
+    it the figure is eager under its own name."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_setup import Bench
+
+    for compiled in (False, True):
+        b = Bench(True, tmp_path, None, compile=compiled)
+        name, train = b.timed("z_image_lora_ckpt", {"gradient_checkpointing": True})
+        cfg = b.config(name, "sdxl", train)
+        assert name == ("z_image_lora_ckpt_compiled" if compiled else "z_image_lora_ckpt")
+        assert (cfg.train.compile, cfg.train.gradient_checkpointing) == (compiled, True)
