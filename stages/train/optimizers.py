@@ -121,7 +121,7 @@ def adamw_kernel(params: list, t) -> dict[str, bool]:
     devices would be applied (torch 2.13). Block swap is taken as two devices even when every trained parameter is
     on one as the optimizer is built: it moves blocks between the CPU and the GPU during a step."""
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    one_device = len({p.device for p in tensors}) <= 1 and not getattr(t, "blocks_to_swap", 0)
+    one_device = len({p.device for p in tensors}) <= 1 and not t.blocks_to_swap
     return {"fused": True} if one_device else {"foreach": True}
 
 
