@@ -22,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_cache import cache_images_per_s, cache_vs_encoder  # noqa: E402
 from gpu_diffusers import DIFFUSERS_SCRIPT, sdxl_lora_step_vs_diffusers  # noqa: E402
 from gpu_lora import ANCHORS, lora_figure  # noqa: E402
-from gpu_setup import Bench, caches, free, profile_steps, result, step_seconds  # noqa: E402
+from gpu_setup import Bench, caches, free, median_seconds, profile_steps, result, step_seconds  # noqa: E402
 
 from tests.trainer import trainer_for  # noqa: E402
 
@@ -148,18 +147,15 @@ def pure_seconds(b: Bench, trainer) -> float:
     x, timesteps = torch.randn(1, *shape, device=dev), torch.tensor([500], device=dev)
     target = torch.randn_like(x)
     amp = trainer.autocast
-    times = []
-    for _ in range(b.warmup + b.steps):
-        b.sync()
-        start = time.perf_counter()
+
+    def step() -> None:
         with torch.autocast(dev.type, amp, enabled=amp is not None):
             pred = fam.denoise(trainer.denoiser, x, timesteps, text)
         torch.nn.functional.mse_loss(pred.float(), target).backward()
         trainer.opt.step()
         trainer.opt.zero_grad(set_to_none=True)
-        b.sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[b.warmup :])
+
+    return median_seconds(b, step)
 
 
 def sdxl_lora_step_vs_pure(b: Bench) -> None:
@@ -283,16 +279,15 @@ def main(argv: list[str]) -> int:
         b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples, args.trace, args.compile)
         b.work.mkdir(parents=True, exist_ok=True)
         names = [args.only] if args.only else list(FIGURES)
+        why = {name: skip_reason(name, args.tiny, args.diffusers_examples) for name in names}
         for i, name in enumerate(names):
-            why = skip_reason(name, args.tiny, args.diffusers_examples)
-            if why:
-                print(f"skipped: {name} ({why})", flush=True)
+            if why[name]:
+                print(f"skipped: {name} ({why[name]})", flush=True)
                 continue
             RUN[name](b)
             free(b)
             if len(names) > 1:  # one figure's command keeps its models for the next command's (--work)
-                later = [n for n in names[i + 1 :] if not skip_reason(n, args.tiny, args.diffusers_examples)]
-                prune_models(b.work, later)
+                prune_models(b.work, [later for later in names[i + 1 :] if not why[later]])
     return 0
 
 

@@ -4,13 +4,11 @@ train_dreambooth_lora_sdxl.py at the same settings (run from --diffusers-example
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from gpu_setup import STEPS, WARMUP, Bench, caches, result, step_seconds
+from gpu_setup import STEPS, WARMUP, Bench, caches, median_seconds, result, step_seconds
 
 from tests.trainer import trainer_for
 
@@ -74,16 +72,8 @@ def vae_encode_seconds(b: Bench, model: str) -> float:
 
     vae = AutoencoderKL.from_pretrained(model, subfolder="vae", torch_dtype=torch.float32).to(b.device)
     x = torch.randn(1, 3, b.resolution("sdxl"), b.resolution("sdxl"), device=b.device)
-    times = []
     with torch.no_grad():
-        for _ in range(b.warmup + b.steps):
-            b.sync()
-            start = time.perf_counter()
-            vae.encode(x).latent_dist.sample()
-            b.sync()
-            times.append(time.perf_counter() - start)
-    del vae
-    return statistics.median(times[b.warmup :])
+        return median_seconds(b, lambda: vae.encode(x).latent_dist.sample())
 
 
 def sdxl_lora_step_vs_diffusers(b: Bench) -> None:

@@ -164,19 +164,24 @@ def caches(cfg):
     return ctx
 
 
+def median_seconds(b: Bench, call) -> float:
+    """Median seconds of `call()` over b.steps calls after b.warmup, the device synchronised around each."""
+    times = []
+    for _ in range(b.warmup + b.steps):
+        b.sync()
+        start = time.perf_counter()
+        call()
+        b.sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[b.warmup :])
+
+
 def step_seconds(b: Bench, trainer) -> float:
     """Median seconds of one step of the real loop after warm-up."""
     from tests.trainer import feed
 
-    times = []
     with feed(trainer) as fed:
-        for _ in range(b.warmup + b.steps):
-            b.sync()
-            start = time.perf_counter()
-            trainer.train_step([next(fed) for _ in range(trainer.t.grad_accumulation)])
-            b.sync()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[b.warmup :])
+        return median_seconds(b, lambda: trainer.train_step([next(fed) for _ in range(trainer.t.grad_accumulation)]))
 
 
 TRACE_STEPS = 3
