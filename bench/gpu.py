@@ -3,7 +3,8 @@
 `python bench/gpu.py` on a CUDA machine prints one RESULT line per figure, in the order GPU time should be spent
 (FIGURES); the LoRA figures carry their anchor on the same line (bench/gpu_lora.py), and each family's first also
 prints plan_vs_measured_<family>. `--only NAME` runs one; `--trace DIR` profiles a few more steps of the LoRA
-figures' (and sdxl_lora_step_vs_pure's) loops, a trace each in DIR and its top ops printed. `--tiny` runs the same
+figures' (and sdxl_lora_step_vs_pure's) loops, and that figure's bare step beside its loop's, a trace each in DIR
+and its top ops printed. `--tiny` runs the same
 code on the tiny flavors on the CPU (a RESULT line for each figure that can run there, `skipped: NAME (why)` for
 the others) and exits 0 whatever the figures are. Without CUDA and without --tiny it prints `no CUDA device:
 skipped` and exits 0. Models are random-weight, full size, built from the shipped configs (stages/families/configs);
@@ -31,7 +32,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_cache import cache_images_per_s, cache_vs_encoder  # noqa: E402
 from gpu_diffusers import DIFFUSERS_SCRIPT, sdxl_lora_step_vs_diffusers  # noqa: E402
 from gpu_lora import ANCHORS, lora_figure  # noqa: E402
-from gpu_setup import Bench, caches, free, median_seconds, profile_steps, result, step_seconds  # noqa: E402
+from gpu_setup import (  # noqa: E402
+    Bench,
+    caches,
+    free,
+    median_seconds,
+    profile_calls,
+    profile_steps,
+    result,
+    step_seconds,
+)
 
 from tests.trainer import trainer_for  # noqa: E402
 
@@ -137,8 +147,8 @@ def ddp_two_process_cuda(b: Bench) -> None:
 
 
 # ---- sdxl_lora_step_vs_pure -------------------------------------------------------------------------------
-def pure_seconds(b: Bench, trainer) -> float:
-    """Median seconds of the bare step: the same denoiser forward/backward and AdamW on tensors already there."""
+def bare_step(trainer):
+    """The bare step: the same denoiser forward/backward and AdamW on tensors already there."""
     import torch
 
     dev, fam = trainer.device, trainer.fam
@@ -155,7 +165,7 @@ def pure_seconds(b: Bench, trainer) -> float:
         trainer.opt.step()
         trainer.opt.zero_grad(set_to_none=True)
 
-    return median_seconds(b, step)
+    return step
 
 
 def sdxl_lora_step_vs_pure(b: Bench) -> None:
@@ -171,13 +181,15 @@ def sdxl_lora_step_vs_pure(b: Bench) -> None:
         rounds = []
         for r in range(b.rounds):
             if r % 2:
-                pure, ours = pure_seconds(b, trainer), step_seconds(b, trainer)
+                pure, ours = median_seconds(b, bare_step(trainer)), step_seconds(b, trainer)
             else:
-                ours, pure = step_seconds(b, trainer), pure_seconds(b, trainer)
+                ours, pure = step_seconds(b, trainer), median_seconds(b, bare_step(trainer))
             rounds.append((ours, pure))
             print(f"  round {r + 1}: ours {ours:.4f} s/step, bare {pure:.4f} s/step", flush=True)
         ratios.append(statistics.median(ours / pure for ours, pure in rounds))
-        profile_steps(b, trainer, f"sdxl_lora_step-checkpointing-{'on' if checkpointing else 'off'}")
+        traced = f"sdxl_lora_step-checkpointing-{'on' if checkpointing else 'off'}"
+        profile_steps(b, trainer, traced)
+        profile_calls(b, f"{traced}-bare", bare_step(trainer))  # beside the loop's: where the two steps differ
         print(
             f"sdxl_lora_step gradient_checkpointing={checkpointing}: median of {b.rounds} rounds' ratios "
             f"{ratios[-1]:.3f}",

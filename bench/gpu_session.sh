@@ -25,7 +25,7 @@ shift 3
 start=$SECONDS
 site=/tmp/tuneline-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$dir"/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" . >/dev/null || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$site" . >/dev/null || exit 1
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 logs=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -189,21 +189,29 @@ TRACE_STEPS = 3
 
 def profile_steps(b: Bench, trainer, name: str) -> None:
     """`--trace DIR`: TRACE_STEPS more steps of the real loop under torch.profiler, after the timed ones, on batches
-    fetched first (a feed stall shows in the timed steps, not here). The trace goes to DIR/NAME.json.gz (Perfetto
-    opens it as it is) and the ops that took the most device time (host time on the CPU) are printed: where a
-    figure that misses its anchor spends its step."""
+    fetched first (a feed stall shows in the timed steps, not here): where a figure that misses its anchor spends
+    its step."""
+    if b.trace is None:
+        return
+    from tests.trainer import feed
+
+    with feed(trainer) as fed:
+        batches = [[next(fed) for _ in range(trainer.t.grad_accumulation)] for _ in range(TRACE_STEPS)]
+    steps = iter(batches)
+    profile_calls(b, name, lambda: trainer.train_step(next(steps)))
+
+
+def profile_calls(b: Bench, name: str, call) -> None:
+    """`--trace DIR`: TRACE_STEPS calls of `call` under torch.profiler. The trace goes to DIR/NAME.json.gz (Perfetto
+    opens it as it is) and the ops that took the most device time (host time on the CPU) are printed."""
     if b.trace is None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    from tests.trainer import feed
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device == "cuda" else [])
-    with feed(trainer) as fed:
-        batches = [[next(fed) for _ in range(trainer.t.grad_accumulation)] for _ in range(TRACE_STEPS)]
     with profile(activities=activities) as prof:
-        for batch in batches:
-            trainer.train_step(batch)
+        for _ in range(TRACE_STEPS):
+            call()
         b.sync()
     b.trace.mkdir(parents=True, exist_ok=True)
     path = b.trace / f"{name}.json.gz"

@@ -41,9 +41,9 @@ def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
     )
     assert [ln.split()[1] for ln in skipped] == needs_cuda.split()
     assert all(re.fullmatch(r"skipped: \S+ \(.+\)", ln) for ln in skipped)
-    # --trace: each timed loop's profiled steps, a trace Perfetto opens and the ops that took the time, printed.
-    for setting in ("off", "on"):
-        name = f"sdxl_lora_step-checkpointing-{setting}"
+    # --trace: each timed loop's profiled steps and the bare step's beside them, a trace Perfetto opens and the
+    # ops that took the time, printed.
+    for name in (f"sdxl_lora_step-checkpointing-{s}{side}" for s in ("off", "on") for side in ("", "-bare")):
         trace = json.loads(gzip.decompress((tmp_path / "traces" / f"{name}.json.gz").read_bytes()))
         assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"]), name
         assert f"{name}: trace of 3 steps in " in proc.stdout and "Self CPU time total" in proc.stdout
