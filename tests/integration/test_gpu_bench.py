@@ -34,6 +34,8 @@ def test_tiny_runs_every_cpu_figure_and_names_the_skipped_ones(tmp_path):
     assert all(float(m.group(2)) >= 0 for m in results.values())
     # Two gloo processes reach the weights of one process replaying both ranks' micro-batches.
     assert results["ddp_two_process_cuda"].group(5) == "PASS", proc.stdout
+    # Beside it, what the replay differs from itself by: nothing on the CPU, whose kernels sum in a fixed order.
+    assert "ddp_two_process_cuda: the one-process replay against itself 0 (" in proc.stdout, proc.stdout
     skipped = [ln for ln in lines if ln.startswith("skipped: ")]
     needs_cuda = (
         "sdxl_lora flux2_klein_lora flux2_klein_lora_int8 z_image_lora z_image_lora_ckpt flux_lora flux_lora_peak_gib "
