@@ -118,6 +118,7 @@ def ddp_two_process_cuda(b: Bench) -> None:
     _, tensors = ckpt.load(out / "checkpoints" / f"step-{steps:07d}")
     two = tensors["trainable"]
     one, start = replay(cfg, ctx, steps)
+    free(b)
     diff = max(float((two[n].float().cpu() - w).abs().max()) for n, w in one.items())
     # The kernels' own run-to-run difference: the same replay again. On the CPU it is 0; on a GPU, atomics in
     # the convolutions' and attention's backward (in the workers, which ask for no deterministic algorithms, and
