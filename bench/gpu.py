@@ -287,6 +287,14 @@ def main(argv: list[str]) -> int:
         help="profile 3 more steps of the LoRA figures' loops (torch.profiler): a trace each in DIR, top ops printed",
     )
     ap.add_argument(
+        "--keep-for",
+        nargs="*",
+        choices=FIGURES,
+        metavar="NAME",
+        help="the figures later commands run in this --work (none: no later ones): before and after each figure, "
+        "remove the full-size models that neither it, this command's later figures nor these build",
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="train the timed figures (the LoRA figures, sdxl_lora_step_vs_pure) with train.compile: NAME_compiled",
@@ -309,10 +317,13 @@ def main(argv: list[str]) -> int:
             if why[name]:
                 print(f"skipped: {name} ({why[name]})", flush=True)
                 continue
+            later = [n for n in names[i + 1 :] if not why[n]] + (args.keep_for or [])
+            if args.keep_for is not None:  # what earlier commands left in --work: this figure needs the disk
+                prune_models(b.work, [name, *later])
             RUN[name](b)
             free(b)
-            if len(names) > 1:  # one figure's command keeps its models for the next command's (--work)
-                prune_models(b.work, [later for later in names[i + 1 :] if not why[later]])
+            if len(names) > 1 or args.keep_for is not None:  # else its models stay for the next command (--work)
+                prune_models(b.work, later)
     return 0
 
 

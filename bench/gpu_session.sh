@@ -5,8 +5,8 @@
 #       figure name for `python bench/gpu.py --only NAME`, or `rms_norm` for bench/rms_norm.py --device cuda)
 #       in turn, each stopped where it would run past SECONDS from the start; logs in $OUT when it is set;
 #       BENCH_FLAGS (e.g. --compile, --trace DIR) go to each bench/gpu.py command.
-# One --work for all the figures of a run (models built once); the models of figures still to come stay there, so
-# run Qwen-Image's figure last or alone (bench/README.md).
+# One --work for all the figures of a run (models built once); before and after each figure the models no figure
+# still to come in this run builds are removed (--keep-for), what an earlier command left there too.
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:?wheels DIR | run DIR SECONDS FIGURE...}
@@ -30,12 +30,17 @@ export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 logs=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())"
-for name in "$@"; do
+figures=("$@")
+for i in "${!figures[@]}"; do
+  name=${figures[$i]}
+  # the figures still to come: each bench/gpu.py command removes the models none of them builds (the disk is 64 GiB)
+  later=()
+  for next in "${figures[@]:$((i + 1))}"; do [ "$next" = rms_norm ] || later+=("$next"); done
   left=$((budget - (SECONDS - start)))
   if [ "$left" -lt 30 ]; then echo "=== $name not run: ${left} s left"; continue; fi
   echo "=== $name at $((SECONDS - start)) s, at most ${left} s"
   if [ "$name" = rms_norm ]; then cmd=(python3 bench/rms_norm.py --device cuda)
-  else cmd=(python3 bench/gpu.py --only "$name" --work /tmp/tuneline-gpu-work ${BENCH_FLAGS:-}); fi
+  else cmd=(python3 bench/gpu.py --only "$name" --work /tmp/tuneline-gpu-work --keep-for "${later[@]}" ${BENCH_FLAGS:-}); fi
   timeout "$left" "${cmd[@]}" 2>&1 | grep -v "Writing model shards\|Loading weights\|Loading checkpoint" | tee "$logs/$name.log"
   echo "=== $name exit ${PIPESTATUS[0]} at $((SECONDS - start)) s"
 done

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -120,6 +121,28 @@ def test_a_run_of_every_figure_removes_the_models_no_later_figure_builds(tmp_pat
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["flux", "sd15", "sdxl", "z_image"]
     gpu.prune_models(tmp_path, [])
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_keep_for_clears_what_earlier_commands_left_before_the_figure(tmp_path, monkeypatch):
+    """bench/gpu_session.sh runs each figure as its own command in one --work, passing the figures still to come
+    (--keep-for): before the figure the models none of them nor it builds go (an earlier command's), after it the
+    ones no later figure builds."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu
+
+    for family in ("sd15", "sdxl", "flux", "z_image"):
+        (tmp_path / "models" / family).mkdir(parents=True)
+    seen = []
+    monkeypatch.setitem(gpu.RUN, "ddp_two_process_cuda", lambda b: seen.append(sorted(os.listdir(b.work / "models"))))
+    argv = ["--tiny", "--only", "ddp_two_process_cuda", "--work", str(tmp_path), "--keep-for", "z_image_lora"]
+    assert gpu.main(argv) == 0
+    assert seen == [["sd15", "z_image"]]  # its own SD1.5 and the next command's Z-Image; SDXL and FLUX.1 gone
+    assert os.listdir(tmp_path / "models") == ["z_image"]
+    # The last figure of a run (--keep-for with no names) keeps nothing after it; without --keep-for, as before,
+    # a one-figure command keeps its models for whatever comes next.
+    assert gpu.main(argv[:-1]) == 0 and os.listdir(tmp_path / "models") == []
+    (tmp_path / "models" / "sdxl").mkdir()
+    assert gpu.main(argv[:-2]) == 0 and os.listdir(tmp_path / "models") == ["sdxl"]
 
 
 def test_in_a_run_of_every_figure_qwen_image_has_the_disk_to_itself():
