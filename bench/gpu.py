@@ -291,8 +291,8 @@ def main(argv: list[str]) -> int:
         nargs="*",
         choices=FIGURES,
         metavar="NAME",
-        help="the figures later commands run in this --work (none: no later ones): before and after each figure, "
-        "remove the full-size models that neither it, this command's later figures nor these build",
+        help="the figures later commands run in this --work (none: no later ones): before each figure, remove the "
+        "full-size models that neither it, this command's later figures nor these build",
     )
     ap.add_argument(
         "--compile",
@@ -317,12 +317,12 @@ def main(argv: list[str]) -> int:
             if why[name]:
                 print(f"skipped: {name} ({why[name]})", flush=True)
                 continue
-            later = [n for n in names[i + 1 :] if not why[n]] + (args.keep_for or [])
-            if args.keep_for is not None:  # what earlier commands left in --work: this figure needs the disk
-                prune_models(b.work, [name, *later])
+            later = [n for n in names[i + 1 :] if not why[n]]
+            if args.keep_for is not None:  # what earlier figures and commands left that no figure to come builds
+                prune_models(b.work, [name, *later, *args.keep_for])
             RUN[name](b)
             free(b)
-            if len(names) > 1 or args.keep_for is not None:  # else its models stay for the next command (--work)
+            if len(names) > 1:  # a one-figure command keeps its models for the next command's (--work)
                 prune_models(b.work, later)
     return 0
 

@@ -5,8 +5,9 @@
 #       figure name for `python bench/gpu.py --only NAME`, or `rms_norm` for bench/rms_norm.py --device cuda)
 #       in turn, each stopped where it would run past SECONDS from the start; logs in $OUT when it is set;
 #       BENCH_FLAGS (e.g. --compile, --trace DIR) go to each bench/gpu.py command.
-# One --work for all the figures of a run (models built once); before and after each figure the models no figure
-# still to come in this run builds are removed (--keep-for), what an earlier command left there too.
+# One --work for all the figures of a run (models built once); before each figure the models that neither it nor a
+# figure still to come builds are removed (--keep-for), an earlier command's too; the last figure's stay for the
+# next command, which removes them before its first figure if it has no use for them.
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:?wheels DIR | run DIR SECONDS FIGURE...}
@@ -33,7 +34,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backe
 figures=("$@")
 for i in "${!figures[@]}"; do
   name=${figures[$i]}
-  # the figures still to come: each bench/gpu.py command removes the models none of them builds (the disk is 64 GiB)
+  # the figures still to come: each bench/gpu.py command first removes the models it and they don't build (64 GiB disk)
   later=()
   for next in "${figures[@]:$((i + 1))}"; do [ "$next" = rms_norm ] || later+=("$next"); done
   left=$((budget - (SECONDS - start)))

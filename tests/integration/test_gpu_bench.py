@@ -125,8 +125,8 @@ def test_a_run_of_every_figure_removes_the_models_no_later_figure_builds(tmp_pat
 
 def test_keep_for_clears_what_earlier_commands_left_before_the_figure(tmp_path, monkeypatch):
     """bench/gpu_session.sh runs each figure as its own command in one --work, passing the figures still to come
-    (--keep-for): before the figure the models none of them nor it builds go (an earlier command's), after it the
-    ones no later figure builds."""
+    (--keep-for): before the figure the models that neither it nor they build go (an earlier command's); its own
+    stay after it for the next command, which removes them first if it has no use for them."""
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu
 
@@ -137,12 +137,12 @@ def test_keep_for_clears_what_earlier_commands_left_before_the_figure(tmp_path, 
     argv = ["--tiny", "--only", "ddp_two_process_cuda", "--work", str(tmp_path), "--keep-for", "z_image_lora"]
     assert gpu.main(argv) == 0
     assert seen == [["sd15", "z_image"]]  # its own SD1.5 and the next command's Z-Image; SDXL and FLUX.1 gone
-    assert os.listdir(tmp_path / "models") == ["z_image"]
-    # The last figure of a run (--keep-for with no names) keeps nothing after it; without --keep-for, as before,
-    # a one-figure command keeps its models for whatever comes next.
-    assert gpu.main(argv[:-1]) == 0 and os.listdir(tmp_path / "models") == []
+    assert sorted(os.listdir(tmp_path / "models")) == ["sd15", "z_image"]
+    # The last figure of a run (--keep-for with no names) clears all but its own before it runs.
+    assert gpu.main(argv[:-1]) == 0 and seen[-1] == ["sd15"] and os.listdir(tmp_path / "models") == ["sd15"]
+    # Without --keep-for, as before, a one-figure command removes nothing.
     (tmp_path / "models" / "sdxl").mkdir()
-    assert gpu.main(argv[:-2]) == 0 and os.listdir(tmp_path / "models") == ["sdxl"]
+    assert gpu.main(argv[:-2]) == 0 and seen[-1] == ["sd15", "sdxl"]
 
 
 def test_in_a_run_of_every_figure_qwen_image_has_the_disk_to_itself():
