@@ -317,9 +317,9 @@ def main(argv: list[str]) -> int:
             if why[name]:
                 print(f"skipped: {name} ({why[name]})", flush=True)
                 continue
-            later = [n for n in names[i + 1 :] if not why[n]]
+            later = [n for n in names[i + 1 :] if not why[n]] + (args.keep_for or [])
             if args.keep_for is not None:  # what earlier figures and commands left that no figure to come builds
-                prune_models(b.work, [name, *later, *args.keep_for])
+                prune_models(b.work, [name, *later])
             RUN[name](b)
             free(b)
             if len(names) > 1:  # a one-figure command keeps its models for the next command's (--work)
