@@ -41,6 +41,7 @@ from gpu_setup import (  # noqa: E402
     profile_steps,
     result,
     step_seconds,
+    worker_threads,
 )
 
 from tests.trainer import trainer_for  # noqa: E402
@@ -192,17 +193,18 @@ def sdxl_lora_step_vs_pure(b: Bench) -> None:
         cfg = b.config("sdxl-step", "sdxl", {**train, "gradient_checkpointing": checkpointing})
         trainer = trainer_for(cfg, caches(cfg))
         rounds = []
-        for r in range(b.rounds):
-            if r % 2:
-                pure, ours = median_seconds(b, bare_step(trainer)), step_seconds(b, trainer)
-            else:
-                ours, pure = step_seconds(b, trainer), median_seconds(b, bare_step(trainer))
-            rounds.append((ours, pure))
-            print(f"  round {r + 1}: ours {ours:.4f} s/step, bare {pure:.4f} s/step", flush=True)
+        with worker_threads(trainer):  # both sides at the worker's thread count
+            for r in range(b.rounds):
+                if r % 2:
+                    pure, ours = median_seconds(b, bare_step(trainer)), step_seconds(b, trainer)
+                else:
+                    ours, pure = step_seconds(b, trainer), median_seconds(b, bare_step(trainer))
+                rounds.append((ours, pure))
+                print(f"  round {r + 1}: ours {ours:.4f} s/step, bare {pure:.4f} s/step", flush=True)
+            traced = f"sdxl_lora_step-checkpointing-{'on' if checkpointing else 'off'}"
+            profile_steps(b, trainer, traced)
+            profile_calls(b, f"{traced}-bare", bare_step(trainer))  # beside the loop's: where the two steps differ
         ratios.append(statistics.median(ours / pure for ours, pure in rounds))
-        traced = f"sdxl_lora_step-checkpointing-{'on' if checkpointing else 'off'}"
-        profile_steps(b, trainer, traced)
-        profile_calls(b, f"{traced}-bare", bare_step(trainer))  # beside the loop's: where the two steps differ
         print(
             f"sdxl_lora_step gradient_checkpointing={checkpointing}: median of {b.rounds} rounds' ratios "
             f"{ratios[-1]:.3f}",

@@ -176,11 +176,26 @@ def median_seconds(b: Bench, call) -> float:
     return statistics.median(times[b.warmup :])
 
 
+@contextmanager
+def worker_threads(trainer):
+    """torch's intra-op threads as a training worker has them (the train stage starts each with OMP_NUM_THREADS =
+    train.threads_per_process, 1 by default), not this process's one per core: the in-process trainer is timed as
+    the worker steps."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(trainer.t.threads_per_process)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def step_seconds(b: Bench, trainer) -> float:
-    """Median seconds of one step of the real loop after warm-up."""
+    """Median seconds of one step of the real loop after warm-up, at the worker's thread count."""
     from tests.trainer import feed
 
-    with feed(trainer) as fed:
+    with worker_threads(trainer), feed(trainer) as fed:
         return median_seconds(b, lambda: trainer.train_step([next(fed) for _ in range(trainer.t.grad_accumulation)]))
 
 

@@ -60,3 +60,26 @@ def test_an_error_reaches_the_caller_at_its_item_and_closing_leaves_no_thread():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="workers >= 1"):
         next(ahead([1], lambda x: x, workers=0))
+
+
+def test_workers_run_torch_on_their_own_thread_and_leave_the_process_count_alone():
+    """A worker at the process's intra-op count starts an OpenMP team of its own beside the caller's; once the teams
+    outnumber the cores every parallel op of the step sleeps and wakes at its barriers (stages/common/prefetch.py)."""
+    import torch
+
+    def count_in_new_thread() -> int:
+        got = []
+        t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return got[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the caller's count as a run with train.threads_per_process: 2 has it
+    try:
+        it = ahead(range(3), lambda _: torch.get_num_threads(), workers=2, depth=2)
+        assert list(it) == [1, 1, 1]
+        assert torch.get_num_threads() == 2
+        assert count_in_new_thread() == 2  # per thread: what a thread started later takes is unchanged
+    finally:
+        torch.set_num_threads(before)
