@@ -24,8 +24,13 @@ class Anchor:
 
 ANCHORS = {
     "sdxl_lora": Anchor("sdxl", 0.606, 13.0),
-    "flux2_klein_lora": Anchor("flux2_klein", None, 12 * GB),
-    "flux2_klein_lora_int8": Anchor("flux2_klein", None, 8 * GB, model={"quantize": "int8"}),
+    # FLUX.2 [klein] 4 B's ~12 GB (bf16) and ~8 GB (int8) leave about 4 GB beside its weights (7.2 GiB in bf16): a
+    # checkpointed step's room (planned 0.7 GiB of activations at 1024²), not an eager one's (14 GiB; measured
+    # 22.0 GiB whole in bf16, 18.4 over int8, on an H100, 2026-11-27).
+    "flux2_klein_lora": Anchor("flux2_klein", None, 12 * GB, {"gradient_checkpointing": True}),
+    "flux2_klein_lora_int8": Anchor(
+        "flux2_klein", None, 8 * GB, {"gradient_checkpointing": True}, model={"quantize": "int8"}
+    ),
     "z_image_lora": Anchor("z_image", 0.243, 21.3),
     "z_image_lora_ckpt": Anchor("z_image", 0.479, 12.9, {"gradient_checkpointing": True}),
     # FLUX.1 (12 B) against Chroma's 8.9 B figures (0.454 s, 26.2 GiB) scaled by the parameter count.
