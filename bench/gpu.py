@@ -279,7 +279,7 @@ def main(argv: list[str]) -> int:
         "--diffusers-examples",
         type=Path,
         metavar="DIR",
-        help=f"a folder holding diffusers' {DIFFUSERS_SCRIPT} (from the tag matching our diffusers)",
+        help=f"a folder holding diffusers' {DIFFUSERS_SCRIPT} (and in DIR/site what it imports beyond ours)",
     )
     ap.add_argument("--work", type=Path, help="working folder (models, images, workdirs); a temporary one if unset")
     ap.add_argument(
@@ -311,7 +311,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(min(2, torch.get_num_threads()))
         print("CUDA branches this CPU run cannot take:", "; ".join(CUDA_BRANCHES), flush=True)
     with tempfile.TemporaryDirectory(prefix="tuneline-gpu-bench-") as tmp:
-        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), args.diffusers_examples, args.trace, args.compile)
+        examples = args.diffusers_examples and args.diffusers_examples.resolve()  # the script runs in --work
+        b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), examples, args.trace, args.compile)
         b.work.mkdir(parents=True, exist_ok=True)
         names = [args.only] if args.only else list(FIGURES)
         why = {name: skip_reason(name, args.tiny, args.diffusers_examples) for name in names}

@@ -1,5 +1,8 @@
 """sdxl_lora_step_vs_diffusers of bench/gpu.py: our SDXL LoRA step against diffusers' own
-train_dreambooth_lora_sdxl.py at the same settings (run from --diffusers-examples DIR, never copied here)."""
+train_dreambooth_lora_sdxl.py at the same settings (run from --diffusers-examples DIR, never copied here). DIR/site,
+where it exists, goes first on the script's PYTHONPATH only: what the script imports beyond the figures' own
+packages (torchvision, which transformers imports wherever it is installed: a build for another torch in the
+shared site would end every figure)."""
 
 from __future__ import annotations
 
@@ -30,12 +33,24 @@ def caches_latents(script: Path) -> bool:
     return '"--cache_latents"' in script.read_text(encoding="utf-8")
 
 
+def instance_dir(b: Bench) -> Path:
+    """The benchmark's SDXL images without their captions: the script's DreamBoothDataset opens every file of
+    --instance_data_dir as an image (a caption beside it ends the script: PIL.UnidentifiedImageError)."""
+    images = b.images("sdxl")
+    out = images.with_name(f"{images.name}-images-only")
+    out.mkdir(exist_ok=True)
+    for png in images.glob("*.png"):
+        if not (out / png.name).exists():
+            (out / png.name).symlink_to(png)
+    return out
+
+
 def diffusers_args(b: Bench, script: Path, model: str, steps: int, checkpointing: bool) -> list[str]:
     """The script's command line at our settings (rank 16, 1024², batch 1, bf16)."""
     return [
         str(script),
         f"--pretrained_model_name_or_path={model}",
-        f"--instance_data_dir={b.images('sdxl')}",
+        f"--instance_data_dir={instance_dir(b)}",
         "--instance_prompt=a photo",
         f"--output_dir={b.work / f'diffusers-{steps}-{checkpointing}'}",
         "--resolution=1024",
@@ -52,11 +67,19 @@ def diffusers_args(b: Bench, script: Path, model: str, steps: int, checkpointing
     ]
 
 
+def script_env(script: Path) -> dict[str, str]:
+    """The script's environment: offline, and its folder's site/ (gpu_session.sh) first on its path."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    site = script.parent / "site"
+    if site.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    return env
+
+
 def diffusers_run(b: Bench, script: Path, model: str, steps: int, checkpointing: bool) -> tuple[float, float]:
     """(wall seconds, peak bytes) of diffusers' SDXL LoRA script for `steps` steps at our settings."""
     args = [sys.executable, "-c", PEAK_WRAPPER, *diffusers_args(b, script, model, steps, checkpointing)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=b.work)
+    proc = subprocess.run(args, capture_output=True, text=True, env=script_env(script), cwd=b.work)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEAK ")]
     if proc.returncode != 0 or not line:
         raise RuntimeError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,7 +167,7 @@ def test_the_diffusers_script_gets_cache_latents_only_where_it_declares_it(decla
     comparison passes the flag only to a script that declares it, and otherwise times the VAE encode its steps
     include (sdxl_lora_step_vs_diffusers)."""
     sys.path.insert(0, str(ROOT / "bench"))
-    from gpu_diffusers import DIFFUSERS_SCRIPT, caches_latents, diffusers_args
+    from gpu_diffusers import DIFFUSERS_SCRIPT, caches_latents, diffusers_args, script_env
     from gpu_setup import Bench
 
     script = tmp_path / DIFFUSERS_SCRIPT
@@ -176,6 +177,13 @@ def test_the_diffusers_script_gets_cache_latents_only_where_it_declares_it(decla
     assert caches_latents(script) is declared
     assert ("--cache_latents" in args) is declared
     assert args[0] == str(script) and "--max_train_steps=13" in args and "--gradient_checkpointing" in args
+    # the script opens every file of its instance folder as an image: the captions stay out of it
+    (folder,) = [Path(a.split("=", 1)[1]) for a in args if a.startswith("--instance_data_dir=")]
+    assert sorted(f.suffix for f in folder.iterdir()) == [".png"] * 8
+    # what the script imports beyond the figures' packages sits in the folder's site/, on its path alone
+    assert script_env(script).get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    (tmp_path / "site").mkdir()
+    assert script_env(script)["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site")
 
 
 def test_the_gpu_session_script_downloads_the_wheels_the_readme_names():
