@@ -1,11 +1,11 @@
 """train.compile: the tiny Flux transformer (double- and single-stream blocks) trained with its blocks compiled
-matches the eager run within float32 reordering, keeps the eager parameter names, and resumes exactly; a UNet
-(SDXL's tiny flavor) compiles its transformer and resnet blocks in place.
+matches the eager run within float32 reordering, keeps the eager parameter names, and resumes exactly; every other
+family's denoiser (a UNet's transformer and resnet blocks, each transformer's block stacks) compiles in place.
 
 The Flux blocks compile with inductor, the product's backend (C++ kernels on the CPU). A UNet's 9 block shapes
 take inductor ~210 CPU-s of C++ compiles here against Flux's ~85, for the same claim about compiled training; what
-is the UNet's own (which blocks compile, under which names) is checked with a backend that runs the captured graphs
-as they are."""
+is each family's own (which blocks compile, under which names, whole) is checked with a backend that runs the
+captured graphs as they are."""
 
 from __future__ import annotations
 
@@ -77,17 +77,22 @@ def test_compiled_training_equals_eager_and_resumes_exactly(bench, tmp_path):
         assert torch.equal(resumed.params[n], p), n
 
 
-def test_a_unets_transformer_and_resnet_blocks_compile_in_place_under_their_eager_names(tmp_path_factory):
-    """SDXL's tiny UNet: the blocks compiled are its transformer blocks and its resnet blocks (most of a UNet's
-    work), each in place, so the state_dict a checkpoint and the export read keeps the eager names, and a step
-    through the captured graphs computes the eager step (the graphs run as captured, with no C++ compile)."""
+# One flavor per block code: SD1.5 is SDXL's UNet, Kontext FLUX.1's transformer (test above), the Qwen-Image edit
+# models Qwen-Image's, FLUX.2 FLUX.2 [klein]'s, Wan 2.2 Wan's.
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "z_image", "qwen_image", "flux2_klein", "wan"])
+def test_every_familys_blocks_compile_in_place_and_each_runs_its_graph(family, tmp_path_factory):
+    """Each family's tiny denoiser: the blocks compiled (a UNet's transformer and resnet blocks, a transformer's
+    block stacks) compile in place, so the state_dict a checkpoint and the export read keeps the eager names; each
+    is captured whole (no graph break) and runs a graph that takes its parameters, and a step through the captured
+    graphs computes the eager step (the graphs run as captured: no C++ compile)."""
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
+    from torch._dynamo.utils import counters
 
-    from tuneline.stages.train.compile import compile_blocks
+    from tuneline.stages.train.compile import compile_blocks, compiled_blocks
 
-    b = Bench(True, tmp_path_factory.mktemp("unet"), None)
-    cfg = b.config("unet", "sdxl", {"steps": 10, "learning_rate": 1e-4})
+    b = Bench(True, tmp_path_factory.mktemp(family), None)
+    cfg = b.config(family, family, {"steps": 10, "learning_rate": 1e-4})
     ctx = caches(cfg)
     eager, compiled = trainer_for(cfg, ctx), trainer_for(cfg, ctx)
     names = list(compiled.denoiser.state_dict())
@@ -98,12 +103,15 @@ def test_a_unets_transformer_and_resnet_blocks_compile_in_place_under_their_eage
         graphs.append(Counter(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
         return gm.forward
 
-    count = compile_blocks(compiled.denoiser, stacks, backend=record)
-    blocks = [m for m in compiled.denoiser.modules() if isinstance(m, (BasicTransformerBlock, ResnetBlock2D))]
-    assert count == len(blocks) and {type(m) for m in blocks} == {BasicTransformerBlock, ResnetBlock2D}
+    blocks = compiled_blocks(compiled.denoiser, stacks)
+    counters.clear()
+    assert compile_blocks(compiled.denoiser, stacks, backend=record) == len(blocks) > 0
+    if family == "sdxl":
+        assert {type(m) for m in blocks} == {BasicTransformerBlock, ResnetBlock2D}
     assert all(m._compiled_call_impl is not None for m in blocks)
     assert list(compiled.denoiser.state_dict()) == names
     assert run(compiled, 1).losses == pytest.approx(run(eager, 1).losses, rel=1e-6)
+    assert not counters["graph_break"], dict(counters["graph_break"])
     for m in blocks:  # every block ran a graph that takes its parameters: none fell back to eager
         own = Counter(tuple(p.shape) for p in m.parameters())
         assert any(not own - g for g in graphs), f"{type(m).__name__} ran eager"
