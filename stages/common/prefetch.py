@@ -58,5 +58,6 @@ def serial_torch() -> None:
     torch.get_num_threads()  # torch sets each thread's OpenMP count at its first op: before ours, not after
     try:
         ctypes.CDLL(None).omp_set_num_threads(1)
-    except AttributeError:  # a torch without OpenMP (macOS wheels): its own pool, no per-thread teams to limit
-        pass
+    except (AttributeError, OSError, TypeError):
+        pass  # OpenMP not in the process's global symbols (another torch build), or no dlopen of the process itself
+        # (Windows): the thread keeps torch's count
