@@ -7,6 +7,7 @@ shared site would end every figure)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +39,10 @@ def instance_dir(b: Bench) -> Path:
     --instance_data_dir as an image (a caption beside it ends the script: PIL.UnidentifiedImageError)."""
     images = b.images("sdxl")
     out = images.with_name(f"{images.name}-images-only")
-    out.mkdir(exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # afresh: links left from another --work would dangle
+    out.mkdir()
     for png in images.glob("*.png"):
-        if not (out / png.name).exists():
-            (out / png.name).symlink_to(png)
+        (out / png.name).symlink_to(png)
     return out
 
 

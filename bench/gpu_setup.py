@@ -210,10 +210,11 @@ def profile_steps(b: Bench, trainer, name: str) -> None:
         return
     from tests.trainer import feed
 
-    with feed(trainer) as fed:
-        batches = [[next(fed) for _ in range(trainer.t.grad_accumulation)] for _ in range(TRACE_STEPS)]
-    steps = iter(batches)
-    profile_calls(b, name, lambda: trainer.train_step(next(steps)))
+    with worker_threads(trainer):  # traced as timed
+        with feed(trainer) as fed:
+            batches = [[next(fed) for _ in range(trainer.t.grad_accumulation)] for _ in range(TRACE_STEPS)]
+        steps = iter(batches)
+        profile_calls(b, name, lambda: trainer.train_step(next(steps)))
 
 
 def profile_calls(b: Bench, name: str, call) -> None:

@@ -10,7 +10,7 @@ Each worker runs torch's CPU ops on its own thread alone (`serial_torch`): the c
 at the process's intra-op count starts an OpenMP team of its own at its first large copy, and once the teams'
 threads outnumber the cores, OpenMP stops spinning at its barriers and puts every waiting thread to sleep, the
 caller's included: each parallel op of the step then pays a sleep and a wake (a CPU training step of the tiny SDXL
-at two threads took 75 ms with the feed running beside it, 15 ms without; bench/README.md).
+at two threads took 75.7 ms with the feed running beside it, 16.4 ms with its threads on one; bench/README.md).
 """
 
 from __future__ import annotations

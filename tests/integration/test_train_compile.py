@@ -77,19 +77,27 @@ def test_compiled_training_equals_eager_and_resumes_exactly(bench, tmp_path):
         assert torch.equal(resumed.params[n], p), n
 
 
-# One flavor per block code: SD1.5 is SDXL's UNet, Kontext FLUX.1's transformer (test above), the Qwen-Image edit
-# models Qwen-Image's, FLUX.2 FLUX.2 [klein]'s, Wan 2.2 Wan's.
-@pytest.mark.parametrize("family", ["sdxl", "sd3", "z_image", "qwen_image", "flux2_klein", "wan"])
+# One flavor per block code, with the classes whose every instance compiles: SD1.5 is SDXL's UNet, Kontext FLUX.1's
+# transformer (test above), the Qwen-Image edit models Qwen-Image's, FLUX.2 FLUX.2 [klein]'s, Wan 2.2 Wan's.
+BLOCKS = {
+    "sdxl": {"BasicTransformerBlock", "ResnetBlock2D"},
+    "sd3": {"JointTransformerBlock"},
+    "z_image": {"ZImageTransformerBlock"},  # the refiners' and the main stack's
+    "qwen_image": {"QwenImageTransformerBlock"},
+    "flux2_klein": {"Flux2TransformerBlock", "Flux2SingleTransformerBlock"},
+    "wan": {"WanTransformerBlock"},
+}
+
+
+@pytest.mark.parametrize("family", list(BLOCKS))
 def test_every_familys_blocks_compile_in_place_and_each_runs_its_graph(family, tmp_path_factory):
     """Each family's tiny denoiser: the blocks compiled (a UNet's transformer and resnet blocks, a transformer's
     block stacks) compile in place, so the state_dict a checkpoint and the export read keeps the eager names; each
     is captured whole (no graph break) and runs a graph that takes its parameters, and a step through the captured
     graphs computes the eager step (the graphs run as captured: no C++ compile)."""
-    from diffusers.models.attention import BasicTransformerBlock
-    from diffusers.models.resnet import ResnetBlock2D
     from torch._dynamo.utils import counters
 
-    from tuneline.stages.train.compile import compile_blocks, compiled_blocks
+    from tuneline.stages.train.compile import compile_blocks
 
     b = Bench(True, tmp_path_factory.mktemp(family), None)
     cfg = b.config(family, family, {"steps": 10, "learning_rate": 1e-4})
@@ -103,11 +111,10 @@ def test_every_familys_blocks_compile_in_place_and_each_runs_its_graph(family, t
         graphs.append(Counter(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
         return gm.forward
 
-    blocks = compiled_blocks(compiled.denoiser, stacks)
     counters.clear()
-    assert compile_blocks(compiled.denoiser, stacks, backend=record) == len(blocks) > 0
-    if family == "sdxl":
-        assert {type(m) for m in blocks} == {BasicTransformerBlock, ResnetBlock2D}
+    count = compile_blocks(compiled.denoiser, stacks, backend=record)
+    blocks = [m for m in compiled.denoiser.modules() if type(m).__name__ in BLOCKS[family]]
+    assert {type(m).__name__ for m in blocks} == BLOCKS[family] and count == len(blocks)
     assert all(m._compiled_call_impl is not None for m in blocks)
     assert list(compiled.denoiser.state_dict()) == names
     assert run(compiled, 1).losses == pytest.approx(run(eager, 1).losses, rel=1e-6)
