@@ -26,7 +26,7 @@ ANCHORS = {
     "sdxl_lora": Anchor("sdxl", 0.606, 13.0),
     # FLUX.2 [klein] 4 B's ~12 GB (bf16) and ~8 GB (int8) leave about 4 GB beside its weights (7.2 GiB in bf16): a
     # checkpointed step's room (planned 0.7 GiB of activations at 1024²), not an eager one's (14 GiB; measured
-    # 22.0 GiB whole in bf16, 18.4 over int8, on an H100, 2026-11-27).
+    # 22.0 GiB whole in bf16, 18.4 over int8, on an H100, 2026-11-26).
     "flux2_klein_lora": Anchor("flux2_klein", None, 12 * GB, {"gradient_checkpointing": True}),
     "flux2_klein_lora_int8": Anchor(
         "flux2_klein", None, 8 * GB, {"gradient_checkpointing": True}, model={"quantize": "int8"}
