@@ -56,8 +56,7 @@ def serial_torch() -> None:
     import torch
 
     torch.get_num_threads()  # torch sets each thread's OpenMP count at its first op: before ours, not after
-    try:
-        ctypes.CDLL(None).omp_set_num_threads(1)
-    except (AttributeError, OSError, TypeError):
-        pass  # OpenMP not in the process's global symbols (another torch build), or no dlopen of the process itself
-        # (Windows): the thread keeps torch's count
+    try:  # the OpenMP runtime torch's own extension links, found through its dependencies whatever its file name
+        ctypes.CDLL(torch._C.__file__).omp_set_num_threads(1)
+    except (AttributeError, OSError):
+        pass  # a torch built without OpenMP (its own thread pool): no per-thread teams to limit
