@@ -117,25 +117,29 @@ def ddp_two_process_cuda(b: Bench) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     out = run_stage(StageContext(cfg), stage("train"), PIPELINE)[0]
     _, tensors = ckpt.load(out / "checkpoints" / f"step-{steps:07d}")
-    two = tensors["trainable"]
+    two = {n: t.float().cpu() for n, t in tensors["trainable"].items()}
     one, start = replay(cfg, ctx, steps)
     free(b)
-    diff = max(float((two[n].float().cpu() - w).abs().max()) for n, w in one.items())
+    diff = max_abs_difference(two, one)
     # The kernels' own run-to-run difference: the same replay again. On the CPU it is 0; on a GPU, atomics in
     # the convolutions' and attention's backward (in the workers, which ask for no deterministic algorithms, and
     # in memory-efficient attention even here) give what two identical runs differ by, where DDP adds nothing.
     again, _ = replay(cfg, ctx, steps)
-    floor = max(float((again[n] - w).abs().max()) for n, w in one.items())
+    floor = max_abs_difference(again, one)
     print(f"ddp_two_process_cuda: the one-process replay against itself {floor:.3g} (the kernels' run-to-run)")
     # Adam's first steps move each weight by about the learning rate whatever its gradient's size, so a gradient
     # near zero whose sign a GPU kernel's rounding flips moves one weight a whole step: the max abs difference
     # sees that, the difference of the two runs' whole updates (relative to the update) shows how rare it is.
-    gap = sum(float((two[n].float().cpu() - w).square().sum()) for n, w in one.items()) ** 0.5
+    gap = sum(float((two[n] - w).square().sum()) for n, w in one.items()) ** 0.5
     moved = sum(float((w - start[n]).square().sum()) for n, w in one.items()) ** 0.5
     print(f"ddp_two_process_cuda: |two - one| / |one - start| = {gap / moved:.3g} (the updates' relative difference)")
     backend = "gloo" if shared_gpu or b.device == "cpu" else "nccl"
     print(f"ddp_two_process_cuda: {len(two)} tensors after {steps} steps on {b.device}, {backend}", flush=True)
     result("ddp_two_process_cuda", diff, "<=", 1e-4)
+
+
+def max_abs_difference(a: dict, b: dict) -> float:
+    return max(float((a[n] - w).abs().max()) for n, w in b.items())
 
 
 def replay(cfg, ctx, steps: int):
@@ -315,7 +319,7 @@ def main(argv: list[str]) -> int:
         b = Bench(args.tiny, (args.work or Path(tmp)).resolve(), examples, args.trace, args.compile)
         b.work.mkdir(parents=True, exist_ok=True)
         names = [args.only] if args.only else list(FIGURES)
-        why = {name: skip_reason(name, args.tiny, args.diffusers_examples) for name in names}
+        why = {name: skip_reason(name, args.tiny, examples) for name in names}
         for i, name in enumerate(names):
             if why[name]:
                 print(f"skipped: {name} ({why[name]})", flush=True)
