@@ -104,8 +104,8 @@ def prepare_denoiser(
         den = load(model_dir, torch.float32, device).requires_grad_(True)
         freeze_unused(fam, den, fam.denoiser_component)
     else:
-        den = load(model_dir, base_dtype, device).requires_grad_(False)
-        if quantize:
+        den = load(model_dir, base_dtype, torch.device("cpu") if quantize else device).requires_grad_(False)
+        if quantize:  # moves it to `device` layer by layer
             quantize_base(den, quantize, device)
         den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():

@@ -68,3 +68,30 @@ def test_under_autocast_a_float32_input_gets_the_gradient_autograd_gives():
         grads.append(torch.autograd.grad(y, x, torch.ones_like(y))[0])
     assert grads[0].dtype == torch.float32
     torch.testing.assert_close(grads[0], grads[1], atol=2e-2, rtol=2e-2)
+
+
+def test_the_base_reaches_the_device_one_full_precision_layer_at_a_time():
+    """quantize_base takes the base from the host and moves each linear to the device as it quantizes it: the
+    full-precision weights on the device never add up to more than one layer's (the meta device stands in for a
+    GPU: torchao quantizes there too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+    from tuneline.stages.train.quantize import quantize_base
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)), torch.nn.LayerNorm(64))
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    on_device = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            plain = [m.weight for m in linears if not is_traceable_wrapper_subclass(m.weight)]
+            on_device.append(sum(w.nbytes for w in plain if w.device.type == "meta"))
+            return out
+
+    with Watch():
+        quantize_base(model, "int8", torch.device("meta"))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(is_traceable_wrapper_subclass(m.weight) for m in linears)
+    assert max(on_device) == 64 * 64 * 2  # one bf16 layer, never two
