@@ -12,12 +12,18 @@ normalized values in the backward (exact: the float32 copy is the upcast of the 
 norm kernels, one call each way); they return their input's dtype, so the layers reading them share one saved
 input. A LoRA layer over a half-precision
 base reads its input as it comes: autocast computes the adapter in that dtype anyway, so the values are the same.
+A SwiGLU gate, silu(gate) * up (Z-Image's feed-forward, FLUX.2's), keeps its two inputs and recomputes silu(gate)
+in the backward, where autograd's silu and product also kept silu(gate): a tensor of the feed-forward's inner width
+per block (80 MiB in each of Z-Image's 30 main blocks at 1024²), with the same ops each way.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
+from diffusers.models.transformers.transformer_z_image import FeedForward as ZImageFeedForward
 
 HALF = (torch.float16, torch.bfloat16)
 # torch's fused RMSNorm (aten::_fused_rms_norm and its backward, torch >= 2.9; not in torch's public API, which has no
@@ -165,13 +171,46 @@ class LeanLayerNorm(torch.nn.LayerNorm):
         return _LayerNorm.apply(x, self.weight, self.bias, self.normalized_shape, self.eps)
 
 
-LEAN = {DiffusersRMSNorm: LeanDiffusersRMSNorm, torch.nn.RMSNorm: LeanRMSNorm, torch.nn.LayerNorm: LeanLayerNorm}
+class _SiluGate(torch.autograd.Function):
+    """silu(gate) * up, keeping only gate and up: the backward recomputes silu(gate) and runs the ops autograd's
+    would (the product's gradients, then silu's backward), so the values are the same bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        return d_gate, grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+
+
+class LeanZImageFeedForward(ZImageFeedForward):
+    def _forward_silu_gating(self, x1, x3):
+        return _SiluGate.apply(x1, x3)
+
+
+class LeanFlux2SwiGLU(Flux2SwiGLU):
+    def forward(self, x):
+        half = x.shape[-1] // 2
+        return _SiluGate.apply(x[..., :half], x[..., half:])
+
+
+LEAN = {
+    DiffusersRMSNorm: LeanDiffusersRMSNorm,
+    torch.nn.RMSNorm: LeanRMSNorm,
+    torch.nn.LayerNorm: LeanLayerNorm,
+    ZImageFeedForward: LeanZImageFeedForward,
+    Flux2SwiGLU: LeanFlux2SwiGLU,
+}
 
 
 def lean_activations(den: torch.nn.Module, half_base: bool) -> None:
-    """Makes `den`'s norms the lean ones above (same parameters and state dict: only the class changes), and, over
-    a half-precision LoRA base (`half_base`: on CUDA always under autocast, schemas.checks.precision_problem),
-    its LoRA layers read their input without peft's cast to float32."""
+    """Makes `den`'s norms and SwiGLU gates the lean ones above (same parameters and state dict: only the class
+    changes), and, over a half-precision LoRA base (`half_base`: on CUDA always under autocast,
+    schemas.checks.precision_problem), its LoRA layers read their input without peft's cast to float32."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for m in den.modules():

@@ -224,3 +224,33 @@ def test_lean_norms_on_cuda_run_one_kernel_each_way():
     lean_activations(lean, half_base=True)
     everything = passes(lean, x, full=False)
     assert everything == {"forward": ["native_layer_norm"], "backward": ["native_layer_norm_backward"]}
+
+
+def gates() -> list[tuple[torch.nn.Module, int, int]]:
+    """(module, input width, gate width): Z-Image's feed-forward and FLUX.2's SwiGLU, bf16."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
+    from diffusers.models.transformers.transformer_z_image import FeedForward
+
+    torch.manual_seed(0)
+    return [(FeedForward(32, 96).to(torch.bfloat16), 32, 96), (Flux2SwiGLU(), 192, 96)]
+
+
+@pytest.mark.parametrize("index", range(2), ids=["z_image_feed_forward", "flux2_swiglu"])
+def test_lean_swiglu_gate_gives_autograds_values_and_keeps_no_silu(index):
+    """The lean gate's output and every gradient equal autograd's bit for bit; it keeps its two inputs, not
+    silu(gate) beside them (one tensor of the inner width less per block)."""
+    original, width, inner = gates()[index]
+    lean = copy.deepcopy(original)
+    lean_activations(lean, half_base=True)
+    assert type(lean) is not type(original) and set(lean.state_dict()) == set(original.state_dict())
+    x = torch.randn(2, 64, width, dtype=torch.bfloat16, requires_grad=True)
+    ours, y, grads = saved_storages(lean, x)
+    theirs, expected, expected_grads = saved_storages(original, x)
+    assert torch.equal(y, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert torch.equal(g, e)
+    for p, q in zip(lean.parameters(), original.parameters(), strict=True):
+        assert torch.equal(
+            *(torch.autograd.grad(m(x).float().pow(2).sum(), w)[0] for m, w in ((lean, p), (original, q)))
+        )
+    assert theirs - ours == 2 * 64 * inner * 2  # silu(gate), bf16

@@ -238,7 +238,7 @@ def test_planned_activations_match_the_tensors_saved_for_backward(models, tmp_pa
     assert -0.05 * measured <= total - measured <= 0.10 * measured, (total, measured)
 
 
-@pytest.mark.parametrize("name", ["flux", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "qwen_image", "flux2_klein"])
 def test_planned_activations_under_autocast_match_a_half_base_step(tmp_path_factory, name):
     """A LoRA over a bf16 base trains under autocast with the lean norms and LoRA inputs (stages/train/lean.py):
     the plan traces the forward with autocast's casts, and a real CPU forward of the denoiser as training
