@@ -138,10 +138,17 @@ class Family(Protocol):
 
     # Training --------------------------------------------------------------------------------
     def load_denoiser(
-        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert: str | None = None,
+        place: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> torch.nn.Module:
         """The denoiser training holds; `expert` (model.expert) picks the timestep experts of a family that has
-        them (facts.experts; the config refuses it for the others)."""
+        them (facts.experts; the config refuses it for the others). `place` puts each denoiser component on
+        `device` as it is built (default `.to(device)`; a quantized base is quantized on the way), so no more than
+        one component's host copy exists at a time."""
 
     def build_denoiser(
         self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]

@@ -248,9 +248,15 @@ class DiffusersFamily:
         )
 
     def load_denoiser(
-        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert: str | None = None,
+        place: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> torch.nn.Module:
-        return self.denoiser_class.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype).to(device)
+        den = self.denoiser_class.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype)
+        return place(den) if place else den.to(device)
 
     def load_noise_scheduler(self, model_dir: Path) -> Any:
         """The training noise schedule: DDPM for epsilon/v families, flow-matching Euler for the others; built from

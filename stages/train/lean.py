@@ -184,7 +184,7 @@ class _SiluGate(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
-        return d_gate, grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, (grad * F.silu(gate) if ctx.needs_input_grad[1] else None)
 
 
 class LeanZImageFeedForward(ZImageFeedForward):

@@ -98,15 +98,15 @@ def prepare_denoiser(
     the backward (tuneline.stages.train.lean).
     """
     torch.manual_seed(t.seed)  # identical LoRA init on every rank (DDP broadcasts rank 0's anyway)
-    load = load or partial(fam.load_denoiser, expert=expert)
+    if load is None:  # a quantized base (LoRA only) is quantized on its way to the device, a component at a time
+        place = partial(quantize_base, quantize=quantize, device=device) if quantize else None
+        load = partial(fam.load_denoiser, expert=expert, place=place)
     if t.mode == "full":
         fam.check_full_finetune(model_dir, shards)  # a denoiser too large even when split is refused before it loads
         den = load(model_dir, torch.float32, device).requires_grad_(True)
         freeze_unused(fam, den, fam.denoiser_component)
     else:
-        den = load(model_dir, base_dtype, torch.device("cpu") if quantize else device).requires_grad_(False)
-        if quantize:  # moves it to `device` layer by layer
-            quantize_base(den, quantize, device)
+        den = load(model_dir, base_dtype, device).requires_grad_(False)
         den.add_adapter(lora_config(t, fam, den))
         for p in den.parameters():
             if p.requires_grad:

@@ -25,11 +25,11 @@ def check_supported(quantize: str, device: torch.device) -> None:
         )
 
 
-def quantize_base(module: torch.nn.Module, quantize: str, device: torch.device) -> None:
-    """Quantize the frozen module's linear layers in place, each as it reaches `device`, then move the rest there.
-    The module comes from the host so that its full-precision base never sits whole on the GPU: quantized there,
-    that copy was the run's peak (FLUX.2 [klein] 4 B over int8 on an H200: 7.63 GiB, where its checkpointed
-    training plans 5.99)."""
+def quantize_base(module: torch.nn.Module, quantize: str, device: torch.device) -> torch.nn.Module:
+    """The frozen module, from the host, on `device`: each linear layer quantized in place as it reaches the device
+    (one full-precision linear there at a time), then the rest moved. Quantized on the device whole, the 16-bit base
+    was the run's peak (FLUX.2 [klein] 4 B over int8 on an H200: 7.63 GiB, where its checkpointed training plans
+    5.99)."""
     check_supported(quantize, device)
     try:
         from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
@@ -38,10 +38,14 @@ def quantize_base(module: torch.nn.Module, quantize: str, device: torch.device) 
 
     config = Int8WeightOnlyConfig() if quantize == "int8" else Float8WeightOnlyConfig()
     for layer in [m for m in module.modules() if isinstance(m, torch.nn.Linear)]:
-        quantize_(layer.to(device), config)  # one layer's full-precision weight on the device at a time
+        quantize_(layer.to(device), config, filter_fn=_linear)
         if type(layer) is torch.nn.Linear and is_traceable_wrapper_subclass(layer.weight):  # quantize_ leaves some
             layer.__class__ = FrozenQuantizedLinear  # plain (e.g. odd shapes)
-    module.to(device)
+    return module.to(device)
+
+
+def _linear(module: torch.nn.Module, _fqn: str) -> bool:
+    return isinstance(module, torch.nn.Linear)  # every linear: torchao's default filter skips some subclasses
 
 
 class _LinearOverQuantized(torch.autograd.Function):

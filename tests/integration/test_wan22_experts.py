@@ -200,3 +200,33 @@ def test_the_plan_of_swapped_experts_keeps_one_experts_blocks_on_the_device(buil
         resident[expert] = sum(v for k, v in terms.items() if k.startswith(("weights", "swapped blocks")))
     outside = _planner(model_dir, tmp_path, "low").describe(None)[1]
     assert resident[None] - resident["low"] == outside > 0
+
+
+def test_a_quantized_base_reaches_the_device_one_expert_at_a_time(built, monkeypatch):
+    """Over model.quantize each expert is quantized on its way to the device as soon as it is built, so the host
+    never holds both experts' 16-bit weights (A14B: about 27 GiB each). The meta device stands in for a GPU."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    from tuneline.stages.train.quantize import quantize_base
+
+    fam, model_dir, _ = built
+    events, load = [], fam.denoiser_class.from_pretrained
+
+    def loading(*args, **kwargs):
+        events.append("load")
+        return load(*args, **kwargs)
+
+    def placing(module):
+        events.append("place")
+        return quantize_base(module, quantize="int8", device=torch.device("meta"))
+
+    monkeypatch.setattr(fam.denoiser_class, "from_pretrained", loading)
+    den = fam.load_denoiser(model_dir, torch.bfloat16, torch.device("meta"), place=placing)
+    assert events == ["load", "place", "load", "place"]
+    assert {p.device.type for p in den.parameters()} == {"meta"}
+    events.clear()
+    t = TrainConfig(mode="lora", lora_rank=RANK)
+    quantized, _ = prepare_denoiser(fam, model_dir, t, torch.bfloat16, CPU, quantize="int8")  # the training path
+    assert events == ["load", "load"]
+    for expert in quantized.experts.values():
+        assert any(is_traceable_wrapper_subclass(m.weight) for m in expert.modules() if hasattr(m, "weight"))

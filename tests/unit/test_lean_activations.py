@@ -254,3 +254,19 @@ def test_lean_swiglu_gate_gives_autograds_values_and_keeps_no_silu(index):
             *(torch.autograd.grad(m(x).float().pow(2).sum(), w)[0] for m, w in ((lean, p), (original, q)))
         )
     assert theirs - ours == 2 * 64 * inner * 2  # silu(gate), bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grads", [(True, False), (False, True)], ids=["gate_only", "up_only"])
+def test_lean_swiglu_gate_gives_only_the_gradients_asked_for(dtype, grads):
+    """One input without a gradient (a frozen path): the other's gradient is autograd's, bit for bit, under
+    autocast too."""
+    from tuneline.stages.train.lean import _SiluGate
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(4, 32, generator=gen, dtype=dtype).requires_grad_(g) for g in grads)
+    wanted = [t for t in (gate, up) if t.requires_grad]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = torch.autograd.grad(_SiluGate.apply(gate, up).float().pow(2).sum(), wanted)
+        theirs = torch.autograd.grad((torch.nn.functional.silu(gate) * up).float().pow(2).sum(), wanted)
+    assert len(ours) == 1 and torch.equal(ours[0], theirs[0])

@@ -74,10 +74,15 @@ class Wan22Family(WanFamily):
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     def load_denoiser(
-        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert: str | None = None,
+        place: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> torch.nn.Module:
-        load = self.denoiser_class.from_pretrained
-        return self.build_denoiser(model_dir, expert, lambda c: load(model_dir, subfolder=c, dtype=dtype).to(device))
+        load, put = self.denoiser_class.from_pretrained, place or (lambda m: m.to(device))
+        return self.build_denoiser(model_dir, expert, lambda c: put(load(model_dir, subfolder=c, dtype=dtype)))
 
     def build_denoiser(
         self, model_dir: Path, expert: str | None, build: Callable[[str], torch.nn.Module]
