@@ -32,7 +32,7 @@ from tuneline.stages.common.hashing import digest, file_sha256
 from tuneline.stages.common.stage import reusable_previous
 from tuneline.stages.families import resolve as models
 from tuneline.stages.latents.encode import check_latents, to_pixels
-from tuneline.stages.latents.store import bucket_key
+from tuneline.stages.latents.store import bucket_key, open_npy
 from tuneline.stages.scan.images import load_rgb
 from tuneline.stages.scan.members import control_bytes
 
@@ -217,7 +217,7 @@ def _write_bucket(ctx, work, at: _Bucket, roots, encoder, identity, previous, co
 
 @lru_cache(maxsize=64)
 def _array(artifact_dir: str, bucket: str, flipped: bool) -> np.ndarray:
-    return np.load(control_file(Path(artifact_dir), bucket, flipped), mmap_mode="r")
+    return open_npy(control_file(Path(artifact_dir), bucket, flipped))
 
 
 def read(reader, batch) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from tuneline.schemas.scan import ImageRecord, Location
-from tuneline.stages.latents.store import bucket_key
+from tuneline.stages.latents.store import bucket_key, open_npy
 from tuneline.stages.scan.images import TRANSPOSE
 from tuneline.stages.scan.members import open_image, read_ranges
 
@@ -118,7 +118,7 @@ def write_masks(
 
 @lru_cache(maxsize=64)
 def _planes(artifact_dir: str, bucket: str) -> np.ndarray:
-    return np.load(mask_file(Path(artifact_dir), bucket), mmap_mode="r")
+    return open_npy(mask_file(Path(artifact_dir), bucket))
 
 
 def read(reader, batch) -> torch.Tensor | None:

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,19 @@ FLIPPED = ("flip_mean", "flip_std")
 def bucket_key(width: int, height: int, frames: int | None = None) -> str:
     """A bucket's array group: "<W>x<H>", and "<W>x<H>x<F>f" for a video family's clips of F > 1 frames."""
     return f"{width}x{height}" if (frames or 1) == 1 else f"{width}x{height}x{frames}f"
+
+
+# numpy parses an .npy header with ast.literal_eval, and CPython keeps the AST conversion's recursion depth in
+# interpreter-wide state: two feed threads opening files at once failed a 2-process run on Python 3.11.7 with
+# `SystemError: AST constructor recursion depth mismatch`. Each file is opened once per process (cached), so one at a
+# time costs nothing.
+_NPY_OPEN = threading.Lock()
+
+
+def open_npy(path: Path) -> np.ndarray:
+    """A read-only memory map of the .npy file at `path` (the edit controls' and masks' caches)."""
+    with _NPY_OPEN:
+        return np.load(path, mmap_mode="r")
 
 
 def array_names(flip: bool) -> tuple[str, ...]:
