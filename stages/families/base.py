@@ -18,6 +18,9 @@ import torch
 
 from tuneline.schemas.families import FamilyFacts
 
+# How load_denoiser puts each denoiser component on the device as it is built (None: `.to(device)`).
+Place = Callable[[torch.nn.Module], torch.nn.Module] | None
+
 
 def scale_latents(x: torch.Tensor, scaling: float | torch.Tensor, shift: float | torch.Tensor) -> torch.Tensor:
     """Cached latents are the VAE's raw distribution; the denoiser sees (z - shift) * scale (training, and the
@@ -138,12 +141,7 @@ class Family(Protocol):
 
     # Training --------------------------------------------------------------------------------
     def load_denoiser(
-        self,
-        model_dir: Path,
-        dtype: torch.dtype,
-        device: torch.device,
-        expert: str | None = None,
-        place: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None, place: Place = None
     ) -> torch.nn.Module:
         """The denoiser training holds; `expert` (model.expert) picks the timestep experts of a family that has
         them (facts.experts; the config refuses it for the others). `place` puts each denoiser component on

@@ -17,7 +17,7 @@ import torch
 
 from tuneline.schemas.families import FamilyFacts
 from tuneline.stages.families import folders
-from tuneline.stages.families.base import MicroCond, TextEncoders
+from tuneline.stages.families.base import MicroCond, Place, TextEncoders
 from tuneline.stages.families.singlefile_import import convert_single_file
 from tuneline.stages.families.split_files import convert_split_files
 from tuneline.stages.families.stock import diffusers_pipeline
@@ -248,12 +248,7 @@ class DiffusersFamily:
         )
 
     def load_denoiser(
-        self,
-        model_dir: Path,
-        dtype: torch.dtype,
-        device: torch.device,
-        expert: str | None = None,
-        place: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None, place: Place = None
     ) -> torch.nn.Module:
         den = self.denoiser_class.from_pretrained(model_dir, subfolder=self.denoiser_component, dtype=dtype)
         return place(den) if place else den.to(device)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from tuneline.schemas.families import FAMILY_FACTS, FamilyFacts
+from tuneline.stages.families.base import Place
 from tuneline.stages.families.wan.adapter import WanFamily
 from tuneline.stages.families.wan22.experts import HIGH, LOW, Experts
 from tuneline.stages.families.wan22.split import expert_files
@@ -74,12 +75,7 @@ class Wan22Family(WanFamily):
         pipe.save_pretrained(out_dir, safe_serialization=True)
 
     def load_denoiser(
-        self,
-        model_dir: Path,
-        dtype: torch.dtype,
-        device: torch.device,
-        expert: str | None = None,
-        place: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, expert: str | None = None, place: Place = None
     ) -> torch.nn.Module:
         load, put = self.denoiser_class.from_pretrained, place or (lambda m: m.to(device))
         return self.build_denoiser(model_dir, expert, lambda c: put(load(model_dir, subfolder=c, dtype=dtype)))
