@@ -65,10 +65,8 @@ def bucket_key(width: int, height: int, frames: int | None = None) -> str:
     return f"{width}x{height}" if (frames or 1) == 1 else f"{width}x{height}x{frames}f"
 
 
-# numpy parses an .npy header with ast.literal_eval, and CPython keeps the AST conversion's recursion depth in
-# interpreter-wide state: two feed threads opening files at once failed a 2-process run on Python 3.11.7 with
-# `SystemError: AST constructor recursion depth mismatch`. Each file is opened once per process (cached), so one at a
-# time costs nothing.
+# numpy parses .npy headers with ast.literal_eval, whose depth state CPython keeps interpreter-wide: two feed threads
+# opening at once raised `SystemError: AST constructor recursion depth mismatch` (3.11.7). Each opens once (cached).
 _NPY_OPEN = threading.Lock()
 
 
